@@ -1,0 +1,97 @@
+"""Build Apertus model chunks (one per virtual pipeline stage) on megatron-core's GPTModel."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.model.spec import apertus_block_spec
+
+
+def transformer_config(
+    model: ApertusConfig,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: bool = False,
+    **overrides,
+) -> TransformerConfig:
+    """megatron-core's TransformerConfig for ``model`` split as ``parallel``.
+
+    ``overrides`` carries training-side fields (recomputation, overlap flags, ...).
+    ``use_te_activation_func=True`` is megatron-core's switch for "build the MLP activation from
+    the spec's ``activation_func`` slot"; despite its name it needs no Transformer Engine here.
+    """
+    low_precision = params_dtype != torch.float32
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        gated_linear_unit=False,
+        use_te_activation_func=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        autocast_dtype=params_dtype if low_precision else None,
+        use_cpu_initialization=use_cpu_initialization,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        **overrides,
+    )
+
+
+def build_model_chunk(
+    model: ApertusConfig, config: TransformerConfig, vp_stage: Optional[int] = None
+) -> GPTModel:
+    """The part of the model that this rank holds for virtual stage ``vp_stage``."""
+    virtual = config.virtual_pipeline_model_parallel_size is not None
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=apertus_block_spec(model, config, vp_stage),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(
+            ignore_virtual=not virtual, vp_stage=vp_stage
+        ),
+        post_process=parallel_state.is_pipeline_last_stage(
+            ignore_virtual=not virtual, vp_stage=vp_stage
+        ),
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=model.rotary_base,
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model(model: ApertusConfig, config: TransformerConfig) -> list[GPTModel]:
+    """All model chunks of this rank (more than one with interleaved pipeline stages)."""
+    chunks = config.virtual_pipeline_model_parallel_size or 1
+    vp = [None] if chunks == 1 else list(range(chunks))
+    return [build_model_chunk(model, config, vp_stage=v) for v in vp]

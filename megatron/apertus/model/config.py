@@ -1,0 +1,162 @@
+"""Typed configuration of the Apertus architecture and of its parallel layout.
+
+``ApertusConfig`` describes the network only; ``ParallelConfig`` describes how it is split
+over processes. :func:`validate_layout` checks the two against each other and against the
+world size *before* anything is allocated, and names the offending argument in each error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the command-line argument."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ApertusConfig:
+    """The Apertus decoder: xIELU MLP, QK-norm, GQA, RoPE with llama3 scaling, RMSNorm."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    """Width of the non-gated xIELU MLP (1.5x what a SwiGLU MLP of the same cost would use)."""
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads (GQA)."""
+    vocab_size: int = 131072
+    seq_length: int = 4096
+    max_position_embeddings: int = 4096
+    rotary_base: int = 500000
+    rope_scaling: bool = True
+    """llama3 frequency scaling (low 1, high 4, original context 8192)."""
+    rope_scaling_factor: float = 8.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.008944
+    untie_embeddings_and_output_weights: bool = True
+    qk_layernorm: bool = True
+    xielu_beta: float = XIELU_BETA
+    xielu_eps: float = XIELU_EPS
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def __post_init__(self) -> None:
+        positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        for name in positive + ("num_query_groups", "vocab_size", "seq_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size ({self.hidden_size}) is not divisible by --num-attention-heads "
+                f"({self.num_attention_heads}): every head needs the same width"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"--num-query-groups ({self.num_query_groups}) does not divide --num-attention-heads "
+                f"({self.num_attention_heads}): GQA shares each key/value head among an equal number "
+                "of query heads"
+            )
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                f"({self.max_position_embeddings})"
+            )
+
+    def num_parameters(self) -> int:
+        """Exact parameter count of the unsharded model."""
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_channels
+        qkv = h * kv * (self.num_attention_heads + 2 * self.num_query_groups)
+        attention = qkv + self.num_attention_heads * kv * h + 2 * kv  # + q/k norms
+        layer = attention + 2 * h * f + 2 + 2 * h  # MLP, xIELU alphas, two norms
+        embeddings = self.vocab_size * h * (2 if self.untie_embeddings_and_output_weights else 1)
+        return self.num_layers * layer + embeddings + h
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ApertusConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config fields: {', '.join(unknown)}")
+        return cls(**values)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    """How the model is split: tensor, pipeline (optionally interleaved) and data parallel."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        vp = self.virtual_pipeline_model_parallel_size
+        if vp is not None and (vp < 1 or self.pipeline_model_parallel_size == 1):
+            raise ConfigError(
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
+                f"(got PP={self.pipeline_model_parallel_size}, virtual stages={vp})"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+def validate_layout(model: ApertusConfig, parallel: ParallelConfig, world_size: int) -> int:
+    """Check that ``model`` can be split as ``parallel`` over ``world_size`` ranks.
+
+    Returns the data-parallel size. Raises :class:`ConfigError` naming the argument.
+    """
+    tp = parallel.tensor_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    vp = parallel.virtual_pipeline_model_parallel_size or 1
+    checks = [
+        (model.num_attention_heads, "--num-attention-heads", "attention heads are split over TP ranks"),
+        (model.num_query_groups, "--num-query-groups", "key/value heads are split over TP ranks"),
+        (model.ffn_hidden_size, "--ffn-hidden-size", "the MLP's fc1 columns are split over TP ranks"),
+        (model.vocab_size, "--vocab-size (padded tokenizer vocabulary)", "the vocabulary is split over TP ranks"),
+    ]
+    for value, arg, why in checks:
+        if value % tp:
+            raise ConfigError(
+                f"{arg} ({value}) is not divisible by --tensor-model-parallel-size ({tp}): {why}"
+            )
+    if model.num_layers % (pp * vp):
+        what = f"--pipeline-model-parallel-size ({pp})"
+        if vp > 1:
+            what += f" x virtual stages ({vp})"
+        raise ConfigError(
+            f"--num-layers ({model.num_layers}) is not divisible by {what}: every pipeline stage "
+            "needs the same number of layers"
+        )
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}); the rest is the data-parallel size"
+        )
+    return world_size // (tp * pp)
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name not in dtypes:
+        raise ConfigError(f"unknown precision {name!r}; choose one of {', '.join(dtypes)}")
+    return dtypes[name]

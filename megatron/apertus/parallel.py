@@ -1,0 +1,83 @@
+"""Process-group setup: torch.distributed (NCCL on GPU, gloo on CPU) and megatron-core's groups.
+
+Ranks come from the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) as set by torchrun or by our Slurm launchers; a bare single process gets
+a world of one on a free local port.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron.apertus import cpu_compat
+from megatron.apertus.model.config import ParallelConfig, validate_layout
+
+
+def resolve_device(requested: str = "auto") -> str:
+    """``cuda`` when asked for or available, else ``cpu``; fail clearly if CUDA is asked for but absent."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but torch sees no GPU")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(device: str) -> None:
+    """Start torch.distributed from the environment (a world of one if none is set)."""
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy, torch and megatron-core's model-parallel RNG tracker."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize(parallel: ParallelConfig, *, device: str, seed: int, model=None) -> int:
+    """Set up everything a training or conversion process needs; returns the data-parallel size.
+
+    ``model`` (an :class:`ApertusConfig`) is checked against the layout before any group exists.
+    """
+    if device == "cpu":
+        cpu_compat.enable()
+    init_distributed(device)
+    if model is not None:
+        validate_layout(model, parallel, dist.get_world_size())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+    )
+    set_seed(seed)
+    return parallel_state.get_data_parallel_world_size()
+
+
+def shutdown() -> None:
+    """Destroy megatron-core's groups and the default process group."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
