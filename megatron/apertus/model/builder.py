@@ -61,6 +61,9 @@ def transformer_config(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # Losses are token sums divided by the global batch's token count (set before DDP is
+        # built: DDP then skips its own 1/DP gradient scaling).
+        calculate_per_token_loss=True,
         **overrides,
     )
 

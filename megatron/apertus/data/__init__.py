@@ -1,0 +1,1 @@
+"""Tokenizers, documents and batches."""

@@ -1,0 +1,1 @@
+"""Training: model/optimizer setup, the step, checkpoints, the loop."""

@@ -1,0 +1,127 @@
+"""One optimizer step on megatron-core: DDP-wrapped chunks, its optimizer and schedules.
+
+The loss is summed over tokens and divided by the number of loss tokens of the *whole*
+global batch (``calculate_per_token_loss``), so micro-batching, data parallelism and
+masked positions all give the same gradient as one big batch would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.apertus.data.batches import Batch
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    loss: float | None
+    """Mean loss per token over the global batch; None on ranks that do not hold the last stage."""
+    num_tokens: int | None
+    grad_norm: float | None
+    skipped: bool
+
+
+def wrap_ddp(
+    chunks: list[GPTModel], config: TransformerConfig, *, use_distributed_optimizer: bool
+) -> list[DistributedDataParallel]:
+    """Wrap each model chunk in megatron-core DDP (gradients go to ``param.main_grad``)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(
+    model: list[DistributedDataParallel], optimizer_config: OptimizerConfig
+) -> MegatronOptimizer:
+    """megatron-core's optimizer over all chunks, and the hooks its schedules need."""
+    optimizer = get_megatron_optimizer(optimizer_config, model)
+    config = model[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if not config.calculate_per_token_loss:
+        raise ValueError("the Apertus loss is per token: build TransformerConfig with calculate_per_token_loss")
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return optimizer
+
+
+def _loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (per_token_loss.reshape(-1).float() * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
+    """megatron-core forward step: per-token losses and the function that reduces them."""
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    output = model(
+        batch.tokens.to(device),
+        batch.position_ids.to(device),
+        None,
+        labels=batch.labels.to(device),
+    )
+    return output, partial(_loss, batch.loss_mask.to(device))
+
+
+def _reduce_losses(losses: list[dict]) -> tuple[float, int] | None:
+    """Sum (loss, tokens) over micro-batches and data-parallel ranks, on the last stage."""
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    total = torch.stack([entry["lm loss"] for entry in losses]).sum(0)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+
+
+def train_step(
+    model: list[DistributedDataParallel],
+    optimizer: MegatronOptimizer,
+    data_iterators: list[Iterator[Batch]],
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+) -> StepResult:
+    """Forward and backward over ``num_microbatches``, then one optimizer step.
+
+    ``data_iterators`` holds one iterator per model chunk (interleaved pipeline schedules run
+    the chunks' micro-batches in their own orders), each over the same samples.
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    reduced = _reduce_losses(losses)
+    return StepResult(
+        loss=None if reduced is None else reduced[0],
+        num_tokens=None if reduced is None else reduced[1],
+        grad_norm=grad_norm,
+        skipped=not update_successful,
+    )

@@ -1,0 +1,47 @@
+"""Pretrain an Apertus model on megatron-core: parse, build, train.
+
+    python pretrain_gpt.py --model-preset tiny --train-iters 50 --global-batch-size 8
+    torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from megatron.apertus.model.config import ConfigError, ParallelConfig
+from megatron.apertus.training import config as C
+from megatron.apertus.training.loop import RunConfig, train
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    C.add_model_arguments(parser)
+    C.add_arguments(parser, C.TrainingConfig, title="training")
+    C.add_arguments(parser, C.OptimizerSettings, title="optimizer")
+    C.add_arguments(parser, C.CheckpointConfig, title="checkpointing")
+    C.add_arguments(parser, C.DataConfig, title="data")
+    C.add_arguments(parser, C.LoggingConfig, title="logging")
+    args = parser.parse_args(argv)
+    try:
+        return RunConfig(
+            model=C.model_from_arguments(args),
+            parallel=C.from_arguments(ParallelConfig, args),
+            training=C.from_arguments(C.TrainingConfig, args),
+            optimizer=C.from_arguments(C.OptimizerSettings, args),
+            checkpoint=C.from_arguments(C.CheckpointConfig, args),
+            data=C.from_arguments(C.DataConfig, args),
+            logging=C.from_arguments(C.LoggingConfig, args),
+        )
+    except ConfigError as err:
+        parser.error(str(err))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
