@@ -17,12 +17,12 @@ Two layouts differ beyond renaming:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
 
 from megatron.apertus.model.config import ApertusConfig, ConfigError
+from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
 
 Tensor = torch.Tensor
 
@@ -81,15 +81,32 @@ def our_parameter_names(model: ApertusConfig) -> set[str]:
     return names
 
 
-def hf_parameter_names(model: ApertusConfig) -> set[str]:
+def hf_parameter_shapes(model: ApertusConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF Apertus checkpoint of ``model`` holds (tied: no ``lm_head.weight``)."""
-    names = set(_GLOBAL_RENAMES.values())
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
     if model.untie_embeddings_and_output_weights:
-        names.add(_OUTPUT[1])
+        shapes[_OUTPUT[1]] = (model.vocab_size, h)
+    per_layer = {
+        "attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "self_attn.o_proj.weight": (h, q),
+        "feedforward_layernorm.weight": (h,),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+        "mlp.act_fn.alpha_p": (1,),
+        "mlp.act_fn.alpha_n": (1,),
+        "mlp.act_fn.beta": (),
+        "mlp.act_fn.eps": (),
+    }
     for i in range(model.num_layers):
-        per_layer = (*_LAYER_RENAMES.values(), *_HF_QKV, *_HF_XIELU_CONSTANTS)
-        names.update(_hf_layer(i, n) for n in per_layer)
-    return names
+        shapes.update({_hf_layer(i, name): shape for name, shape in per_layer.items()})
+    return shapes
 
 
 def _check_names(given: set[str], expected: set[str], what: str) -> None:
@@ -171,13 +188,20 @@ def from_hf_state_dict(hf: Mapping[str, Tensor], model: ApertusConfig) -> dict[s
     embedding, since our tied model has no separate output matrix to put it in.
     """
     hf = dict(hf)
+    embedding = hf.get(_GLOBAL_RENAMES["embedding.word_embeddings.weight"])
     if not model.untie_embeddings_and_output_weights and _OUTPUT[1] in hf:
         head = hf.pop(_OUTPUT[1])
-        if not torch.equal(head, hf.get(_GLOBAL_RENAMES["embedding.word_embeddings.weight"])):
+        if embedding is not None and not torch.equal(head, embedding):
             raise ConversionError(
                 "tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
             )
-    _check_names(set(hf), hf_parameter_names(model), "the HF checkpoint")
+    shapes = hf_parameter_shapes(model)
+    _check_names(set(hf), set(shapes), "the HF checkpoint")
+    for name, shape in shapes.items():
+        if tuple(hf[name].shape) != shape:
+            raise ConversionError(
+                f"{name} has shape {tuple(hf[name].shape)}, the model config implies {shape}"
+            )
     state = {ours: hf[theirs] for ours, theirs in _GLOBAL_RENAMES.items()}
     if model.untie_embeddings_and_output_weights:
         state[_OUTPUT[0]] = hf[_OUTPUT[1]]
@@ -193,16 +217,13 @@ def from_hf_state_dict(hf: Mapping[str, Tensor], model: ApertusConfig) -> dict[s
 
 
 def _check_hf_representable(model: ApertusConfig) -> None:
-    """HF's Apertus always has QK-norm and reads xIELU's beta/eps as the standard constants."""
+    """HF's Apertus always has QK-norm and builds xIELU with the standard beta/eps."""
     if not model.qk_layernorm:
         raise ConversionError("qk_layernorm is false, but HF Apertus always applies QK-norm")
-    defaults = ApertusConfig(
-        num_layers=1, hidden_size=1, ffn_hidden_size=1, num_attention_heads=1, num_query_groups=1
-    )
-    for name in ("xielu_beta", "xielu_eps"):
-        if getattr(model, name) != getattr(defaults, name):
+    for name, standard in (("xielu_beta", XIELU_BETA), ("xielu_eps", XIELU_EPS)):
+        if getattr(model, name) != standard:
             raise ConversionError(
-                f"{name}={getattr(model, name)}; HF Apertus's xIELU uses {getattr(defaults, name)}"
+                f"{name}={getattr(model, name)}; HF Apertus's xIELU uses {standard}"
             )
 
 
@@ -337,11 +358,9 @@ def apertus_config_from_hf(config: Mapping[str, Any]) -> ApertusConfig:
     _require(config, "attention_dropout", not config.get("attention_dropout", 0.0), "0.0")
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
-    _require(config, "head_dim", head_dim * heads == hidden, f"hidden_size / num_attention_heads")
+    _require(config, "head_dim", head_dim * heads == hidden, "hidden_size / num_attention_heads")
     max_positions = config["max_position_embeddings"]
-    default_seq_length = next(
-        f.default for f in ApertusConfig.__dataclass_fields__.values() if f.name == "seq_length"
-    )
+    default_seq_length = ApertusConfig.__dataclass_fields__["seq_length"].default
     fields = {
         "num_layers": config["num_hidden_layers"],
         "hidden_size": hidden,
@@ -370,7 +389,7 @@ __all__ = [
     "from_hf_state_dict",
     "fuse_qkv",
     "hf_config",
-    "hf_parameter_names",
+    "hf_parameter_shapes",
     "our_parameter_names",
     "split_qkv",
     "to_hf_state_dict",

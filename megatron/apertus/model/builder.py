@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.apertus import cpu_compat
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.model.spec import apertus_block_spec
 
@@ -64,6 +65,10 @@ def transformer_config(
         # Losses are token sums divided by the global batch's token count (set before DDP is
         # built: DDP then skips its own 1/DP gradient scaling).
         calculate_per_token_loss=True,
+        # gloo matches point-to-point messages between two ranks in posting order; with PP=2 and
+        # virtual stages the batched path posts activations and gradients to the same peer in
+        # orders that cross over. The unbatched path separates the directions by group.
+        batch_p2p_comm=not cpu_compat.is_enabled(),
         **overrides,
     )
 

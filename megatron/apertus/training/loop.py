@@ -78,6 +78,8 @@ def _iterators(stream: np.ndarray, cfg: RunConfig, n_chunks: int, start_step: in
 
 def evaluate(model, stream: np.ndarray, cfg: RunConfig) -> float | None:
     """Mean validation loss per token over ``eval_iters`` global batches (last stage only)."""
+    if cfg.training.eval_iters == 0:
+        return None
     for chunk in model:
         chunk.eval()
     dp = parallel_state.get_data_parallel_world_size()
@@ -160,7 +162,7 @@ def train(cfg: RunConfig) -> dict:
             history["iteration"].append(iteration)
             history["loss"].append(result.loss)
             history["grad_norm"].append(result.grad_norm)
-            if iteration % cfg.training.log_interval == 0 or iteration == 1:
+            if _is_reporting_rank() and (iteration % cfg.training.log_interval == 0 or iteration == 1):
                 lr = optimizer.param_groups[0]["lr"]
                 log.info(_log_line(iteration, cfg, result.loss, result.grad_norm, lr, tokens_per_step / elapsed / world))
         if cfg.checkpoint.save and cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
@@ -171,14 +173,24 @@ def train(cfg: RunConfig) -> dict:
     _report_validation(model, valid_stream, cfg, cfg.training.train_iters, history)
     if cfg.checkpoint.save:
         checkpoint.save_model(cfg.checkpoint.save, cfg.training.train_iters, [m.module for m in model], cfg.model)
-    if cfg.logging.log_json and history["loss"]:
+    if cfg.logging.log_json and _is_reporting_rank():
         Path(cfg.logging.log_json).write_text(json.dumps(history, indent=1))
     parallel.shutdown()
     return history
+
+
+def _is_reporting_rank() -> bool:
+    """The one rank that holds the loss and writes reports: last stage, first TP and DP rank."""
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
 
 
 def _report_validation(model, stream, cfg: RunConfig, iteration: int, history: dict) -> None:
     loss = evaluate(model, stream, cfg)
     if loss is not None:
         history.setdefault("validation", []).append({"iteration": iteration, "loss": loss})
+    if loss is not None and _is_reporting_rank():
         log.info(f"validation at iteration {iteration} | lm loss {loss:.5f} | ppl {math.exp(min(loss, 50)):.2f}")

@@ -1,0 +1,32 @@
+"""Shared helpers: run our entry points as real subprocesses (one process or torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = REPO / "pretrain_gpt.py"
+
+
+def run_entry(script: Path, args: list[str], *, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``args`` (under torchrun when ``nproc`` > 1); fail with its output."""
+    if nproc == 1:
+        cmd = [sys.executable, str(script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--standalone", str(script), *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
