@@ -40,7 +40,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-    train(parse_args(argv))
+    config = parse_args(argv)
+    try:
+        train(config)
+    except ConfigError as err:
+        sys.exit(f"pretrain_gpt.py: error: {err}")
 
 
 if __name__ == "__main__":

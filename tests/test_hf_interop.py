@@ -45,9 +45,8 @@ SUBPROCESS_TIMEOUT = 900
 
 def run(script: Path, *args: str, nproc: int = 1) -> None:
     """Run a script with this interpreter (under torchrun when ``nproc`` > 1); fail with its output."""
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone"]
-    launcher += [] if nproc == 1 else ["--nproc-per-node", str(nproc)]
-    cmd = [sys.executable, *launcher, str(script), *args]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, *(torchrun if nproc > 1 else []), str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT

@@ -173,10 +173,9 @@ def to_hf_state_dict(
 
 def _check_xielu_constant(name: str, t: Tensor, expected: float) -> None:
     """``t`` must hold ``expected`` as rounded to its own dtype (bf16 cannot hold -1e-6 exactly)."""
-    want = torch.tensor(expected, dtype=t.dtype)
-    if t.numel() != 1 or not torch.equal(t.reshape(()), want):
+    if not torch.equal(t, torch.tensor(expected, dtype=t.dtype)):
         raise ConversionError(
-            f"{name} is {t.flatten().tolist()}, but our xIELU has the fixed value {expected}; "
+            f"{name} is {t.item()}, but our xIELU has the fixed value {expected}; "
             "a checkpoint trained with another value cannot be represented"
         )
 

@@ -90,7 +90,6 @@ def export_checkpoint(
         tensors = to_hf_state_dict(_parameters(chunk), model, dtype)
     finally:
         parallel.shutdown()
-    del chunk
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

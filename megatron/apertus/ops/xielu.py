@@ -35,10 +35,14 @@ def xielu_reference(
     beta: float = XIELU_BETA,
     eps: float = XIELU_EPS,
 ) -> torch.Tensor:
-    """Eager PyTorch xIELU; autograd gives dx and the two raw-parameter gradients."""
-    a_p = F.softplus(alpha_p.float())
-    a_n = beta + F.softplus(alpha_n.float())
-    xf = x.float()
+    """Eager PyTorch xIELU; autograd gives dx and the two raw-parameter gradients.
+
+    Computes in at least fp32 (fp64 stays fp64, for gradcheck) and returns ``x.dtype``.
+    """
+    compute = torch.promote_types(x.dtype, torch.float32)
+    a_p = F.softplus(alpha_p.to(compute))
+    a_n = beta + F.softplus(alpha_n.to(compute))
+    xf = x.to(compute)
     positive = a_p * xf * xf + beta * xf
     negative = a_n * (torch.expm1(torch.clamp(xf, max=eps)) - xf) + beta * xf
     return torch.where(xf > 0, positive, negative).to(x.dtype)
