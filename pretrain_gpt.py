@@ -1,7 +1,7 @@
 """Pretrain an Apertus model on megatron-core: parse, build, train.
 
-    python pretrain_gpt.py --model-preset tiny --train-iters 50 --global-batch-size 8
-    torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 ...
+python pretrain_gpt.py --model-preset tiny --train-iters 50 --global-batch-size 8
+torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 ...
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from megatron.apertus.training.loop import RunConfig, train
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     C.add_model_arguments(parser)
     C.add_arguments(parser, C.TrainingConfig, title="training")
     C.add_arguments(parser, C.OptimizerSettings, title="optimizer")

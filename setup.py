@@ -2,15 +2,79 @@
 
 Our code lives in the ``megatron.apertus`` namespace subpackage; ``megatron`` itself is a
 namespace shared with the installed ``megatron.core`` and must never get an ``__init__.py``.
+
+Kernels: every ``csrc/<op>/`` directory builds
+  * ``megatron.apertus.ops._<op>_cpu`` from ``csrc/<op>/*_cpu.cpp`` (always, OpenMP), and
+  * ``megatron.apertus.ops._<op>_cuda`` from ``csrc/<op>/*.cu`` + ``*_cuda.cpp`` when torch is a
+    CUDA build and nvcc is found (set ``APERTUS_SKIP_CUDA=1`` to skip).
+torch must be importable while building: install with ``pip install --no-build-isolation``.
 """
 
+import os
+import sys
+from pathlib import Path
+
 from setuptools import find_namespace_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _extensions() -> tuple[list, dict]:
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        print(
+            "setup.py: torch is not importable; building no kernels (the PyTorch references "
+            "still work). Install torch first and use --no-build-isolation.",
+            file=sys.stderr,
+        )
+        return [], {}
+    want_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    want_cuda = want_cuda and os.environ.get("APERTUS_SKIP_CUDA") != "1"
+    if not want_cuda:
+        print(
+            "setup.py: no CUDA build of torch or no nvcc; building the CPU kernels only.",
+            file=sys.stderr,
+        )
+    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    extensions = []
+    only = set(filter(None, os.environ.get("APERTUS_OPS", "").split(",")))  # e.g. "xielu"
+    for op_dir in sorted(p for p in (ROOT / "csrc").glob("*") if p.is_dir()):
+        op = op_dir.name
+        if only and op not in only:
+            continue
+        rel = lambda paths: [str(p.relative_to(ROOT)) for p in sorted(paths)]  # noqa: E731
+        cpu_sources = rel(op_dir.glob("*_cpu.cpp"))
+        if cpu_sources:
+            extensions.append(
+                CppExtension(
+                    f"megatron.apertus.ops._{op}_cpu",
+                    cpu_sources,
+                    extra_compile_args=cxx,
+                    extra_link_args=["-fopenmp"],
+                )
+            )
+        cuda_sources = rel(op_dir.glob("*.cu")) + rel(op_dir.glob("*_cuda.cpp"))
+        if want_cuda and cuda_sources:
+            extensions.append(CUDAExtension(
+                f"megatron.apertus.ops._{op}_cuda", cuda_sources,
+                extra_compile_args={"cxx": ["-O3", "-std=c++17"],
+                                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
+                                             "-gencode=arch=compute_90,code=sm_90"]},
+            ))  # fmt: skip
+    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=False)}
+
+
+ext_modules, cmdclass = _extensions()
 
 setup(
     name="megatron-apertus",
     version="0.1.0",
     description="Apertus pretraining and sparse-logit distillation on megatron-core",
     packages=find_namespace_packages(include=["megatron.apertus", "megatron.apertus.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     python_requires=">=3.10",
     install_requires=[
         # Tested with torch 2.13.0 and megatron-core 0.16.1 (the newest for Python 3.11).
@@ -31,6 +95,6 @@ setup(
     ],
     extras_require={
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "black", "isort"],
     },
 )

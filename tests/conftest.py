@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain_gpt.py"
 
 
-def run_entry(script: Path, args: list[str], *, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_entry(
+    script: Path, args: list[str], *, nproc: int = 1, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """Run ``script`` with ``args`` (under torchrun when ``nproc`` > 1); fail with its output."""
     if nproc == 1:
         cmd = [sys.executable, str(script), *args]
@@ -24,7 +26,9 @@ def run_entry(script: Path, args: list[str], *, nproc: int = 1, timeout: int = 6
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 

@@ -47,12 +47,24 @@ def test_valid_layouts_give_the_data_parallel_size():
 
 def test_kv_heads_must_divide_heads():
     with pytest.raises(ConfigError, match="--num-query-groups"):
-        ApertusConfig(num_layers=2, hidden_size=48, ffn_hidden_size=96, num_attention_heads=6, num_query_groups=4)
+        ApertusConfig(
+            num_layers=2,
+            hidden_size=48,
+            ffn_hidden_size=96,
+            num_attention_heads=6,
+            num_query_groups=4,
+        )
 
 
 def test_hidden_must_split_into_heads():
     with pytest.raises(ConfigError, match="--hidden-size"):
-        ApertusConfig(num_layers=2, hidden_size=50, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2)
+        ApertusConfig(
+            num_layers=2,
+            hidden_size=50,
+            ffn_hidden_size=96,
+            num_attention_heads=4,
+            num_query_groups=2,
+        )
 
 
 def test_parallel_config_rejects_virtual_stages_without_pipeline():
@@ -66,7 +78,10 @@ def test_command_line_refuses_bad_layout_before_building():
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)" in proc.stderr
+    assert (
+        "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"
+        in proc.stderr
+    )
     assert "iteration" not in proc.stdout
 
 

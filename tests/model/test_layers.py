@@ -71,9 +71,17 @@ def test_sdpa_attention_matches_megatron_dot_product_attention(tiny_setup):
     from megatron.core.transformer.enums import AttnMaskType
 
     _, config = tiny_setup
-    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    kwargs = dict(
+        config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
     ours, reference = SDPAttention(**kwargs), DotProductAttention(**kwargs)
-    seq, batch, heads, groups, dim = 11, 2, config.num_attention_heads, config.num_query_groups, config.kv_channels
+    seq, batch, heads, groups, dim = (
+        11,
+        2,
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.kv_channels,
+    )
     q = torch.randn(seq, batch, heads, dim)
     k, v = torch.randn(seq, batch, groups, dim), torch.randn(seq, batch, groups, dim)
     torch.testing.assert_close(ours(q, k, v, None), reference(q, k, v, None), rtol=1e-5, atol=1e-5)
@@ -84,7 +92,9 @@ def test_parameter_count_formula_matches_megatron(tiny_setup, untied):
     import dataclasses
 
     model = dataclasses.replace(tiny_setup[0], untie_embeddings_and_output_weights=untied)
-    chunks = build_model(model, transformer_config(model, ParallelConfig(), use_cpu_initialization=True))
+    chunks = build_model(
+        model, transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
+    )
     assert sum(p.numel() for p in chunks[0].parameters()) == model.num_parameters()
 
 

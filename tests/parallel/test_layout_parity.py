@@ -44,12 +44,18 @@ def reference(tmp_path_factory):
 def test_two_process_layout_matches_one_process(reference, layout):
     root, expected = reference
     out = root / f"{layout}.json"
-    args = COMMON + LAYOUTS[layout] + ["--train-iters", "3", "--load", str(root / "init"), "--log-json", str(out)]
+    args = (
+        COMMON
+        + LAYOUTS[layout]
+        + ["--train-iters", "3", "--load", str(root / "init"), "--log-json", str(out)]
+    )
     run_entry(PRETRAIN, args, nproc=2)
     got = read_json(out)
     assert got["iteration"] == expected["iteration"] == [1, 2, 3]
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=RTOL, atol=0)
     np.testing.assert_allclose(got["grad_norm"], expected["grad_norm"], rtol=GRAD_NORM_RTOL, atol=0)
-    np.testing.assert_allclose(got["validation"][-1]["loss"], expected["validation"][-1]["loss"], rtol=RTOL)
+    np.testing.assert_allclose(
+        got["validation"][-1]["loss"], expected["validation"][-1]["loss"], rtol=RTOL
+    )
     # The steps must actually train, or equality would prove little.
     assert expected["loss"][2] < expected["loss"][0] - 0.05

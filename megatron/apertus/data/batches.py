@@ -45,13 +45,13 @@ def micro_batches(
     dp_size: int,
     start_step: int = 0,
 ) -> Iterator[Batch]:
-    """Endless micro-batches for this data-parallel rank, cycling over the stream."""
+    """Endless micro-batches for this data-parallel rank, cycling over the stream (a stream
+    shorter than a global batch repeats samples within it)."""
     per_rank = global_batch_size // dp_size
     total = num_samples(stream, seq_length)
-    if total < global_batch_size:
+    if total < 1:
         raise ValueError(
-            f"the token stream holds {total} samples of {seq_length} tokens, fewer than one "
-            f"global batch ({global_batch_size})"
+            f"the token stream holds fewer than {seq_length + 1} tokens: no sample fits"
         )
     step = start_step
     while True:

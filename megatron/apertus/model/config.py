@@ -54,7 +54,9 @@ class ApertusConfig:
         positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
         for name in positive + ("num_query_groups", "vocab_size", "seq_length"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
+                )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"--hidden-size ({self.hidden_size}) is not divisible by --num-attention-heads "
@@ -105,7 +107,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or self.pipeline_model_parallel_size == 1):
             raise ConfigError(
@@ -129,10 +133,22 @@ def validate_layout(model: ApertusConfig, parallel: ParallelConfig, world_size: 
     pp = parallel.pipeline_model_parallel_size
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     checks = [
-        (model.num_attention_heads, "--num-attention-heads", "attention heads are split over TP ranks"),
+        (
+            model.num_attention_heads,
+            "--num-attention-heads",
+            "attention heads are split over TP ranks",
+        ),
         (model.num_query_groups, "--num-query-groups", "key/value heads are split over TP ranks"),
-        (model.ffn_hidden_size, "--ffn-hidden-size", "the MLP's fc1 columns are split over TP ranks"),
-        (model.vocab_size, "--vocab-size (padded tokenizer vocabulary)", "the vocabulary is split over TP ranks"),
+        (
+            model.ffn_hidden_size,
+            "--ffn-hidden-size",
+            "the MLP's fc1 columns are split over TP ranks",
+        ),
+        (
+            model.vocab_size,
+            "--vocab-size (padded tokenizer vocabulary)",
+            "the vocabulary is split over TP ranks",
+        ),
     ]
     for value, arg, why in checks:
         if value % tp:

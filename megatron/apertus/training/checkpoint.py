@@ -78,12 +78,16 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     iteration = latest_iteration(path)
     resolved = path if iteration is None else iteration_dir(path, iteration)
     if not (resolved / MODEL_CONFIG).is_file():
-        raise FileNotFoundError(f"{resolved} is not a complete Apertus checkpoint (no {MODEL_CONFIG})")
+        raise FileNotFoundError(
+            f"{resolved} is not a complete Apertus checkpoint (no {MODEL_CONFIG})"
+        )
     return resolved
 
 
 def load_model_config(path: str | os.PathLike) -> ApertusConfig:
-    return ApertusConfig.from_dict(json.loads((resolve_checkpoint(path) / MODEL_CONFIG).read_text()))
+    return ApertusConfig.from_dict(
+        json.loads((resolve_checkpoint(path) / MODEL_CONFIG).read_text())
+    )
 
 
 def load_model(path: str | os.PathLike, chunks) -> Path:

@@ -48,7 +48,9 @@ class TrainingConfig:
 class OptimizerSettings:
     optimizer: str = _help("adam", "adam")
     lr: float = _help("peak learning rate", 1e-3)
-    weight_decay: float = _help("decoupled weight decay (never on norms, biases, xIELU alphas)", 0.1)
+    weight_decay: float = _help(
+        "decoupled weight decay (never on norms, biases, xIELU alphas)", 0.1
+    )
     adam_beta1: float = _help("first-moment decay", 0.9)
     adam_beta2: float = _help("second-moment decay", 0.95)
     adam_eps: float = _help("denominator epsilon", 1e-8)
@@ -59,18 +61,24 @@ class OptimizerSettings:
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     save: Optional[str] = _help("directory to save checkpoints to", None)
-    load: Optional[str] = _help("checkpoint (save directory or iter_* directory) to start from", None)
+    load: Optional[str] = _help(
+        "checkpoint (save directory or iter_* directory) to start from", None
+    )
     save_interval: int = _help("iterations between checkpoints (0: only at the end)", 0)
 
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
-    tokenizer_model: Optional[str] = _help("tekken JSON (default: the one bundled with mistral-common)", None)
+    tokenizer_model: Optional[str] = _help(
+        "tekken JSON (default: the one bundled with mistral-common)", None
+    )
 
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
-    log_json: Optional[str] = _help("write every logged iteration's loss and grad norm to this JSON file", None)
+    log_json: Optional[str] = _help(
+        "write every logged iteration's loss and grad norm to this JSON file", None
+    )
 
 
 def _flag(name: str) -> str:
@@ -83,7 +91,9 @@ def _base_type(annotation: Any) -> type:
     return annotation
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str, defaults: bool = True) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, cls: type, *, title: str, defaults: bool = True
+) -> None:
     """Add one argument group with a flag per field of dataclass ``cls``."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
@@ -92,7 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str, def
         default = f.default if defaults and f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            group.add_argument(
+                _flag(f.name),
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
         else:
             group.add_argument(_flag(f.name), type=kind, default=default, help=help_text)
 
@@ -110,8 +125,12 @@ def from_arguments(cls: type, args: argparse.Namespace, base: Any = None) -> Any
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-preset", default="tiny", choices=sorted(PRESETS),
-                        help="architecture to start from; any model flag below overrides it")
+    parser.add_argument(
+        "--model-preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="architecture to start from; any model flag below overrides it",
+    )
     add_arguments(parser, ApertusConfig, title="model (overrides the preset)", defaults=False)
     add_arguments(parser, ParallelConfig, title="parallelism")
 

@@ -14,13 +14,19 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import parallel
 from megatron.apertus.data.batches import micro_batches
 from megatron.apertus.data.corpus import train_valid_streams
 from megatron.apertus.data.tokenizer import load_tokenizer
 from megatron.apertus.model.builder import build_model, transformer_config
-from megatron.apertus.model.config import ApertusConfig, ConfigError, ParallelConfig, dtype_from_name
+from megatron.apertus.model.config import (
+    ApertusConfig,
+    ConfigError,
+    ParallelConfig,
+    dtype_from_name,
+)
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.config import (
     CheckpointConfig,
@@ -84,7 +90,7 @@ def evaluate(model, stream: np.ndarray, cfg: RunConfig) -> float | None:
         chunk.eval()
     dp = parallel_state.get_data_parallel_world_size()
     iterators = _iterators(stream, cfg, len(model))
-    total = torch.zeros(2, dtype=torch.float64)
+    sums = []
     with torch.no_grad():
         for _ in range(cfg.training.eval_iters):
             losses = get_forward_backward_func()(
@@ -96,17 +102,19 @@ def evaluate(model, stream: np.ndarray, cfg: RunConfig) -> float | None:
                 micro_batch_size=cfg.training.micro_batch_size,
                 forward_only=True,
             )
-            if losses:
-                total += torch.stack([e["lm loss"] for e in losses]).sum(0).double()
+            sums.extend(entry["lm loss"] for entry in losses)
     for chunk in model:
         chunk.train()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
+    total = torch.stack(sums).double().sum(0)
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return (total[0] / total[1]).item()
 
 
-def _log_line(iteration: int, cfg: RunConfig, loss: float, grad_norm, lr: float, tok_s: float) -> str:
+def _log_line(
+    iteration: int, cfg: RunConfig, loss: float, grad_norm, lr: float, tok_s: float
+) -> str:
     consumed = iteration * cfg.training.global_batch_size
     norm = "n/a" if grad_norm is None else f"{grad_norm:.4f}"
     return (
@@ -134,17 +142,22 @@ def train(cfg: RunConfig) -> dict:
         use_cpu_initialization=device == "cpu",
     )
     chunks = build_model(cfg.model, tconfig)
-    if device == "cuda":
-        chunks = [chunk.cuda() for chunk in chunks]
     if cfg.checkpoint.load:
         checkpoint.load_model(cfg.checkpoint.load, chunks)
-    model = wrap_ddp(chunks, tconfig, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+    if tconfig.bf16 or tconfig.fp16:
+        # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
+        chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
+    model = wrap_ddp(
+        chunks, tconfig, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer
+    )
     optimizer = build_optimizer(model, _optimizer_config(cfg.optimizer, cfg.training.precision))
     iterators = _iterators(train_stream, cfg, len(model))
 
     history: dict = {"iteration": [], "loss": [], "grad_norm": []}
     tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length
     world = torch.distributed.get_world_size()
+    if cfg.training.eval_interval:
+        _report_validation(model, valid_stream, cfg, 0, history)
     for iteration in range(1, cfg.training.train_iters + 1):
         start = time.perf_counter()
         result = train_step(
@@ -162,17 +175,38 @@ def train(cfg: RunConfig) -> dict:
             history["iteration"].append(iteration)
             history["loss"].append(result.loss)
             history["grad_norm"].append(result.grad_norm)
-            if _is_reporting_rank() and (iteration % cfg.training.log_interval == 0 or iteration == 1):
+            if _is_reporting_rank() and (
+                iteration % cfg.training.log_interval == 0 or iteration == 1
+            ):
                 lr = optimizer.param_groups[0]["lr"]
-                log.info(_log_line(iteration, cfg, result.loss, result.grad_norm, lr, tokens_per_step / elapsed / world))
-        if cfg.checkpoint.save and cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
-            checkpoint.save_model(cfg.checkpoint.save, iteration, [m.module for m in model], cfg.model)
+                log.info(
+                    _log_line(
+                        iteration,
+                        cfg,
+                        result.loss,
+                        result.grad_norm,
+                        lr,
+                        tokens_per_step / elapsed / world,
+                    )
+                )
+        if (
+            cfg.checkpoint.save
+            and cfg.checkpoint.save_interval
+            and iteration % cfg.checkpoint.save_interval == 0
+        ):
+            checkpoint.save_model(
+                cfg.checkpoint.save, iteration, [m.module for m in model], cfg.model
+            )
         if cfg.training.eval_interval and iteration % cfg.training.eval_interval == 0:
             _report_validation(model, valid_stream, cfg, iteration, history)
 
-    _report_validation(model, valid_stream, cfg, cfg.training.train_iters, history)
+    last = cfg.training.train_iters
+    if not (cfg.training.eval_interval and last % cfg.training.eval_interval == 0 and last > 0):
+        _report_validation(model, valid_stream, cfg, last, history)
     if cfg.checkpoint.save:
-        checkpoint.save_model(cfg.checkpoint.save, cfg.training.train_iters, [m.module for m in model], cfg.model)
+        checkpoint.save_model(
+            cfg.checkpoint.save, cfg.training.train_iters, [m.module for m in model], cfg.model
+        )
     if cfg.logging.log_json and _is_reporting_rank():
         Path(cfg.logging.log_json).write_text(json.dumps(history, indent=1))
     parallel.shutdown()
@@ -193,4 +227,6 @@ def _report_validation(model, stream, cfg: RunConfig, iteration: int, history: d
     if loss is not None:
         history.setdefault("validation", []).append({"iteration": iteration, "loss": loss})
     if loss is not None and _is_reporting_rank():
-        log.info(f"validation at iteration {iteration} | lm loss {loss:.5f} | ppl {math.exp(min(loss, 50)):.2f}")
+        log.info(
+            f"validation at iteration {iteration} | lm loss {loss:.5f} | ppl {math.exp(min(loss, 50)):.2f}"
+        )

@@ -56,7 +56,9 @@ def build_optimizer(
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     if not config.calculate_per_token_loss:
-        raise ValueError("the Apertus loss is per token: build TransformerConfig with calculate_per_token_loss")
+        raise ValueError(
+            "the Apertus loss is per token: build TransformerConfig with calculate_per_token_loss"
+        )
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     return optimizer
