@@ -10,6 +10,8 @@ import argparse
 import logging
 import sys
 
+from megatron.apertus.data.datasets import DatasetConfig
+from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.model.config import ConfigError, ParallelConfig
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, train
@@ -24,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, C.OptimizerSettings, title="optimizer")
     C.add_arguments(parser, C.CheckpointConfig, title="checkpointing")
     C.add_arguments(parser, C.DataConfig, title="data")
+    C.add_arguments(parser, DatasetConfig, title="datasets")
+    C.add_arguments(parser, GoldfishConfig, title="goldfish loss", prefix="goldfish_")
     C.add_arguments(parser, C.LoggingConfig, title="logging")
     args = parser.parse_args(argv)
     try:
@@ -34,9 +38,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             optimizer=C.from_arguments(C.OptimizerSettings, args),
             checkpoint=C.from_arguments(C.CheckpointConfig, args),
             data=C.from_arguments(C.DataConfig, args),
+            dataset=C.from_arguments(DatasetConfig, args),
+            goldfish=C.from_arguments(GoldfishConfig, args, prefix="goldfish_"),
             logging=C.from_arguments(C.LoggingConfig, args),
         )
-    except ConfigError as err:
+    except (ConfigError, ValueError) as err:
         parser.error(str(err))
 
 

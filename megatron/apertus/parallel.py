@@ -38,15 +38,21 @@ def _free_port() -> int:
 
 
 def init_distributed(device: str) -> None:
-    """Start torch.distributed from the environment (a world of one if none is set)."""
+    """Start torch.distributed from the environment, or as a world of one when none is set.
+
+    A world of one gets its own free port and leaves ``os.environ`` alone, so subprocesses
+    started later (tests, tools) do not inherit a rendezvous that is not theirs.
+    """
     if dist.is_initialized():
         return
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+    backend = "nccl" if device == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend, init_method=address, rank=0, world_size=1)
 
 
 def set_seed(seed: int) -> None:

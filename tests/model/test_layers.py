@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from megatron.apertus import parallel
 from megatron.apertus.model import ParallelConfig, preset, transformer_config
+from megatron.apertus.model.attention import SDPAttention
 from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.layers import XIELU, RMSNorm, SDPAttention
+from megatron.apertus.model.layers import XIELU, RMSNorm
 from megatron.apertus.ops.xielu import xielu_reference
 
 

@@ -1,62 +1,120 @@
-"""Fixed-length language-model samples cut from a token stream, split over data-parallel ranks.
+"""Micro-batches for one data-parallel rank: sampling order, Goldfish, document packing.
 
-Sample ``i`` is ``stream[i*S : i*S + S + 1]`` (inputs and shifted labels). Global batch ``g``
-holds samples ``[g*B, (g+1)*B)``; data-parallel rank ``r`` of ``D`` takes the contiguous
-``B/D`` of them and cuts them into micro-batches. The sample set of a step is therefore
-independent of the parallel layout, which is what makes TP/PP/DP runs comparable.
+Order: global batch ``g`` holds samples ``[start + g*B, start + (g+1)*B)`` (modulo the dataset
+length); data-parallel rank ``r`` of ``D`` takes the contiguous ``B/D`` of them and cuts them
+into micro-batches. A step's samples therefore do not depend on the parallel layout, and a
+run resumed at ``consumed_samples`` sees exactly the samples it would have seen.
+
+Document packing (``--reset-attention-mask``): a micro-batch ``[b, s]`` becomes one packed
+sequence ``[1, b*s]`` whose segments are the documents (a new one starts after every ``</s>``,
+and at every sample start). megatron-core's ``thd`` format carries the segment boundaries
+(``cu_seqlens``) to attention and RoPE, so attention never crosses a document and positions
+restart at each one, without a dense [s, s] mask.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
-import numpy as np
 import torch
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron.apertus.data.goldfish import GoldfishConfig, goldfish_drop_mask
 
 
 @dataclass
 class Batch:
-    tokens: torch.Tensor  # [b, s] int64
-    labels: torch.Tensor  # [b, s] int64
-    loss_mask: torch.Tensor  # [b, s] float32
-    position_ids: torch.Tensor  # [b, s] int64
+    tokens: torch.Tensor  # [b, s] int64, or [1, b*s] when packed
+    labels: torch.Tensor
+    loss_mask: torch.Tensor  # float32, same shape
+    position_ids: torch.Tensor
+    packed_seq_params: PackedSeqParams | None = None
+    goldfish_dropped: int = 0
+    """Loss positions Goldfish removed from this micro-batch (of ``loss_positions`` before it)."""
+    loss_positions: int = 0
 
 
-def num_samples(stream: np.ndarray, seq_length: int) -> int:
-    return (len(stream) - 1) // seq_length
+@dataclass(kw_only=True, frozen=True)
+class BatchConfig:
+    eod: int
+    pack_documents: bool = False
+    goldfish: GoldfishConfig | None = None
 
 
-def make_batch(stream: np.ndarray, sample_ids: np.ndarray, seq_length: int) -> Batch:
-    rows = np.stack([stream[i * seq_length : i * seq_length + seq_length + 1] for i in sample_ids])
-    rows = torch.from_numpy(rows.astype(np.int64))
-    tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-    positions = torch.arange(seq_length).unsqueeze(0).expand_as(tokens).contiguous()
-    return Batch(tokens, labels, torch.ones_like(tokens, dtype=torch.float32), positions)
+def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:
+    """Lengths of the segments of each row: a segment ends at every ``eod`` and row end."""
+    lengths = []
+    for row in tokens.tolist():
+        start = 0
+        for i, token in enumerate(row):
+            if token == eod and i + 1 < len(row):
+                lengths.append(i + 1 - start)
+                start = i + 1
+        lengths.append(len(row) - start)
+    return lengths
+
+
+def restarted_positions(lengths: Sequence[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def pack(tokens, labels, loss_mask, eod: int) -> Batch:
+    """One ``thd`` sequence of the micro-batch's documents."""
+    lengths = document_lengths(tokens, eod)
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+        cp_group=parallel_state.get_context_parallel_group(),
+    )
+    flat = lambda t: t.reshape(1, -1)  # noqa: E731
+    positions = restarted_positions(lengths).unsqueeze(0)
+    return Batch(flat(tokens), flat(labels), flat(loss_mask), positions, packed_seq_params=params)
+
+
+def collate(samples: list[dict], config: BatchConfig) -> Batch:
+    """Stack GPTDataset samples; apply Goldfish and document packing."""
+    tokens = torch.stack([s["tokens"] for s in samples]).long()
+    labels = torch.stack([s["labels"] for s in samples]).long()
+    loss_mask = torch.stack([s["loss_mask"] for s in samples]).float()
+    dropped = eligible = 0
+    if config.goldfish is not None:
+        drop = goldfish_drop_mask(labels, config.goldfish) & (loss_mask > 0)
+        eligible, dropped = int((loss_mask > 0).sum()), int(drop.sum())
+        loss_mask = loss_mask.masked_fill(drop, 0.0)  # a new tensor: samples stay untouched
+    if config.pack_documents:
+        batch = pack(tokens, labels, loss_mask, config.eod)
+    else:
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
+        batch = Batch(tokens, labels, loss_mask, positions)
+    batch.goldfish_dropped, batch.loss_positions = dropped, eligible
+    return batch
 
 
 def micro_batches(
-    stream: np.ndarray,
+    dataset,
+    config: BatchConfig,
     *,
-    seq_length: int,
     global_batch_size: int,
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
-    start_step: int = 0,
+    start_sample: int = 0,
 ) -> Iterator[Batch]:
-    """Endless micro-batches for this data-parallel rank, cycling over the stream (a stream
-    shorter than a global batch repeats samples within it)."""
+    """Endless micro-batches for this data-parallel rank, from sample ``start_sample`` on."""
+    if len(dataset) == 0:
+        raise ValueError("the dataset holds no samples")
     per_rank = global_batch_size // dp_size
-    total = num_samples(stream, seq_length)
-    if total < 1:
-        raise ValueError(
-            f"the token stream holds fewer than {seq_length + 1} tokens: no sample fits"
-        )
-    step = start_step
+    first = start_sample
     while True:
-        first = step * global_batch_size + dp_rank * per_rank
-        ids = (first + np.arange(per_rank)) % total
+        mine = first + dp_rank * per_rank
         for m in range(0, per_rank, micro_batch_size):
-            yield make_batch(stream, ids[m : m + micro_batch_size], seq_length)
-        step += 1
+            ids = [(mine + m + i) % len(dataset) for i in range(micro_batch_size)]
+            yield collate([dataset[i] for i in ids], config)
+        first += global_batch_size

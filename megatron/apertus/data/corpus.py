@@ -1,15 +1,18 @@
 """The embedded default corpus: real English text that ships with Python itself.
 
 ``pydoc_data.topics`` holds the ~465k characters of the Python language reference topics;
-each topic is one document. Documents are split deterministically into train and
-validation sets so the validation text is held out.
+each topic is one document. It is written as JSON lines and preprocessed with the same tool
+users run (``tools/preprocess_data.py``), once per tokenizer, into a cache directory.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import hashlib
+import json
+from pathlib import Path
 
-from megatron.apertus.data.tokenizer import TekkenTokenizer
+from megatron.apertus.data.preprocess import PreprocessConfig, output_prefix, preprocess
+from megatron.apertus.data.tokenizer import Tokenizer
 
 
 def embedded_documents() -> list[str]:
@@ -19,17 +22,31 @@ def embedded_documents() -> list[str]:
     return [topics[name] for name in sorted(topics)]
 
 
-def tokenize_documents(tokenizer: TekkenTokenizer, documents: list[str]) -> np.ndarray:
-    """One int32 stream of ``<s> doc </s>`` documents back to back."""
-    ids = [tok for doc in documents for tok in tokenizer.encode_document(doc)]
-    return np.asarray(ids, dtype=np.int32)
+def write_jsonl(path: Path, documents: list[str]) -> Path:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as out:
+        for text in documents:
+            out.write(json.dumps({"text": text}) + "\n")
+    tmp.replace(path)
+    return path
 
 
-def train_valid_streams(
-    tokenizer: TekkenTokenizer, valid_every: int = 10
-) -> tuple[np.ndarray, np.ndarray]:
-    """Token streams of the embedded corpus: every ``valid_every``-th document is validation."""
-    docs = embedded_documents()
-    valid = [d for i, d in enumerate(docs) if i % valid_every == 0]
-    train = [d for i, d in enumerate(docs) if i % valid_every != 0]
-    return tokenize_documents(tokenizer, train), tokenize_documents(tokenizer, valid)
+def embedded_corpus_prefix(cache: Path, tokenizer: Tokenizer, *, build: bool = True) -> Path:
+    """``PREFIX`` of the embedded corpus tokenized by ``tokenizer`` (preprocessed if missing)."""
+    tag = hashlib.sha256(
+        str(getattr(tokenizer, "path", type(tokenizer).__name__)).encode()
+    ).hexdigest()[:12]
+    directory = cache / f"embedded-{tag}"
+    prefix = Path(output_prefix(str(directory / "pydoc_topics"), "text"))
+    if build and not prefix.with_suffix(".idx").is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        source = write_jsonl(directory / "pydoc_topics.jsonl", embedded_documents())
+        preprocess(
+            PreprocessConfig(
+                inputs=[source],
+                output_prefix=str(directory / "pydoc_topics"),
+                tokenizer_type=type(tokenizer).__name__,
+                tokenizer_model=str(tokenizer.path),
+            )
+        )
+    return prefix

@@ -1,18 +1,29 @@
 """Tokenizers with the ids training needs: ``bos`` (begin of document), ``eod``, ``pad``.
 
-The default is the 131072-token "tekken" byte-level BPE that ships inside the
-``mistral-common`` wheel (same family as Apertus: ``<unk>``=0, ``<s>``=1, ``</s>``=2), so
-demos and tests use a real production tokenizer without network access.
+Three families, one interface (:class:`Tokenizer`):
+
+* ``TekkenTokenizer``: Mistral's tekken JSON (the Apertus family, 131072 tokens). The default
+  is the ``tekken_240718.json`` that ships inside the ``mistral-common`` wheel, so demos and
+  tests use a real production tokenizer offline.
+* ``HuggingFaceTokenizer``: a ``tokenizer.json`` (or a directory holding one).
+* ``SentencePieceTokenizer``: a ``.model`` file.
+
+Raw text is always tokenized as text: a literal ``</s>`` in a web page stays the characters
+``<``, ``/``, ``s``, ``>`` and never becomes the end-of-document id (Megatron's upstream tool
+turns such strings into special tokens, silently splitting or merging documents).
+The objects also serve megatron-core's ``GPTDataset``, which reads ``eod`` and ``pad``.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence
 
 DEFAULT_TEKKEN = "tekken_240718.json"
+TOKENIZER_TYPES = ("TekkenTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
 
 
 def bundled_tekken_path(name: str = DEFAULT_TEKKEN) -> Path:
@@ -25,44 +36,133 @@ def bundled_tekken_path(name: str = DEFAULT_TEKKEN) -> Path:
     return path
 
 
-@dataclass
-class TekkenTokenizer:
-    """A tekken tokenizer: plain-text encode/decode; special tokens never come from raw text."""
+class Tokenizer(ABC):
+    """Text <-> ids, plus the special ids of a document: ``<s> text </s>``."""
 
-    path: Path
+    vocab_size: int
+    bos: int
+    eod: int
+    pad: int
 
-    def __post_init__(self) -> None:
-        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
-
-        self._tok = Tekkenizer.from_file(str(self.path))
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.n_words
-
-    @property
-    def bos(self) -> int:
-        return self._tok.bos_id
-
-    @property
-    def eod(self) -> int:
-        return self._tok.eos_id
-
-    @property
-    def pad(self) -> int:
-        return self._tok.pad_id
-
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, bos=False, eos=False)
+        """Ids of ``text`` with no special tokens added or parsed."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
 
     def encode_document(self, text: str) -> list[int]:
         """``<s> text </s>``: every document carries its begin and end tokens."""
         return [self.bos, *self.encode(text), self.eod]
 
+    # megatron-core's tokenizer interface, as GPTDataset and friends use it.
+    @property
+    def unique_identifiers(self) -> dict:
+        """Part of the key of megatron-core's cached sample indices."""
+        return {"class": type(self).__name__, "path": str(getattr(self, "path", ""))}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.decode(ids)
+
+
+class TekkenTokenizer(Tokenizer):
+    def __init__(self, path: str | os.PathLike) -> None:
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+        self.path = Path(path)
+        self._tok = Tekkenizer.from_file(str(self.path))
+        self.vocab_size = self._tok.n_words
+        self.bos, self.eod, self.pad = self._tok.bos_id, self._tok.eos_id, self._tok.pad_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, bos=False, eos=False)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 
 
-def load_tokenizer(path: str | os.PathLike | None = None) -> TekkenTokenizer:
+class HuggingFaceTokenizer(Tokenizer):
+    """A ``tokenizers`` fast tokenizer; special ids from ``tokenizer_config.json`` or the vocab."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from tokenizers import Tokenizer as FastTokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: no tokenizer.json")
+        self.path = file
+        self._tok = FastTokenizer.from_file(str(file))
+        # Special-token strings inside the text are encoded as text, never as their ids.
+        self._tok.encode_special_tokens = True
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        names = self._special_names(file.parent / "tokenizer_config.json")
+        self.bos = self._id_of(names["bos_token"], "bos_token")
+        self.eod = self._id_of(names["eos_token"], "eos_token")
+        self.pad = self._tok.token_to_id(names["pad_token"]) if names["pad_token"] else self.eod
+
+    @staticmethod
+    def _special_names(config: Path) -> dict[str, str | None]:
+        names = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+        if config.is_file():
+            for key, value in json.loads(config.read_text()).items():
+                if key in names:
+                    names[key] = value["content"] if isinstance(value, dict) else value
+        return names
+
+    def _id_of(self, token: str | None, what: str) -> int:
+        token_id = self._tok.token_to_id(token) if token else None
+        if token_id is None:
+            raise ValueError(f"{self.path}: the {what} {token!r} is not in the vocabulary")
+        return token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, path: str | os.PathLike) -> None:
+        import sentencepiece
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no sentencepiece model")
+        self._tok = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
+        self.vocab_size = self._tok.get_piece_size()
+        self.bos, self.eod = self._tok.bos_id(), self._tok.eos_id()
+        self.pad = self._tok.pad_id() if self._tok.pad_id() >= 0 else self.eod
+        if self.bos < 0 or self.eod < 0:
+            raise ValueError(f"{self.path}: the model defines no bos/eos ids")
+
+    def encode(self, text: str) -> list[int]:
+        # encode() of sentencepiece never maps control-symbol strings in text to their ids.
+        return self._tok.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+def build_tokenizer(tokenizer_type: str = "TekkenTokenizer", model: str | None = None) -> Tokenizer:
+    """A tokenizer by Megatron-style type name; ``model`` defaults to the bundled tekken."""
+    if tokenizer_type == "TekkenTokenizer":
+        return TekkenTokenizer(model or bundled_tekken_path())
+    if model is None:
+        raise ValueError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(model)
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(model)
+    raise ValueError(
+        f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
+    )
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     """The tekken tokenizer at ``path``, or the one bundled with mistral-common."""
-    return TekkenTokenizer(Path(path) if path else bundled_tekken_path())
+    return build_tokenizer("TekkenTokenizer", str(path) if path else None)

@@ -26,8 +26,9 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron.apertus.model.attention import SDPAttention
 from megatron.apertus.model.config import ApertusConfig
-from megatron.apertus.model.layers import XIELU, RMSNorm, SDPAttention
+from megatron.apertus.model.layers import XIELU, RMSNorm
 
 
 def apertus_layer_spec(model: ApertusConfig) -> ModuleSpec:

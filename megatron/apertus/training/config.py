@@ -69,9 +69,13 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
+    tokenizer_type: str = _help("TekkenTokenizer, HuggingFaceTokenizer or SentencePieceTokenizer",
+                                "TekkenTokenizer")  # fmt: skip
     tokenizer_model: Optional[str] = _help(
-        "tekken JSON (default: the one bundled with mistral-common)", None
+        "tokenizer file or directory (TekkenTokenizer: default the one bundled with mistral-common)",
+        None,
     )
+    goldfish_loss: bool = _help("drop a deterministic 1/k of label positions from the loss", False)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -91,32 +95,42 @@ def _base_type(annotation: Any) -> type:
     return annotation
 
 
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
 def add_arguments(
-    parser: argparse.ArgumentParser, cls: type, *, title: str, defaults: bool = True
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    title: str,
+    defaults: bool = True,
+    prefix: str = "",
 ) -> None:
-    """Add one argument group with a flag per field of dataclass ``cls``."""
+    """Add one argument group with a flag ``--<prefix><field>`` per field of dataclass ``cls``."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
-        default = f.default if defaults and f.default is not dataclasses.MISSING else None
-        help_text = f.metadata.get("help", "")
+        flag = _flag(prefix + f.name)
+        kwargs = dict(default=_default(f) if defaults else None, help=f.metadata.get("help", ""))
         if kind is bool:
-            group.add_argument(
-                _flag(f.name),
-                action=argparse.BooleanOptionalAction,
-                default=default,
-                help=help_text,
-            )
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(kind) is list:
+            group.add_argument(flag, nargs="+", type=typing.get_args(kind)[0], **kwargs)
         else:
-            group.add_argument(_flag(f.name), type=kind, default=default, help=help_text)
+            group.add_argument(flag, type=kind, **kwargs)
 
 
-def from_arguments(cls: type, args: argparse.Namespace, base: Any = None) -> Any:
+def from_arguments(cls: type, args: argparse.Namespace, base: Any = None, prefix: str = "") -> Any:
     """Build ``cls`` from parsed flags; unset flags (None) fall back to ``base`` or the default."""
     values = {}
     for f in dataclasses.fields(cls):
-        value = getattr(args, f.name, None)
+        value = getattr(args, prefix + f.name, None)
         if value is not None:
             values[f.name] = value
     if base is not None:

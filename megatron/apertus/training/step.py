@@ -7,6 +7,7 @@ masked positions all give the same gradient as one big batch would.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
@@ -17,10 +18,30 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.apertus.data.batches import Batch
+
+
+@dataclass(kw_only=True, frozen=True)
+class StepShape:
+    """What megatron-core's schedules need to know about one step's micro-batches."""
+
+    num_microbatches: int
+    seq_length: int
+    micro_batch_size: int
+
+    @classmethod
+    def of(cls, training, seq_length: int, dp_size: int, *, packed: bool) -> "StepShape":
+        """Packed micro-batches travel as one [1, b*s] sequence between pipeline stages."""
+        mbs = training.micro_batch_size
+        return cls(
+            num_microbatches=training.num_microbatches(dp_size),
+            seq_length=seq_length * mbs if packed else seq_length,
+            micro_batch_size=1 if packed else mbs,
+        )
 
 
 @dataclass(kw_only=True)
@@ -30,6 +51,8 @@ class StepResult:
     num_tokens: int | None
     grad_norm: float | None
     skipped: bool
+    goldfish_fraction: float | None = None
+    """Share of loss positions Goldfish dropped in this step (None without Goldfish)."""
 
 
 def wrap_ddp(
@@ -64,11 +87,15 @@ def build_optimizer(
     return optimizer
 
 
-def _loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+def _loss(batch: Batch, loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     mask = loss_mask.reshape(-1).float()
     loss_sum = (per_token_loss.reshape(-1).float() * mask).sum()
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+    goldfish = torch.tensor([batch.goldfish_dropped, batch.loss_positions], dtype=torch.float32)
+    reported = {
+        "lm loss": torch.stack([loss_sum.detach(), mask.sum()]),
+        "goldfish": goldfish.to(mask.device),
+    }
+    return loss_sum, mask.sum().to(torch.int), reported
 
 
 def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
@@ -80,27 +107,32 @@ def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
         batch.position_ids.to(device),
         None,
         labels=batch.labels.to(device),
+        packed_seq_params=_on_device(batch.packed_seq_params, device),
     )
-    return output, partial(_loss, batch.loss_mask.to(device))
+    return output, partial(_loss, batch, batch.loss_mask.to(device))
 
 
-def _reduce_losses(losses: list[dict]) -> tuple[float, int] | None:
-    """Sum (loss, tokens) over micro-batches and data-parallel ranks, on the last stage."""
+def _on_device(params: PackedSeqParams | None, device: torch.device) -> PackedSeqParams | None:
+    if params is None:
+        return None
+    cu = params.cu_seqlens_q.to(device)
+    return dataclasses.replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+
+def _reduce(losses: list[dict], key: str) -> torch.Tensor | None:
+    """Sum a reported pair over micro-batches and data-parallel ranks, on the last stage."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    total = torch.stack([entry["lm loss"] for entry in losses]).sum(0)
+    total = torch.stack([entry[key] for entry in losses]).sum(0)
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+    return total
 
 
 def train_step(
     model: list[DistributedDataParallel],
     optimizer: MegatronOptimizer,
     data_iterators: list[Iterator[Batch]],
-    *,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
+    shape: StepShape,
 ) -> StepResult:
     """Forward and backward over ``num_microbatches``, then one optimizer step.
 
@@ -114,16 +146,21 @@ def train_step(
         forward_step_func=forward_step,
         data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
         model=model,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
+        num_microbatches=shape.num_microbatches,
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
         forward_only=False,
     )
     update_successful, grad_norm, _ = optimizer.step()
-    reduced = _reduce_losses(losses)
+    loss, goldfish = _reduce(losses, "lm loss"), _reduce(losses, "goldfish")
+    if loss is None:
+        return StepResult(
+            loss=None, num_tokens=None, grad_norm=grad_norm, skipped=not update_successful
+        )
     return StepResult(
-        loss=None if reduced is None else reduced[0],
-        num_tokens=None if reduced is None else reduced[1],
+        loss=(loss[0] / loss[1].clamp(min=1)).item(),
+        num_tokens=int(loss[1].item()),
         grad_norm=grad_norm,
         skipped=not update_successful,
+        goldfish_fraction=(goldfish[0] / goldfish[1]).item() if goldfish[1] > 0 else None,
     )

@@ -1,0 +1,85 @@
+"""Training data through megatron-core's dataset builder: blends, splits, cached sample indices.
+
+``--data-path`` takes Megatron's forms (``PREFIX ...`` or ``WEIGHT PREFIX WEIGHT PREFIX ...``),
+``--split`` the train/valid/test proportions by document. Samples are megatron-core
+``GPTDataset`` items; the attention layout and Goldfish mask are added per micro-batch in
+:mod:`megatron.apertus.data.batches`, so the dataset's own dense attention masks stay off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.utils import get_blend_from_list
+
+from megatron.apertus.data.corpus import embedded_corpus_prefix
+from megatron.apertus.data.tokenizer import Tokenizer
+
+log = logging.getLogger("apertus.data")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DatasetConfig:
+    data_path: list[str] = field(default_factory=list)
+    """Megatron blend; empty means the embedded corpus (preprocessed on first use)."""
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    """Where megatron-core caches sample indices (and the embedded corpus is preprocessed)."""
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reset_position_ids != self.reset_attention_mask:
+            raise ValueError(
+                "--reset-position-ids and --reset-attention-mask go together: documents are "
+                "packed as separate sequences, so positions restart exactly where attention does"
+            )
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "megatron-apertus"
+
+
+def resolve_blend(config: DatasetConfig, tokenizer: Tokenizer) -> list[str]:
+    """The data path to train on; the embedded corpus is preprocessed once by rank 0."""
+    if config.data_path:
+        return list(config.data_path)
+    cache = Path(config.data_cache_path) if config.data_cache_path else default_cache_dir()
+    if dist.get_rank() == 0:
+        embedded_corpus_prefix(cache, tokenizer)
+    dist.barrier()
+    return [str(embedded_corpus_prefix(cache, tokenizer, build=False))]
+
+
+def build_datasets(
+    config: DatasetConfig,
+    tokenizer: Tokenizer,
+    *,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+) -> list[GPTDataset | None]:
+    """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0)."""
+    blend = resolve_blend(config, tokenizer)
+    cache = config.data_cache_path or str(default_cache_dir() / "indices")
+    gpt_config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=get_blend_from_list(blend),
+        split=config.split,
+        path_to_cache=cache,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=config.eod_mask_loss,
+        create_attention_mask=False,
+        mmap_bin_files=True,
+    )
+    sizes = [n if n > 0 else None for n in num_samples]
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()

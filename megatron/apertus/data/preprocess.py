@@ -1,0 +1,247 @@
+"""JSON lines -> megatron-core indexed datasets (``PREFIX_KEY_document.bin/.idx``).
+
+Guarantees:
+
+* Bad input loses nothing and stops nothing. A line that is not valid UTF-8, not valid JSON,
+  not a JSON object, lacks one of the ``--json-keys``, or has an empty (whitespace-only) text is
+  counted, reported with its file and line number (the first few in full), and skipped; every
+  good document is written. A line missing any key is skipped for every key, so the outputs
+  of several keys stay aligned document by document.
+* Outputs are written under ``*.tmp.bin/.tmp.idx`` and renamed only when complete.
+* Documents keep their input order whatever the number of workers.
+* Every document is ``<s> text </s>`` by default (``--no-bos`` drops ``<s>``, ``--no-eod``
+  drops ``</s>``); special-token strings inside the text are tokenized as text.
+
+Inputs may be plain, gzip (``.gz``) or zstd (``.zst``, ``.zstd``) JSON lines.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
+
+log = logging.getLogger("apertus.preprocess")
+
+Line = tuple[int, int, bytes]  # (input file index, 1-based line number, raw bytes)
+
+
+@dataclass(kw_only=True, frozen=True)
+class PreprocessConfig:
+    inputs: list[Path]
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    output_prefix: str
+    tokenizer_type: str = "TekkenTokenizer"
+    tokenizer_model: str | None = None
+    add_bos: bool = True
+    add_eod: bool = True
+    workers: int = 1
+    lines_per_task: int = 64
+    max_reported: int = 10
+    """Rejected lines reported in full; the rest are only counted."""
+
+
+@dataclass
+class Summary:
+    documents: int = 0
+    tokens: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    reported: int = 0
+
+    @property
+    def rejected_lines(self) -> int:
+        return sum(self.rejected.values())
+
+
+def output_prefix(prefix: str, key: str) -> str:
+    return f"{prefix}_{key}_document"
+
+
+def open_lines(path: Path) -> BinaryIO:
+    """A binary line reader over a plain, gzip or zstd file."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    if path.suffix in (".zst", ".zstd"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")
+
+
+def iter_lines(paths: list[Path]) -> Iterator[Line]:
+    for file_index, path in enumerate(paths):
+        with open_lines(path) as stream:
+            for number, raw in enumerate(stream, start=1):
+                yield file_index, number, raw
+
+
+def _chunks(lines: Iterator[Line], size: int) -> Iterator[list[Line]]:
+    while chunk := list(islice(lines, size)):
+        yield chunk
+
+
+# -- worker side -------------------------------------------------------------------------------
+
+_worker: dict = {}
+
+
+def _init_worker(config: PreprocessConfig) -> None:
+    _worker["config"] = config
+    _worker["tokenizer"] = build_tokenizer(config.tokenizer_type, config.tokenizer_model)
+
+
+def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
+    """The texts of ``keys`` in one JSON line; ``ValueError`` says why the line is rejected."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not UTF-8 (byte {err.start})") from None
+    if not text.strip():
+        raise ValueError("blank line")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"not a JSON object but {type(record).__name__}")
+    texts = {}
+    for key in keys:
+        if key not in record:
+            raise ValueError(f"missing key {key!r}")
+        value = record[key]
+        if not isinstance(value, str):
+            raise ValueError(f"key {key!r} is {type(value).__name__}, not a string")
+        if not value.strip():
+            raise ValueError(f"empty document in key {key!r}")
+        texts[key] = value
+    return texts
+
+
+def _encode(tokenizer: Tokenizer, text: str, config: PreprocessConfig) -> np.ndarray:
+    ids = tokenizer.encode(text)
+    if config.add_bos:
+        ids = [tokenizer.bos, *ids]
+    if config.add_eod:
+        ids.append(tokenizer.eod)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | None]]:
+    """(file, line, {key: ids} or None, rejection reason or None) for every line of the chunk."""
+    config, tokenizer = _worker["config"], _worker["tokenizer"]
+    results = []
+    for file_index, number, raw in chunk:
+        try:
+            texts = parse_line(raw, config.json_keys)
+        except ValueError as err:
+            results.append((file_index, number, None, str(err)))
+            continue
+        ids = {key: _encode(tokenizer, text, config) for key, text in texts.items()}
+        results.append((file_index, number, ids, None))
+    return results
+
+
+# -- writer side -------------------------------------------------------------------------------
+
+
+def check_inputs(config: PreprocessConfig) -> Tokenizer:
+    """Fail before any work on missing inputs, an unknown tokenizer or an unwritable prefix."""
+    missing = [str(p) for p in config.inputs if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
+    if not config.json_keys:
+        raise ValueError("--json-keys needs at least one key")
+    out_dir = Path(config.output_prefix).parent
+    if not out_dir.is_dir():
+        raise FileNotFoundError(f"--output-prefix directory {out_dir} does not exist")
+    return build_tokenizer(config.tokenizer_type, config.tokenizer_model)
+
+
+def _index_dtype(vocab_size: int) -> type:
+    # megatron-core's rule (DType.optimal_dtype): uint16 below 65500 ids, else int32.
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def _report(summary: Summary, path: Path, number: int, reason: str, config: PreprocessConfig):
+    summary.rejected[reason.split(" (")[0]] += 1
+    if summary.reported < config.max_reported:
+        log.warning(f"{path}:{number}: skipped: {reason}")
+        summary.reported += 1
+    elif summary.reported == config.max_reported:
+        log.warning("further rejected lines are counted but not shown")
+        summary.reported += 1
+
+
+def preprocess(config: PreprocessConfig) -> Summary:
+    """Tokenize every input line into one indexed dataset per JSON key."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tqdm import tqdm
+
+    tokenizer = check_inputs(config)
+    dtype = _index_dtype(tokenizer.vocab_size)
+    prefixes = {key: output_prefix(config.output_prefix, key) for key in config.json_keys}
+    builders = {
+        key: IndexedDatasetBuilder(f"{p}.tmp.bin", dtype=dtype) for key, p in prefixes.items()
+    }
+    summary = Summary()
+    chunks = _chunks(iter_lines(config.inputs), config.lines_per_task)
+    start = time.perf_counter()
+    with _pool(config) as pool, tqdm(unit=" docs", desc="preprocess", mininterval=1.0) as bar:
+        results = pool.imap(encode_chunk, chunks) if pool else map(encode_chunk, chunks)
+        for batch in results:
+            for file_index, number, ids, reason in batch:
+                if ids is None:
+                    _report(summary, config.inputs[file_index], number, reason, config)
+                    continue
+                for key, array in ids.items():
+                    builders[key].add_document(array, [array.size])
+                summary.documents += 1
+                summary.tokens += sum(a.size for a in ids.values())
+            bar.update(len(batch))
+            rate = summary.tokens / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+    for key, prefix in prefixes.items():
+        builders[key].finalize(f"{prefix}.tmp.idx")
+        for suffix in (".bin", ".idx"):
+            os.replace(f"{prefix}.tmp{suffix}", f"{prefix}{suffix}")
+    return summary
+
+
+class _NoPool:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _pool(config: PreprocessConfig):
+    """Worker processes, or none (tokenize in this process) for ``--workers 1``."""
+    if config.workers <= 1:
+        _init_worker(config)
+        return _NoPool()
+    context = multiprocessing.get_context("spawn")
+    return context.Pool(config.workers, initializer=_init_worker, initargs=(config,))
+
+
+def format_summary(summary: Summary, elapsed: float) -> str:
+    lines = [
+        f"wrote {summary.documents} documents, {summary.tokens} tokens in {elapsed:.1f} s "
+        f"({summary.tokens / max(elapsed, 1e-9):,.0f} tokens/s)",
+        f"rejected {summary.rejected_lines} lines"
+        + "".join(f"\n  {count:8d}  {reason}" for reason, count in summary.rejected.most_common()),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""Tokenize JSON lines into megatron-core indexed datasets, Megatron-style.
+
+    python tools/preprocess_data.py --input corpus.jsonl.zst --json-keys text \
+        --output-prefix data/corpus --tokenizer-type TekkenTokenizer --workers 8
+
+writes ``data/corpus_text_document.bin/.idx``; train with ``--data-path data/corpus_text_document``.
+Every document is ``<s> ... </s>``; bad lines are reported with file:line and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import sys
+import time
+from pathlib import Path
+
+from megatron.apertus.data.preprocess import PreprocessConfig, format_summary, preprocess
+from megatron.apertus.data.tokenizer import TOKENIZER_TYPES
+
+
+def parse_args(argv: list[str] | None = None) -> PreprocessConfig:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="JSON-lines files (.jsonl, .gz, .zst); shell-style globs allowed",
+    )
+    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--tokenizer-type", default="TekkenTokenizer", choices=TOKENIZER_TYPES)
+    parser.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)",
+    )
+    parser.add_argument(
+        "--append-eod",
+        action="store_true",
+        default=True,
+        help="end every document with </s> (the default; kept for Megatron compatibility)",
+    )
+    parser.add_argument(
+        "--no-eod", dest="append_eod", action="store_false", help="do not append </s>"
+    )
+    parser.add_argument(
+        "--no-bos", dest="add_bos", action="store_false", default=True, help="do not prepend <s>"
+    )
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--max-reported", type=int, default=10, help="bad lines reported in full")
+    args = parser.parse_args(argv)
+    inputs = []
+    for pattern in args.input:
+        inputs.extend(
+            sorted(glob.glob(pattern)) or [pattern]
+        )  # a non-matching name stays, to be reported
+    return PreprocessConfig(
+        inputs=[Path(p) for p in inputs], json_keys=args.json_keys, output_prefix=args.output_prefix,
+        tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+        add_bos=args.add_bos, add_eod=args.append_eod, workers=args.workers,
+        max_reported=args.max_reported,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    config = parse_args(argv)
+    start = time.perf_counter()
+    try:
+        summary = preprocess(config)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"preprocess_data.py: error: {err}", file=sys.stderr)
+        return 2
+    print(format_summary(summary, time.perf_counter() - start))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
