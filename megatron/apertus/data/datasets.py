@@ -65,7 +65,8 @@ def build_datasets(
     seed: int,
     num_samples: tuple[int, int, int],
 ) -> list[GPTDataset | None]:
-    """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0)."""
+    """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0 or
+    when the split gives that part no documents)."""
     blend = resolve_blend(config, tokenizer)
     cache = config.data_cache_path or str(default_cache_dir() / "indices")
     gpt_config = GPTDatasetConfig(
@@ -81,5 +82,7 @@ def build_datasets(
         create_attention_mask=False,
         mmap_bin_files=True,
     )
-    sizes = [n if n > 0 else None for n in num_samples]
-    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
+    datasets = BlendedMegatronDatasetBuilder(
+        GPTDataset, list(num_samples), lambda: True, gpt_config
+    ).build()
+    return [d if n > 0 else None for d, n in zip(datasets, num_samples)]
