@@ -14,7 +14,7 @@ from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.model.config import ConfigError, ParallelConfig
 from megatron.apertus.training import config as C
-from megatron.apertus.training.loop import RunConfig, train
+from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         train(config)
     except ConfigError as err:
         sys.exit(f"pretrain_gpt.py: error: {err}")
+    except TrainingStopped as err:
+        sys.exit(f"pretrain_gpt.py: stopped: {err}")
 
 
 if __name__ == "__main__":

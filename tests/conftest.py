@@ -36,3 +36,9 @@ def run_entry(
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def series(history: dict, name: str) -> tuple[list[int], list[float]]:
+    """Iterations and values of one recorded metric (``--log-json`` stores [iteration, value])."""
+    pairs = history.get(name, [])
+    return [int(i) for i, _ in pairs], [float(v) for _, v in pairs]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron.apertus import parallel
-from megatron.apertus.data.batches import BatchConfig, micro_batches
+from megatron.apertus.data.batches import BatchConfig, step_micro_batches
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
@@ -64,9 +64,8 @@ def test_sample_order_does_not_depend_on_data_parallel_size(corpora):
     def step_tokens(dp_size: int) -> list:
         rows = []
         for rank in range(dp_size):
-            it = micro_batches(train, batch, global_batch_size=8, micro_batch_size=2, dp_rank=rank,
-                               dp_size=dp_size, start_sample=16)  # fmt: skip
-            rows += [next(it).tokens for _ in range(8 // dp_size // 2)]
-        return [r.tolist() for t in rows for r in t]
+            rows += step_micro_batches(train, batch, consumed_samples=16, global_batch_size=8,
+                                       micro_batch_size=2, dp_rank=rank, dp_size=dp_size)  # fmt: skip
+        return [r.tolist() for b in rows for r in b.tokens]
 
     assert step_tokens(1) == step_tokens(2) == step_tokens(4)

@@ -1,9 +1,10 @@
 """Micro-batches for one data-parallel rank: sampling order, Goldfish, document packing.
 
-Order: global batch ``g`` holds samples ``[start + g*B, start + (g+1)*B)`` (modulo the dataset
+Order: the global batch of a step holds samples ``[consumed, consumed + B)`` (modulo the dataset
 length); data-parallel rank ``r`` of ``D`` takes the contiguous ``B/D`` of them and cuts them
-into micro-batches. A step's samples therefore do not depend on the parallel layout, and a
-run resumed at ``consumed_samples`` sees exactly the samples it would have seen.
+into micro-batches. A step's samples therefore do not depend on the parallel layout, a batch
+size that ramps up just changes ``B``, and a run resumed at ``consumed_samples`` sees exactly
+the samples it would have seen.
 
 Document packing (``--reset-attention-mask``): a micro-batch ``[b, s]`` becomes one packed
 sequence ``[1, b*s]`` whose segments are the documents (a new one starts after every ``</s>``,
@@ -15,7 +16,7 @@ restart at each one, without a dense [s, s] mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -97,24 +98,26 @@ def collate(samples: list[dict], config: BatchConfig) -> Batch:
     return batch
 
 
-def micro_batches(
+def step_micro_batches(
     dataset,
     config: BatchConfig,
     *,
+    consumed_samples: int,
     global_batch_size: int,
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
-    start_sample: int = 0,
-) -> Iterator[Batch]:
-    """Endless micro-batches for this data-parallel rank, from sample ``start_sample`` on."""
+) -> list[Batch]:
+    """This rank's micro-batches of the global batch that starts at ``consumed_samples``.
+
+    Indices wrap around the dataset (validation passes reuse a short held-out split).
+    """
     if len(dataset) == 0:
         raise ValueError("the dataset holds no samples")
     per_rank = global_batch_size // dp_size
-    first = start_sample
-    while True:
-        mine = first + dp_rank * per_rank
-        for m in range(0, per_rank, micro_batch_size):
-            ids = [(mine + m + i) % len(dataset) for i in range(micro_batch_size)]
-            yield collate([dataset[i] for i in ids], config)
-        first += global_batch_size
+    first = consumed_samples + dp_rank * per_rank
+    batches = []
+    for m in range(0, per_rank, micro_batch_size):
+        ids = [(first + m + i) % len(dataset) for i in range(micro_batch_size)]
+        batches.append(collate([dataset[i] for i in ids], config))
+    return batches

@@ -27,7 +27,8 @@ log = logging.getLogger("apertus.data")
 class DatasetConfig:
     data_path: list[str] = field(default_factory=list)
     """Megatron blend; empty means the embedded corpus (preprocessed on first use)."""
-    split: str = "969,30,1"
+    split: str | None = None
+    """Train/valid/test proportions by document; default 969,30,1 (90,10,0 on the embedded corpus)."""
     data_cache_path: str | None = None
     """Where megatron-core caches sample indices (and the embedded corpus is preprocessed)."""
     reset_position_ids: bool = False
@@ -73,7 +74,7 @@ def build_datasets(
         random_seed=seed,
         sequence_length=seq_length,
         blend=get_blend_from_list(blend),
-        split=config.split,
+        split=config.split or ("969,30,1" if config.data_path else "90,10,0"),
         path_to_cache=cache,
         tokenizer=tokenizer,
         reset_position_ids=False,

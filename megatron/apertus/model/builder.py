@@ -74,13 +74,17 @@ def transformer_config(
 
 
 def build_model_chunk(
-    model: ApertusConfig, config: TransformerConfig, vp_stage: Optional[int] = None
+    model: ApertusConfig,
+    config: TransformerConfig,
+    vp_stage: Optional[int] = None,
+    *,
+    xielu_impl: str = "auto",
 ) -> GPTModel:
     """The part of the model that this rank holds for virtual stage ``vp_stage``."""
     virtual = config.virtual_pipeline_model_parallel_size is not None
     return GPTModel(
         config=config,
-        transformer_layer_spec=apertus_block_spec(model, config, vp_stage),
+        transformer_layer_spec=apertus_block_spec(model, config, vp_stage, xielu_impl=xielu_impl),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(
@@ -98,8 +102,10 @@ def build_model_chunk(
     )
 
 
-def build_model(model: ApertusConfig, config: TransformerConfig) -> list[GPTModel]:
+def build_model(
+    model: ApertusConfig, config: TransformerConfig, *, xielu_impl: str = "auto"
+) -> list[GPTModel]:
     """All model chunks of this rank (more than one with interleaved pipeline stages)."""
     chunks = config.virtual_pipeline_model_parallel_size or 1
     vp = [None] if chunks == 1 else list(range(chunks))
-    return [build_model_chunk(model, config, vp_stage=v) for v in vp]
+    return [build_model_chunk(model, config, vp_stage=v, xielu_impl=xielu_impl) for v in vp]

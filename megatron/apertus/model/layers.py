@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.apertus.ops.xielu import (
     XIELU_ALPHA_N_INIT,
     XIELU_ALPHA_P_INIT,
+    XIELU_IMPLS,
     inverse_softplus,
     xielu,
 )
@@ -54,10 +55,15 @@ class XIELU(MegatronModule):
     (identity forward, all-reduce over TP backward), which makes the gradient whole on every
     rank whatever driver runs the model. A ``MegatronModule`` because megatron-core's MLP asks
     each child for its ``sharded_state_dict`` (replicated tensors, one copy per checkpoint).
+    ``impl`` picks the kernel (``auto``, ``cuda``, ``cpu``, ``torch``; see ``ops/xielu.py``).
     """
 
-    def __init__(self, config: TransformerConfig, beta: float, eps: float) -> None:
+    def __init__(
+        self, config: TransformerConfig, beta: float, eps: float, impl: str = "auto"
+    ) -> None:
         super().__init__(config=config)
+        if impl not in XIELU_IMPLS:
+            raise ValueError(f"xielu impl must be one of {XIELU_IMPLS}, got {impl!r}")
         like = dict(dtype=config.params_dtype, device=_param_device(config))
         alpha_p = inverse_softplus(XIELU_ALPHA_P_INIT)
         alpha_n = inverse_softplus(XIELU_ALPHA_N_INIT - beta)
@@ -65,7 +71,8 @@ class XIELU(MegatronModule):
         self.alpha_n = torch.nn.Parameter(torch.full((1,), alpha_n, **like))
         self.beta = float(beta)
         self.eps = float(eps)
+        self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alphas = copy_to_tensor_model_parallel_region(torch.cat([self.alpha_p, self.alpha_n]))
-        return xielu(x, alphas[0:1], alphas[1:2], self.beta, self.eps)
+        return xielu(x, alphas[0:1], alphas[1:2], self.beta, self.eps, impl=self.impl)

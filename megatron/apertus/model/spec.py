@@ -31,9 +31,13 @@ from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.layers import XIELU, RMSNorm
 
 
-def apertus_layer_spec(model: ApertusConfig) -> ModuleSpec:
-    """One Apertus transformer layer."""
-    xielu = ModuleSpec(module=XIELU, params={"beta": model.xielu_beta, "eps": model.xielu_eps})
+def apertus_layer_spec(model: ApertusConfig, *, xielu_impl: str = "auto") -> ModuleSpec:
+    """One Apertus transformer layer; ``xielu_impl`` picks the xIELU kernel (a backend choice,
+    not part of the model: any value computes the same function)."""
+    xielu = ModuleSpec(
+        module=XIELU,
+        params={"beta": model.xielu_beta, "eps": model.xielu_eps, "impl": xielu_impl},
+    )
     attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -69,10 +73,13 @@ def apertus_layer_spec(model: ApertusConfig) -> ModuleSpec:
 
 
 def apertus_block_spec(
-    model: ApertusConfig, config: TransformerConfig, vp_stage: Optional[int] = None
+    model: ApertusConfig,
+    config: TransformerConfig,
+    vp_stage: Optional[int] = None,
+    *,
+    xielu_impl: str = "auto",
 ) -> TransformerBlockSubmodules:
     """The layers of this pipeline (virtual) stage plus the final RMSNorm."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(
-        layer_specs=[apertus_layer_spec(model)] * layers, layer_norm=RMSNorm
-    )
+    layer = apertus_layer_spec(model, xielu_impl=xielu_impl)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm)

@@ -6,60 +6,53 @@ Layout of a save directory::
     SAVE/iter_0000100/                        dist_checkpointing files
     SAVE/iter_0000100/apertus_model.json      ApertusConfig of the model (JSON, no pickle)
 
-A checkpoint is written under ``iter_XXXXXXX.tmp`` and renamed when complete; the tracker is
-replaced atomically afterwards, so an interrupted save is never loaded.
+What a training checkpoint holds: the model, the optimizer (its states sharded as the model is;
+with the distributed optimizer in megatron-core's ``fully_reshardable`` form, so TP/PP/DP may
+change on load), the scheduler, every rank's RNG states, the iteration and the consumed samples.
+
+Atomicity: a checkpoint is written under ``iter_XXXXXXX.tmp`` and renamed when every rank has
+finished; the tracker is replaced atomically afterwards. A directory left half-written (a job
+killed during save) keeps its ``.tmp`` name: it is never loaded and is removed by the next save.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron.apertus.model.config import ApertusConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_CONFIG = "apertus_model.json"
+SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+@dataclass
+class TrainingState:
+    """Where a run stands, saved with (and restored from) every checkpoint."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
 
 
 def iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
 
 
-def _model_state(chunks) -> dict:
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-
-
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def save_model(save_dir: str | os.PathLike, iteration: int, chunks, model: ApertusConfig) -> Path:
-    """Save the model chunks of every rank (a collective) and advance the tracker."""
-    final = iteration_dir(save_dir, iteration)
-    tmp = final.with_name(final.name + ".tmp")
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(_model_state(chunks), str(tmp))
-    dist.barrier()
-    if rank0:
-        (tmp / MODEL_CONFIG).write_text(model.to_json())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _atomic_write(Path(save_dir) / TRACKER, f"{iteration}\n")
-    dist.barrier()
-    return final
 
 
 def latest_iteration(load_dir: str | os.PathLike) -> int | None:
@@ -84,16 +77,164 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return resolved
 
 
+def has_checkpoint(path: str | os.PathLike | None) -> bool:
+    return bool(path) and latest_iteration(path) is not None
+
+
 def load_model_config(path: str | os.PathLike) -> ApertusConfig:
     return ApertusConfig.from_dict(
         json.loads((resolve_checkpoint(path) / MODEL_CONFIG).read_text())
     )
 
 
-def load_model(path: str | os.PathLike, chunks) -> Path:
-    """Load weights into this rank's chunks, resharding from whatever layout saved them."""
+# -- state dicts -------------------------------------------------------------------------------
+
+
+def _model_state(chunks) -> dict:
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=SHARDING_METADATA)}
+    return {
+        f"model{i}": c.sharded_state_dict(metadata=SHARDING_METADATA) for i, c in enumerate(chunks)
+    }
+
+
+def _rng_state() -> ShardedObject:
+    """This rank's Python, NumPy, torch and model-parallel RNG states, one entry per rank."""
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    shape = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    offset = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    return ShardedObject("rng_state", state, shape, offset, replica_id=0)
+
+
+def _restore_rng(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _training_state_dict(
+    chunks, optimizer, scheduler, state: TrainingState, *, rng: bool, loading: bool = False
+) -> dict:
+    sharded = _model_state(chunks)
+    if optimizer is not None:
+        merged = {}
+        for part in sharded.values():
+            merged.update(part)
+        # is_loading makes megatron-core create the (still empty) optimizer states to load into.
+        sharded["optimizer"] = optimizer.sharded_state_dict(
+            merged, is_loading=loading, metadata=SHARDING_METADATA
+        )
+    if scheduler is not None:
+        sharded["scheduler"] = scheduler.state_dict()
+    if rng:
+        sharded["rng_state"] = _rng_state()
+    sharded["training_state"] = {
+        "iteration": state.iteration,
+        "consumed_samples": state.consumed_samples,
+    }
+    return sharded
+
+
+# -- save / load -------------------------------------------------------------------------------
+
+
+def save(
+    save_dir: str | os.PathLike,
+    chunks,
+    model: ApertusConfig,
+    state: TrainingState,
+    *,
+    optimizer=None,
+    scheduler=None,
+) -> Path:
+    """Save a complete checkpoint (a collective: every rank calls it) and advance the tracker."""
+    final = iteration_dir(save_dir, state.iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in Path(save_dir).glob("iter_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=optimizer is not None)
+    dist_checkpointing.save(sharded, str(tmp))
+    dist.barrier()
+    if rank0:
+        (tmp / MODEL_CONFIG).write_text(model.to_json())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _atomic_write(Path(save_dir) / TRACKER, f"{state.iteration}\n")
+    dist.barrier()
+    return final
+
+
+def save_model(save_dir: str | os.PathLike, iteration: int, chunks, model: ApertusConfig) -> Path:
+    """Save the model weights only (conversion tools, initial checkpoints)."""
+    return save(save_dir, chunks, model, TrainingState(iteration=iteration))
+
+
+def load(
+    path: str | os.PathLike,
+    chunks,
+    *,
+    optimizer=None,
+    scheduler=None,
+) -> tuple[TrainingState, bool]:
+    """Load a checkpoint into this rank's chunks (and optimizer, scheduler, RNG when given).
+
+    Weights reshard from whatever layout saved them. A weights-only checkpoint (converted or
+    initial) restores the model and leaves the rest fresh. Returns the training state and
+    whether the optimizer state was restored.
+    """
     directory = resolve_checkpoint(path)
-    state = dist_checkpointing.load(_model_state(chunks), str(directory))
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    full = optimizer is not None and _has_optimizer_states(directory)
+    template = _training_state_dict(
+        chunks, optimizer if full else None, None, TrainingState(), rng=full, loading=True
+    )
+    loaded = dist_checkpointing.load(template, str(directory))
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"])
-    return directory
+        chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
+    if full:
+        optimizer.load_state_dict(loaded["optimizer"])
+        _restore_rng(loaded["rng_state"])
+    if full and scheduler is not None and "scheduler" in common:
+        # megatron-core's scheduler keeps the step count and, under --override-opt_param-scheduler,
+        # takes every other value from the current flags.
+        scheduler.load_state_dict(common["scheduler"])
+    saved = common.get("training_state", {})
+    state = TrainingState(
+        iteration=saved.get("iteration", 0), consumed_samples=saved.get("consumed_samples", 0)
+    )
+    return state, full
+
+
+def _has_optimizer_states(directory: Path) -> bool:
+    """Whether the checkpoint holds optimizer moments (weights-only and step-0 checkpoints do
+    not). Decided from the metadata: building a loading template would create empty states."""
+    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    return any(key.startswith("optimizer.") and "exp_avg" in key for key in saved)
+
+
+def load_model(path: str | os.PathLike, chunks) -> Path:
+    """Load weights only (conversion tools)."""
+    load(path, chunks)
+    return resolve_checkpoint(path)

@@ -26,36 +26,93 @@ def _help(text: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
 class TrainingConfig:
     micro_batch_size: int = _help("samples per micro-batch per data-parallel rank", 1)
     global_batch_size: int = _help("samples per optimizer step over all data-parallel ranks", 8)
-    train_iters: int = _help("optimizer steps to run", 100)
+    rampup_batch_size: Optional[list[int]] = _help(
+        "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES", None
+    )
+    train_iters: Optional[int] = _help("optimizer steps to run (or give --train-samples)", None)
+    train_samples: Optional[int] = _help("samples to train on (instead of --train-iters)", None)
     seed: int = _help("seed of initialisation and data order", 1234)
     log_interval: int = _help("iterations between log lines", 10)
     eval_interval: int = _help("iterations between validation passes (0: only at the end)", 0)
     eval_iters: int = _help("validation batches per validation pass", 4)
     device: str = _help("auto, cpu or cuda", "auto")
     precision: str = _help("parameter dtype: fp32, bf16 or fp16", "fp32")
+    exit_signal_handler: bool = _help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
+    trigger_path: Optional[str] = _help("directory watched for 'save' and 'exit' files", None)
+    exit_interval: int = _help("save and stop after this many iterations (0: never)", 0)
+    max_skipped_steps: int = _help("stop after this many consecutive non-finite steps", 5)
+    recompute_granularity: Optional[str] = _help(
+        "activation recomputation: full or selective", None
+    )
+    recompute_method: Optional[str] = _help("full recomputation: uniform or block", None)
+    recompute_num_layers: Optional[int] = _help(
+        "layers per recomputed group (uniform) or count (block)", None
+    )
+    xielu_impl: str = _help("xIELU kernel: auto, cuda, cpu or torch", "auto")
 
-    def num_microbatches(self, dp_size: int) -> int:
-        per_step = self.micro_batch_size * dp_size
-        if self.global_batch_size % per_step:
-            raise ConfigError(
-                f"--global-batch-size ({self.global_batch_size}) is not divisible by "
-                f"--micro-batch-size ({self.micro_batch_size}) x data-parallel size ({dp_size})"
-            )
-        return self.global_batch_size // per_step
+    def __post_init__(self) -> None:
+        if (self.train_iters is None) == (self.train_samples is None):
+            raise ConfigError("give exactly one of --train-iters and --train-samples")
+        if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
+            raise ConfigError("--rampup-batch-size takes three numbers: START INCREMENT SAMPLES")
+        if self.rampup_batch_size is not None and self.train_iters is not None:
+            raise ConfigError("--rampup-batch-size needs --train-samples (the step count varies)")
+
+    def recompute_overrides(self) -> dict:
+        """TransformerConfig fields for activation recomputation."""
+        if self.recompute_granularity is None:
+            return {}
+        return {
+            "recompute_granularity": self.recompute_granularity,
+            "recompute_method": self.recompute_method,
+            "recompute_num_layers": self.recompute_num_layers,
+        }
 
 
 @dataclass(kw_only=True, frozen=True)
 class OptimizerSettings:
-    optimizer: str = _help("adam", "adam")
+    optimizer: str = _help("adam or ademamix", "adam")
     lr: float = _help("peak learning rate", 1e-3)
+    min_lr: float = _help("learning rate at the end of the decay", 0.0)
     weight_decay: float = _help(
         "decoupled weight decay (never on norms, biases, xIELU alphas)", 0.1
     )
     adam_beta1: float = _help("first-moment decay", 0.9)
     adam_beta2: float = _help("second-moment decay", 0.95)
     adam_eps: float = _help("denominator epsilon", 1e-8)
+    ademamix_alpha: float = _help("AdEMAMix: weight of the slow EMA", 8.0)
+    ademamix_beta3: float = _help("AdEMAMix: slow EMA decay", 0.9999)
+    ademamix_alpha_warmup: int = _help("AdEMAMix: steps of linear alpha warmup (0: none)", 0)
+    ademamix_beta3_warmup: int = _help("AdEMAMix: steps of beta3 half-life warmup (0: none)", 0)
     clip_grad: float = _help("global gradient-norm clip (0: off)", 1.0)
     use_distributed_optimizer: bool = _help("shard optimizer state over data-parallel ranks", False)
+    lr_decay_style: str = _help("constant, linear, cosine or WSD", "constant")
+    lr_wsd_decay_style: str = _help("WSD cooldown: 1-sqrt, linear, cosine or exponential", "1-sqrt")
+    lr_warmup_iters: int = _help("linear warmup steps", 0)
+    lr_warmup_samples: int = _help("linear warmup, in samples (instead of --lr-warmup-iters)", 0)
+    lr_decay_iters: Optional[int] = _help("steps of the whole schedule (default: the run's)", None)
+    lr_decay_samples: Optional[int] = _help(
+        "samples of the whole schedule (instead of iters)", None
+    )
+    lr_wsd_decay_iters: int = _help("WSD: steps of the cooldown at the end", 0)
+    lr_wsd_decay_samples: int = _help("WSD: cooldown in samples (instead of iters)", 0)
+    override_opt_param_scheduler: bool = field(
+        default=False,
+        metadata={"help": "on resume take the schedule from these flags, not from the checkpoint",
+                  "aliases": ["--override-opt_param-scheduler"]},
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "ademamix"):
+            raise ConfigError(f"--optimizer must be adam or ademamix, got {self.optimizer!r}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "WSD"):
+            raise ConfigError(f"--lr-decay-style {self.lr_decay_style!r} is not supported")
+        if self.lr_wsd_decay_style not in ("1-sqrt", "linear", "cosine", "exponential"):
+            raise ConfigError(f"--lr-wsd-decay-style {self.lr_wsd_decay_style!r} is not supported")
+        if self.lr_warmup_iters and self.lr_warmup_samples:
+            raise ConfigError("give --lr-warmup-iters or --lr-warmup-samples, not both")
+        if self.lr_wsd_decay_iters and self.lr_wsd_decay_samples:
+            raise ConfigError("give --lr-wsd-decay-iters or --lr-wsd-decay-samples, not both")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -80,6 +137,12 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
+    tensorboard_dir: Optional[str] = _help("write TensorBoard scalars here", None)
+    wandb_project: Optional[str] = _help(
+        "log to this wandb project (WANDB_MODE=offline works)", None
+    )
+    wandb_exp_name: Optional[str] = _help("wandb run name", None)
+    loss_plot: Optional[str] = _help("PNG of the loss curves (default: SAVE/loss.png)", None)
     log_json: Optional[str] = _help(
         "write every logged iteration's loss and grad norm to this JSON file", None
     )
@@ -116,14 +179,14 @@ def add_arguments(
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
-        flag = _flag(prefix + f.name)
+        flags = [_flag(prefix + f.name), *f.metadata.get("aliases", [])]
         kwargs = dict(default=_default(f) if defaults else None, help=f.metadata.get("help", ""))
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
         elif typing.get_origin(kind) is list:
-            group.add_argument(flag, nargs="+", type=typing.get_args(kind)[0], **kwargs)
+            group.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **kwargs)
         else:
-            group.add_argument(flag, type=kind, **kwargs)
+            group.add_argument(*flags, type=kind, **kwargs)
 
 
 def from_arguments(cls: type, args: argparse.Namespace, base: Any = None, prefix: str = "") -> Any:

@@ -1,22 +1,32 @@
-"""The training loop: build, (load), step, log, evaluate, save. Reads like torchtitan's train()."""
+"""The training loop: build, resume, step, log, validate, save, stop. Reads like torchtitan's.
+
+One :class:`Trainer` per process. Every decision that changes what ranks do next (skip a step,
+save, stop) is taken from values all ranks share (all-reduced flags, the replicated grad norm),
+so ranks never diverge.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.optimizer import OptimizerConfig
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    get_current_global_batch_size,
+    get_num_microbatches,
+    init_num_microbatches_calculator,
+    update_num_microbatches,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import parallel
-from megatron.apertus.data.batches import BatchConfig, micro_batches
+from megatron.apertus.data.batches import BatchConfig, step_micro_batches
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
@@ -28,6 +38,7 @@ from megatron.apertus.model.config import (
     dtype_from_name,
 )
 from megatron.apertus.training import checkpoint
+from megatron.apertus.training.checkpoint import TrainingState
 from megatron.apertus.training.config import (
     CheckpointConfig,
     DataConfig,
@@ -35,15 +46,19 @@ from megatron.apertus.training.config import (
     OptimizerSettings,
     TrainingConfig,
 )
-from megatron.apertus.training.step import (
-    StepShape,
-    build_optimizer,
-    forward_step,
-    train_step,
-    wrap_ddp,
+from megatron.apertus.training.metrics import (
+    Metrics,
+    device_peak_tflops,
+    flops_per_token,
+    perplexity,
 )
+from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
+from megatron.apertus.training.signals import StopRequests
+from megatron.apertus.training.step import StepResult, StepShape, forward_step, train_step, wrap_ddp
 
 log = logging.getLogger("apertus")
+METRICS_FILE = "metrics.json"
+"""The recorded history, kept beside the checkpoints so a resumed run continues its curves."""
 
 
 @dataclass(kw_only=True)
@@ -59,95 +74,8 @@ class RunConfig:
     logging: LoggingConfig
 
 
-def _optimizer_config(settings: OptimizerSettings, precision: str) -> OptimizerConfig:
-    if settings.optimizer != "adam":
-        raise ConfigError(f"--optimizer {settings.optimizer!r} is not supported; use adam")
-    return OptimizerConfig(
-        optimizer="adam",
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        adam_beta1=settings.adam_beta1,
-        adam_beta2=settings.adam_beta2,
-        adam_eps=settings.adam_eps,
-        clip_grad=settings.clip_grad,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        params_dtype=dtype_from_name(precision),
-        use_distributed_optimizer=settings.use_distributed_optimizer,
-    )
-
-
-def _tokenizer(cfg: RunConfig) -> Tokenizer:
-    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"--vocab-size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-            f"vocabulary ({tokenizer.vocab_size})"
-        )
-    return tokenizer
-
-
-def _num_evaluations(training: TrainingConfig) -> int:
-    if not training.eval_interval:
-        return 1
-    return training.train_iters // training.eval_interval + 2  # + step 0 and the end
-
-
-def _datasets(cfg: RunConfig, tokenizer: Tokenizer):
-    t = cfg.training
-    num_samples = (
-        t.train_iters * t.global_batch_size,
-        _num_evaluations(t) * t.eval_iters * t.global_batch_size,
-        0,
-    )
-    train, valid, _ = build_datasets(
-        cfg.dataset,
-        tokenizer,
-        seq_length=cfg.model.seq_length,
-        seed=t.seed,
-        num_samples=num_samples,
-    )
-    return train, valid
-
-
-def _iterators(dataset, cfg: RunConfig, batch: BatchConfig, n_chunks: int) -> list:
-    """One micro-batch iterator per model chunk (interleaved schedules consume them apart)."""
-    kwargs = dict(
-        global_batch_size=cfg.training.global_batch_size,
-        micro_batch_size=cfg.training.micro_batch_size,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
-    )
-    return [micro_batches(dataset, batch, **kwargs) for _ in range(n_chunks)]
-
-
-def evaluate(model, dataset, cfg: RunConfig, batch: BatchConfig, shape: StepShape) -> float | None:
-    """Mean validation loss per token over ``eval_iters`` global batches (last stage only)."""
-    if cfg.training.eval_iters == 0 or dataset is None:
-        return None
-    for chunk in model:
-        chunk.eval()
-    iterators = _iterators(dataset, cfg, batch, len(model))
-    sums = []
-    with torch.no_grad():
-        for _ in range(cfg.training.eval_iters):
-            losses = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterators[0] if len(model) == 1 else iterators,
-                model=model,
-                num_microbatches=shape.num_microbatches,
-                seq_length=shape.seq_length,
-                micro_batch_size=shape.micro_batch_size,
-                forward_only=True,
-            )
-            sums.extend(entry["lm loss"] for entry in losses)
-    for chunk in model:
-        chunk.train()
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    total = torch.stack(sums).double().sum(0)
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return (total[0] / total[1]).item()
+class TrainingStopped(RuntimeError):
+    """Too many consecutive non-finite steps; the last good state was saved."""
 
 
 def _is_reporting_rank() -> bool:
@@ -159,100 +87,295 @@ def _is_reporting_rank() -> bool:
     )
 
 
-def _log_step(iteration: int, cfg: RunConfig, result, lr: float, tokens_per_s: float) -> None:
-    norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.4f}"
-    line = (
-        f"iteration {iteration:6d}/{cfg.training.train_iters} | "
-        f"consumed samples {iteration * cfg.training.global_batch_size} | lr {lr:.3e} | "
-        f"lm loss {result.loss:.5f} | grad norm {norm} | tokens/s/device {tokens_per_s:.0f}"
-    )
-    if result.goldfish_fraction is not None:
-        line += f" | goldfish dropped {100 * result.goldfish_fraction:.2f}%"
-    log.info(line)
+class Trainer:
+    def __init__(self, cfg: RunConfig, hooks: dict | None = None) -> None:
+        self.cfg = cfg
+        self.hooks = hooks or {}
+        self.device_name = parallel.resolve_device(cfg.training.device)
+        self.dp = parallel.initialize(
+            cfg.parallel, device=self.device_name, seed=cfg.training.seed, model=cfg.model
+        )
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.device_name == "cuda"
+            else torch.device("cpu")
+        )
+        t = cfg.training
+        init_num_microbatches_calculator(
+            0, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, self.dp
+        )
+        self.tokenizer = self._tokenizer()
+        self.batch = BatchConfig(
+            eod=self.tokenizer.eod,
+            pack_documents=cfg.dataset.reset_attention_mask,
+            goldfish=cfg.goldfish if cfg.data.goldfish_loss else None,
+        )
+        self.train_data, self.valid_data = self._datasets()
+        self.model = self._build_model()
+        self.optimizer, self.scheduler = build_optimizer_and_scheduler(
+            self.model, cfg.optimizer, cfg.training, precision=t.precision
+        )
+        self.state = self._resume()
+        self.stop = StopRequests(handle_signals=t.exit_signal_handler, trigger_path=t.trigger_path)
+        self.metrics = Metrics(
+            tensorboard_dir=cfg.logging.tensorboard_dir if _is_reporting_rank() else None,
+            wandb_project=cfg.logging.wandb_project if _is_reporting_rank() else None,
+            wandb_exp_name=cfg.logging.wandb_exp_name,
+            config={k: asdict(v) for k, v in vars(cfg).items()},
+        )
+        if cfg.checkpoint.load and self.state.iteration > 0:
+            self.metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, self.state.iteration)
+        self.skipped_in_a_row = 0
 
+    # -- setup -----------------------------------------------------------------------------------
 
-def _validate(model, dataset, cfg, batch, shape, iteration: int, history: dict) -> None:
-    loss = evaluate(model, dataset, cfg, batch, shape)
-    if loss is None:
-        return
-    history.setdefault("validation", []).append({"iteration": iteration, "loss": loss})
-    if _is_reporting_rank():
-        log.info(
-            f"validation at iteration {iteration} | lm loss {loss:.5f} | ppl {math.exp(min(loss, 50)):.2f}"
+    def _tokenizer(self) -> Tokenizer:
+        tokenizer = build_tokenizer(self.cfg.data.tokenizer_type, self.cfg.data.tokenizer_model)
+        if tokenizer.vocab_size > self.cfg.model.vocab_size:
+            raise ConfigError(
+                f"--vocab-size ({self.cfg.model.vocab_size}) is smaller than the tokenizer's "
+                f"vocabulary ({tokenizer.vocab_size})"
+            )
+        return tokenizer
+
+    def total_samples(self) -> int:
+        t = self.cfg.training
+        return (
+            t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
         )
 
+    def _datasets(self):
+        t = self.cfg.training
+        evaluations = (self.total_samples() // t.global_batch_size) // max(t.eval_interval, 1) + 2
+        num_samples = (self.total_samples(), evaluations * t.eval_iters * t.global_batch_size, 0)
+        train, valid, _ = build_datasets(self.cfg.dataset, self.tokenizer, seq_length=self.cfg.model.seq_length,
+                                         seed=t.seed, num_samples=num_samples)  # fmt: skip
+        return train, valid
 
-def _build(cfg: RunConfig, device: str):
-    tconfig = transformer_config(
-        cfg.model,
-        cfg.parallel,
-        params_dtype=dtype_from_name(cfg.training.precision),
-        use_cpu_initialization=device == "cpu",
-    )
-    chunks = build_model(cfg.model, tconfig)
-    if cfg.checkpoint.load:
-        checkpoint.load_model(cfg.checkpoint.load, chunks)
-    if tconfig.bf16 or tconfig.fp16:
-        # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
-        chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
-    model = wrap_ddp(
-        chunks, tconfig, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer
-    )
-    optimizer = build_optimizer(model, _optimizer_config(cfg.optimizer, cfg.training.precision))
-    return model, optimizer
+    def _build_model(self):
+        cfg = self.cfg
+        tconfig = transformer_config(
+            cfg.model,
+            cfg.parallel,
+            params_dtype=dtype_from_name(cfg.training.precision),
+            use_cpu_initialization=self.device_name == "cpu",
+            **cfg.training.recompute_overrides(),
+        )
+        chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl)
+        if tconfig.bf16 or tconfig.fp16:
+            # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
+            chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
+        return wrap_ddp(
+            chunks, tconfig, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer
+        )
 
+    def _chunks(self):
+        return [ddp.module for ddp in self.model]
 
-def _save(cfg: RunConfig, iteration: int, model) -> None:
-    checkpoint.save_model(cfg.checkpoint.save, iteration, [m.module for m in model], cfg.model)
+    def _resume(self) -> TrainingState:
+        """Continue from --load (its latest complete checkpoint), or start fresh."""
+        source = self.cfg.checkpoint.load
+        if not source:
+            return TrainingState()
+        state, full = checkpoint.load(
+            source, self._chunks(), optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        if not full:  # weights only: the optimizer's fp32 main params must follow the new weights
+            self.optimizer.reload_model_params()
+        update_num_microbatches(state.consumed_samples, consistency_check=False)
+        if _is_reporting_rank():
+            log.info(f"resumed from {checkpoint.resolve_checkpoint(source)} at iteration {state.iteration}, "
+                     f"{state.consumed_samples} samples consumed")  # fmt: skip
+        return state
 
+    # -- one step --------------------------------------------------------------------------------
 
-def train(cfg: RunConfig) -> dict:
-    """Run training as configured; returns the logged history (losses on the last stage)."""
-    device = parallel.resolve_device(cfg.training.device)
-    dp = parallel.initialize(cfg.parallel, device=device, seed=cfg.training.seed, model=cfg.model)
-    tokenizer = _tokenizer(cfg)
-    train_data, valid_data = _datasets(cfg, tokenizer)
-    batch = BatchConfig(
-        eod=tokenizer.eod,
-        pack_documents=cfg.dataset.reset_attention_mask,
-        goldfish=cfg.goldfish if cfg.data.goldfish_loss else None,
-    )
-    shape = StepShape.of(cfg.training, cfg.model.seq_length, dp, packed=batch.pack_documents)
-    model, optimizer = _build(cfg, device)
-    iterators = _iterators(train_data, cfg, batch, len(model))
+    def _shape(self) -> StepShape:
+        mbs, seq = self.cfg.training.micro_batch_size, self.cfg.model.seq_length
+        packed = self.batch.pack_documents
+        return StepShape(
+            num_microbatches=get_num_microbatches(),
+            seq_length=seq * mbs if packed else seq,
+            micro_batch_size=1 if packed else mbs,
+        )
 
-    history: dict = {"iteration": [], "loss": [], "grad_norm": []}
-    tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_length
-    world = torch.distributed.get_world_size()
-    t = cfg.training
-    if t.eval_interval:
-        _validate(model, valid_data, cfg, batch, shape, 0, history)
-    for iteration in range(1, t.train_iters + 1):
-        start = time.perf_counter()
-        result = train_step(model, optimizer, iterators, shape)
-        elapsed = time.perf_counter() - start
+    def _iterators(self, dataset, consumed: int, global_batch: int) -> list:
+        batches = step_micro_batches(
+            dataset,
+            self.batch,
+            consumed_samples=consumed,
+            global_batch_size=global_batch,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=self.dp,
+        )
+        return [iter(batches) for _ in self.model]
+
+    def step(self) -> StepResult:
+        global_batch = get_current_global_batch_size()
+        iterators = self._iterators(self.train_data, self.state.consumed_samples, global_batch)
+        result = train_step(self.model, self.optimizer, iterators, self._shape(),
+                            grad_hook=self.hooks.get("grads"), iteration=self.state.iteration + 1)  # fmt: skip
+        self.state.iteration += 1
+        self.state.consumed_samples += global_batch
+        if not result.skipped:
+            self.scheduler.step(increment=global_batch)
+        update_num_microbatches(self.state.consumed_samples, consistency_check=False)
+        return result
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    def _report(self, result: StepResult, seconds: float, global_batch: int) -> None:
+        it = self.state.iteration
         if result.loss is not None:
-            if not math.isfinite(result.loss):
-                raise FloatingPointError(f"iteration {iteration}: loss is {result.loss}")
-            history["iteration"].append(iteration)
-            history["loss"].append(result.loss)
-            history["grad_norm"].append(result.grad_norm)
-            if result.goldfish_fraction is not None:
-                history.setdefault("goldfish_fraction", []).append(result.goldfish_fraction)
-            if _is_reporting_rank() and (iteration % t.log_interval == 0 or iteration == 1):
-                lr = optimizer.param_groups[0]["lr"]
-                _log_step(iteration, cfg, result, lr, tokens_per_step / elapsed / world)
-        if cfg.checkpoint.save and cfg.checkpoint.save_interval:
-            if iteration % cfg.checkpoint.save_interval == 0:
-                _save(cfg, iteration, model)
-        if t.eval_interval and iteration % t.eval_interval == 0:
-            _validate(model, valid_data, cfg, batch, shape, iteration, history)
+            self.metrics.record("train/loss", it, result.loss)
+        if result.grad_norm is not None and math.isfinite(result.grad_norm):
+            self.metrics.record("train/grad_norm", it, result.grad_norm)
+        if result.goldfish_fraction is not None:
+            self.metrics.record("train/goldfish_dropped", it, result.goldfish_fraction)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.metrics.record("train/lr", it, lr)
+        if not _is_reporting_rank() or not (it % self.cfg.training.log_interval == 0 or it == 1):
+            return
+        tokens_s = (
+            global_batch * self.cfg.model.seq_length / seconds / torch.distributed.get_world_size()
+        )
+        norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.4f}"
+        loss = "n/a" if result.loss is None else f"{result.loss:.5f}"
+        line = (f"iteration {it:6d} | consumed samples {self.state.consumed_samples} | lr {lr:.3e} | "
+                f"global batch {global_batch} | lm loss {loss} | grad norm {norm} | "
+                f"skipped {self.skipped_in_a_row} | tokens/s/device {tokens_s:.0f}")  # fmt: skip
+        peak = device_peak_tflops()
+        if peak is not None:
+            tflops = tokens_s * flops_per_token(self.cfg.model) / 1e12
+            line += f" | TFLOP/s/device {tflops:.1f} | MFU {100 * tflops / peak:.1f}%"
+        if result.goldfish_fraction is not None:
+            line += f" | goldfish dropped {100 * result.goldfish_fraction:.2f}%"
+        log.info(line)
 
-    if not (t.eval_interval and t.train_iters % t.eval_interval == 0 and t.train_iters > 0):
-        _validate(model, valid_data, cfg, batch, shape, t.train_iters, history)
-    if cfg.checkpoint.save:
-        _save(cfg, t.train_iters, model)
-    if cfg.logging.log_json and _is_reporting_rank():
-        Path(cfg.logging.log_json).write_text(json.dumps(history, indent=1))
-    parallel.shutdown()
-    return history
+    def evaluate(self) -> float | None:
+        """Mean validation loss per token over ``--eval-iters`` global batches."""
+        t = self.cfg.training
+        if t.eval_iters == 0 or self.valid_data is None:
+            return None
+        for chunk in self.model:
+            chunk.eval()
+        sums = []
+        global_batch = get_current_global_batch_size()
+        with torch.no_grad():
+            for i in range(t.eval_iters):
+                iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
+                shape = self._shape()
+                losses = get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iterators[0] if len(self.model) == 1 else iterators,
+                    model=self.model,
+                    num_microbatches=shape.num_microbatches,
+                    seq_length=shape.seq_length,
+                    micro_batch_size=shape.micro_batch_size,
+                    forward_only=True,
+                )
+                sums.extend(entry["lm loss"] for entry in losses)
+        for chunk in self.model:
+            chunk.train()
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        total = torch.stack(sums).double().sum(0)
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        return (total[0] / total[1]).item()
+
+    def validate(self) -> None:
+        loss = self.evaluate()
+        if loss is None:
+            return
+        self.metrics.record("valid/loss", self.state.iteration, loss)
+        if _is_reporting_rank():
+            log.info(f"validation at iteration {self.state.iteration} | lm loss {loss:.5f} | "
+                     f"ppl {perplexity(loss):.2f}")  # fmt: skip
+
+    def save(self) -> None:
+        if not self.cfg.checkpoint.save:
+            return
+        path = checkpoint.save(self.cfg.checkpoint.save, self._chunks(), self.cfg.model, self.state,
+                               optimizer=self.optimizer, scheduler=self.scheduler)  # fmt: skip
+        if _is_reporting_rank():
+            self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)
+            log.info(f"saved checkpoint {path}")
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _finished(self) -> bool:
+        t = self.cfg.training
+        if t.train_iters is not None:
+            return self.state.iteration >= t.train_iters
+        return self.state.consumed_samples >= t.train_samples
+
+    def _check_finite(self, result: StepResult) -> None:
+        """Skipped steps leave the weights untouched; too many in a row stop the run."""
+        if not result.skipped:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        if _is_reporting_rank():
+            log.warning(f"iteration {self.state.iteration}: non-finite loss or gradient norm "
+                        f"({result.loss}, {result.grad_norm}); step skipped "
+                        f"({self.skipped_in_a_row} in a row)")  # fmt: skip
+        if self.skipped_in_a_row >= self.cfg.training.max_skipped_steps:
+            self.save()
+            raise TrainingStopped(
+                f"{self.skipped_in_a_row} consecutive steps had a non-finite loss or gradient norm "
+                f"(--max-skipped-steps {self.cfg.training.max_skipped_steps}); stopped at iteration "
+                f"{self.state.iteration} with the last good weights saved"
+                + (f" to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save else "")
+            )
+
+    def run(self) -> dict:
+        t = self.cfg.training
+        if t.eval_interval and self.state.iteration == 0:
+            self.validate()
+        while not self._finished():
+            global_batch = get_current_global_batch_size()
+            start = time.perf_counter()
+            result = self.step()
+            self._report(result, time.perf_counter() - start, global_batch)
+            self._check_finite(result)
+            it = self.state.iteration
+            if t.eval_interval and it % t.eval_interval == 0:
+                self.validate()
+            requests = self.stop.poll(self.device)
+            interval = self.cfg.checkpoint.save_interval
+            exit_now = requests.exit or bool(t.exit_interval and it % t.exit_interval == 0)
+            if requests.save or exit_now or (interval and it % interval == 0):
+                self.save()
+            if exit_now:
+                return self._close(completed=False)
+        if not (t.eval_interval and self.state.iteration % t.eval_interval == 0):
+            self.validate()
+        if not (
+            self.cfg.checkpoint.save_interval
+            and self.state.iteration % self.cfg.checkpoint.save_interval == 0
+        ):
+            self.save()
+        return self._close(completed=True)
+
+    def _close(self, *, completed: bool) -> dict:
+        plot = self.cfg.logging.loss_plot
+        if plot is None and self.cfg.checkpoint.save:
+            plot = str(Path(self.cfg.checkpoint.save) / "loss.png")
+        if _is_reporting_rank():
+            self.metrics.close(self.cfg.logging.log_json, plot)
+        self.metrics.history["completed"] = completed
+        return self.metrics.history
+
+    def shutdown(self) -> None:
+        destroy_num_microbatches_calculator()
+        parallel.shutdown()
+
+
+def train(cfg: RunConfig, hooks: dict | None = None) -> dict:
+    """Run training as configured; returns the recorded history (losses on the last stage)."""
+    trainer = Trainer(cfg, hooks)
+    try:
+        return trainer.run()
+    finally:
+        trainer.shutdown()

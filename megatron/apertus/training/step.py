@@ -8,16 +8,18 @@ masked positions all give the same gradient as one big batch would.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -32,16 +34,6 @@ class StepShape:
     num_microbatches: int
     seq_length: int
     micro_batch_size: int
-
-    @classmethod
-    def of(cls, training, seq_length: int, dp_size: int, *, packed: bool) -> "StepShape":
-        """Packed micro-batches travel as one [1, b*s] sequence between pipeline stages."""
-        mbs = training.micro_batch_size
-        return cls(
-            num_microbatches=training.num_microbatches(dp_size),
-            seq_length=seq_length * mbs if packed else seq_length,
-            micro_batch_size=1 if packed else mbs,
-        )
 
 
 @dataclass(kw_only=True)
@@ -70,11 +62,10 @@ def wrap_ddp(
     ]
 
 
-def build_optimizer(
-    model: list[DistributedDataParallel], optimizer_config: OptimizerConfig
+def install_schedule_hooks(
+    model: list[DistributedDataParallel], optimizer: MegatronOptimizer
 ) -> MegatronOptimizer:
-    """megatron-core's optimizer over all chunks, and the hooks its schedules need."""
-    optimizer = get_megatron_optimizer(optimizer_config, model)
+    """The hooks megatron-core's schedules call: grad finalisation, loss scaling, no_sync."""
     config = model[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -128,16 +119,53 @@ def _reduce(losses: list[dict], key: str) -> torch.Tensor | None:
     return total
 
 
+def _all_finite(loss: torch.Tensor | None, device: torch.device) -> bool:
+    """Whether the loss (known on the last stage only) is finite, agreed by every rank."""
+    bad = torch.zeros(1, device=device)
+    if loss is not None and not torch.isfinite(loss).all():
+        bad += 1
+    torch.distributed.all_reduce(bad)
+    return bad.item() == 0
+
+
+def _clip(optimizer: MegatronOptimizer, max_norm: float, total_norm: float) -> None:
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for part in parts:
+        params = part.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
+
+
+def optimizer_step(optimizer: MegatronOptimizer, loss_finite: bool) -> tuple[bool, float]:
+    """megatron-core's step, except that a non-finite loss or gradient norm skips the update.
+
+    The gradient norm is all-reduced over the model-parallel group, so every rank takes the
+    same decision. A skipped step leaves weights and optimizer state untouched.
+    """
+    found_inf = optimizer.prepare_grads()
+    grad_norm = optimizer.get_grad_norm()
+    if found_inf or not loss_finite or not math.isfinite(grad_norm):
+        return False, grad_norm
+    clip = optimizer.config.clip_grad
+    if clip > 0:
+        _clip(optimizer, clip, grad_norm)
+    return optimizer.step_with_ready_grads(), grad_norm
+
+
 def train_step(
     model: list[DistributedDataParallel],
     optimizer: MegatronOptimizer,
     data_iterators: list[Iterator[Batch]],
     shape: StepShape,
+    *,
+    grad_hook: Callable | None = None,
+    iteration: int = 0,
 ) -> StepResult:
     """Forward and backward over ``num_microbatches``, then one optimizer step.
 
     ``data_iterators`` holds one iterator per model chunk (interleaved pipeline schedules run
     the chunks' micro-batches in their own orders), each over the same samples.
+    ``grad_hook(iteration, model)`` runs after the backward pass (tests inject faults there).
     """
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -151,16 +179,17 @@ def train_step(
         micro_batch_size=shape.micro_batch_size,
         forward_only=False,
     )
-    update_successful, grad_norm, _ = optimizer.step()
+    if grad_hook is not None:
+        grad_hook(iteration, model)
     loss, goldfish = _reduce(losses, "lm loss"), _reduce(losses, "goldfish")
+    device = next(model[0].parameters()).device
+    updated, grad_norm = optimizer_step(optimizer, _all_finite(loss, device))
     if loss is None:
-        return StepResult(
-            loss=None, num_tokens=None, grad_norm=grad_norm, skipped=not update_successful
-        )
+        return StepResult(loss=None, num_tokens=None, grad_norm=grad_norm, skipped=not updated)
     return StepResult(
         loss=(loss[0] / loss[1].clamp(min=1)).item(),
         num_tokens=int(loss[1].item()),
         grad_norm=grad_norm,
-        skipped=not update_successful,
+        skipped=not updated,
         goldfish_fraction=(goldfish[0] / goldfish[1]).item() if goldfish[1] > 0 else None,
     )

@@ -1,0 +1,74 @@
+"""The training loop's guards and outputs: NaN skipping and stopping, batch ramp-up, logs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.apertus.training import checkpoint
+from megatron.apertus.training.loop import TrainingStopped, train
+from tests.conftest import PRETRAIN, read_json, run_entry, series
+
+BASE = ["--model-preset", "tiny", "--global-batch-size", "4", "--micro-batch-size", "2",
+        "--eval-iters", "1", "--log-interval", "1", "--lr", "3e-3"]  # fmt: skip
+
+
+def poison(at: set[int]):
+    """A grad hook that writes NaN into one gradient at the given iterations."""
+
+    def hook(iteration: int, model) -> None:
+        if iteration in at:
+            next(model[0].parameters()).main_grad.view(-1)[0] = math.nan
+
+    return hook
+
+
+def test_nan_gradient_skips_the_step_and_training_goes_on(tmp_path):
+    snapshots = {}
+
+    def hook(iteration, model):
+        snapshots[iteration] = [p.detach().clone() for p in model[0].parameters()]
+        poison({2})(iteration, model)
+
+    cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "4", "--save", str(tmp_path)])
+    history = train(cfg, hooks={"grads": hook})
+    norms = dict(history["train/grad_norm"])
+    assert set(norms) == {1, 3, 4}, "the poisoned step has no finite norm to record"
+    # Weights seen at iteration 3 equal those at iteration 2: the update of step 2 was skipped.
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3]))
+    assert not all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2]))
+    assert history["completed"]
+
+
+def test_repeated_nan_stops_with_the_last_good_state_saved(tmp_path):
+    cfg = pretrain_gpt.parse_args(
+        BASE + ["--train-iters", "8", "--save", str(tmp_path), "--max-skipped-steps", "3"]
+    )
+    with pytest.raises(TrainingStopped, match="3 consecutive steps") as err:
+        train(cfg, hooks={"grads": poison({3, 4, 5, 6, 7, 8})})
+    assert str(tmp_path) in str(err.value)
+    assert checkpoint.latest_iteration(tmp_path) == 5  # iterations 3-5 skipped: weights of step 2
+
+
+def test_batch_size_ramp_up_and_sample_based_length(tmp_path):
+    log = tmp_path / "history.json"
+    proc = run_entry(PRETRAIN, BASE + ["--rampup-batch-size", "2", "2", "8", "--train-samples", "20",
+                                       "--micro-batch-size", "1", "--log-json", str(log)])  # fmt: skip
+    batches = [int(line.split("| global batch ")[1].split(" ")[0]) for line in proc.stdout.splitlines()
+               if "| global batch " in line]  # fmt: skip
+    assert batches == [2, 2, 2, 2, 4, 4, 4], batches
+    assert "consumed samples 20" in proc.stdout
+
+
+def test_tensorboard_plot_and_json(tmp_path):
+    run_entry(PRETRAIN, BASE + ["--train-iters", "3", "--eval-interval", "3", "--save", str(tmp_path / "ckpt"),
+                                "--tensorboard-dir", str(tmp_path / "tb"), "--log-json", str(tmp_path / "h.json")])  # fmt: skip
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    png = (tmp_path / "ckpt" / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    history = read_json(tmp_path / "h.json")
+    assert series(history, "train/loss")[0] == [1, 2, 3]
+    assert series(history, "valid/loss")[0] == [0, 3]

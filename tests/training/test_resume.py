@@ -1,0 +1,175 @@
+"""Checkpoints: exact resume (1 process, TP=2, PP=2), other layouts, signals, interrupted saves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.apertus import parallel
+from megatron.apertus.model import ParallelConfig, transformer_config
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.training import checkpoint
+from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+
+ITERS = 6
+COMMON = [
+    "--model-preset", "tiny", "--seed", "11", "--lr", "3e-3", "--global-batch-size", "4",
+    "--micro-batch-size", "2", "--eval-iters", "1", "--log-interval", "1",
+    "--train-iters", str(ITERS), "--lr-decay-style", "WSD", "--lr-warmup-iters", "2",
+    "--lr-wsd-decay-iters", "2", "--goldfish-loss", "--reset-position-ids", "--reset-attention-mask",
+]  # fmt: skip
+
+
+def final_weights(save_dir: Path) -> dict[str, torch.Tensor]:
+    """The saved model, loaded into a one-process TP=1/PP=1 model on CPU."""
+    model_config = checkpoint.load_model_config(save_dir)
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
+    try:
+        chunk = build_model(model_config, transformer_config(model_config, ParallelConfig(),
+                                                             use_cpu_initialization=True))[0]  # fmt: skip
+        checkpoint.load_model(save_dir, [chunk])
+        return {k: v.clone() for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
+    finally:
+        parallel.shutdown()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    run_entry(
+        PRETRAIN, COMMON + ["--save", str(root / "full"), "--log-json", str(root / "full.json")]
+    )
+    return root, series(read_json(root / "full.json"), "train/loss"), final_weights(root / "full")
+
+
+def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tuple[list, dict]:
+    save = root / name
+    run_entry(PRETRAIN, COMMON + extra + ["--save", str(save), "--exit-interval", "3",
+                                          "--log-json", str(root / f"{name}-a.json")], nproc=nproc)  # fmt: skip
+    assert checkpoint.latest_iteration(save) == 3
+    run_entry(PRETRAIN, COMMON + extra + ["--save", str(save), "--load", str(save),
+                                          "--log-json", str(root / f"{name}-b.json")], nproc=nproc)  # fmt: skip
+    first = series(read_json(root / f"{name}-a.json"), "train/loss")
+    whole = series(read_json(root / f"{name}-b.json"), "train/loss")  # the history continues
+    assert whole[1][:3] == first[1]
+    return whole, final_weights(save)
+
+
+@pytest.mark.parametrize(
+    "name, extra, nproc",
+    [("one-process", [], 1),
+     ("tp2", ["--tensor-model-parallel-size", "2"], 2),
+     ("pp2", ["--pipeline-model-parallel-size", "2"], 2)],
+)  # fmt: skip
+def test_stop_and_resume_is_bitwise_identical(uninterrupted, name, extra, nproc):
+    root, (ref_steps, ref_losses), ref_weights = uninterrupted
+    if nproc == 1:
+        expected_losses, expected_weights = ref_losses, ref_weights
+    else:  # the same layout uninterrupted, for a bitwise comparison
+        run_entry(PRETRAIN, COMMON + extra + ["--save", str(root / f"{name}-full"),
+                                              "--log-json", str(root / f"{name}-full.json")], nproc=nproc)  # fmt: skip
+        expected_losses = series(read_json(root / f"{name}-full.json"), "train/loss")[1]
+        expected_weights = final_weights(root / f"{name}-full")
+    (steps, losses), weights = interrupted_run(root, name, extra, nproc)
+    assert steps == ref_steps == list(range(1, ITERS + 1))
+    assert losses == expected_losses, "every logged loss must be bitwise equal"
+    assert weights.keys() == expected_weights.keys()
+    for key, value in weights.items():
+        assert torch.equal(value, expected_weights[key]), key
+
+
+def test_resume_in_another_layout(uninterrupted):
+    """A TP=1 checkpoint (model, optimizer, scheduler) continues under TP=2 on the same trajectory."""
+    root, (_, ref_losses), _ = uninterrupted
+    save = root / "relayout"
+    run_entry(PRETRAIN, COMMON + ["--save", str(save), "--exit-interval", "3"])
+    run_entry(PRETRAIN, COMMON + ["--save", str(save), "--load", str(save), "--tensor-model-parallel-size", "2",
+                                  "--log-json", str(root / "relayout.json")], nproc=2)  # fmt: skip
+    steps, losses = series(read_json(root / "relayout.json"), "train/loss")
+    assert steps == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, str(PRETRAIN), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str, lines: list[str]) -> None:
+    for line in proc.stdout:
+        lines.append(line)
+        if needle in line:
+            return
+    raise AssertionError(f"process ended before printing {needle!r}:\n{''.join(lines[-30:])}")
+
+
+def test_sigusr2_saves_exits_zero_and_resumes_on_the_same_trajectory(uninterrupted):
+    root, (ref_steps, ref_losses), _ = uninterrupted
+    save = root / "signal"
+    slow = COMMON + [
+        "--save",
+        str(save),
+        "--exit-signal-handler",
+        "--log-json",
+        str(root / "signal-a.json"),
+    ]
+    proc = _start(slow)
+    lines: list[str] = []
+    _wait_for_line(proc, "iteration      2 |", lines)
+    proc.send_signal(signal.SIGUSR2)
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=300) == 0, "".join(lines[-30:])
+    stopped_at = checkpoint.latest_iteration(save)
+    assert stopped_at is not None and 2 <= stopped_at < ITERS, "".join(lines[-30:])
+    assert "exit requested by signal SIGUSR2" in "".join(lines)
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + ["--save", str(save), "--load", str(save), "--log-json", str(root / "signal-b.json")],
+    )
+    steps, losses = series(read_json(root / "signal-b.json"), "train/loss")
+    assert steps == ref_steps
+    assert losses == ref_losses
+
+
+def test_half_written_checkpoint_is_ignored(uninterrupted):
+    root, (_, ref_losses), _ = uninterrupted
+    save = root / "killed"
+    run_entry(PRETRAIN, COMMON + ["--save", str(save), "--exit-interval", "3"])
+    # A save killed with -9: start a run that saves every step and kill it as soon as a
+    # checkpoint directory is being written.
+    proc = _start(COMMON + ["--save", str(save), "--load", str(save), "--save-interval", "1"])
+    deadline = time.time() + 300
+    while not list(save.glob("iter_*.tmp")):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before saving"
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    half = list(save.glob("iter_*.tmp"))
+    assert half, "the kill must leave a half-written directory behind"
+    resumed_from = checkpoint.latest_iteration(save)
+    assert (
+        resumed_from is not None
+        and (save / f"iter_{resumed_from:07d}" / checkpoint.MODEL_CONFIG).is_file()
+    )
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + ["--save", str(save), "--load", str(save), "--log-json", str(root / "killed.json")],
+    )
+    steps, losses = series(read_json(root / "killed.json"), "train/loss")
+    assert steps == list(range(1, ITERS + 1))
+    assert losses[resumed_from:] == ref_losses[resumed_from:]
+    assert not list(save.glob("iter_*.tmp")), "the next save removes the half-written directory"
+    shutil.rmtree(save)
