@@ -98,6 +98,14 @@ def _model_state(chunks) -> dict:
     }
 
 
+def _layout() -> list[int]:
+    return [
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+    ]
+
+
 def _rng_state() -> ShardedObject:
     """This rank's Python, NumPy, torch and model-parallel RNG states, one entry per rank."""
     state = {
@@ -107,11 +115,7 @@ def _rng_state() -> ShardedObject:
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    shape = (
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_data_parallel_world_size(),
-    )
+    shape = tuple(_layout())
     offset = (
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_rank(),
@@ -207,14 +211,18 @@ def load(
     directory = resolve_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     full = optimizer is not None and _has_optimizer_states(directory)
+    # RNG states are per rank; in another layout they have no owner and the run keeps its seeds.
+    same_layout = common.get("training_state", {}).get("layout") == _layout()
     template = _training_state_dict(
-        chunks, optimizer if full else None, None, TrainingState(), rng=full, loading=True
-    )
+        chunks, optimizer if full else None, None, TrainingState(), rng=full and same_layout,
+        loading=True,
+    )  # fmt: skip
     loaded = dist_checkpointing.load(template, str(directory))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
     if full:
         optimizer.load_state_dict(loaded["optimizer"])
+    if "rng_state" in loaded:
         _restore_rng(loaded["rng_state"])
     if full and scheduler is not None and "scheduler" in common:
         # megatron-core's scheduler keeps the step count and, under --override-opt_param-scheduler,
