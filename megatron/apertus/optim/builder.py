@@ -1,0 +1,176 @@
+"""The optimizer over DDP-wrapped model chunks: megatron-core's Adam, or AdEMAMix in its wrappers.
+
+megatron-core 0.16.1's ``get_megatron_optimizer`` knows adam and sgd only and has no hook for
+another inner optimizer, so for AdEMAMix we repeat its dense-model path with megatron-core's own
+pieces: the same param groups (``_get_param_groups_and_buffers``: weight decay off for every 1-D
+parameter and every bias, i.e. norms, QK-norms and xIELU's shape-[1] ``alpha_p``/``alpha_n``),
+the same process groups, and the same wrappers (``FP32Optimizer``,
+``Float16OptimizerWithFloat16Params``, or the distributed optimizer, here
+:class:`AdEMAMixDistributedOptimizer`), returned in a ``ChainedOptimizer`` as megatron-core does.
+
+In both cases each group's ``weight_decay`` is set to ``weight_decay * wd_mult`` at once:
+megatron-core leaves that to the first step of ``OptimizerParamScheduler``, so without a scheduler
+its Adam decays norms too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron.core import parallel_state
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    OptimizerConfig,
+    _get_param_groups_and_buffers,
+    get_megatron_optimizer,
+)
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+from megatron.apertus.optim.ademamix import AdEMAMix
+from megatron.apertus.optim.distrib_optimizer import AdEMAMixDistributedOptimizer
+
+
+def _help(text: str, default):
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(kw_only=True, frozen=True)
+class AdEMAMixSettings:
+    """AdEMAMix's own hyperparameters; lr, b1, b2, eps and weight decay come from OptimizerConfig
+    (``lr``, ``adam_beta1``, ``adam_beta2``, ``adam_eps``, ``weight_decay``).
+
+    Field names are those of the Apertus fork's flags without their ``ademamix_`` prefix
+    (``--ademamix-alpha`` ...). Defaults are the Apertus recipe (REFERENCE section 1).
+    """
+
+    alpha: float = _help("weight of the slow EMA in the update (Apertus: 8)", 8.0)
+    beta3: float = _help("decay of the slow EMA (Apertus: 0.9999)", 0.9999)
+    alpha_warmup: int = _help("steps over which alpha rises linearly from 0 (0: none)", 100_000)
+    beta3_warmup: int = _help(
+        "steps over which beta3's half-life grows from beta1's (0: none)", 100_000
+    )
+
+    def __post_init__(self) -> None:
+        if self.alpha < 0:
+            raise ValueError(f"--ademamix-alpha must be >= 0, got {self.alpha}")
+        if not 0.0 <= self.beta3 < 1.0:
+            raise ValueError(f"--ademamix-beta3 must be in [0, 1), got {self.beta3}")
+        for name in ("alpha_warmup", "beta3_warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--ademamix-{name.replace('_', '-')} must be >= 0")
+
+
+def get_apertus_optimizer(
+    config: OptimizerConfig, model_chunks: list, ademamix: AdEMAMixSettings | None = None
+) -> MegatronOptimizer:
+    """megatron-core's optimizer for ``config.optimizer`` "adam" (or "sgd"); AdEMAMix, wrapped
+    as megatron-core wraps Adam, for "ademamix" (``ademamix`` defaults to the Apertus recipe).
+
+    ``model_chunks`` are megatron-core ``DistributedDataParallel`` modules. Collective: every rank
+    calls it.
+    """
+    if config.optimizer == "ademamix":
+        optimizer = _ademamix_optimizer(config, model_chunks, ademamix or AdEMAMixSettings())
+    elif ademamix is not None:
+        raise ValueError(f"AdEMAMix settings were given but the optimizer is {config.optimizer!r}")
+    else:
+        optimizer = get_megatron_optimizer(config, model_chunks)
+    for group in optimizer.param_groups:
+        group["weight_decay"] = config.weight_decay * group["wd_mult"]
+    return optimizer
+
+
+def _check_supported(config: OptimizerConfig, model_chunks: list) -> None:
+    """Refuse the megatron-core features the AdEMAMix path does not reproduce."""
+    unsupported = {
+        "optimizer_cpu_offload": config.optimizer_cpu_offload,
+        "use_precision_aware_optimizer": config.use_precision_aware_optimizer,
+        "overlap_param_gather_with_optimizer_step": config.overlap_param_gather_with_optimizer_step,
+        "use_megatron_fsdp": model_chunks[0].ddp_config.use_megatron_fsdp,
+        "expert-parallel parameters": any(
+            not getattr(p, "allreduce", True) for chunk in model_chunks for p in chunk.parameters()
+        ),
+    }
+    used = [name for name, on in unsupported.items() if on]
+    if used:
+        raise ValueError(f"--optimizer ademamix does not support {', '.join(used)}")
+
+
+def _grad_scaler(config: OptimizerConfig):
+    """megatron-core's choice: a constant scale if given, dynamic for fp16, none otherwise."""
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
+def _init_state(optimizer: AdEMAMix, config: OptimizerConfig | None = None) -> None:
+    """megatron-core's ``init_state_fn`` hook: allocate state before a checkpoint is loaded."""
+    optimizer.initialize_state()
+
+
+def _ademamix_optimizer(
+    config: OptimizerConfig, model_chunks: list, settings: AdEMAMixSettings
+) -> MegatronOptimizer:
+    _check_supported(config, model_chunks)
+    groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, True)
+    param_groups, buffers = _get_param_groups_and_buffers(
+        model_chunks,
+        model_chunk_offset=0,
+        config=config,
+        config_overrides=None,
+        filter_fn=lambda g: not g["is_expert_parallel"],
+        buffer_name="buffers",
+    )
+    inner = AdEMAMix(
+        param_groups,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2, settings.beta3),
+        alpha=settings.alpha,
+        alpha_warmup=settings.alpha_warmup,
+        beta3_warmup=settings.beta3_warmup,
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+    )
+    if config.use_distributed_optimizer:
+        multiple_instances = get_pg_size(groups["dp_cp_group"]) > get_pg_size(
+            groups["intra_dp_cp_group"]
+        )
+        optimizer = AdEMAMixDistributedOptimizer(
+            inner,
+            config,
+            _grad_scaler(config),
+            _init_state,
+            model_chunks=model_chunks,
+            per_model_buffers=buffers,
+            data_parallel_group=groups["intra_dp_cp_group"],
+            data_parallel_group_gloo=groups["intra_dp_cp_group_gloo"],
+            data_parallel_group_idx=get_pg_rank(groups["mp_group"]),
+            distributed_optimizer_instance_id=(
+                get_pg_rank(groups["inter_dist_opt_group"]) if multiple_instances else 0
+            ),
+        )
+        optimizer.grad_stats_parallel_group = groups["intra_dist_opt_group"]
+    elif config.fp16 or config.bf16:
+        optimizer = Float16OptimizerWithFloat16Params(
+            inner, config, _grad_scaler(config), _init_state
+        )
+        optimizer.grad_stats_parallel_group = groups["mp_group"]
+    else:
+        optimizer = FP32Optimizer(inner, config, _init_state)
+        optimizer.grad_stats_parallel_group = groups["mp_group"]
+    optimizer.tp_group = parallel_state.get_tensor_model_parallel_group()
+    return ChainedOptimizer([optimizer])
