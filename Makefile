@@ -18,12 +18,11 @@ $(STAMP): setup.py $(KERNEL_SOURCES)
 
 install: $(STAMP)
 
-# A tiny Apertus model trained on real text (the Python reference topics that ship with Python)
-# with the real 131072-token tekken tokenizer, on CPU, then validated on held-out documents.
+# The whole pretraining path on the embedded default (examples/demo.py): preprocess real text
+# with the 131072-token tekken tokenizer, train a tiny Apertus model with Goldfish, AdEMAMix and
+# WSD on CPU, stop half way, resume, validate on held-out documents, plot the losses.
 demo: $(STAMP)
-	$(PY) pretrain_gpt.py --model-preset tiny --train-iters 150 --global-batch-size 8 \
-		--micro-batch-size 4 --lr 3e-3 --log-interval 10 --eval-interval 50 --eval-iters 4 \
-		--save runs/demo --log-json runs/demo/history.json
+	$(PY) examples/demo.py --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -13,6 +13,7 @@ import sys
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.model.config import ConfigError, ParallelConfig
+from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
 
@@ -24,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_model_arguments(parser)
     C.add_arguments(parser, C.TrainingConfig, title="training")
     C.add_arguments(parser, C.OptimizerSettings, title="optimizer")
+    C.add_arguments(parser, AdEMAMixSettings, title="AdEMAMix", prefix="ademamix_")
+    C.add_arguments(parser, ScheduleConfig, title="learning-rate schedule")
     C.add_arguments(parser, C.CheckpointConfig, title="checkpointing")
     C.add_arguments(parser, C.DataConfig, title="data")
     C.add_arguments(parser, DatasetConfig, title="datasets")
@@ -36,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             parallel=C.from_arguments(ParallelConfig, args),
             training=C.from_arguments(C.TrainingConfig, args),
             optimizer=C.from_arguments(C.OptimizerSettings, args),
+            ademamix=C.from_arguments(AdEMAMixSettings, args, prefix="ademamix_"),
+            schedule=C.from_arguments(ScheduleConfig, args),
             checkpoint=C.from_arguments(C.CheckpointConfig, args),
             data=C.from_arguments(C.DataConfig, args),
             dataset=C.from_arguments(DatasetConfig, args),

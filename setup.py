@@ -58,7 +58,7 @@ def _extensions() -> tuple[list, dict]:
         cuda_sources = rel(op_dir.glob("*.cu")) + rel(op_dir.glob("*_cuda.cpp"))
         if want_cuda and cuda_sources:
             extensions.append(CUDAExtension(
-                f"megatron.apertus.ops._{op}_cuda", cuda_sources,
+                f"megatron.apertus.ops._{op}_cuda", cuda_sources, depends=headers,
                 extra_compile_args={"cxx": ["-O3", "-std=c++17"],
                                     "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
                                              "-gencode=arch=compute_90,code=sm_90"]},

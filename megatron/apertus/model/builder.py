@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.apertus import cpu_compat
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.model.fused_loss import FusedLossGPTModel
 from megatron.apertus.model.spec import apertus_block_spec
 
 
@@ -79,10 +80,16 @@ def build_model_chunk(
     vp_stage: Optional[int] = None,
     *,
     xielu_impl: str = "auto",
+    fused_loss: bool = False,
 ) -> GPTModel:
-    """The part of the model that this rank holds for virtual stage ``vp_stage``."""
+    """The part of the model that this rank holds for virtual stage ``vp_stage``.
+
+    ``fused_loss``: the last stage returns the summed loss of a fused output layer + loss
+    (:mod:`megatron.apertus.model.fused_loss`) instead of per-token losses.
+    """
     virtual = config.virtual_pipeline_model_parallel_size is not None
-    return GPTModel(
+    model_class = FusedLossGPTModel if fused_loss else GPTModel
+    return model_class(
         config=config,
         transformer_layer_spec=apertus_block_spec(model, config, vp_stage, xielu_impl=xielu_impl),
         vocab_size=model.vocab_size,
@@ -103,9 +110,16 @@ def build_model_chunk(
 
 
 def build_model(
-    model: ApertusConfig, config: TransformerConfig, *, xielu_impl: str = "auto"
+    model: ApertusConfig,
+    config: TransformerConfig,
+    *,
+    xielu_impl: str = "auto",
+    fused_loss: bool = False,
 ) -> list[GPTModel]:
     """All model chunks of this rank (more than one with interleaved pipeline stages)."""
     chunks = config.virtual_pipeline_model_parallel_size or 1
     vp = [None] if chunks == 1 else list(range(chunks))
-    return [build_model_chunk(model, config, vp_stage=v, xielu_impl=xielu_impl) for v in vp]
+    return [
+        build_model_chunk(model, config, vp_stage=v, xielu_impl=xielu_impl, fused_loss=fused_loss)
+        for v in vp
+    ]

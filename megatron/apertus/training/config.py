@@ -49,6 +49,9 @@ class TrainingConfig:
         "layers per recomputed group (uniform) or count (block)", None
     )
     xielu_impl: str = _help("xIELU kernel: auto, cuda, cpu or torch", "auto")
+    fused_output_loss: bool = _help(
+        "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)", True
+    )
 
     def __post_init__(self) -> None:
         if (self.train_iters is None) == (self.train_samples is None):
@@ -71,6 +74,9 @@ class TrainingConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class OptimizerSettings:
+    """The optimizer; its schedule is ``optim.ScheduleConfig``, AdEMAMix's own knobs
+    ``optim.AdEMAMixSettings`` (flags ``--ademamix-*``)."""
+
     optimizer: str = _help("adam or ademamix", "adam")
     lr: float = _help("peak learning rate", 1e-3)
     min_lr: float = _help("learning rate at the end of the decay", 0.0)
@@ -80,39 +86,12 @@ class OptimizerSettings:
     adam_beta1: float = _help("first-moment decay", 0.9)
     adam_beta2: float = _help("second-moment decay", 0.95)
     adam_eps: float = _help("denominator epsilon", 1e-8)
-    ademamix_alpha: float = _help("AdEMAMix: weight of the slow EMA", 8.0)
-    ademamix_beta3: float = _help("AdEMAMix: slow EMA decay", 0.9999)
-    ademamix_alpha_warmup: int = _help("AdEMAMix: steps of linear alpha warmup (0: none)", 0)
-    ademamix_beta3_warmup: int = _help("AdEMAMix: steps of beta3 half-life warmup (0: none)", 0)
     clip_grad: float = _help("global gradient-norm clip (0: off)", 1.0)
     use_distributed_optimizer: bool = _help("shard optimizer state over data-parallel ranks", False)
-    lr_decay_style: str = _help("constant, linear, cosine or WSD", "constant")
-    lr_wsd_decay_style: str = _help("WSD cooldown: 1-sqrt, linear, cosine or exponential", "1-sqrt")
-    lr_warmup_iters: int = _help("linear warmup steps", 0)
-    lr_warmup_samples: int = _help("linear warmup, in samples (instead of --lr-warmup-iters)", 0)
-    lr_decay_iters: Optional[int] = _help("steps of the whole schedule (default: the run's)", None)
-    lr_decay_samples: Optional[int] = _help(
-        "samples of the whole schedule (instead of iters)", None
-    )
-    lr_wsd_decay_iters: int = _help("WSD: steps of the cooldown at the end", 0)
-    lr_wsd_decay_samples: int = _help("WSD: cooldown in samples (instead of iters)", 0)
-    override_opt_param_scheduler: bool = field(
-        default=False,
-        metadata={"help": "on resume take the schedule from these flags, not from the checkpoint",
-                  "aliases": ["--override-opt_param-scheduler"]},
-    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "ademamix"):
             raise ConfigError(f"--optimizer must be adam or ademamix, got {self.optimizer!r}")
-        if self.lr_decay_style not in ("constant", "linear", "cosine", "WSD"):
-            raise ConfigError(f"--lr-decay-style {self.lr_decay_style!r} is not supported")
-        if self.lr_wsd_decay_style not in ("1-sqrt", "linear", "cosine", "exponential"):
-            raise ConfigError(f"--lr-wsd-decay-style {self.lr_wsd_decay_style!r} is not supported")
-        if self.lr_warmup_iters and self.lr_warmup_samples:
-            raise ConfigError("give --lr-warmup-iters or --lr-warmup-samples, not both")
-        if self.lr_wsd_decay_iters and self.lr_wsd_decay_samples:
-            raise ConfigError("give --lr-wsd-decay-iters or --lr-wsd-decay-samples, not both")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -148,6 +127,13 @@ class LoggingConfig:
     )
 
 
+ALIASES = {
+    "override_opt_param_scheduler": ["--override-opt_param-scheduler"],
+    "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"],
+}
+"""Megatron-LM's own spellings, kept beside the generated flag names."""
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -179,7 +165,7 @@ def add_arguments(
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
-        flags = [_flag(prefix + f.name), *f.metadata.get("aliases", [])]
+        flags = [_flag(prefix + f.name), *ALIASES.get(prefix + f.name, [])]
         kwargs = dict(default=_default(f) if defaults else None, help=f.metadata.get("help", ""))
         if kind is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)

@@ -37,6 +37,7 @@ from megatron.apertus.model.config import (
     ParallelConfig,
     dtype_from_name,
 )
+from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.checkpoint import TrainingState
 from megatron.apertus.training.config import (
@@ -67,6 +68,8 @@ class RunConfig:
     parallel: ParallelConfig
     training: TrainingConfig
     optimizer: OptimizerSettings
+    schedule: ScheduleConfig
+    ademamix: AdEMAMixSettings
     checkpoint: CheckpointConfig
     data: DataConfig
     dataset: DatasetConfig
@@ -113,7 +116,12 @@ class Trainer:
         self.train_data, self.valid_data = self._datasets()
         self.model = self._build_model()
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(
-            self.model, cfg.optimizer, cfg.training, precision=t.precision
+            self.model,
+            cfg.optimizer,
+            cfg.schedule,
+            cfg.ademamix,
+            cfg.training,
+            precision=t.precision,
         )
         self.state = self._resume()
         self.stop = StopRequests(handle_signals=t.exit_signal_handler, trigger_path=t.trigger_path)
@@ -161,7 +169,8 @@ class Trainer:
             use_cpu_initialization=self.device_name == "cpu",
             **cfg.training.recompute_overrides(),
         )
-        chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl)
+        chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl,
+                             fused_loss=cfg.training.fused_output_loss)  # fmt: skip
         if tconfig.bf16 or tconfig.fp16:
             # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
             chunks = [Float16Module(tconfig, chunk) for chunk in chunks]

@@ -78,9 +78,13 @@ def install_schedule_hooks(
     return optimizer
 
 
-def _loss(batch: Batch, loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+def _loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
+    """(loss sum, loss tokens, reported values) of a micro-batch.
+
+    ``output`` is the model's per-token losses, or (fused output layer) their masked sum.
+    """
     mask = loss_mask.reshape(-1).float()
-    loss_sum = (per_token_loss.reshape(-1).float() * mask).sum()
+    loss_sum = output.float() if output.dim() == 0 else (output.reshape(-1).float() * mask).sum()
     goldfish = torch.tensor([batch.goldfish_dropped, batch.loss_positions], dtype=torch.float32)
     reported = {
         "lm loss": torch.stack([loss_sum.detach(), mask.sum()]),
@@ -98,6 +102,7 @@ def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
         batch.position_ids.to(device),
         None,
         labels=batch.labels.to(device),
+        loss_mask=batch.loss_mask.to(device),
         packed_seq_params=_on_device(batch.packed_seq_params, device),
     )
     return output, partial(_loss, batch, batch.loss_mask.to(device))
