@@ -72,3 +72,15 @@ def test_tensorboard_plot_and_json(tmp_path):
     history = read_json(tmp_path / "h.json")
     assert series(history, "train/loss")[0] == [1, 2, 3]
     assert series(history, "valid/loss")[0] == [0, 3]
+
+
+def test_trigger_files_save_and_exit(tmp_path):
+    triggers = tmp_path / "triggers"
+    triggers.mkdir()
+    (triggers / "save").touch()
+    (triggers / "exit").touch()
+    proc = run_entry(PRETRAIN, BASE + ["--train-iters", "50", "--save", str(tmp_path / "ckpt"),
+                                       "--trigger-path", str(triggers)])  # fmt: skip
+    assert "exit requested by trigger file" in proc.stdout
+    assert checkpoint.latest_iteration(tmp_path / "ckpt") == 1
+    assert not (triggers / "save").exists(), "an honoured save request is removed"

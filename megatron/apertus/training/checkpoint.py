@@ -210,7 +210,7 @@ def load(
     """
     directory = resolve_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(str(directory))
-    full = optimizer is not None and _has_optimizer_states(directory)
+    full = optimizer is not None and has_optimizer_states(directory)
     # RNG states are per rank; in another layout they have no owner and the run keeps its seeds.
     same_layout = common.get("training_state", {}).get("layout") == _layout()
     template = _training_state_dict(
@@ -235,10 +235,10 @@ def load(
     return state, full
 
 
-def _has_optimizer_states(directory: Path) -> bool:
+def has_optimizer_states(path: str | os.PathLike) -> bool:
     """Whether the checkpoint holds optimizer moments (weights-only and step-0 checkpoints do
     not). Decided from the metadata: building a loading template would create empty states."""
-    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    saved = dist_checkpointing.load_tensors_metadata(str(resolve_checkpoint(path)))
     return any(key.startswith("optimizer.") and "exp_avg" in key for key in saved)
 
 

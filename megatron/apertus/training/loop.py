@@ -7,6 +7,7 @@ so ranks never diverge.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import time
@@ -87,6 +88,20 @@ def _is_reporting_rank() -> bool:
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
+    )
+
+
+def _check_resumable(settings: OptimizerSettings) -> None:
+    """megatron-core 0.16.1 cannot load its distributed Adam without TE or Apex (fused Adam)."""
+    if settings.optimizer != "adam" or not settings.use_distributed_optimizer:
+        return
+    if importlib.util.find_spec("transformer_engine") or importlib.util.find_spec("apex"):
+        return
+    raise ConfigError(
+        "--load with --optimizer adam and --use-distributed-optimizer needs Transformer Engine or "
+        "Apex (megatron-core 0.16.1 restores the distributed Adam state only through their fused "
+        "Adam; see docs/megatron_core_changes.md); use --optimizer ademamix, or drop "
+        "--use-distributed-optimizer"
     )
 
 
@@ -186,6 +201,8 @@ class Trainer:
         source = self.cfg.checkpoint.load
         if not source:
             return TrainingState()
+        if checkpoint.has_optimizer_states(source):
+            _check_resumable(self.cfg.optimizer)
         state, full = checkpoint.load(
             source, self._chunks(), optimizer=self.optimizer, scheduler=self.scheduler
         )
