@@ -65,7 +65,7 @@ def train_args(out: Path, data: str, iters: int) -> list[str]:
         "--lr-wsd-decay-iters", str(iters // 5),
         "--goldfish-loss", "--goldfish-k", "50", "--goldfish-h", "50",
         "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-        "--eval-interval", str(iters // 6), "--eval-iters", "4", "--log-interval", "10",
+        "--eval-interval", str(iters // 4), "--eval-iters", "4", "--log-interval", "10",
         "--save", str(out / "checkpoints"), "--loss-plot", str(out / "loss.png"),
     ]  # fmt: skip
 
@@ -75,7 +75,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="runs/demo")
-    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
     out = (REPO / args.out).resolve()
     data = preprocess(out)
