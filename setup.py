@@ -45,12 +45,14 @@ def _extensions() -> tuple[list, dict]:
         if only and op not in only:
             continue
         rel = lambda paths: [str(p.relative_to(ROOT)) for p in sorted(paths)]  # noqa: E731
+        headers = rel(list(op_dir.glob("*.h")) + list(op_dir.glob("*.cuh")))  # rebuild on edits
         cpu_sources = rel(op_dir.glob("*_cpu.cpp"))
         if cpu_sources:
             extensions.append(
                 CppExtension(
                     f"megatron.apertus.ops._{op}_cpu",
                     cpu_sources,
+                    depends=headers,
                     extra_compile_args=cxx,
                     extra_link_args=["-fopenmp"],
                 )
@@ -92,6 +94,8 @@ setup(
         "tensorboard",
         "tqdm",
         "einops",
+        "zstandard",  # .zst inputs of tools/preprocess_data.py
+        "matplotlib",  # the loss plot
     ],
     extras_require={
         "wandb": ["wandb"],

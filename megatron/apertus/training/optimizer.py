@@ -54,7 +54,8 @@ def build_optimizer_and_scheduler(
         schedule,
         config,
         global_batch_size=training.global_batch_size,
-        train_iters=training.train_iters,
+        # A run of 0 steps (an initial checkpoint) still needs a schedule of positive length.
+        train_iters=None if training.train_iters is None else max(training.train_iters, 1),
         train_samples=training.train_samples,
     )
     return optimizer, scheduler
