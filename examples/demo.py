@@ -3,8 +3,9 @@ Apertus recipe on CPU, stop half way, resume, and report.
 
     python examples/demo.py [--out runs/demo] [--iters 300]
 
-1. ``tools/preprocess_data.py`` tokenizes the Python reference topics (``pydoc_data``, shipped
-   with Python) with the 131072-token tekken tokenizer into ``OUT/data``.
+1. ``tools/preprocess_data.py`` tokenizes real text shipped with Python (the language reference
+   topics and the standard library's docstrings, ~0.5M tokens) with the 131072-token tekken
+   tokenizer into ``OUT/data``.
 2. ``pretrain_gpt.py`` trains the ``tiny`` preset with Goldfish (k=50, h=50), AdEMAMix, a WSD
    schedule with 1-sqrt cooldown, document masking and ``<s>``/``</s>`` documents, stops at
    half the steps with a checkpoint (``--exit-interval``), then resumes from it to the end.
@@ -32,25 +33,34 @@ def run(*args: str) -> None:
 
 
 def preprocess(out: Path) -> str:
-    from megatron.apertus.data.corpus import embedded_documents, write_jsonl
+    from megatron.apertus.data.corpus import training_documents, write_jsonl
 
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    source = write_jsonl(data / "pydoc_topics.jsonl", embedded_documents())
-    run("tools/preprocess_data.py", "--input", str(source), "--output-prefix", str(data / "pydoc_topics"),
+    source = write_jsonl(data / "python_docs.jsonl", training_documents())
+    run("tools/preprocess_data.py", "--input", str(source), "--output-prefix", str(data / "python_docs"),
         "--workers", "2")  # fmt: skip
-    return str(data / "pydoc_topics_text_document")
+    return str(data / "python_docs_text_document")
 
 
-def unigram_entropy(prefix: str) -> float:
-    """Entropy in nats of the corpus's token distribution."""
+def unigram_entropies(prefix: str, valid_share: float) -> dict[str, float]:
+    """Entropy in nats of the unigram distribution of the whole corpus and of the held-out
+    documents alone (the last ``valid_share`` of them, as megatron-core's split takes them)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix)
-    tokens = np.concatenate([np.array(dataset[i]) for i in range(len(dataset))])
-    counts = np.bincount(tokens).astype(np.float64)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+    documents = [np.array(dataset[i]) for i in range(len(dataset))]
+    first_valid = int(round(len(documents) * (1 - valid_share)))
+
+    def entropy(tokens: np.ndarray) -> float:
+        counts = np.bincount(tokens).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    return {
+        "unigram_entropy_corpus_nats": entropy(np.concatenate(documents)),
+        "unigram_entropy_validation_nats": entropy(np.concatenate(documents[first_valid:])),
+    }
 
 
 def train_args(out: Path, data: str, iters: int) -> list[str]:
@@ -58,8 +68,8 @@ def train_args(out: Path, data: str, iters: int) -> list[str]:
         "pretrain_gpt.py", "--model-preset", "tiny", "--data-path", data, "--split", "90,10,0",
         "--data-cache-path", str(out / "cache"),
         "--train-iters", str(iters), "--global-batch-size", "8", "--micro-batch-size", "4",
-        "--optimizer", "ademamix", "--lr", "3e-3", "--min-lr", "3e-4", "--weight-decay", "0.1",
-        "--ademamix-alpha", "8", "--ademamix-beta3", "0.999", "--ademamix-alpha-warmup", str(iters),
+        "--optimizer", "ademamix", "--lr", "1e-3", "--min-lr", "1e-4", "--weight-decay", "0.1",
+        "--ademamix-alpha", "2", "--ademamix-beta3", "0.999", "--ademamix-alpha-warmup", str(iters),
         "--ademamix-beta3-warmup", str(iters), "--clip-grad", "1.0",
         "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "1-sqrt", "--lr-warmup-iters", str(iters // 20),
         "--lr-wsd-decay-iters", str(iters // 5),
@@ -75,7 +85,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="runs/demo")
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--iters", type=int, default=300)
     args = parser.parse_args()
     out = (REPO / args.out).resolve()
     data = preprocess(out)
@@ -89,7 +99,7 @@ def main() -> None:
         "validation_loss_start": valid[0][1],
         "validation_loss_end": valid[-1][1],
         "validation_curve": valid,
-        "unigram_entropy_nats": unigram_entropy(data),
+        **unigram_entropies(data, valid_share=0.1),
         "uniform_entropy_nats": math.log(131072),
         "resumed_at_iteration": first["train/loss"][-1][0],
         "loss_plot": str(out / "loss.png"),
