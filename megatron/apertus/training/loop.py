@@ -23,7 +23,6 @@ from megatron.core.num_microbatches_calculator import (
     init_num_microbatches_calculator,
     update_num_microbatches,
 )
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import parallel
@@ -56,7 +55,13 @@ from megatron.apertus.training.metrics import (
 )
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
 from megatron.apertus.training.signals import StopRequests
-from megatron.apertus.training.step import StepResult, StepShape, forward_step, train_step, wrap_ddp
+from megatron.apertus.training.step import (
+    StepResult,
+    StepShape,
+    run_microbatches,
+    train_step,
+    wrap_ddp,
+)
 
 log = logging.getLogger("apertus")
 METRICS_FILE = "metrics.json"
@@ -291,16 +296,7 @@ class Trainer:
         with torch.no_grad():
             for i in range(t.eval_iters):
                 iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
-                shape = self._shape()
-                losses = get_forward_backward_func()(
-                    forward_step_func=forward_step,
-                    data_iterator=iterators[0] if len(self.model) == 1 else iterators,
-                    model=self.model,
-                    num_microbatches=shape.num_microbatches,
-                    seq_length=shape.seq_length,
-                    micro_batch_size=shape.micro_batch_size,
-                    forward_only=True,
-                )
+                losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
                 sums.extend(entry["lm loss"] for entry in losses)
         for chunk in self.model:
             chunk.train()

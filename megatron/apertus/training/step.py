@@ -157,6 +157,25 @@ def optimizer_step(optimizer: MegatronOptimizer, loss_finite: bool) -> tuple[boo
     return optimizer.step_with_ready_grads(), grad_norm
 
 
+def run_microbatches(
+    model: list[DistributedDataParallel],
+    data_iterators: list[Iterator[Batch]],
+    shape: StepShape,
+    *,
+    forward_only: bool,
+) -> list[dict]:
+    """megatron-core's schedule over one global batch; the reported losses (last stage only)."""
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
+        model=model,
+        num_microbatches=shape.num_microbatches,
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
 def train_step(
     model: list[DistributedDataParallel],
     optimizer: MegatronOptimizer,
@@ -175,15 +194,7 @@ def train_step(
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
-        model=model,
-        num_microbatches=shape.num_microbatches,
-        seq_length=shape.seq_length,
-        micro_batch_size=shape.micro_batch_size,
-        forward_only=False,
-    )
+    losses = run_microbatches(model, data_iterators, shape, forward_only=False)
     if grad_hook is not None:
         grad_hook(iteration, model)
     loss, goldfish = _reduce(losses, "lm loss"), _reduce(losses, "goldfish")
