@@ -1,0 +1,267 @@
+"""Teacher top-k logit storage on real teacher logits: size, speed and error of three formats.
+
+    python bench/bench_logit_storage.py [--teacher-checkpoint SAVE_DIR] [--k 256]
+
+The teacher runs over held-out real text (the last 10% of the embedded corpus's documents,
+the demo's validation split, tokenized with tekken) cut into samples of its sequence length;
+its log_softmax + topk(k) are the exact values. Without ``--teacher-checkpoint`` the demo
+teacher is trained first (``examples/demo.py --iters 200``, a few minutes on CPU) into
+``runs/teacher-demo``. Formats, compared in one run on the same logits, one core:
+
+* ``ours``: ``megatron.apertus.distill.logit_codec`` (rank-coded id differences, sqrt-grid
+  probabilities, zstd) wrapped as a block file with its checksums;
+* ``seed (fp32 probs + int32 ids, gzip)``: the Apertus-v1.1 paper's format, gzip level 6;
+* ``fp16 logprobs + 17-bit ids, zstd 3``: NVIDIA Megatron-LM PR 5019's format.
+
+Each encodes all tokens as one ~131k-token block (the data are smaller than one block) and
+decodes to what training consumes: int64 ids and float32 probabilities. KL is KL(p || p')
+per token between the exact and the decoded top-k distributions, both renormalised over the
+top-k ids; ``mass_err_max`` is the largest error of a row's top-k mass S. The store rows
+time the real file path (``LogitStoreWriter.write_block`` with fsync, ``LogitStoreReader.read``
+with crc checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import zstandard
+from _common import write_results
+
+from megatron.apertus.distill import logit_store
+from megatron.apertus.distill.logit_codec import BlockDecoder, CodecParams, encode_block
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_TEACHER = REPO / "runs" / "teacher-demo"
+VALID_SHARE = 0.1  # the demo's --split 90,10,0
+
+
+# -- the teacher and its logits -----------------------------------------------------------------
+
+
+def teacher_checkpoint(path: str | None, iters: int) -> Path:
+    """The given checkpoint, or the demo teacher (trained now if absent)."""
+    if path:
+        return Path(path)
+    checkpoints = DEMO_TEACHER / "checkpoints"
+    if not (checkpoints / "latest_checkpointed_iteration.txt").is_file():
+        cmd = [sys.executable, "examples/demo.py", "--out", str(DEMO_TEACHER), "--iters", str(iters)]
+        print("$", " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=REPO, check=True)
+    return checkpoints
+
+
+def held_out_samples(seq_length: int) -> np.ndarray:
+    """int64 [n, seq_length]: the held-out documents as ``<s> text </s>``, concatenated."""
+    from megatron.apertus.data.corpus import training_documents
+    from megatron.apertus.data.tokenizer import build_tokenizer
+
+    documents = training_documents()
+    held_out = documents[int(round(len(documents) * (1 - VALID_SHARE))) :]
+    tokenizer = build_tokenizer("TekkenTokenizer")
+    tokens = np.concatenate([tokenizer.encode_document(d) for d in held_out]).astype(np.int64)
+    n = len(tokens) // seq_length
+    return tokens[: n * seq_length].reshape(n, seq_length)
+
+
+def teacher_topk(checkpoint: Path, k: int, batch: int = 8) -> tuple[np.ndarray, ...]:
+    """(tokens [n, T], ids int64 [n, T, k], logprobs float32 [n, T, k]) of the teacher."""
+    from megatron.apertus import parallel
+    from megatron.apertus.model import ParallelConfig, transformer_config
+    from megatron.apertus.model.builder import build_model
+    from megatron.apertus.training.checkpoint import load_model, load_model_config
+
+    model = load_model_config(checkpoint)
+    layout = ParallelConfig()
+    parallel.initialize(layout, device="cpu", seed=0, model=model)
+    try:
+        config = transformer_config(
+            model, layout, use_cpu_initialization=True, perform_initialization=False
+        )
+        (chunk,) = build_model(model, config)
+        load_model(checkpoint, [chunk])
+        chunk.eval()
+        tokens = held_out_samples(model.seq_length)
+        ids, logprobs = [], []
+        positions = torch.arange(model.seq_length).unsqueeze(0)
+        with torch.no_grad():
+            for start in range(0, len(tokens), batch):
+                x = torch.from_numpy(tokens[start : start + batch])
+                logits = chunk(x, positions.expand(len(x), -1), None).float()
+                top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+                ids.append(top.indices.numpy())
+                logprobs.append(top.values.numpy())
+        return tokens, np.concatenate(ids), np.concatenate(logprobs)
+    finally:
+        parallel.shutdown()
+
+
+# -- the three formats --------------------------------------------------------------------------
+
+Decoded = tuple[np.ndarray, np.ndarray]  # ids int64 [rows, k], probs float32 [rows, k]
+
+
+def seed_encode(ids: np.ndarray, logprobs: np.ndarray) -> bytes:
+    raw = np.exp(logprobs).astype(np.float32).tobytes() + ids.astype(np.int32).tobytes()
+    return gzip.compress(raw, compresslevel=6)
+
+
+def seed_decode(data: bytes, rows: int, k: int) -> Decoded:
+    raw = gzip.decompress(data)
+    probs = np.frombuffer(raw, np.float32, rows * k).reshape(rows, k)
+    ids = np.frombuffer(raw, np.int32, rows * k, 4 * rows * k).reshape(rows, k)
+    return ids.astype(np.int64), probs
+
+
+def nvidia_encode(ids: np.ndarray, logprobs: np.ndarray) -> bytes:
+    """fp16 log-probabilities, ids as uint16 low bits + one packed bit 16, zstd level 3."""
+    ids = ids.astype(np.int64).ravel()
+    raw = (logprobs.astype(np.float16).tobytes() + (ids & 0xFFFF).astype(np.uint16).tobytes()
+           + np.packbits((ids >> 16).astype(np.uint8)).tobytes())  # fmt: skip
+    return zstandard.ZstdCompressor(level=3).compress(raw)
+
+
+def nvidia_decode(data: bytes, rows: int, k: int) -> Decoded:
+    n = rows * k
+    raw = zstandard.ZstdDecompressor().decompress(data)
+    logprobs = np.frombuffer(raw, np.float16, n)
+    low = np.frombuffer(raw, np.uint16, n, 2 * n)
+    high = np.unpackbits(np.frombuffer(raw, np.uint8, -(-n // 8), 4 * n), count=n)
+    ids = low.astype(np.int64) | (high.astype(np.int64) << 16)
+    return ids.reshape(rows, k), np.exp(logprobs.astype(np.float32)).reshape(rows, k)
+
+
+def ours_encode(ids: np.ndarray, logprobs: np.ndarray, header: logit_store.StoreHeader) -> bytes:
+    """One block file's bytes (tables, frames, crc32s, digest), as the writer stores it."""
+    n = header.num_samples
+    encoded = encode_block(ids, logprobs, samples=n, vocab_size=header.vocab_size,
+                           params=header.codec)  # fmt: skip
+    return logit_store.block_bytes(0, header, np.zeros(n, np.uint64), encoded)
+
+
+def ours_decode(data: bytes, header: logit_store.StoreHeader) -> Decoded:
+    """Parse and check the block's metadata and every sample's crc32, decode every sample."""
+    view = memoryview(data)
+    meta = logit_store.parse_meta(lambda offset, size: bytes(view[offset : offset + size]), len(data),
+                                  Path("<memory>"), 0, header)  # fmt: skip
+    decoder = BlockDecoder(meta.tables, meta.table_size, positions=header.seq_length,
+                           k=header.k, levels=header.levels)  # fmt: skip
+    shape = (header.num_samples, header.seq_length, header.k)
+    ids, probs = np.empty(shape, np.int64), np.empty(shape, np.float32)
+    for s, entry in enumerate(meta.directory):
+        frame = view[int(entry["offset"]) : int(entry["offset"] + entry["length"])]
+        logit_store.check_crc(frame, entry, meta, s)
+        decoder.decode(frame, int(entry["escapes"]), ids[s], probs[s])
+    return ids.reshape(-1, header.k), probs.reshape(-1, header.k)
+
+
+# -- measurements -------------------------------------------------------------------------------
+
+
+def kl_per_token(ids: np.ndarray, logprobs: np.ndarray, decoded: Decoded) -> dict:
+    """KL(p || p') of the renormalised exact and decoded top-k rows (ids aligned by sorting),
+    and the largest error of a row's top-k mass."""
+    ids_d, probs_d = decoded
+    order, order_d = np.argsort(ids, axis=1), np.argsort(ids_d, axis=1)
+    if not (np.take_along_axis(ids, order, 1) == np.take_along_axis(ids_d, order_d, 1)).all():
+        raise AssertionError("decoded ids differ from the exact ids")
+    t = np.exp(np.take_along_axis(logprobs, order, 1).astype(np.float64))
+    t_d = np.take_along_axis(probs_d, order_d, 1).astype(np.float64)
+    mass, mass_d = t.sum(1), t_d.sum(1)
+    p, p_d = t / mass[:, None], t_d / mass_d[:, None]
+    with np.errstate(divide="ignore"):
+        kl = np.where(p > 0, p * (np.log(p) - np.log(p_d)), 0.0).sum(1)
+    return {"kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
+            "kl_max": float(kl.max()), "mass_err_max": float(np.abs(mass - mass_d).max())}  # fmt: skip
+
+
+def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
+    """Median seconds of ``repeat`` calls, and the last result."""
+    times, result = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def measure(name: str, encode, decode, ids, logprobs, repeat: int) -> dict:
+    rows, k = ids.shape
+    enc_s, data = timed(lambda: encode(ids, logprobs), repeat)
+    dec_s, decoded = timed(lambda: decode(data), repeat)
+    row = {"format": name, "tokens": rows, "k": k, "bytes": len(data),
+           "bytes_per_token": len(data) / rows, "encode_tokens_per_s": rows / enc_s,
+           "decode_tokens_per_s": rows / dec_s, **kl_per_token(ids, logprobs, decoded)}  # fmt: skip
+    print(f"{name:38s} {row['bytes_per_token']:8.1f} B/token  enc {row['encode_tokens_per_s']:10,.0f}"
+          f"  dec {row['decode_tokens_per_s']:10,.0f} tokens/s  KL mean {row['kl_mean']:.2e}"
+          f" max {row['kl_max']:.2e}", flush=True)  # fmt: skip
+    return row
+
+
+def store_path(tokens, ids, logprobs, header: logit_store.StoreHeader, repeat: int) -> dict:
+    """The real file path: write_block (atomic, fsync) and read (crc checks) of one block."""
+    keys = np.array([logit_store.sample_key(t) for t in tokens], dtype=np.uint64)
+    shape = (header.num_samples, header.seq_length, header.k)
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = logit_store.LogitStoreWriter(tmp, header)
+        write = lambda: writer.write_block(0, keys, ids.reshape(shape), logprobs.reshape(shape))  # noqa: E731
+        enc_s, _ = timed(write, repeat)
+        writer.finalize()
+        reader = logit_store.LogitStoreReader(tmp)
+        dec_s, _ = timed(lambda: reader.read(range(header.num_samples)), repeat)
+    rows = len(ids)
+    print(f"{'ours, store files (write_block / read)':38s} enc {rows / enc_s:10,.0f}  dec "
+          f"{rows / dec_s:10,.0f} tokens/s", flush=True)  # fmt: skip
+    return {"format": "ours, store files (write_block / read)", "tokens": rows,
+            "encode_tokens_per_s": rows / enc_s, "decode_tokens_per_s": rows / dec_s}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher-checkpoint", help="save dir of pretrain_gpt.py (default: demo teacher)")
+    parser.add_argument("--demo-iters", type=int, default=200, help="iterations of the demo teacher")
+    parser.add_argument("--k", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    checkpoint = teacher_checkpoint(args.teacher_checkpoint, args.demo_iters)
+    torch.set_num_threads(2)
+    tokens, ids3, logprobs3 = teacher_topk(checkpoint, args.k)
+    torch.set_num_threads(1)  # the formats are compared on one core
+    n, seq_length, k = ids3.shape
+    ids, logprobs = ids3.reshape(-1, k), logprobs3.reshape(-1, k)
+    header = logit_store.StoreHeader(k=k, vocab_size=131072, seq_length=seq_length, num_samples=n,
+                                     samples_per_block=n, teacher=str(checkpoint),
+                                     dataset_hash="bench")  # fmt: skip
+    top1 = np.exp(logprobs[:, 0])
+    print(f"teacher {checkpoint}: {n} samples x {seq_length} tokens, k={k}; top-1 probability "
+          f"mean {top1.mean():.3f}, top-{k} mass mean {np.exp(logprobs).sum(1).mean():.3f}")
+    rows = [
+        measure("ours", lambda i, l: ours_encode(i, l, header), lambda d: ours_decode(d, header),
+                ids, logprobs, args.repeat),
+        measure("seed (fp32 probs + int32 ids, gzip 6)", seed_encode,
+                lambda d: seed_decode(d, len(ids), k), ids, logprobs, args.repeat),
+        measure("fp16 logprobs + 17-bit ids, zstd 3", nvidia_encode,
+                lambda d: nvidia_decode(d, len(ids), k), ids, logprobs, args.repeat),
+        store_path(tokens, ids, logprobs, header, args.repeat),
+    ]  # fmt: skip
+    gzip_dec = rows[1]["decode_tokens_per_s"]
+    extra = {"teacher_checkpoint": str(checkpoint), "held_out_tokens": int(n * seq_length),
+             "top1_prob_mean": float(top1.mean()),
+             "topk_mass_mean": float(np.exp(logprobs).sum(1).mean()),
+             "decode_speedup_vs_gzip": rows[0]["decode_tokens_per_s"] / gzip_dec}  # fmt: skip
+    print(f"decode speed-up over the gzip format: {extra['decode_speedup_vs_gzip']:.1f}x")
+    print(f"wrote {write_results('logit_storage', rows, extra)}")
+
+
+if __name__ == "__main__":
+    main()

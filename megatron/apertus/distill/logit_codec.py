@@ -1,0 +1,231 @@
+"""Codec of one block of teacher top-k distributions: numpy arrays <-> compressed bytes.
+
+A *row* is one token position: k distinct vocabulary ids and their teacher log-probabilities
+(log-softmax over the full vocabulary), t_i = exp(logprob_i), S = sum_i t_i <= 1. The layout,
+the error bound and the measurements behind each choice are in ``docs/teacher_logits.md``.
+
+* **Ids.** A per-block *rank table* lists every id that occurs in the block, most frequent
+  first; rows store ranks, not ids, so the ids a teacher proposes everywhere (punctuation,
+  frequent words) become small numbers. Each row is sorted by rank and stored as differences
+  d_0 = r_0 + 1, d_j = r_j - r_{j-1} >= 1, one byte each (255 = escape; the value d - 255 then
+  sits in a uint32 escape stream). Decoding is one cumulative sum and one gather through the
+  table (shifted by one so that no ``- 1`` pass is needed).
+* **Probabilities.** The row is renormalised over its top-k, p_i = t_i / S, and coded as
+  c_i = round(L * sqrt(p_i)) in one byte (L = ``levels``). KL(p || p') ~ 2 sum (sqrt p - sqrt p')^2
+  (the Fisher metric is flat in sqrt p), so a uniform grid in sqrt p spends its resolution where
+  the KL is sensitive: fine for the head, coarse for the tail. Each code decodes to the mean of
+  the p that were coded to it in this block (a 256-entry *centroid table*), the value that
+  minimises the generalised KL of the bin; the decoded row is renormalised and scaled back to
+  the stored mass S. The mass outside the top-k, 1 - S, is stored as float16, so the decoded
+  probabilities sum to the teacher's S (to float16 precision of 1 - S): the "rest bucket" of
+  the distillation loss stays exact, and KL(p || p') is the only error.
+* **Bytes.** Every multi-byte stream is split into byte planes (all low bytes, then all high
+  bytes) before zstd: the planes have very different statistics and zstd's entropy stage
+  codes each well. One zstd frame per sample, so a reader decodes only the samples it needs.
+
+Invariants: rows are sorted by rank (not by id); decoded ids are exactly the stored set;
+decoded probabilities are > 0 wherever the teacher's were and sum to 1 - rest.
+This module is numpy + zstandard only.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import zstandard
+
+ESCAPE = 255
+"""A rank difference byte of 255 means: the difference is 255 + the next escape value."""
+MAX_EXCESS_MASS = 1e-2
+"""Top-k probabilities may sum above 1 by rounding in low-precision teachers, not by more."""
+_local = threading.local()  # zstd contexts are not thread-safe, and cost ~10 us to create
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+@dataclass(frozen=True)
+class CodecParams:
+    """The codec settings a store records in its header."""
+
+    levels: int = 255
+    """Grid of sqrt(p): codes 0..levels, step 1/levels (<= 255: one byte per value)."""
+    zstd_level: int = 3
+    """zstd compression level (decoding speed hardly depends on it)."""
+
+    def __post_init__(self) -> None:
+        if not 15 <= self.levels <= 255:
+            raise ValueError(f"levels must be in [15, 255] (one byte per code), got {self.levels}")
+        if not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level must be in [1, 22], got {self.zstd_level}")
+
+
+class EncodedBlock(NamedTuple):
+    """A block's shared tables and one zstd frame per sample."""
+
+    tables: bytes
+    """zstd frame: the centroid table (levels + 1 float32) and the rank table (uint32 ids)."""
+    table_size: int
+    """Number of ids in the rank table."""
+    frames: list[bytes]
+    escapes: np.ndarray
+    """uint32 [n]: number of escaped rank differences of each sample."""
+
+
+def _planes(array: np.ndarray) -> bytes:
+    """Byte planes of a little-endian array: every element's byte 0, then every byte 1, ..."""
+    array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return array.view(np.uint8).reshape(-1, array.itemsize).T.tobytes()
+
+
+def _unplanes(buffer: memoryview | bytes, dtype: np.dtype, count: int) -> np.ndarray:
+    dtype = np.dtype(dtype).newbyteorder("<")
+    planes = np.frombuffer(buffer, np.uint8, count * dtype.itemsize).reshape(dtype.itemsize, count)
+    return planes.T.copy().view(dtype).reshape(count)
+
+
+def default_centroids(levels: int) -> np.ndarray:
+    """Mean of p = u^2 over a bin of u = sqrt(p) (uniform): (c^2 + 1/12) / L^2 (bin 0: [0, 1/2L])."""
+    codes = np.arange(levels + 1, dtype=np.float64)
+    return ((codes**2 + 1 / 12) / levels**2).astype(np.float32)
+
+
+class RowError(ValueError):
+    """Invalid input at one row; ``row`` is the flat row index inside the block."""
+
+    def __init__(self, row: int, message: str) -> None:
+        super().__init__(message)
+        self.row = row
+
+
+def _first_bad_row(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0])
+
+
+def _rank_table(ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block's ids by decreasing count (ties by id), and the rank of every vocabulary id."""
+    counts = np.bincount(ids.ravel(), minlength=vocab_size)
+    present = np.flatnonzero(counts)
+    table = present[np.argsort(-counts[present], kind="stable")].astype(np.uint32)
+    rank_of = np.zeros(vocab_size, dtype=np.int64)
+    rank_of[table] = np.arange(len(table))
+    return table, rank_of
+
+
+def _sort_rows(ranks: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows sorted by rank, ``values`` permuted alike: one int64 sort of (rank << bits | column),
+    much faster than argsort + two gathers."""
+    k = ranks.shape[1]
+    bits = max(1, (k - 1).bit_length())
+    keys = np.sort((ranks << bits) | np.arange(k, dtype=np.int64), axis=1)
+    columns = keys & ((1 << bits) - 1)
+    return keys >> bits, np.take_along_axis(values, columns, axis=1)
+
+
+def _check_inputs(ids: np.ndarray, logprobs: np.ndarray, vocab_size: int) -> None:
+    if ids.shape != logprobs.shape or ids.ndim != 2:
+        raise ValueError(f"ids {ids.shape} and logprobs {logprobs.shape} must both be [rows, k]")
+    outside = (ids < 0) | (ids >= vocab_size)
+    if outside.any():
+        row = _first_bad_row(outside)
+        raise RowError(row, f"ids outside the vocabulary [0, {vocab_size}): {ids[row][outside[row]][:4]}")
+    not_finite = np.isnan(logprobs) | (logprobs == np.inf)
+    if not_finite.any():
+        raise RowError(_first_bad_row(not_finite), "log-probabilities are NaN or +inf")
+
+
+def encode_block(
+    ids: np.ndarray, logprobs: np.ndarray, *, samples: int, vocab_size: int, params: CodecParams
+) -> EncodedBlock:
+    """Encode ``samples`` samples given as rows: ids and log-probabilities of shape [rows, k]
+    (rows = samples * positions, sample-major). Raises :class:`RowError` on invalid rows."""
+    ids = np.asarray(ids).astype(np.int64, copy=False)
+    logprobs = np.asarray(logprobs, dtype=np.float32)
+    _check_inputs(ids, logprobs, vocab_size)
+    rows, k = ids.shape
+    table, rank_of = _rank_table(ids, vocab_size)
+    probs = np.exp(logprobs)
+    mass = probs.sum(axis=1, dtype=np.float64)
+    if (mass > 1 + MAX_EXCESS_MASS).any() or (mass <= 0).any():
+        row = int(np.flatnonzero((mass > 1 + MAX_EXCESS_MASS) | (mass <= 0))[0])
+        raise RowError(row, f"top-k probabilities sum to {mass[row]:.6g}: not a log-softmax")
+    ranks, probs = _sort_rows(rank_of[ids], probs)
+    diffs = np.diff(ranks, axis=1, prepend=-1)
+    if (diffs[:, 1:] == 0).any():
+        raise RowError(_first_bad_row(diffs == 0), "repeated ids in one row")
+    rest = np.clip(1.0 - mass, 0.0, 1.0).astype(np.float16)
+    codes, centroids = _quantise(probs / mass.astype(np.float32)[:, None], params.levels)
+    compressor = zstandard.ZstdCompressor(level=params.zstd_level)
+    tables = compressor.compress(_planes(centroids) + _planes(table))
+    per_sample = rows // samples
+    frames, escapes = [], np.zeros(samples, dtype=np.uint32)
+    for s in range(samples):
+        part = slice(s * per_sample, (s + 1) * per_sample)
+        frame, escapes[s] = _sample_frame(diffs[part], codes[part], rest[part], compressor)
+        frames.append(frame)
+    return EncodedBlock(tables, len(table), frames, escapes)
+
+
+def _quantise(p: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Codes round(L sqrt p) and the block's centroid table (mean p per code)."""
+    codes = np.rint(np.sqrt(p) * levels).astype(np.uint8)
+    flat = codes.ravel()
+    counts = np.bincount(flat, minlength=levels + 1)
+    sums = np.bincount(flat, weights=p.ravel(), minlength=levels + 1)
+    centroids = default_centroids(levels)
+    used = counts > 0
+    centroids[used] = (sums[used] / counts[used]).astype(np.float32)
+    # A bin holding only exact zeros (log-probability -inf) decodes to 0, which is exact.
+    return codes, centroids
+
+
+def _sample_frame(
+    diffs: np.ndarray, codes: np.ndarray, rest: np.ndarray, compressor: zstandard.ZstdCompressor
+) -> tuple[bytes, int]:
+    escaped = diffs >= ESCAPE
+    low = np.where(escaped, ESCAPE, diffs).astype(np.uint8)
+    excess = (diffs[escaped] - ESCAPE).astype(np.uint32)
+    raw = low.tobytes() + codes.tobytes() + _planes(rest) + _planes(excess)
+    return compressor.compress(raw), len(excess)
+
+
+class BlockDecoder:
+    """Decodes the samples of one block; holds its tables, built once per block."""
+
+    def __init__(self, tables: bytes, table_size: int, *, positions: int, k: int, levels: int):
+        raw = _decompressor().decompress(tables)
+        expected = 4 * (levels + 1) + 4 * table_size
+        if len(raw) != expected:
+            raise ValueError(f"tables decode to {len(raw)} bytes, expected {expected}")
+        self.centroids = _unplanes(raw, np.float32, levels + 1)
+        # Entry 0 is a placeholder: cumulative sums of the differences are rank + 1.
+        ids = _unplanes(memoryview(raw)[4 * (levels + 1) :], np.uint32, table_size)
+        self.table = np.concatenate([[0], ids.astype(np.int64)])
+        self.positions, self.k = positions, k
+
+    def decode(self, frame: bytes, escapes: int, ids: np.ndarray, probs: np.ndarray) -> None:
+        """Decode one sample's frame into ``ids`` (int64 [T, k]) and ``probs`` (float32 [T, k]),
+        contiguous arrays owned by the caller (e.g. slices of a pinned batch)."""
+        n, t = self.positions * self.k, self.positions
+        size = 2 * n + 2 * t + 4 * escapes
+        raw = _decompressor().decompress(frame, max_output_size=size)
+        if len(raw) != size:
+            raise ValueError(f"frame decodes to {len(raw)} bytes, expected {size}")
+        buffer = np.frombuffer(raw, np.uint8)
+        diffs = buffer[:n].astype(np.int32)
+        if escapes:
+            excess = _unplanes(memoryview(raw)[2 * n + 2 * t :], np.uint32, escapes)
+            diffs[np.flatnonzero(buffer[:n] == ESCAPE)] += excess.astype(np.int32)
+        ranks = np.cumsum(diffs.reshape(t, self.k), axis=1, dtype=np.int32)
+        if ranks[:, -1].max(initial=0) >= len(self.table):
+            raise ValueError("rank outside the block's table")
+        np.take(self.table, ranks, out=ids)
+        np.take(self.centroids, buffer[n : 2 * n].reshape(t, self.k), out=probs)
+        rest = _unplanes(memoryview(raw)[2 * n : 2 * n + 2 * t], np.float16, t)
+        probs *= ((1 - rest.astype(np.float32)) / probs.sum(axis=1))[:, None]
