@@ -83,7 +83,9 @@ def renormalised_kl(ids, logprobs, decoded_ids, decoded_probs) -> np.ndarray:
     ids, logprobs = ids.reshape(-1, k), logprobs.reshape(-1, k)
     decoded_ids, decoded_probs = decoded_ids.reshape(-1, k), decoded_probs.reshape(-1, k)
     a, b = np.argsort(ids, 1), np.argsort(decoded_ids, 1)
-    np.testing.assert_array_equal(np.take_along_axis(ids, a, 1), np.take_along_axis(decoded_ids, b, 1))
+    np.testing.assert_array_equal(
+        np.take_along_axis(ids, a, 1), np.take_along_axis(decoded_ids, b, 1)
+    )
     p = np.exp(np.take_along_axis(logprobs, a, 1).astype(np.float64))
     q = np.take_along_axis(decoded_probs, b, 1).astype(np.float64)
     p, q = p / p.sum(1, keepdims=True), q / q.sum(1, keepdims=True)
@@ -134,7 +136,9 @@ def test_any_data_parallel_size_reads_the_same_samples(store: Path, dp: int) -> 
     for start in range(0, SAMPLES - global_batch + 1, global_batch):
         whole = reader.read(range(start, start + global_batch))
         per_rank = global_batch // dp
-        parts = [reader.read(range(start + r * per_rank, start + (r + 1) * per_rank)) for r in range(dp)]
+        parts = [
+            reader.read(range(start + r * per_rank, start + (r + 1) * per_rank)) for r in range(dp)
+        ]
         assert torch.equal(torch.cat([p.ids for p in parts]), whole.ids)
         assert torch.equal(torch.cat([p.probs for p in parts]), whole.probs)
 
@@ -143,9 +147,13 @@ def _write_rank(directory: str, tokens: np.ndarray, rank: int) -> None:
     write_store(Path(directory), tokens, rank=rank, world=2)
 
 
-def test_two_writer_processes_write_disjoint_blocks(tmp_path: Path, tokens: np.ndarray, store: Path) -> None:
+def test_two_writer_processes_write_disjoint_blocks(
+    tmp_path: Path, tokens: np.ndarray, store: Path
+) -> None:
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_write_rank, args=(str(tmp_path / "two"), tokens, r)) for r in (1, 0)]
+    procs = [
+        context.Process(target=_write_rank, args=(str(tmp_path / "two"), tokens, r)) for r in (1, 0)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -153,7 +161,10 @@ def test_two_writer_processes_write_disjoint_blocks(tmp_path: Path, tokens: np.n
         assert proc.exitcode == 0
     LogitStoreWriter(tmp_path / "two", header()).finalize()
     for block in range(header().num_blocks):  # the same bytes as one writer's
-        assert block_path(tmp_path / "two", block).read_bytes() == block_path(store, block).read_bytes()
+        assert (
+            block_path(tmp_path / "two", block).read_bytes()
+            == block_path(store, block).read_bytes()
+        )
     assert (tmp_path / "two" / "index.bin").read_bytes() == (store / "index.bin").read_bytes()
 
 
@@ -165,16 +176,22 @@ def test_a_rank_writes_only_its_blocks(tmp_path: Path) -> None:
         writer.write_block(1, np.zeros(PER_BLOCK, np.uint64), ids, logprobs)
 
 
-def test_resume_skips_finished_blocks_and_removes_stale_tmp(tmp_path: Path, tokens: np.ndarray, store: Path) -> None:
+def test_resume_skips_finished_blocks_and_removes_stale_tmp(
+    tmp_path: Path, tokens: np.ndarray, store: Path
+) -> None:
     ids, logprobs = teacher(SAMPLES, SEQ, K)
     keys = np.array([sample_key(t) for t in tokens], np.uint64)
     first = LogitStoreWriter(tmp_path / "s", header())
     for block in (0, 3):
         p = first.block_positions(block)
-        first.write_block(block, keys[p.start : p.stop], ids[p.start : p.stop], logprobs[p.start : p.stop])
+        first.write_block(
+            block, keys[p.start : p.stop], ids[p.start : p.stop], logprobs[p.start : p.stop]
+        )
     stale = block_path(tmp_path / "s", 1).with_suffix(".bin.tmp")
     stale.write_bytes(b"half a block")  # killed while writing block 1
-    with pytest.raises(LogitStoreError, match=r"(?s)cannot finalize, 3 of 5 blocks.*\(block 1\) is missing"):
+    with pytest.raises(
+        LogitStoreError, match=r"(?s)cannot finalize, 3 of 5 blocks.*\(block 1\) is missing"
+    ):
         first.finalize()
     resumed = LogitStoreWriter(tmp_path / "s", header())
     assert not stale.exists()
@@ -208,13 +225,18 @@ def test_flipped_byte_in_a_sample_names_block_and_sample(store: Path) -> None:
     flip_byte(block_path(store, 1), -5)  # the last sample of block 1: position 9
     reader = LogitStoreReader(store)
     reader.read([0, 4, 5, 8])  # other samples still read
-    with pytest.raises(LogitStoreError, match=r"block-00000001\.bin \(block 1\): checksum mismatch in the sample at position 9"):
+    with pytest.raises(
+        LogitStoreError,
+        match=r"block-00000001\.bin \(block 1\): checksum mismatch in the sample at position 9",
+    ):
         reader.read([9])
 
 
 def test_flipped_byte_in_block_metadata_names_the_block(store: Path) -> None:
     flip_byte(block_path(store, 3), 100)  # inside the directory
-    with pytest.raises(LogitStoreError, match=r"\(block 3\): (checksum mismatch in the block metadata|corrupt)"):
+    with pytest.raises(
+        LogitStoreError, match=r"\(block 3\): (checksum mismatch in the block metadata|corrupt)"
+    ):
         LogitStoreReader(store).read([16])
 
 
@@ -222,7 +244,10 @@ def test_truncated_files_are_clear_errors(store: Path) -> None:
     path = block_path(store, 2)
     path.write_bytes(path.read_bytes()[:-100])
     reader = LogitStoreReader(store)
-    with pytest.raises(LogitStoreError, match=r"block-00000002\.bin \(block 2\) is truncated or replaced: \d+ bytes, the index says \d+"):
+    with pytest.raises(
+        LogitStoreError,
+        match=r"block-00000002\.bin \(block 2\) is truncated or replaced: \d+ bytes, the index says \d+",
+    ):
         reader.read([10])
     index = store / "index.bin"
     index.write_bytes(index.read_bytes()[:-1])
@@ -230,7 +255,9 @@ def test_truncated_files_are_clear_errors(store: Path) -> None:
         LogitStoreReader(store)
 
 
-def test_unfinished_or_foreign_stores_are_refused(tmp_path: Path, tokens: np.ndarray, store: Path) -> None:
+def test_unfinished_or_foreign_stores_are_refused(
+    tmp_path: Path, tokens: np.ndarray, store: Path
+) -> None:
     write_store(tmp_path / "open", tokens)
     with pytest.raises(LogitStoreError, match="not finalized"):
         LogitStoreReader(tmp_path / "open")
@@ -243,7 +270,9 @@ def test_unfinished_or_foreign_stores_are_refused(tmp_path: Path, tokens: np.nda
 def test_logits_made_for_other_data_are_refused(store: Path, tokens: np.ndarray) -> None:
     reader = LogitStoreReader(store)
     reader.check_dataset("data-v1")
-    with pytest.raises(LogitStoreError, match="made for dataset 'data-v1'.*student's dataset is 'data-v2'"):
+    with pytest.raises(
+        LogitStoreError, match="made for dataset 'data-v1'.*student's dataset is 'data-v2'"
+    ):
         reader.check_dataset("data-v2")
     positions = [3, 4, 5, 6]
     keys = [sample_key(t) for t in tokens[positions]]
@@ -251,7 +280,9 @@ def test_logits_made_for_other_data_are_refused(store: Path, tokens: np.ndarray)
     other = tokens.copy()
     other[5, 7] += 1  # one token differs in the sample at position 5
     keys = [sample_key(t) for t in other[positions]]
-    with pytest.raises(LogitStoreError, match=r"sample at position 5 has key 0x[0-9a-f]{16} in the store but 0x"):
+    with pytest.raises(
+        LogitStoreError, match=r"sample at position 5 has key 0x[0-9a-f]{16} in the store but 0x"
+    ):
         reader.check_samples(positions, keys)
 
 
@@ -259,7 +290,9 @@ def test_invalid_teacher_rows_name_their_position(tmp_path: Path) -> None:
     ids, logprobs = teacher(PER_BLOCK, SEQ, K)
     ids[3, 17, 5] = ids[3, 17, 9]
     writer = LogitStoreWriter(tmp_path, header())
-    with pytest.raises(LogitStoreError, match="block 1, sample at position 8, token 17: repeated ids"):
+    with pytest.raises(
+        LogitStoreError, match="block 1, sample at position 8, token 17: repeated ids"
+    ):
         writer.write_block(1, np.zeros(PER_BLOCK, np.uint64), ids, logprobs)
 
 

@@ -21,7 +21,9 @@ the error bound and the measurements behind each choice are in ``docs/teacher_lo
   the distillation loss stays exact, and KL(p || p') is the only error.
 * **Bytes.** Every multi-byte stream is split into byte planes (all low bytes, then all high
   bytes) before zstd: the planes have very different statistics and zstd's entropy stage
-  codes each well. One zstd frame per sample, so a reader decodes only the samples it needs.
+  codes each well. Each sample is three zstd frames (rank differences; probability codes;
+  float16 rest masses and escapes), so a reader decodes only the samples it needs and each
+  stream gets its own entropy tables.
 
 Invariants: rows are sorted by rank (not by id); decoded ids are exactly the stored set;
 decoded probabilities are > 0 wherever the teacher's were and sum to 1 - rest.
@@ -67,13 +69,15 @@ class CodecParams:
 
 
 class EncodedBlock(NamedTuple):
-    """A block's shared tables and one zstd frame per sample."""
+    """A block's shared tables and each sample's payload of three zstd frames."""
 
     tables: bytes
     """zstd frame: the centroid table (levels + 1 float32) and the rank table (uint32 ids)."""
     table_size: int
     """Number of ids in the rank table."""
-    frames: list[bytes]
+    payloads: list[bytes]
+    frame_sizes: np.ndarray
+    """uint32 [n, 2]: sizes of the first two frames of each payload (the third is the rest)."""
     escapes: np.ndarray
     """uint32 [n]: number of escaped rank differences of each sample."""
 
@@ -119,13 +123,9 @@ def _rank_table(ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarra
 
 
 def _sort_rows(ranks: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows sorted by rank, ``values`` permuted alike: one int64 sort of (rank << bits | column),
-    much faster than argsort + two gathers."""
-    k = ranks.shape[1]
-    bits = max(1, (k - 1).bit_length())
-    keys = np.sort((ranks << bits) | np.arange(k, dtype=np.int64), axis=1)
-    columns = keys & ((1 << bits) - 1)
-    return keys >> bits, np.take_along_axis(values, columns, axis=1)
+    """Rows sorted by rank, ``values`` permuted alike."""
+    order = np.argsort(ranks, axis=1)
+    return np.take_along_axis(ranks, order, axis=1), np.take_along_axis(values, order, axis=1)
 
 
 def _check_inputs(ids: np.ndarray, logprobs: np.ndarray, vocab_size: int) -> None:
@@ -134,7 +134,9 @@ def _check_inputs(ids: np.ndarray, logprobs: np.ndarray, vocab_size: int) -> Non
     outside = (ids < 0) | (ids >= vocab_size)
     if outside.any():
         row = _first_bad_row(outside)
-        raise RowError(row, f"ids outside the vocabulary [0, {vocab_size}): {ids[row][outside[row]][:4]}")
+        raise RowError(
+            row, f"ids outside the vocabulary [0, {vocab_size}): {ids[row][outside[row]][:4]}"
+        )
     not_finite = np.isnan(logprobs) | (logprobs == np.inf)
     if not_finite.any():
         raise RowError(_first_bad_row(not_finite), "log-probabilities are NaN or +inf")
@@ -164,12 +166,14 @@ def encode_block(
     compressor = zstandard.ZstdCompressor(level=params.zstd_level)
     tables = compressor.compress(_planes(centroids) + _planes(table))
     per_sample = rows // samples
-    frames, escapes = [], np.zeros(samples, dtype=np.uint32)
+    payloads, sizes = [], np.zeros((samples, 2), dtype=np.uint32)
+    escapes = np.zeros(samples, dtype=np.uint32)
     for s in range(samples):
         part = slice(s * per_sample, (s + 1) * per_sample)
-        frame, escapes[s] = _sample_frame(diffs[part], codes[part], rest[part], compressor)
-        frames.append(frame)
-    return EncodedBlock(tables, len(table), frames, escapes)
+        frames, escapes[s] = _sample_frames(diffs[part], codes[part], rest[part], compressor)
+        sizes[s] = len(frames[0]), len(frames[1])
+        payloads.append(b"".join(frames))
+    return EncodedBlock(tables, len(table), payloads, sizes, escapes)
 
 
 def _quantise(p: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
@@ -185,14 +189,14 @@ def _quantise(p: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     return codes, centroids
 
 
-def _sample_frame(
+def _sample_frames(
     diffs: np.ndarray, codes: np.ndarray, rest: np.ndarray, compressor: zstandard.ZstdCompressor
-) -> tuple[bytes, int]:
+) -> tuple[list[bytes], int]:
     escaped = diffs >= ESCAPE
     low = np.where(escaped, ESCAPE, diffs).astype(np.uint8)
     excess = (diffs[escaped] - ESCAPE).astype(np.uint32)
-    raw = low.tobytes() + codes.tobytes() + _planes(rest) + _planes(excess)
-    return compressor.compress(raw), len(excess)
+    streams = [low.tobytes(), codes.tobytes(), _planes(rest) + _planes(excess)]
+    return [compressor.compress(stream) for stream in streams], len(excess)
 
 
 class BlockDecoder:
@@ -209,23 +213,33 @@ class BlockDecoder:
         self.table = np.concatenate([[0], ids.astype(np.int64)])
         self.positions, self.k = positions, k
 
-    def decode(self, frame: bytes, escapes: int, ids: np.ndarray, probs: np.ndarray) -> None:
-        """Decode one sample's frame into ``ids`` (int64 [T, k]) and ``probs`` (float32 [T, k]),
-        contiguous arrays owned by the caller (e.g. slices of a pinned batch)."""
-        n, t = self.positions * self.k, self.positions
-        size = 2 * n + 2 * t + 4 * escapes
-        raw = _decompressor().decompress(frame, max_output_size=size)
-        if len(raw) != size:
-            raise ValueError(f"frame decodes to {len(raw)} bytes, expected {size}")
-        buffer = np.frombuffer(raw, np.uint8)
-        diffs = buffer[:n].astype(np.int32)
+    def decode(
+        self, payload: bytes, frame_sizes: tuple[int, int], escapes: int, ids: np.ndarray,
+        probs: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Decode one sample's payload into ``ids`` (int64 [T, k]) and ``probs`` (float32
+        [T, k]), contiguous arrays owned by the caller (e.g. slices of a pinned batch)."""
+        t, n = self.positions, self.positions * self.k
+        view = memoryview(payload)
+        first, second = frame_sizes
+        low = self._stream(view[:first], n)
+        codes = self._stream(view[first : first + second], n)
+        extra = self._stream(view[first + second :], 2 * t + 4 * escapes)
+        diffs = low.astype(np.int32)
         if escapes:
-            excess = _unplanes(memoryview(raw)[2 * n + 2 * t :], np.uint32, escapes)
-            diffs[np.flatnonzero(buffer[:n] == ESCAPE)] += excess.astype(np.int32)
+            excess = _unplanes(memoryview(extra)[2 * t :], np.uint32, escapes)
+            diffs[np.flatnonzero(low == ESCAPE)] += excess.astype(np.int32)
         ranks = np.cumsum(diffs.reshape(t, self.k), axis=1, dtype=np.int32)
         if ranks[:, -1].max(initial=0) >= len(self.table):
             raise ValueError("rank outside the block's table")
         np.take(self.table, ranks, out=ids)
-        np.take(self.centroids, buffer[n : 2 * n].reshape(t, self.k), out=probs)
-        rest = _unplanes(memoryview(raw)[2 * n : 2 * n + 2 * t], np.float16, t)
+        np.take(self.centroids, codes.reshape(t, self.k), out=probs)
+        rest = _unplanes(extra, np.float16, t)
         probs *= ((1 - rest.astype(np.float32)) / probs.sum(axis=1))[:, None]
+
+    @staticmethod
+    def _stream(frame: memoryview, size: int) -> np.ndarray:
+        raw = _decompressor().decompress(frame, max_output_size=size)
+        if len(raw) != size:
+            raise ValueError(f"a frame decodes to {len(raw)} bytes, expected {size}")
+        return np.frombuffer(raw, np.uint8)

@@ -20,7 +20,7 @@ Invariants:
   so a restarted writer skips it (``pending_blocks``); stale ``*.tmp`` files are removed.
 * Rank r of w writers owns the blocks ``b % w == r``: ranks never touch the same file.
 * Every block carries a blake2b digest of its metadata, which holds a crc32 of each sample's
-  frame; the index repeats the digests and file sizes. Any corruption or mismatch raises
+  payload; the index repeats the digests and file sizes. Any corruption or mismatch raises
   :class:`LogitStoreError` naming the file, block and sample position.
 * No pickle anywhere: JSON and fixed little-endian binary layouts.
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 import os
 import struct
 import threading
@@ -59,13 +60,12 @@ HEADER_FILE, INDEX_FILE, BLOCK_DIR = "header.json", "index.bin", "blocks"
 BLOCK_MAGIC, INDEX_MAGIC = b"APTKBLK\0", b"APTKIDX\0"
 DIGEST_SIZE = 16
 
-# Block file: fixed header, directory (one record per sample), tables frame, digest, frames.
+# Block file: fixed header, directory (one record per sample), tables frame, digest, payloads.
 _BLOCK_HEAD = struct.Struct("<8sIIQQIIIIIIQ")
 _BLOCK_HEAD_FIELDS = ("magic", "version", "levels", "block", "first_position", "samples",
                       "seq_length", "k", "vocab_size", "table_size", "tables_bytes", "file_size")  # fmt: skip
-_DIRECTORY = np.dtype(
-    [("key", "<u8"), ("offset", "<u8"), ("length", "<u4"), ("escapes", "<u4"), ("crc", "<u4")]
-)
+_DIRECTORY = np.dtype([("key", "<u8"), ("offset", "<u8"), ("length", "<u4"), ("frame_sizes", "<u4", 2),
+                       ("escapes", "<u4"), ("crc", "<u4")])  # fmt: skip
 # Index file: fixed header, per-block records, per-sample keys, digest of all that.
 _INDEX_HEAD = struct.Struct("<8sIIQQ16s")
 _INDEX_BLOCK = np.dtype([("size", "<u8"), ("digest", "S16")])
@@ -107,12 +107,14 @@ class StoreHeader:
     """What a store holds and for which data; written to ``header.json``."""
 
     k: int
+    """Teacher ids (and probabilities) per position."""
     vocab_size: int
     seq_length: int
     """Positions per sample (every sample has exactly this many)."""
     num_samples: int
     """Samples in consumption order: positions 0 .. num_samples - 1."""
     samples_per_block: int
+    """Chosen so that a block holds ~131k tokens (:func:`default_samples_per_block`)."""
     teacher: str
     """Teacher identifier, e.g. checkpoint path, iteration and a hash of its config."""
     dataset_hash: str
@@ -123,8 +125,10 @@ class StoreHeader:
 
     def __post_init__(self) -> None:
         for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_block"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"StoreHeader.{name} must be a positive int, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"StoreHeader.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy ints would not serialise
         if not self.k <= self.vocab_size < 2**32:
             raise ValueError(f"need k ({self.k}) <= vocab_size ({self.vocab_size}) < 2**32")
         if not self.teacher or not self.dataset_hash:
@@ -154,7 +158,11 @@ class StoreHeader:
             fields = json.loads(text)
         except json.JSONDecodeError as err:
             raise LogitStoreError(f"{source}: not valid JSON ({err})") from None
-        if fields.pop("format", None) != FORMAT or fields.pop("codec", None) != CODEC:
+        if (
+            not isinstance(fields, dict)
+            or fields.pop("format", None) != FORMAT
+            or fields.pop("codec", None) != CODEC
+        ):
             raise LogitStoreError(f"{source}: not a {FORMAT} store with codec {CODEC}")
         if fields.get("format_version") != FORMAT_VERSION:
             raise LogitStoreError(
@@ -215,7 +223,9 @@ def _file_reader(fd: int) -> ReadAt:
     return lambda offset, size: os.pread(fd, size, offset)
 
 
-def _read_exact(read: ReadAt, offset: int, size: int, path: Path, block: int, file_size: int) -> bytes:
+def _read_exact(
+    read: ReadAt, offset: int, size: int, path: Path, block: int, file_size: int
+) -> bytes:
     data = read(offset, size)
     if len(data) != size:
         raise LogitStoreError(
@@ -237,7 +247,9 @@ def _read_meta(path: Path, block: int, header: StoreHeader) -> BlockMeta:
         os.close(fd)
 
 
-def parse_meta(read: ReadAt, file_size: int, path: Path, block: int, header: StoreHeader) -> BlockMeta:
+def parse_meta(
+    read: ReadAt, file_size: int, path: Path, block: int, header: StoreHeader
+) -> BlockMeta:
     """Parse and check the metadata of block ``block`` (``path`` names it in errors)."""
     head_bytes = _read_exact(read, 0, _BLOCK_HEAD.size, path, block, file_size)
     head = dict(zip(_BLOCK_HEAD_FIELDS, _BLOCK_HEAD.unpack(head_bytes)))
@@ -247,7 +259,9 @@ def parse_meta(read: ReadAt, file_size: int, path: Path, block: int, header: Sto
                 "seq_length": header.seq_length, "k": header.k, "vocab_size": header.vocab_size}  # fmt: skip
     wrong = [f"{f}={head[f]!r} (expected {v!r})" for f, v in expected.items() if head[f] != v]
     if wrong:
-        raise LogitStoreError(f"{path} (block {block}): corrupt or foreign block header: {', '.join(wrong)}")
+        raise LogitStoreError(
+            f"{path} (block {block}): corrupt or foreign block header: {', '.join(wrong)}"
+        )
     meta_size = len(positions) * _DIRECTORY.itemsize + head["tables_bytes"]
     rest = _read_exact(read, _BLOCK_HEAD.size, meta_size + DIGEST_SIZE, path, block, file_size)
     digest = _digest(head_bytes, rest[:meta_size])
@@ -263,15 +277,15 @@ def parse_meta(read: ReadAt, file_size: int, path: Path, block: int, header: Sto
     return BlockMeta(path, block, directory, tables, head["table_size"], file_size, digest)
 
 
-def _check_frames(read: ReadAt, meta: BlockMeta, header: StoreHeader) -> None:
+def _check_payloads(read: ReadAt, meta: BlockMeta, header: StoreHeader) -> None:
     for slot, entry in enumerate(meta.directory):
-        frame = _read_exact(read, int(entry["offset"]), int(entry["length"]), meta.path,
-                            meta.block, meta.file_size)  # fmt: skip
-        check_crc(frame, entry, meta, header.block_positions(meta.block)[slot])
+        payload = _read_exact(read, int(entry["offset"]), int(entry["length"]), meta.path,
+                              meta.block, meta.file_size)  # fmt: skip
+        check_crc(payload, entry, meta, header.block_positions(meta.block)[slot])
 
 
-def check_crc(frame: bytes, entry: np.void, meta: BlockMeta, position: int) -> None:
-    if zlib.crc32(frame) != int(entry["crc"]):
+def check_crc(payload: bytes, entry: np.void, meta: BlockMeta, position: int) -> None:
+    if zlib.crc32(payload) != int(entry["crc"]):
         raise LogitStoreError(
             f"{meta.path} (block {meta.block}): checksum mismatch in the sample at position {position}"
         )
@@ -281,18 +295,19 @@ def block_bytes(block: int, header: StoreHeader, keys: np.ndarray, encoded) -> b
     positions = header.block_positions(block)
     n = len(positions)
     meta_size = _BLOCK_HEAD.size + n * _DIRECTORY.itemsize + len(encoded.tables) + DIGEST_SIZE
-    lengths = np.array([len(f) for f in encoded.frames], dtype=np.int64)
+    lengths = np.array([len(p) for p in encoded.payloads], dtype=np.int64)
     directory = np.zeros(n, _DIRECTORY)
     directory["key"] = keys
     directory["offset"] = meta_size + np.concatenate([[0], np.cumsum(lengths)[:-1]])
     directory["length"] = lengths
+    directory["frame_sizes"] = encoded.frame_sizes
     directory["escapes"] = encoded.escapes
-    directory["crc"] = [zlib.crc32(f) for f in encoded.frames]
+    directory["crc"] = [zlib.crc32(p) for p in encoded.payloads]
     head = _BLOCK_HEAD.pack(BLOCK_MAGIC, FORMAT_VERSION, header.levels, block, positions.start, n,
                             header.seq_length, header.k, header.vocab_size, encoded.table_size,
                             len(encoded.tables), meta_size + int(lengths.sum()))  # fmt: skip
     meta = head + directory.tobytes() + encoded.tables
-    return b"".join([meta, _digest(meta), *encoded.frames])
+    return b"".join([meta, _digest(meta), *encoded.payloads])
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -384,7 +399,7 @@ class LogitStoreWriter:
         try:
             meta = parse_meta(_file_reader(fd), os.fstat(fd).st_size, path, block, self.header)
             if verify_checksums:
-                _check_frames(_file_reader(fd), meta, self.header)
+                _check_payloads(_file_reader(fd), meta, self.header)
             return True
         except LogitStoreError:
             return False
@@ -440,7 +455,8 @@ class LogitStoreWriter:
         if problems:
             raise LogitStoreError(
                 f"{self.directory}: cannot finalize, {len(problems)} of {self.header.num_blocks} "
-                "blocks are missing or damaged:\n  " + "\n  ".join(problems[:20])
+                "blocks are missing or damaged:\n  "
+                + "\n  ".join(problems[:20])
                 + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
             )
         records = np.zeros(len(metas), _INDEX_BLOCK)
@@ -466,8 +482,8 @@ class LogitStoreReader:
     """Random access to a finalized store by sample position.
 
     ``verify`` checks the index digest on open, each block's metadata digest when it is first
-    opened, and each sample frame's crc32 on every read. A small LRU cache keeps the last few
-    opened blocks (directory and decoded tables); sample frames are decoded on demand, so a
+    opened, and each sample payload's crc32 on every read. A small LRU cache keeps the last few
+    opened blocks (directory and decoded tables); samples are decoded on demand, so a
     reader that needs a few samples of a block never decodes the whole block, and sequential
     reading decodes every sample exactly once.
     """
@@ -493,7 +509,9 @@ class LogitStoreReader:
         records_size = header.num_blocks * _INDEX_BLOCK.itemsize
         expected = _INDEX_HEAD.size + records_size + 8 * header.num_samples + DIGEST_SIZE
         if len(data) != expected:
-            raise LogitStoreError(f"{path} is truncated or not an index: {len(data)} bytes, expected {expected}")
+            raise LogitStoreError(
+                f"{path} is truncated or not an index: {len(data)} bytes, expected {expected}"
+            )
         if self.verify and _digest(data[:-DIGEST_SIZE]) != data[-DIGEST_SIZE:]:
             raise LogitStoreError(f"{path}: checksum mismatch")
         magic, version, _, blocks, samples, header_digest = _INDEX_HEAD.unpack_from(data)
@@ -562,10 +580,15 @@ class LogitStoreReader:
         return TopKBatch(self.keys[positions].copy(), ids, probs)
 
     def _decode(
-        self, block: int, positions: np.ndarray, where: np.ndarray, ids: np.ndarray, probs: np.ndarray
+        self,
+        block: int,
+        positions: np.ndarray,
+        where: np.ndarray,
+        ids: np.ndarray,
+        probs: np.ndarray,
     ) -> None:
         """Decode the block's samples at ``positions`` into rows ``where`` of the outputs: one
-        read of the byte range that covers them, then one frame per sample."""
+        read of the byte range that covers them, then each sample's payload."""
         opened = self._open(block)
         entries = opened.meta.directory[positions - block * self.header.samples_per_block]
         start = int(entries["offset"].min())
@@ -575,12 +598,13 @@ class LogitStoreReader:
                                block, opened.meta.file_size)  # fmt: skip
         for row, position, entry in zip(where, positions, entries):
             offset = int(entry["offset"]) - start
-            frame = data[offset : offset + int(entry["length"])]
+            payload = data[offset : offset + int(entry["length"])]
             if self.verify:
-                check_crc(frame, entry, opened.meta, int(position))
+                check_crc(payload, entry, opened.meta, int(position))
+            sizes = (int(entry["frame_sizes"][0]), int(entry["frame_sizes"][1]))
             try:
-                opened.decoder.decode(frame, int(entry["escapes"]), ids[row], probs[row])
-            except Exception as err:  # zstd or layout errors of a frame that passed its crc
+                opened.decoder.decode(payload, sizes, int(entry["escapes"]), ids[row], probs[row])
+            except Exception as err:  # zstd or layout errors of a payload that passed its crc
                 raise LogitStoreError(
                     f"{opened.meta.path} (block {block}): sample at position {position} does not "
                     f"decode: {err}"
@@ -604,7 +628,9 @@ class LogitStoreReader:
         if self.verify and meta.digest != record["digest"]:
             raise LogitStoreError(f"{path} (block {block}): digest differs from the index's")
         h = self.header
-        decoder = BlockDecoder(meta.tables, meta.table_size, positions=h.seq_length, k=h.k, levels=h.levels)
+        decoder = BlockDecoder(
+            meta.tables, meta.table_size, positions=h.seq_length, k=h.k, levels=h.levels
+        )
         opened = _OpenBlock(meta, decoder)
         with self._lock:
             self._cache[block] = opened
