@@ -162,7 +162,8 @@ def ours_encode(ids: np.ndarray, logprobs: np.ndarray, header: logit_store.Store
 def ours_decode(data: bytes, header: logit_store.StoreHeader) -> Decoded:
     """Parse and check the block's metadata and every sample's crc32, decode every sample."""
     view = memoryview(data)
-    meta = logit_store.parse_meta(lambda offset, size: bytes(view[offset : offset + size]), len(data),
+    read = lambda offset, size: bytes(view[offset : offset + size])  # noqa: E731
+    meta = logit_store.parse_meta(read, len(data),
                                   Path("<memory>"), 0, header)  # fmt: skip
     decoder = BlockDecoder(meta.tables, meta.table_size, positions=header.seq_length,
                            k=header.k, levels=header.levels)  # fmt: skip
@@ -193,7 +194,8 @@ def kl_per_token(ids: np.ndarray, logprobs: np.ndarray, decoded: Decoded) -> dic
     with np.errstate(divide="ignore"):
         kl = np.where(p > 0, p * (np.log(p) - np.log(p_d)), 0.0).sum(1)
     return {"kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
-            "kl_max": float(kl.max()), "mass_err_max": float(np.abs(mass - mass_d).max())}  # fmt: skip
+            "kl_max": float(kl.max()),
+            "mass_err_max": float(np.abs(mass - mass_d).max())}  # fmt: skip
 
 
 def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
@@ -215,7 +217,8 @@ def measure(name: str, data: str, encode, decode, ids, logprobs, repeat: int) ->
     row = {"data": data, "format": name, "tokens": rows, "k": k, "bytes": len(blob),
            "bytes_per_token": len(blob) / rows, "encode_tokens_per_s": rows / enc_s,
            "decode_tokens_per_s": rows / dec_s, **kl_per_token(ids, logprobs, decoded)}  # fmt: skip
-    print(f"{name:38s} {row['bytes_per_token']:7.1f} B/token  enc {row['encode_tokens_per_s']:9,.0f}"
+    print(f"{name:38s} {row['bytes_per_token']:7.1f} B/token"
+          f"  enc {row['encode_tokens_per_s']:9,.0f}"
           f"  dec {row['decode_tokens_per_s']:9,.0f} tokens/s  KL mean {row['kl_mean']:.2e}"
           f" max {row['kl_max']:.2e}", flush=True)  # fmt: skip
     return row
@@ -226,9 +229,11 @@ def compare(data: str, ids3: np.ndarray, logprobs3: np.ndarray, repeat: int) -> 
     n, seq_length, k = ids3.shape
     ids, logprobs = ids3.reshape(-1, k), logprobs3.reshape(-1, k)
     header = logit_store.StoreHeader(k=k, vocab_size=VOCAB, seq_length=seq_length, num_samples=n,
-                                     samples_per_block=n, teacher="bench", dataset_hash="bench")  # fmt: skip
+                                     samples_per_block=n, teacher="bench",
+                                     dataset_hash="bench")  # fmt: skip
     print(f"{data}: {n} samples x {seq_length} tokens, k={k}; top-1 probability mean "
-          f"{np.exp(logprobs[:, 0]).mean():.3f}, top-k mass mean {np.exp(logprobs).sum(1).mean():.3f}, "
+          f"{np.exp(logprobs[:, 0]).mean():.3f}, top-k mass mean "
+          f"{np.exp(logprobs).sum(1).mean():.3f}, "
           f"{len(np.unique(ids))} distinct ids")  # fmt: skip
     rows = [
         measure("ours", data, lambda i, l: ours_encode(i, l, header),
@@ -312,7 +317,8 @@ def main() -> None:
     rows = compare(label, ids, logprobs, args.repeat)
     n, seq_length, k = ids.shape
     header = logit_store.StoreHeader(k=k, vocab_size=VOCAB, seq_length=seq_length, num_samples=n,
-                                     samples_per_block=n, teacher=str(checkpoint), dataset_hash="bench")  # fmt: skip
+                                     samples_per_block=n, teacher=str(checkpoint),
+                                     dataset_hash="bench")  # fmt: skip
     rows.append({"data": label, **store_path(tokens, ids, logprobs, header, args.repeat)})
     if args.stress_samples:
         stress = synthetic_stress(args.stress_samples, seq_length, k)

@@ -55,8 +55,10 @@ def teacher(samples: int, seq: int, k: int, seed: int = 0) -> tuple[np.ndarray, 
 
 
 def header(**overrides) -> StoreHeader:
-    fields = dict(k=K, vocab_size=VOCAB, seq_length=SEQ, num_samples=SAMPLES,
-                  samples_per_block=PER_BLOCK, teacher="tiny@iter200", dataset_hash="data-v1")  # fmt: skip
+    fields = dict(
+        k=K, vocab_size=VOCAB, seq_length=SEQ, num_samples=SAMPLES, samples_per_block=PER_BLOCK,
+        teacher="tiny@iter200", dataset_hash="data-v1",
+    )  # fmt: skip
     return StoreHeader(**{**fields, **overrides})
 
 
@@ -246,7 +248,8 @@ def test_truncated_files_are_clear_errors(store: Path) -> None:
     reader = LogitStoreReader(store)
     with pytest.raises(
         LogitStoreError,
-        match=r"block-00000002\.bin \(block 2\) is truncated or replaced: \d+ bytes, the index says \d+",
+        match=r"block-00000002\.bin \(block 2\) is truncated or replaced: \d+ bytes, the index "
+        r"says \d+",
     ):
         reader.read([10])
     index = store / "index.bin"

@@ -95,7 +95,7 @@ def _unplanes(buffer: memoryview | bytes, dtype: np.dtype, count: int) -> np.nda
 
 
 def default_centroids(levels: int) -> np.ndarray:
-    """Mean of p = u^2 over a bin of u = sqrt(p) (uniform): (c^2 + 1/12) / L^2 (bin 0: [0, 1/2L])."""
+    """Mean of p = u^2 for u = sqrt(p) uniform in bin c: (c^2 + 1/12) / L^2 (bin 0 is [0, 1/2L])."""
     codes = np.arange(levels + 1, dtype=np.float64)
     return ((codes**2 + 1 / 12) / levels**2).astype(np.float32)
 

@@ -62,10 +62,14 @@ DIGEST_SIZE = 16
 
 # Block file: fixed header, directory (one record per sample), tables frame, digest, payloads.
 _BLOCK_HEAD = struct.Struct("<8sIIQQIIIIIIQ")
-_BLOCK_HEAD_FIELDS = ("magic", "version", "levels", "block", "first_position", "samples",
-                      "seq_length", "k", "vocab_size", "table_size", "tables_bytes", "file_size")  # fmt: skip
-_DIRECTORY = np.dtype([("key", "<u8"), ("offset", "<u8"), ("length", "<u4"), ("frame_sizes", "<u4", 2),
-                       ("escapes", "<u4"), ("crc", "<u4")])  # fmt: skip
+_BLOCK_HEAD_FIELDS = (
+    "magic", "version", "levels", "block", "first_position", "samples",
+    "seq_length", "k", "vocab_size", "table_size", "tables_bytes", "file_size",
+)  # fmt: skip
+_DIRECTORY = np.dtype(
+    [("key", "<u8"), ("offset", "<u8"), ("length", "<u4"), ("frame_sizes", "<u4", 2),
+     ("escapes", "<u4"), ("crc", "<u4")]
+)  # fmt: skip
 # Index file: fixed header, per-block records, per-sample keys, digest of all that.
 _INDEX_HEAD = struct.Struct("<8sIIQQ16s")
 _INDEX_BLOCK = np.dtype([("size", "<u8"), ("digest", "S16")])
@@ -254,9 +258,11 @@ def parse_meta(
     head_bytes = _read_exact(read, 0, _BLOCK_HEAD.size, path, block, file_size)
     head = dict(zip(_BLOCK_HEAD_FIELDS, _BLOCK_HEAD.unpack(head_bytes)))
     positions = header.block_positions(block)
-    expected = {"magic": BLOCK_MAGIC, "version": FORMAT_VERSION, "levels": header.levels,
-                "block": block, "first_position": positions.start, "samples": len(positions),
-                "seq_length": header.seq_length, "k": header.k, "vocab_size": header.vocab_size}  # fmt: skip
+    expected = {
+        "magic": BLOCK_MAGIC, "version": FORMAT_VERSION, "levels": header.levels, "block": block,
+        "first_position": positions.start, "samples": len(positions),
+        "seq_length": header.seq_length, "k": header.k, "vocab_size": header.vocab_size,
+    }  # fmt: skip
     wrong = [f"{f}={head[f]!r} (expected {v!r})" for f, v in expected.items() if head[f] != v]
     if wrong:
         raise LogitStoreError(
@@ -287,7 +293,8 @@ def _check_payloads(read: ReadAt, meta: BlockMeta, header: StoreHeader) -> None:
 def check_crc(payload: bytes, entry: np.void, meta: BlockMeta, position: int) -> None:
     if zlib.crc32(payload) != int(entry["crc"]):
         raise LogitStoreError(
-            f"{meta.path} (block {meta.block}): checksum mismatch in the sample at position {position}"
+            f"{meta.path} (block {meta.block}): checksum mismatch in the sample at position "
+            f"{position}"
         )
 
 
