@@ -12,6 +12,7 @@ import sys
 
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
+from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.model.config import ConfigError, ParallelConfig
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.training import config as C
@@ -32,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, DatasetConfig, title="datasets")
     C.add_arguments(parser, GoldfishConfig, title="goldfish loss", prefix="goldfish_")
     C.add_arguments(parser, C.LoggingConfig, title="logging")
+    C.add_arguments(parser, DistillConfig, title="distillation (sparse top-k teacher logits)")
     args = parser.parse_args(argv)
     try:
         return RunConfig(
@@ -46,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             dataset=C.from_arguments(DatasetConfig, args),
             goldfish=C.from_arguments(GoldfishConfig, args, prefix="goldfish_"),
             logging=C.from_arguments(C.LoggingConfig, args),
+            distill=C.from_arguments(DistillConfig, args),
         )
     except (ConfigError, ValueError) as err:
         parser.error(str(err))

@@ -1,16 +1,21 @@
-"""The embedded end-to-end demo: preprocess real text, pretrain a tiny Apertus model with the
-Apertus recipe on CPU, stop half way, resume, and report.
+"""The embedded end-to-end demo: pretrain a teacher with the Apertus recipe, store its top-k
+logits, distil a smaller student from them, and compare it with a cross-entropy-only student.
 
-    python examples/demo.py [--out runs/demo] [--iters 300]
+    python examples/demo.py [--out runs/demo] [--teacher-iters 300] [--student-iters 200]
 
 1. ``tools/preprocess_data.py`` tokenizes real text shipped with Python (the language reference
    topics and the standard library's docstrings, ~0.5M tokens) with the 131072-token tekken
    tokenizer into ``OUT/data``.
-2. ``pretrain_gpt.py`` trains the ``tiny`` preset with Goldfish (k=50, h=50), AdEMAMix, a WSD
-   schedule with 1-sqrt cooldown, document masking and ``<s>``/``</s>`` documents, stops at
-   half the steps with a checkpoint (``--exit-interval``), then resumes from it to the end.
-3. The summary (``OUT/summary.json``) gives the validation loss before and after training,
-   the unigram entropy of the data (the loss of the best context-free model), and the loss plot.
+2. ``pretrain_gpt.py`` trains the teacher (hidden 128, 4 layers) with Goldfish (k=50, h=50),
+   AdEMAMix, a WSD schedule with 1-sqrt cooldown, document masking and ``<s>``/``</s>``
+   documents; it stops at half the steps with a checkpoint (``--exit-interval``) and a second
+   run resumes from it to the end.
+3. ``tools/generate_teacher_logits.py`` stores the teacher's top-k over the student's training
+   samples, in the order the student consumes them (``OUT/logits``).
+4. Two students of the same smaller shape (hidden 64) train for the same steps on the same
+   samples: one distilled (0.9 KL to the teacher's top-k + 0.1 CE), one with cross-entropy only.
+5. ``OUT/summary.json`` holds the validation losses, the unigram baselines of the data, the
+   time of a distillation step against a cross-entropy step, and ``OUT/loss.png`` the curves.
 """
 
 from __future__ import annotations
@@ -18,18 +23,30 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+SEED = 1234
+GLOBAL_BATCH = 16
+TOPK = 64
+TEACHER = ["--model-preset", "tiny", "--hidden-size", "128", "--ffn-hidden-size", "384",
+           "--no-untie-embeddings-and-output-weights"]  # fmt: skip
+STUDENT = ["--model-preset", "tiny", "--no-untie-embeddings-and-output-weights"]  # hidden 64
 
 
-def run(*args: str) -> None:
+def run(*args: str) -> float:
+    """Run one of our entry points; its wall time in seconds."""
     print("$", " ".join(args), flush=True)
+    start = time.perf_counter()
     subprocess.run([sys.executable, *args], cwd=REPO, check=True)
+    return time.perf_counter() - start
 
 
 def preprocess(out: Path) -> str:
@@ -43,41 +60,100 @@ def preprocess(out: Path) -> str:
     return str(data / "python_docs_text_document")
 
 
-def unigram_entropies(prefix: str, valid_share: float) -> dict[str, float]:
-    """Entropy in nats of the unigram distribution of the whole corpus and of the held-out
-    documents alone (the last ``valid_share`` of them, as megatron-core's split takes them)."""
+def unigram_baselines(prefix: str, valid_share: float) -> dict[str, float]:
+    """Nats per token of context-free predictions: the unigram entropy of the whole corpus, of
+    the held-out documents (the last ``valid_share`` of them, as megatron-core's split takes
+    them), and the cross-entropy on the held-out text of the unigram model of the training
+    documents (add-0.1 smoothed): the best a model ignoring context can do on validation."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix)
     documents = [np.array(dataset[i]) for i in range(len(dataset))]
     first_valid = int(round(len(documents) * (1 - valid_share)))
+    train, valid = np.concatenate(documents[:first_valid]), np.concatenate(documents[first_valid:])
 
     def entropy(tokens: np.ndarray) -> float:
         counts = np.bincount(tokens).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
+    counts = np.bincount(train, minlength=int(valid.max()) + 1) + 0.1
     return {
-        "unigram_entropy_corpus_nats": entropy(np.concatenate(documents)),
-        "unigram_entropy_validation_nats": entropy(np.concatenate(documents[first_valid:])),
+        "unigram_entropy_corpus": entropy(np.concatenate(documents)),
+        "unigram_entropy_validation": entropy(valid),
+        "unigram_model_validation_loss": float(-np.log(counts[valid] / counts.sum()).mean()),
     }
 
 
-def train_args(out: Path, data: str, iters: int) -> list[str]:
+def data_args(out: Path, data: str, iters: int) -> list[str]:
+    """Data, batch and validation flags shared by the teacher, its logits and the students."""
     return [
-        "pretrain_gpt.py", "--model-preset", "tiny", "--data-path", data, "--split", "90,10,0",
-        "--data-cache-path", str(out / "cache"),
-        "--train-iters", str(iters), "--global-batch-size", "8", "--micro-batch-size", "4",
-        "--optimizer", "ademamix", "--lr", "1e-3", "--min-lr", "1e-4", "--weight-decay", "0.1",
+        "--data-path", data, "--split", "90,10,0", "--data-cache-path", str(out / "cache"),
+        "--seed", str(SEED), "--train-iters", str(iters), "--global-batch-size", str(GLOBAL_BATCH),
+        "--micro-batch-size", str(GLOBAL_BATCH // 2),
+        "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
+        "--eval-interval", str(iters // 4), "--eval-iters", "8",
+    ]  # fmt: skip
+
+
+def recipe_args(iters: int, lr: float) -> list[str]:
+    """The Apertus recipe: AdEMAMix, WSD with a 1-sqrt cooldown, Goldfish loss."""
+    return [
+        "--optimizer", "ademamix", "--lr", str(lr), "--min-lr", str(lr / 10), "--weight-decay", "0.1",
         "--ademamix-alpha", "2", "--ademamix-beta3", "0.999", "--ademamix-alpha-warmup", str(iters),
         "--ademamix-beta3-warmup", str(iters), "--clip-grad", "1.0",
-        "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "1-sqrt", "--lr-warmup-iters", str(iters // 20),
-        "--lr-wsd-decay-iters", str(iters // 5),
-        "--goldfish-loss", "--goldfish-k", "50", "--goldfish-h", "50",
-        "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-        "--eval-interval", str(iters // 4), "--eval-iters", "4", "--log-interval", "10",
-        "--save", str(out / "checkpoints"), "--loss-plot", str(out / "loss.png"),
+        "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "1-sqrt",
+        "--lr-warmup-iters", str(iters // 20), "--lr-wsd-decay-iters", str(iters // 5),
+        "--goldfish-loss", "--goldfish-k", "50", "--goldfish-h", "50", "--log-interval", "10",
     ]  # fmt: skip
+
+
+def pretrain_teacher(out: Path, data: str, iters: int) -> dict:
+    """Train, stop half way with a checkpoint, resume to the end; the whole history."""
+    args = [*TEACHER, *data_args(out, data, iters), *recipe_args(iters, lr=5e-3),
+            "--save", str(out / "teacher")]  # fmt: skip
+    run("pretrain_gpt.py", *args, "--exit-interval", str(iters // 2),
+        "--log-json", str(out / "teacher-part1.json"))  # fmt: skip
+    run("pretrain_gpt.py", *args, "--load", str(out / "teacher"),
+        "--log-json", str(out / "teacher.json"))  # fmt: skip
+    first = json.loads((out / "teacher-part1.json").read_text())
+    history = json.loads((out / "teacher.json").read_text())  # the resumed run continues it
+    history["resumed_at_iteration"] = first["train/loss"][-1][0]
+    return history
+
+
+def train_student(out: Path, data: str, iters: int, name: str, extra: list[str]) -> dict:
+    args = [*STUDENT, *data_args(out, data, iters), *recipe_args(iters, lr=5e-3),
+            "--save", str(out / name), "--log-json", str(out / f"{name}.json"), *extra]  # fmt: skip
+    run("pretrain_gpt.py", *args)
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def median_step_seconds(history: dict) -> float:
+    """Median step time, without the first steps (start-up, allocator warm-up)."""
+    return statistics.median(v for it, v in history["train/step_seconds"] if it > 5)
+
+
+def plot(histories: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (name, history), color in zip(histories.items(), ("C0", "C1", "C2")):
+        steps, values = zip(*history["train/loss"])
+        ax.plot(steps, values, "-", color=color, alpha=0.35, label=f"{name} train")
+        steps, values = zip(*history["valid/loss"])
+        ax.plot(steps, values, "o-", color=color, markersize=4, label=f"{name} validation")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("nats per token")
+    ax.set_ylim(top=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -85,27 +161,39 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="runs/demo")
-    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--teacher-iters", type=int, default=300)
+    parser.add_argument("--student-iters", type=int, default=200)
     args = parser.parse_args()
     out = (REPO / args.out).resolve()
+    for stale in ("teacher", "logits", "student-distilled", "student-ce"):  # a previous demo's
+        shutil.rmtree(out / stale, ignore_errors=True)
     data = preprocess(out)
-    common = train_args(out, data, args.iters)
-    run(*common, "--exit-interval", str(args.iters // 2), "--log-json", str(out / "part1.json"))
-    run(*common, "--load", str(out / "checkpoints"), "--log-json", str(out / "part2.json"))
-    first = json.loads((out / "part1.json").read_text())
-    whole = json.loads((out / "part2.json").read_text())  # the resumed run continues the history
-    valid = whole["valid/loss"]
+    teacher = pretrain_teacher(out, data, args.teacher_iters)
+    student_data = data_args(out, data, args.student_iters)
+    logits_seconds = run("tools/generate_teacher_logits.py", "--load", str(out / "teacher"),
+                         "--logits-dir", str(out / "logits"), "--topk", str(TOPK), *student_data)  # fmt: skip
+    distilled = train_student(out, data, args.student_iters, "student-distilled",
+                              ["--distill-logits-path", str(out / "logits"), "--kd-alpha", "0.9"])  # fmt: skip
+    baseline = train_student(out, data, args.student_iters, "student-ce", [])
+    plot({"teacher": teacher, "student distilled": distilled, "student CE only": baseline},
+         out / "loss.png")  # fmt: skip
+    final = lambda history: history["valid/loss"][-1][1]  # noqa: E731
     summary = {
-        "validation_loss_start": valid[0][1],
-        "validation_loss_end": valid[-1][1],
-        "validation_curve": valid,
-        **unigram_entropies(data, valid_share=0.1),
-        "uniform_entropy_nats": math.log(131072),
-        "resumed_at_iteration": first["train/loss"][-1][0],
+        "teacher_validation_loss": {"start": teacher["valid/loss"][0][1], "end": final(teacher)},
+        "teacher_validation_curve": teacher["valid/loss"],
+        "teacher_resumed_at_iteration": teacher["resumed_at_iteration"],
+        "student_distilled_validation_loss": final(distilled),
+        "student_ce_only_validation_loss": final(baseline),
+        **unigram_baselines(data, valid_share=0.1),
+        "uniform_entropy": math.log(131072),
+        "teacher_logits_seconds": logits_seconds,
+        "teacher_logits_bytes": sum(f.stat().st_size for f in (out / "logits").rglob("*") if f.is_file()),
+        "step_seconds_distilled": median_step_seconds(distilled),
+        "step_seconds_ce_only": median_step_seconds(baseline),
         "loss_plot": str(out / "loss.png"),
-    }
+    }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: v for k, v in summary.items() if k != "validation_curve"}, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if "curve" not in k}, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,13 +16,19 @@ restart at each one, without a dense [s, s] mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.apertus.data.goldfish import GoldfishConfig, goldfish_drop_mask
+
+if TYPE_CHECKING:
+    from megatron.apertus.model.fused_loss import TeacherTargets
+
+TeacherSource = Callable[[list[int], list[dict]], "TeacherTargets"]
+"""Teacher targets (distillation) of the samples at these dataset positions."""
 
 
 @dataclass
@@ -35,6 +41,8 @@ class Batch:
     goldfish_dropped: int = 0
     """Loss positions Goldfish removed from this micro-batch (of ``loss_positions`` before it)."""
     loss_positions: int = 0
+    teacher: TeacherTargets | None = None
+    """A teacher's top-k per token (distillation), in the same [b, s] or packed layout."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -79,8 +87,10 @@ def pack(tokens, labels, loss_mask, eod: int) -> Batch:
     return Batch(flat(tokens), flat(labels), flat(loss_mask), positions, packed_seq_params=params)
 
 
-def collate(samples: list[dict], config: BatchConfig) -> Batch:
-    """Stack GPTDataset samples; apply Goldfish and document packing."""
+def collate(
+    samples: list[dict], config: BatchConfig, teacher: TeacherTargets | None = None
+) -> Batch:
+    """Stack GPTDataset samples (and their teacher targets); apply Goldfish and packing."""
     tokens = torch.stack([s["tokens"] for s in samples]).long()
     labels = torch.stack([s["labels"] for s in samples]).long()
     loss_mask = torch.stack([s["loss_mask"] for s in samples]).float()
@@ -91,11 +101,26 @@ def collate(samples: list[dict], config: BatchConfig) -> Batch:
         loss_mask = loss_mask.masked_fill(drop, 0.0)  # a new tensor: samples stay untouched
     if config.pack_documents:
         batch = pack(tokens, labels, loss_mask, config.eod)
+        if teacher is not None:
+            k = teacher.ids.shape[-1]
+            teacher = teacher._replace(
+                ids=teacher.ids.reshape(1, -1, k), probs=teacher.probs.reshape(1, -1, k)
+            )
     else:
         positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
         batch = Batch(tokens, labels, loss_mask, positions)
     batch.goldfish_dropped, batch.loss_positions = dropped, eligible
+    batch.teacher = teacher
     return batch
+
+
+def rank_positions(
+    consumed_samples: int, global_batch_size: int, *, dp_rank: int, dp_size: int, length: int
+) -> list[int]:
+    """Dataset positions of this rank's samples in the step that starts at ``consumed_samples``."""
+    per_rank = global_batch_size // dp_size
+    first = consumed_samples + dp_rank * per_rank
+    return [(first + i) % length for i in range(per_rank)]
 
 
 def step_micro_batches(
@@ -107,6 +132,7 @@ def step_micro_batches(
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
+    teacher: TeacherSource | None = None,
 ) -> list[Batch]:
     """This rank's micro-batches of the global batch that starts at ``consumed_samples``.
 
@@ -114,10 +140,12 @@ def step_micro_batches(
     """
     if len(dataset) == 0:
         raise ValueError("the dataset holds no samples")
-    per_rank = global_batch_size // dp_size
-    first = consumed_samples + dp_rank * per_rank
+    positions = rank_positions(consumed_samples, global_batch_size, dp_rank=dp_rank,
+                               dp_size=dp_size, length=len(dataset))  # fmt: skip
     batches = []
-    for m in range(0, per_rank, micro_batch_size):
-        ids = [(first + m + i) % len(dataset) for i in range(micro_batch_size)]
-        batches.append(collate([dataset[i] for i in ids], config))
+    for m in range(0, len(positions), micro_batch_size):
+        ids = positions[m : m + micro_batch_size]
+        samples = [dataset[i] for i in ids]
+        targets = None if teacher is None else teacher(ids, samples)
+        batches.append(collate(samples, config, targets))
     return batches

@@ -3,12 +3,18 @@ training step are never materialised.
 
 With ``labels`` (training and validation) the last pipeline stage returns the *sum* of the
 per-token losses over the kept tokens (a 0-dim tensor) instead of per-token losses; without
-labels (generation, export checks) it returns logits as megatron-core's GPTModel does.
-The op (:func:`megatron.apertus.ops.sparse_kl.fused_linear_sparse_kd` with ``alpha=0``) splits the
+labels (generation, teacher logits, export checks) it returns logits as megatron-core's GPTModel
+does. The op (:func:`megatron.apertus.ops.sparse_kl.fused_linear_sparse_kd`) splits the
 vocabulary over the tensor-parallel group like megatron-core's output layer does.
+
+The loss is cross-entropy (``alpha=0``) unless ``forward`` is given ``teacher`` targets (a
+teacher's top-k ids and probabilities per token, :class:`TeacherTargets`): then each kept token
+adds ``alpha * KL(teacher || student) + (1 - alpha) * CE`` (distillation, docs/distillation.md).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state
@@ -18,11 +24,38 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron.apertus.ops.sparse_kl import fused_linear_sparse_kd
+from megatron.apertus.ops.sparse_kl import DEFAULT_TAIL, fused_linear_sparse_kd
+
+
+class TeacherTargets(NamedTuple):
+    """A teacher's top-k distribution for every token of a micro-batch, and how to use it."""
+
+    ids: torch.Tensor
+    """[b, s, k] int64 vocabulary ids (the batch's [b, s] layout; packed: [1, b*s, k])."""
+    probs: torch.Tensor
+    """[b, s, k] float32 teacher probabilities of those ids."""
+    alpha: float
+    """Weight of the KL term; 1 - alpha weighs the cross-entropy with the labels."""
+    tail: str = DEFAULT_TAIL
+    """Treatment of the teacher mass outside the top-k (ops/sparse_kl.py)."""
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """[b, s, ...] -> [s * b, ...]: the token order of megatron-core's [s, b, h] hidden states."""
+    return t.transpose(0, 1).reshape(-1, *t.shape[2:])
 
 
 class FusedLossGPTModel(GPTModel):
-    """megatron-core GPTModel with the fused linear cross-entropy on the last stage."""
+    """megatron-core GPTModel with the fused linear cross-entropy (or distillation) loss on the
+    last stage."""
+
+    def forward(self, *args, teacher: TeacherTargets | None = None, **kwargs):
+        """GPTModel.forward; ``teacher`` turns the loss into distillation for this call."""
+        self._teacher = teacher
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._teacher = None
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         loss_mask = kwargs.get("loss_mask")
@@ -43,15 +76,19 @@ class FusedLossGPTModel(GPTModel):
         )
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        # hidden [s, b, h] vs labels/mask [b, s]: flatten both in [s, b] order.
+        teacher = getattr(self, "_teacher", None)
+        if teacher is not None and teacher.alpha == 0.0:
+            teacher = None  # cross-entropy only: exactly the path of a run without a teacher
+        # hidden [s, b, h] vs labels/mask/teacher [b, s, ...]: flatten all in [s, b] order.
         loss_sum, _ = fused_linear_sparse_kd(
             hidden_states.reshape(-1, hidden_states.shape[-1]),
             weight,
-            None,
-            None,
-            labels.transpose(0, 1).reshape(-1),
-            loss_mask.transpose(0, 1).reshape(-1),
-            alpha=0.0,
+            None if teacher is None else _token_major(teacher.ids),
+            None if teacher is None else _token_major(teacher.probs),
+            _token_major(labels),
+            _token_major(loss_mask),
+            alpha=0.0 if teacher is None else teacher.alpha,
+            tail=DEFAULT_TAIL if teacher is None else teacher.tail,
             tp_group=tp_group if tp_group.size() > 1 else None,
             vocab_start=tp_rank * weight.shape[0],
             validate=False,

@@ -61,6 +61,23 @@ class TrainingConfig:
         if self.rampup_batch_size is not None and self.train_iters is not None:
             raise ConfigError("--rampup-batch-size needs --train-samples (the step count varies)")
 
+    def total_samples(self) -> int:
+        """Samples the run consumes (its training dataset's size)."""
+        if self.train_samples is not None:
+            return self.train_samples
+        return self.train_iters * self.global_batch_size
+
+    def dataset_sizes(self) -> tuple[int, int, int]:
+        """Samples of the train/valid/test datasets: the run and every validation pass.
+
+        The training dataset's sample order depends on its size, so everything that must see
+        the student's order (teacher logits) builds its datasets from this.
+        """
+        validations = (self.total_samples() // self.global_batch_size) // max(
+            self.eval_interval, 1
+        ) + 2
+        return (self.total_samples(), validations * self.eval_iters * self.global_batch_size, 0)
+
     def recompute_overrides(self) -> dict:
         """TransformerConfig fields for activation recomputation."""
         if self.recompute_granularity is None:

@@ -11,7 +11,7 @@ import importlib.util
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,10 +26,11 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import parallel
-from megatron.apertus.data.batches import BatchConfig, step_micro_batches
+from megatron.apertus.data.batches import BatchConfig, rank_positions, step_micro_batches
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
+from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.model.builder import build_model, transformer_config
 from megatron.apertus.model.config import (
     ApertusConfig,
@@ -81,6 +82,7 @@ class RunConfig:
     dataset: DatasetConfig
     goldfish: GoldfishConfig
     logging: LoggingConfig
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 class TrainingStopped(RuntimeError):
@@ -144,6 +146,7 @@ class Trainer:
             precision=t.precision,
         )
         self.state = self._resume()
+        self.teacher = self._teacher_logits()
         self.stop = StopRequests(handle_signals=t.exit_signal_handler, trigger_path=t.trigger_path)
         self.metrics = Metrics(
             tensorboard_dir=cfg.logging.tensorboard_dir if _is_reporting_rank() else None,
@@ -166,18 +169,10 @@ class Trainer:
             )
         return tokenizer
 
-    def total_samples(self) -> int:
-        t = self.cfg.training
-        return (
-            t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
-        )
-
     def _datasets(self):
         t = self.cfg.training
-        evaluations = (self.total_samples() // t.global_batch_size) // max(t.eval_interval, 1) + 2
-        num_samples = (self.total_samples(), evaluations * t.eval_iters * t.global_batch_size, 0)
         train, valid, _ = build_datasets(self.cfg.dataset, self.tokenizer, seq_length=self.cfg.model.seq_length,
-                                         seed=t.seed, num_samples=num_samples)  # fmt: skip
+                                         seed=t.seed, num_samples=t.dataset_sizes())  # fmt: skip
         return train, valid
 
     def _build_model(self):
@@ -197,6 +192,38 @@ class Trainer:
         return wrap_ddp(
             chunks, tconfig, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer
         )
+
+    def _teacher_logits(self):
+        """The teacher's top-k for the training samples, when this run distils."""
+        cfg = self.cfg
+        if not cfg.distill.enabled:
+            return None
+        if not cfg.training.fused_output_loss:
+            raise ConfigError("--distill-logits-path needs the fused output-layer loss "
+                              "(drop --no-fused-output-loss)")  # fmt: skip
+        from megatron.apertus.distill.targets import TeacherLogits
+
+        teacher = TeacherLogits(
+            cfg.distill,
+            dataset=self.train_data,
+            dataset_hash=self.train_data.unique_description_hash,
+            seq_length=cfg.model.seq_length,
+            vocab_size=cfg.model.vocab_size,
+            first_position=self.state.consumed_samples,
+            last_position=self.cfg.training.total_samples(),
+        )
+        self._prefetch_teacher(teacher)
+        return teacher
+
+    def _prefetch_teacher(self, teacher) -> None:
+        """Start decoding the teacher targets of the next step while this one runs."""
+        if self._finished():
+            return
+        teacher.prefetch(rank_positions(
+            self.state.consumed_samples, get_current_global_batch_size(),
+            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=self.dp,
+            length=len(self.train_data),
+        ))  # fmt: skip
 
     def _chunks(self):
         return [ddp.module for ddp in self.model]
@@ -230,7 +257,7 @@ class Trainer:
             micro_batch_size=1 if packed else mbs,
         )
 
-    def _iterators(self, dataset, consumed: int, global_batch: int) -> list:
+    def _iterators(self, dataset, consumed: int, global_batch: int, teacher=None) -> list:
         batches = step_micro_batches(
             dataset,
             self.batch,
@@ -239,12 +266,15 @@ class Trainer:
             micro_batch_size=self.cfg.training.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=self.dp,
+            teacher=teacher,
         )
         return [iter(batches) for _ in self.model]
 
     def step(self) -> StepResult:
         global_batch = get_current_global_batch_size()
-        iterators = self._iterators(self.train_data, self.state.consumed_samples, global_batch)
+        teacher = self.teacher.targets if self.teacher is not None else None
+        iterators = self._iterators(self.train_data, self.state.consumed_samples, global_batch,
+                                    teacher)  # fmt: skip
         result = train_step(self.model, self.optimizer, iterators, self._shape(),
                             grad_hook=self.hooks.get("grads"), iteration=self.state.iteration + 1)  # fmt: skip
         self.state.iteration += 1
@@ -252,6 +282,8 @@ class Trainer:
         if not result.skipped:
             self.scheduler.step(increment=global_batch)
         update_num_microbatches(self.state.consumed_samples, consistency_check=False)
+        if self.teacher is not None:
+            self._prefetch_teacher(self.teacher)
         return result
 
     # -- reporting ---------------------------------------------------------------------------------
@@ -266,6 +298,7 @@ class Trainer:
             self.metrics.record("train/goldfish_dropped", it, result.goldfish_fraction)
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.record("train/lr", it, lr)
+        self.metrics.record("train/step_seconds", it, seconds)
         if not _is_reporting_rank() or not (it % self.cfg.training.log_interval == 0 or it == 1):
             return
         tokens_s = (
@@ -273,8 +306,9 @@ class Trainer:
         )
         norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.4f}"
         loss = "n/a" if result.loss is None else f"{result.loss:.5f}"
+        objective = "lm loss" if self.teacher is None else "kd loss"
         line = (f"iteration {it:6d} | consumed samples {self.state.consumed_samples} | lr {lr:.3e} | "
-                f"global batch {global_batch} | lm loss {loss} | grad norm {norm} | "
+                f"global batch {global_batch} | {objective} {loss} | grad norm {norm} | "
                 f"skipped {self.skipped_in_a_row} | tokens/s/device {tokens_s:.0f}")  # fmt: skip
         peak = device_peak_tflops()
         if peak is not None:
@@ -390,6 +424,8 @@ class Trainer:
         return self.metrics.history
 
     def shutdown(self) -> None:
+        if self.teacher is not None:
+            self.teacher.close()
         destroy_num_microbatches_calculator()
         parallel.shutdown()
 

@@ -97,6 +97,10 @@ def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
     """megatron-core forward step: per-token losses and the function that reduces them."""
     batch = next(data_iterator)
     device = next(model.parameters()).device
+    teacher = {}
+    if batch.teacher is not None:  # distillation (needs the fused output-layer loss)
+        ids, probs = (t.to(device, non_blocking=True) for t in batch.teacher[:2])
+        teacher["teacher"] = batch.teacher._replace(ids=ids, probs=probs)
     output = model(
         batch.tokens.to(device),
         batch.position_ids.to(device),
@@ -104,6 +108,7 @@ def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
         labels=batch.labels.to(device),
         loss_mask=batch.loss_mask.to(device),
         packed_seq_params=_on_device(batch.packed_seq_params, device),
+        **teacher,
     )
     return output, partial(_loss, batch, batch.loss_mask.to(device))
 

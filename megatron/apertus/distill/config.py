@@ -1,0 +1,36 @@
+"""Flags of a distillation run (``pretrain_gpt.py --distill-logits-path DIR``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron.apertus.model.config import ConfigError
+from megatron.apertus.ops.sparse_kl import DEFAULT_TAIL, TAIL_MODES
+
+
+@dataclass(kw_only=True, frozen=True)
+class DistillConfig:
+    distill_logits_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "teacher top-k logits (tools/generate_teacher_logits.py) to distil from"},
+    )
+    kd_alpha: float = field(
+        default=0.9, metadata={"help": "loss = alpha * KL(teacher || student) + (1 - alpha) * CE"}
+    )
+    kd_tail: str = field(
+        default=DEFAULT_TAIL,
+        metadata={"help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)}"},
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kd_alpha <= 1.0:
+            raise ConfigError(f"--kd-alpha must be in [0, 1], got {self.kd_alpha}")
+        if self.kd_tail not in TAIL_MODES:
+            raise ConfigError(
+                f"--kd-tail must be one of {', '.join(TAIL_MODES)}, got {self.kd_tail!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.distill_logits_path is not None

@@ -1,0 +1,302 @@
+"""Teacher top-k logits over a student's training data, in the order the student consumes it.
+
+The student's training dataset is rebuilt from the student's own flags (blend, split, seed,
+sequence length and run length: :meth:`TrainingConfig.dataset_sizes`), so position ``i`` of the
+store is the ``i``-th sample the student will see. The teacher (any TP/PP layout) runs forward
+over the store's blocks; each data-parallel group owns the blocks ``b % DP == dp_rank`` and its
+writer (tensor rank 0 of the last pipeline stage) stores them. The top-k is global over the
+tensor-parallel vocabulary shards: every shard's own top-k (a superset of its part of the global
+top-k) is gathered and reduced once more; the log-probabilities use the all-reduced
+log-sum-exp of the full vocabulary. An interrupted run resumes: finished blocks are skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from tqdm import tqdm
+
+from megatron.apertus import parallel
+from megatron.apertus.data.batches import Batch, BatchConfig, collate
+from megatron.apertus.data.datasets import DatasetConfig, build_datasets
+from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.distill.logit_store import (
+    LogitStoreWriter,
+    StoreHeader,
+    default_samples_per_block,
+    sample_key,
+)
+from megatron.apertus.distill.targets import sample_tokens
+from megatron.apertus.model.builder import build_model, transformer_config
+from megatron.apertus.model.config import (
+    ApertusConfig,
+    ConfigError,
+    ParallelConfig,
+    dtype_from_name,
+)
+from megatron.apertus.training import checkpoint
+from megatron.apertus.training.config import DataConfig, TrainingConfig
+from megatron.apertus.training.step import _on_device
+
+log = logging.getLogger("apertus.distill")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LogitsConfig:
+    logits_dir: str | None = field(
+        default=None, metadata={"help": "store directory to write (or resume); required"}
+    )
+    topk: int = field(
+        default=256, metadata={"help": "teacher ids and probabilities kept per token"}
+    )
+    samples_per_block: int | None = field(
+        default=None, metadata={"help": "samples per stored block (default: about 131k tokens)"}
+    )
+    teacher_name: str | None = field(
+        default=None, metadata={"help": "teacher identifier in the header (default: from --load)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.logits_dir:
+            raise ConfigError("--logits-dir is required")
+        if self.topk < 1:
+            raise ConfigError(f"--topk must be at least 1, got {self.topk}")
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    load: str
+    """The teacher checkpoint (save directory or iter_* directory)."""
+    model: ApertusConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    """The *student's* run: batch sizes, seed and length define the consumption order."""
+    data: DataConfig
+    dataset: DatasetConfig
+    logits: LogitsConfig
+
+
+def teacher_identifier(load: str, model: ApertusConfig) -> str:
+    """Checkpoint directory (with its iteration) and a hash of the teacher's architecture."""
+    resolved = checkpoint.resolve_checkpoint(load)
+    digest = hashlib.blake2b(model.to_json().encode(), digest_size=6).hexdigest()
+    return f"{resolved.resolve()}#{digest}"
+
+
+# -- top-k over vocabulary shards -----------------------------------------------------------------
+
+
+def global_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` ids (int32) and log-probabilities (fp32) over the full vocabulary from this
+    rank's vocabulary shard ``logits [..., V_local]`` (tensor-parallel collectives)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    logits = logits.float()
+    vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    row_max = logits.amax(-1, keepdim=True)
+    if group.size() > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    sum_exp = (logits - row_max).exp().sum(-1, keepdim=True)
+    if group.size() > 1:
+        dist.all_reduce(sum_exp, group=group)
+    lse = row_max + sum_exp.log()
+    values, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    ids = ids + vocab_start
+    if group.size() > 1:
+        values, ids = _gather_candidates(values, ids, group)
+        values, pick = values.topk(k, dim=-1)
+        ids = ids.gather(-1, pick)
+    return ids.int(), values - lse
+
+
+def _gather_candidates(values, ids, group):
+    """Every shard's top-k side by side: [..., tp * k]."""
+    size = group.size()
+    all_values = [torch.empty_like(values) for _ in range(size)]
+    all_ids = [torch.empty_like(ids) for _ in range(size)]
+    dist.all_gather(all_values, values.contiguous(), group=group)
+    dist.all_gather(all_ids, ids.contiguous(), group=group)
+    return torch.cat(all_values, -1), torch.cat(all_ids, -1)
+
+
+# -- forward over a block ---------------------------------------------------------------------------
+
+
+def _forward_step(k: int, data_iterator: Iterator[Batch], model):
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    logits = model(
+        batch.tokens.to(device),
+        batch.position_ids.to(device),
+        None,
+        packed_seq_params=_on_device(batch.packed_seq_params, device),
+    )
+
+    def topk(output: torch.Tensor, non_loss_data: bool = True):
+        return global_topk(output, k)
+
+    return logits, topk
+
+
+def _micro_batches(dataset, positions: list[int], micro: int, config: BatchConfig) -> list[Batch]:
+    """Micro-batches of ``micro`` samples; the last is padded by repeating its final sample
+    (megatron-core's schedules need one shape for all of them) and trimmed after the forward."""
+    padded = positions + [positions[-1]] * (-len(positions) % micro)
+    return [
+        collate([dataset[p] for p in padded[i : i + micro]], config)
+        for i in range(0, len(padded), micro)
+    ]
+
+
+class TeacherRunner:
+    """One process of the teacher: its model chunks, the student's dataset, the store writer."""
+
+    def __init__(self, cfg: GenerationConfig) -> None:
+        self.cfg = cfg
+        device = parallel.resolve_device(cfg.training.device)
+        self.device = device
+        parallel.initialize(cfg.parallel, device=device, seed=cfg.training.seed, model=cfg.model)
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
+        train, _, _ = build_datasets(
+            cfg.dataset,
+            self.tokenizer,
+            seq_length=cfg.model.seq_length,
+            seed=cfg.training.seed,
+            num_samples=cfg.training.dataset_sizes(),
+        )
+        self.dataset = train
+        self.batch = BatchConfig(
+            eod=self.tokenizer.eod, pack_documents=cfg.dataset.reset_attention_mask
+        )
+        self.chunks = self._load_teacher()
+        self.store_header = self._header()
+        self.writer = self._writer()
+
+    def _load_teacher(self) -> list:
+        cfg = self.cfg
+        tconfig = transformer_config(cfg.model, cfg.parallel,
+                                     params_dtype=dtype_from_name(cfg.training.precision),
+                                     use_cpu_initialization=self.device == "cpu")  # fmt: skip
+        chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl)
+        checkpoint.load_model(cfg.load, chunks)
+        if tconfig.bf16 or tconfig.fp16:
+            chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
+        for chunk in chunks:
+            chunk.eval()
+        return chunks
+
+    @property
+    def is_writer(self) -> bool:
+        return (
+            parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+
+    def _header(self) -> StoreHeader:
+        cfg = self.cfg
+        return StoreHeader(
+            k=cfg.logits.topk,
+            vocab_size=cfg.model.vocab_size,
+            seq_length=cfg.model.seq_length,
+            num_samples=cfg.training.total_samples(),
+            samples_per_block=cfg.logits.samples_per_block
+            or default_samples_per_block(cfg.model.seq_length),
+            teacher=cfg.logits.teacher_name or teacher_identifier(cfg.load, cfg.model),
+            dataset_hash=self.dataset.unique_description_hash,
+        )
+
+    def _writer(self) -> LogitStoreWriter | None:
+        """Data-parallel rank 0's writer creates the store before the others open it."""
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        writer = None
+        for turn in (True, False):
+            if self.is_writer and (dp_rank == 0) == turn:
+                writer = LogitStoreWriter(
+                    self.cfg.logits.logits_dir, self.store_header, rank=dp_rank, world_size=dp_size
+                )
+            dist.barrier()
+        return writer
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        device = torch.cuda.current_device() if self.device == "cuda" else "cpu"
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    def pending_blocks(self) -> list[int]:
+        """This data-parallel group's unfinished blocks, as its writer sees them."""
+        group = parallel_state.get_model_parallel_group()
+        flags = self._tensor([int(self.is_writer)] * group.size())
+        dist.all_gather_into_tensor(flags, self._tensor([int(self.is_writer)]), group=group)
+        source = dist.get_global_rank(group, int(flags.argmax()))
+        pending = self.writer.pending_blocks() if self.writer is not None else []
+        count = self._tensor([len(pending)])
+        dist.broadcast(count, source, group=group)
+        blocks = (
+            self._tensor(pending) if self.writer is not None else self._tensor([0] * int(count))
+        )
+        if int(count):
+            dist.broadcast(blocks, source, group=group)
+        return blocks.tolist()
+
+    def block_topk(self, positions: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Teacher top-k ids [n, s, k] and log-probabilities of the samples at ``positions``."""
+        micro = self.cfg.training.micro_batch_size
+        batches = _micro_batches(self.dataset, positions, micro, self.batch)
+        seq = self.cfg.model.seq_length
+        packed = self.batch.pack_documents
+        iterators = [iter(batches) for _ in self.chunks]
+        with torch.no_grad():
+            outputs = get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, self.cfg.logits.topk),
+                data_iterator=iterators[0] if len(iterators) == 1 else iterators,
+                model=self.chunks,
+                num_microbatches=len(batches),
+                seq_length=seq * micro if packed else seq,
+                micro_batch_size=1 if packed else micro,
+                forward_only=True,
+                collect_non_loss_data=True,
+            )
+        if not self.is_writer:
+            return None
+        k = self.cfg.logits.topk
+        ids = torch.cat([o[0].reshape(-1, seq, k) for o in outputs])[: len(positions)]
+        logprobs = torch.cat([o[1].reshape(-1, seq, k) for o in outputs])[: len(positions)]
+        return ids.cpu().numpy(), logprobs.cpu().numpy()
+
+    def run(self) -> None:
+        pending = self.pending_blocks()
+        tokens_per_block = self.store_header.samples_per_block * self.cfg.model.seq_length
+        bar = tqdm(total=len(pending), unit="block", disable=not self.is_writer,
+                   desc=f"teacher logits (dp rank {parallel_state.get_data_parallel_rank()})")  # fmt: skip
+        for block in pending:
+            positions = list(self.store_header.block_positions(block))
+            result = self.block_topk(positions)
+            if result is not None:
+                keys = np.array([sample_key(sample_tokens(self.dataset[p])) for p in positions],
+                                dtype=np.uint64)  # fmt: skip
+                self.writer.write_block(block, keys, *result)
+                rate = bar.format_dict["rate"] or 0.0
+                bar.set_postfix(tokens_s=f"{rate * tokens_per_block:.0f}")
+            bar.update()
+        bar.close()
+        dist.barrier()
+        if self.writer is not None and parallel_state.get_data_parallel_rank() == 0:
+            self.writer.finalize()
+            log.info(f"teacher logits complete: {self.cfg.logits.logits_dir}")
+
+
+def generate(cfg: GenerationConfig) -> None:
+    runner = TeacherRunner(cfg)
+    try:
+        runner.run()
+    finally:
+        parallel.shutdown()

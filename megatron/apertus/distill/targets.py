@@ -1,0 +1,136 @@
+"""The student's side of distillation: teacher targets for each micro-batch, read ahead.
+
+A student consumes its training samples in dataset order (``data/batches.py``): the global
+batch of a step is positions ``[consumed, consumed + B)``, data-parallel rank ``r`` takes its
+contiguous ``B/D`` of them. The teacher logits store is keyed by the same positions, so a
+rank reads just its own samples, a resumed run continues at ``consumed_samples``, and a
+different data-parallel size reads the same store.
+
+Every sample read is checked against the store's key of that position (a fingerprint of the
+sample's tokens): logits made for other data, another order or another sequence length are
+refused with the first mismatched sample named, before a step uses them.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from megatron.apertus.distill.config import DistillConfig
+from megatron.apertus.distill.logit_store import (
+    LogitStoreError,
+    LogitStoreReader,
+    TopKBatch,
+    sample_key,
+)
+from megatron.apertus.model.config import ConfigError
+from megatron.apertus.model.fused_loss import TeacherTargets
+
+log = logging.getLogger("apertus.distill")
+
+SPOT_CHECKS = 64
+"""Positions spread over the run whose keys are compared at start-up (fail before training)."""
+
+
+def sample_tokens(sample: dict) -> np.ndarray:
+    """The seq_length + 1 token window of a GPTDataset sample (tokens, then the last label)."""
+    tokens = np.asarray(sample["tokens"], dtype=np.int64)
+    return np.concatenate([tokens, np.asarray(sample["labels"][-1:], dtype=np.int64)])
+
+
+def dataset_key(dataset, position: int) -> int:
+    """The store key of the sample at ``position`` of ``dataset``."""
+    return sample_key(sample_tokens(dataset[position]))
+
+
+class TeacherLogits:
+    """Teacher targets for the student's micro-batches, decoded one step ahead in a thread."""
+
+    def __init__(
+        self,
+        config: DistillConfig,
+        *,
+        dataset,
+        dataset_hash: str,
+        seq_length: int,
+        vocab_size: int,
+        first_position: int,
+        last_position: int,
+    ) -> None:
+        self.config = config
+        try:
+            self.reader = LogitStoreReader(config.distill_logits_path)
+        except (LogitStoreError, OSError) as err:
+            raise ConfigError(f"--distill-logits-path {config.distill_logits_path}: {err}") from err
+        self._check_header(seq_length, vocab_size, last_position)
+        self._check_data(dataset, dataset_hash, first_position, last_position)
+        self._pin = torch.cuda.is_available()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-logits")
+        self._ahead: dict[tuple[int, ...], Future] = {}
+
+    def _check_header(self, seq_length: int, vocab_size: int, last_position: int) -> None:
+        header, path = self.reader.header, self.config.distill_logits_path
+        if header.seq_length != seq_length:
+            raise ConfigError(f"{path}: teacher logits were made for --seq-length "
+                              f"{header.seq_length}, the student uses {seq_length}")  # fmt: skip
+        if header.vocab_size > vocab_size:
+            raise ConfigError(f"{path}: the teacher's vocabulary ({header.vocab_size}) is larger "
+                              f"than the student's ({vocab_size})")  # fmt: skip
+        if last_position > header.num_samples:
+            raise ConfigError(f"{path}: holds {header.num_samples} samples, the run needs "
+                              f"{last_position}; generate logits for the whole run")  # fmt: skip
+
+    def _check_data(self, dataset, dataset_hash: str, first: int, last: int) -> None:
+        """Refuse logits of other data now, not hours into the run: the dataset description
+        and the keys of samples spread over the rest of the run."""
+        header = self.reader.header
+        if header.dataset_hash != dataset_hash:
+            log.warning(f"teacher logits were made for dataset {header.dataset_hash}, the student "
+                        f"trains on {dataset_hash}; checking samples")  # fmt: skip
+        positions = np.unique(np.linspace(first, last - 1, SPOT_CHECKS).round().astype(int))
+        self._check_keys(dataset, positions.tolist())
+        log.info(f"teacher logits {self.config.distill_logits_path}: teacher {header.teacher}, "
+                 f"top-{header.k}, {header.num_samples} samples; {len(positions)} spot checks "
+                 f"passed")  # fmt: skip
+
+    def _check_keys(self, dataset, positions: Sequence[int]) -> None:
+        keys = [dataset_key(dataset, p) for p in positions]
+        try:
+            self.reader.check_samples(positions, keys)
+        except LogitStoreError as err:
+            raise ConfigError(f"--distill-logits-path {self.config.distill_logits_path}: teacher "
+                              f"logits do not match the training data: {err}") from err  # fmt: skip
+
+    def _read(self, positions: tuple[int, ...]) -> TopKBatch:
+        return self.reader.read(positions, pin_memory=self._pin)
+
+    def prefetch(self, positions: Sequence[int]) -> None:
+        """Start decoding ``positions`` (the rank's samples of a coming step) in the background."""
+        key = tuple(positions)
+        if key not in self._ahead:
+            self._ahead[key] = self._pool.submit(self._read, key)
+
+    def targets(self, positions: Sequence[int], samples: list[dict]) -> TeacherTargets:
+        """The teacher's top-k for ``samples`` (at ``positions``), checked against their keys."""
+        key = tuple(positions)
+        future = self._ahead.pop(key, None)
+        batch = future.result() if future is not None else self._read(key)
+        expected = np.array([sample_key(sample_tokens(s)) for s in samples], dtype=np.uint64)
+        if not np.array_equal(batch.sample_keys.astype(np.uint64), expected):
+            self._check_keys_of(positions, expected)
+        return TeacherTargets(batch.ids, batch.probs, self.config.kd_alpha, self.config.kd_tail)
+
+    def _check_keys_of(self, positions: Sequence[int], expected: np.ndarray) -> None:
+        try:
+            self.reader.check_samples(positions, expected.tolist())
+        except LogitStoreError as err:
+            raise LogitStoreError(f"{self.config.distill_logits_path}: teacher logits do not "
+                                  f"match the training data: {err}") from err  # fmt: skip
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ahead.clear()

@@ -1,0 +1,156 @@
+"""Teacher logits end to end: generation (TP, DP, resume), checks against the teacher's own
+logits, student training from them (exact resume, alpha=0 equals plain CE), refusal of logits
+made for other data. Real subprocesses, real tokenizer, the embedded corpus."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.apertus import parallel
+from megatron.apertus.data.datasets import DatasetConfig, build_datasets
+from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.distill.logit_store import LogitStoreReader, block_path
+from megatron.apertus.distill.targets import dataset_key
+from megatron.apertus.model import ParallelConfig, transformer_config
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.training import checkpoint
+from megatron.apertus.training.config import TrainingConfig
+from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+
+GENERATE = REPO / "tools" / "generate_teacher_logits.py"
+TOPK = 16
+SAMPLES_PER_BLOCK = 8
+# The student's run: its order of samples is what the teacher logits must follow.
+STUDENT_DATA = ["--seed", "11", "--global-batch-size", "4", "--micro-batch-size", "2",
+                "--train-iters", "6", "--eval-iters", "1"]  # fmt: skip
+STUDENT = ["--model-preset", "tiny", "--num-layers", "2", "--lr", "3e-3", "--log-interval", "1",
+           "--lr-decay-style", "WSD", "--lr-warmup-iters", "2", "--lr-wsd-decay-iters", "2",
+           "--goldfish-loss", *STUDENT_DATA]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("teacher") / "ckpt"
+    run_entry(PRETRAIN, ["--model-preset", "tiny", "--seed", "3", "--lr", "3e-3", "--train-iters", "5",
+                         "--global-batch-size", "4", "--micro-batch-size", "2", "--save", str(save)])  # fmt: skip
+    return save
+
+
+def generate(teacher: Path, out: Path, *, nproc: int = 1, extra: list[str] = ()) -> str:
+    proc = run_entry(GENERATE, ["--load", str(teacher), "--logits-dir", str(out), "--topk", str(TOPK),
+                                "--samples-per-block", str(SAMPLES_PER_BLOCK), *STUDENT_DATA, *extra],
+                     nproc=nproc)  # fmt: skip
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def logits(teacher, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("logits") / "store"
+    generate(teacher, out)
+    return out
+
+
+def block_digests(store: Path, blocks: int) -> list[str]:
+    return [hashlib.sha256(block_path(store, b).read_bytes()).hexdigest() for b in range(blocks)]
+
+
+def teacher_logprobs(teacher: Path, positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Full-vocabulary log-probabilities of the teacher on the student's samples at
+    ``positions`` (one process), and those samples' store keys."""
+    model_config = checkpoint.load_model_config(teacher)
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
+    try:
+        training = TrainingConfig(train_iters=6, global_batch_size=4, micro_batch_size=2,
+                                  seed=11, eval_iters=1)  # fmt: skip
+        train, _, _ = build_datasets(DatasetConfig(), build_tokenizer("TekkenTokenizer", None),
+                                     seq_length=model_config.seq_length, seed=training.seed,
+                                     num_samples=training.dataset_sizes())  # fmt: skip
+        chunk = build_model(model_config, transformer_config(model_config, ParallelConfig(),
+                                                             use_cpu_initialization=True))[0]  # fmt: skip
+        checkpoint.load_model(teacher, [chunk])
+        chunk.eval()
+        tokens = torch.stack([torch.as_tensor(train[p]["tokens"]) for p in positions]).long()
+        positions_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
+        with torch.no_grad():
+            logits = chunk(tokens, positions_ids, None)
+        return torch.log_softmax(logits.float(), -1), [dataset_key(train, p) for p in positions]
+    finally:
+        parallel.shutdown()
+
+
+def test_stored_topk_is_the_teachers_topk(teacher, logits):
+    reader = LogitStoreReader(logits)
+    assert reader.header.k == TOPK and reader.header.num_samples == 24
+    positions = [0, 7, 8, 23]  # across block boundaries
+    logprobs, keys = teacher_logprobs(teacher, positions)
+    stored = reader.read(positions)
+    assert stored.sample_keys.tolist() == keys
+    exact_values, exact_ids = logprobs.topk(TOPK, dim=-1)
+    assert torch.equal(stored.ids.sort(-1).values, exact_ids.sort(-1).values)
+    # stored probabilities, in the exact ids' order, against the exact ones
+    order = stored.ids.argsort(-1)
+    got = stored.probs.gather(-1, order)
+    want = exact_values.exp().gather(-1, exact_ids.argsort(-1))
+    assert torch.allclose(got, want, atol=2e-3, rtol=0.05)
+
+
+def test_tensor_and_data_parallel_generation_match_one_process(teacher, logits, tmp_path):
+    """TP=2 (global top-k over the vocabulary shards) gives the same store; DP=2 writes
+    disjoint blocks from two processes and gives the same bytes."""
+    tp2, dp2 = tmp_path / "tp2", tmp_path / "dp2"
+    generate(teacher, tp2, nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    generate(teacher, dp2, nproc=2)
+    reference = LogitStoreReader(logits).read(range(24))
+    sharded = LogitStoreReader(tp2).read(range(24))
+    assert np.array_equal(sharded.sample_keys, reference.sample_keys)
+    assert torch.equal(sharded.ids.sort(-1).values, reference.ids.sort(-1).values)
+    assert torch.allclose(sharded.probs.sum(-1), reference.probs.sum(-1), atol=1e-3)
+    assert block_digests(dp2, 3) == block_digests(logits, 3)
+
+
+def test_interrupted_generation_resumes_with_the_missing_blocks_only(teacher, logits, tmp_path):
+    store = tmp_path / "store"
+    generate(teacher, store)
+    before = block_digests(store, 3)
+    block_path(store, 1).unlink()
+    output = generate(teacher, store)
+    assert "1/1" in output  # one block left to do
+    assert block_digests(store, 3) == before
+
+
+def test_student_distils_and_resumes_at_the_right_logit_position(logits, tmp_path):
+    distil = ["--distill-logits-path", str(logits), "--kd-alpha", "0.9"]
+    run_entry(PRETRAIN, STUDENT + distil + ["--log-json", str(tmp_path / "full.json")])
+    save = tmp_path / "ckpt"
+    run_entry(PRETRAIN, STUDENT + distil + ["--save", str(save), "--exit-interval", "3"])
+    run_entry(PRETRAIN, STUDENT + distil + ["--save", str(save), "--load", str(save),
+                                            "--log-json", str(tmp_path / "resumed.json")])  # fmt: skip
+    full = series(read_json(tmp_path / "full.json"), "train/loss")
+    resumed = series(read_json(tmp_path / "resumed.json"), "train/loss")
+    assert full == resumed and len(full[0]) == 6
+
+    # alpha = 0 ignores the teacher: bitwise the cross-entropy run
+    run_entry(PRETRAIN, STUDENT + ["--distill-logits-path", str(logits), "--kd-alpha", "0",
+                                   "--log-json", str(tmp_path / "alpha0.json")])  # fmt: skip
+    run_entry(PRETRAIN, STUDENT + ["--log-json", str(tmp_path / "ce.json")])
+    ce = series(read_json(tmp_path / "ce.json"), "train/loss")
+    assert series(read_json(tmp_path / "alpha0.json"), "train/loss") == ce
+    assert full[1] != ce[1]
+
+
+def test_logits_of_other_data_are_refused_naming_the_sample(logits):
+    other_order = [a if a != "11" else "12" for a in STUDENT]  # another data seed
+    proc = subprocess.run(
+        [sys.executable, str(PRETRAIN), *other_order, "--distill-logits-path", str(logits)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "do not match the training data" in proc.stderr
+    assert "sample" in proc.stderr and "position 0" in proc.stderr

@@ -1,0 +1,72 @@
+"""Generate a teacher's top-k logits over a student's training data (docs/distillation.md).
+
+Give the teacher checkpoint and the *student's* data and batch flags: the store then holds,
+at position i, the teacher's top-k for the i-th sample the student will consume.
+
+    python tools/generate_teacher_logits.py --load TEACHER_SAVE_DIR --logits-dir LOGITS \\
+        --data-path PREFIX --seq-length 4096 --global-batch-size 1024 --train-iters 1000 \\
+        --seed 1234 [--topk 256] [--tensor-model-parallel-size 2 ...]
+    torchrun --nproc-per-node 8 tools/generate_teacher_logits.py ...   # DP x TP x PP ranks
+
+The teacher's architecture is read from its checkpoint; ``--seq-length`` may override it (the
+student's). Re-running the same command resumes: finished blocks are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from megatron.apertus.data.datasets import DatasetConfig
+from megatron.apertus.model.config import ApertusConfig, ConfigError, ParallelConfig
+from megatron.apertus.training import config as C
+
+
+def parse_args(argv: list[str] | None = None):
+    from megatron.apertus.distill.generate import GenerationConfig, LogitsConfig
+    from megatron.apertus.training.checkpoint import load_model_config
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--load", required=True, help="teacher checkpoint (save or iter_* dir)")
+    parser.add_argument("--seq-length", type=int, help="the student's sequence length")
+    C.add_arguments(parser, ParallelConfig, title="teacher parallelism")
+    C.add_arguments(parser, C.TrainingConfig, title="the student's run (order of its samples)")
+    C.add_arguments(parser, C.DataConfig, title="data")
+    C.add_arguments(parser, DatasetConfig, title="datasets")
+    C.add_arguments(parser, LogitsConfig, title="teacher logits")
+    args = parser.parse_args(argv)
+    try:
+        model: ApertusConfig = load_model_config(args.load)
+        if args.seq_length is not None:
+            model = dataclasses.replace(model, seq_length=args.seq_length)
+        return GenerationConfig(
+            load=args.load,
+            model=model,
+            parallel=C.from_arguments(ParallelConfig, args),
+            training=C.from_arguments(C.TrainingConfig, args),
+            data=C.from_arguments(C.DataConfig, args),
+            dataset=C.from_arguments(DatasetConfig, args),
+            logits=C.from_arguments(LogitsConfig, args),
+        )
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    from megatron.apertus.distill.generate import generate
+    from megatron.apertus.distill.logit_store import LogitStoreError
+
+    config = parse_args(argv)
+    try:
+        generate(config)
+    except (ConfigError, LogitStoreError) as err:
+        sys.exit(f"generate_teacher_logits.py: error: {err}")
+
+
+if __name__ == "__main__":
+    main()
