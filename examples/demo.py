@@ -134,20 +134,24 @@ def median_step_seconds(history: dict) -> float:
     return statistics.median(v for it, v in history["train/step_seconds"] if it > 5)
 
 
-def plot(histories: dict[str, dict], path: Path) -> None:
+def plot(curves: list[tuple[str, dict, bool]], path: Path) -> None:
+    """Validation curves of every run (all cross-entropy on held-out text) and the training
+    curves of the cross-entropy runs (``(label, history, plot_training_loss)``; the distilled
+    student's training objective is KL + CE, not comparable)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for (name, history), color in zip(histories.items(), ("C0", "C1", "C2")):
-        steps, values = zip(*history["train/loss"])
-        ax.plot(steps, values, "-", color=color, alpha=0.35, label=f"{name} train")
+    for (label, history, training), color in zip(curves, ("C0", "C1", "C2")):
+        if training:
+            steps, values = zip(*history["train/loss"])
+            ax.plot(steps, values, "-", color=color, alpha=0.35, label=f"{label}: training")
         steps, values = zip(*history["valid/loss"])
-        ax.plot(steps, values, "o-", color=color, markersize=4, label=f"{name} validation")
+        ax.plot(steps, values, "o-", color=color, markersize=4, label=f"{label}: validation")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("nats per token")
+    ax.set_ylabel("cross-entropy, nats per token")
     ax.set_ylim(top=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -175,8 +179,8 @@ def main() -> None:
     distilled = train_student(out, data, args.student_iters, "student-distilled",
                               ["--distill-logits-path", str(out / "logits"), "--kd-alpha", "0.9"])  # fmt: skip
     baseline = train_student(out, data, args.student_iters, "student-ce", [])
-    plot({"teacher": teacher, "student distilled": distilled, "student CE only": baseline},
-         out / "loss.png")  # fmt: skip
+    plot([("teacher", teacher, True), ("student distilled", distilled, False),
+          ("student CE only", baseline, True)], out / "loss.png")  # fmt: skip
     final = lambda history: history["valid/loss"][-1][1]  # noqa: E731
     summary = {
         "teacher_validation_loss": {"start": teacher["valid/loss"][0][1], "end": final(teacher)},

@@ -46,7 +46,7 @@ from megatron.apertus.model.config import (
 )
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.config import DataConfig, TrainingConfig
-from megatron.apertus.training.step import _on_device
+from megatron.apertus.training.step import packed_seq_params_to
 
 log = logging.getLogger("apertus.distill")
 
@@ -138,7 +138,7 @@ def _forward_step(k: int, data_iterator: Iterator[Batch], model):
         batch.tokens.to(device),
         batch.position_ids.to(device),
         None,
-        packed_seq_params=_on_device(batch.packed_seq_params, device),
+        packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
     )
 
     def topk(output: torch.Tensor, non_loss_data: bool = True):

@@ -107,13 +107,15 @@ def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
         None,
         labels=batch.labels.to(device),
         loss_mask=batch.loss_mask.to(device),
-        packed_seq_params=_on_device(batch.packed_seq_params, device),
+        packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
         **teacher,
     )
     return output, partial(_loss, batch, batch.loss_mask.to(device))
 
 
-def _on_device(params: PackedSeqParams | None, device: torch.device) -> PackedSeqParams | None:
+def packed_seq_params_to(
+    params: PackedSeqParams | None, device: torch.device
+) -> PackedSeqParams | None:
     if params is None:
         return None
     cu = params.cu_seqlens_q.to(device)
