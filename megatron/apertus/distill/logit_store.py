@@ -133,8 +133,8 @@ class StoreHeader:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"StoreHeader.{name} must be a positive int, got {value!r}")
             object.__setattr__(self, name, int(value))  # numpy ints would not serialise
-        if not self.k <= self.vocab_size < 2**32:
-            raise ValueError(f"need k ({self.k}) <= vocab_size ({self.vocab_size}) < 2**32")
+        if not self.k <= self.vocab_size < 2**31:  # ranks are int32
+            raise ValueError(f"need k ({self.k}) <= vocab_size ({self.vocab_size}) < 2**31")
         if not self.teacher or not self.dataset_hash:
             raise ValueError("StoreHeader.teacher and .dataset_hash must be non-empty")
         CodecParams(self.levels, self.zstd_level)  # validates them
