@@ -20,7 +20,7 @@ the error bound and the measurements behind each choice are in ``docs/teacher_lo
   minimises the generalised KL of the bin; the decoded row is renormalised and scaled back to
   the stored mass S. The mass outside the top-k, 1 - S, is stored as float16, so the decoded
   probabilities sum to the teacher's S (to float16 precision of 1 - S): the "rest bucket" of
-  the distillation loss stays exact, and KL(p || p') is the only error.
+  the distillation loss keeps the teacher's tail, and KL(p || p') is the only other error.
 * **Bytes.** Every multi-byte stream is split into byte planes (all low bytes, then all high
   bytes) before zstd: the planes have very different statistics and zstd's entropy stage
   codes each well. Each sample is three zstd frames (rank differences; probability codes;
