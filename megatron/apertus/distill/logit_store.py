@@ -89,7 +89,10 @@ class TopKBatch(NamedTuple):
 
 
 def sample_key(tokens: np.ndarray) -> int:
-    """64-bit fingerprint of one sample's token ids (blake2b of int64 little-endian tokens)."""
+    """64-bit fingerprint of one sample's token ids (blake2b of int64 little-endian tokens).
+
+    Teacher and student hash the same array: the ``seq_length`` input tokens of the sample (the
+    positions the teacher scored), whatever their dtype."""
     data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
