@@ -41,7 +41,7 @@ import zstandard
 from _common import write_results
 
 from megatron.apertus.distill import logit_store
-from megatron.apertus.distill.logit_codec import BlockDecoder, CodecParams, encode_block
+from megatron.apertus.distill.logit_codec import BlockDecoder, encode_block
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TEACHER = REPO / "runs" / "teacher-demo"
