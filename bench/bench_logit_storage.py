@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ import zstandard
 from _common import write_results
 
 from megatron.apertus.distill import logit_store
-from megatron.apertus.distill.logit_codec import BlockDecoder, CodecParams, encode_block
+from megatron.apertus.distill.logit_codec import BlockDecoder, encode_block
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TEACHER = REPO / "runs" / "teacher-demo"
@@ -198,36 +198,27 @@ def kl_per_token(ids: np.ndarray, logprobs: np.ndarray, decoded: Decoded) -> dic
             "mass_err_max": float(np.abs(mass - mass_d).max())}  # fmt: skip
 
 
-def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
-    """Median CPU seconds of this thread over ``repeat`` calls, and the last result. Every format
-    runs single-threaded in the calling thread, so its thread CPU time is its cost on one core,
-    also on a machine shared with other jobs (wall time there measures the neighbours)."""
-    times, result = [], None
-    for _ in range(repeat):
-        start = time.thread_time()
-        result = fn()
-        times.append(time.thread_time() - start)
-    return statistics.median(times), result
+def cpu_seconds(fn: Callable[[], object]) -> tuple[float, object]:
+    """CPU seconds of this thread for one call, and its result. Every format runs single-threaded
+    in the calling thread, so its thread CPU time is its cost on one core, also on a machine
+    shared with other jobs (wall time there measures the neighbours)."""
+    start = time.thread_time()
+    result = fn()
+    return time.thread_time() - start, result
 
 
-def measure(name: str, data: str, encode, decode, ids, logprobs, repeat: int) -> dict:
-    rows, k = ids.shape
-    enc_s, blob = timed(lambda: encode(ids, logprobs), repeat)
-    dec_s, decoded = timed(lambda: decode(blob), repeat)
-    row = {"data": data, "format": name, "tokens": rows, "k": k, "bytes": len(blob),
-           "bytes_per_token": len(blob) / rows, "encode_tokens_per_s": rows / enc_s,
-           "decode_tokens_per_s": rows / dec_s, **kl_per_token(ids, logprobs, decoded)}  # fmt: skip
-    print(f"{name:38s} {row['bytes_per_token']:7.1f} B/token"
-          f"  enc {row['encode_tokens_per_s']:9,.0f}"
-          f"  dec {row['decode_tokens_per_s']:9,.0f} tokens/s  KL mean {row['kl_mean']:.2e}"
-          f" max {row['kl_max']:.2e}", flush=True)  # fmt: skip
-    return row
+class Format(NamedTuple):
+    name: str
+    encode: Callable[[np.ndarray, np.ndarray], bytes]
+    decode: Callable[[bytes], Decoded]
 
 
 def compare(data: str, ids3: np.ndarray, logprobs3: np.ndarray, repeat: int) -> list[dict]:
-    """The three formats on the same [n, T, k] logits, all n samples as one block."""
+    """The three formats on the same [n, T, k] logits, all n samples as one block. The repeats
+    go round the formats (median per format), so a change in the machine's load hits all alike."""
     n, seq_length, k = ids3.shape
     ids, logprobs = ids3.reshape(-1, k), logprobs3.reshape(-1, k)
+    rows = len(ids)
     header = logit_store.StoreHeader(k=k, vocab_size=VOCAB, seq_length=seq_length, num_samples=n,
                                      samples_per_block=n, teacher="bench",
                                      dataset_hash="bench")  # fmt: skip
@@ -235,18 +226,37 @@ def compare(data: str, ids3: np.ndarray, logprobs3: np.ndarray, repeat: int) -> 
           f"{np.exp(logprobs[:, 0]).mean():.3f}, top-k mass mean "
           f"{np.exp(logprobs).sum(1).mean():.3f}, "
           f"{len(np.unique(ids))} distinct ids")  # fmt: skip
-    rows = [
-        measure("ours", data, lambda i, l: ours_encode(i, l, header),
-                lambda b: ours_decode(b, header), ids, logprobs, repeat),
-        measure("seed (fp32 probs + int32 ids, gzip 6)", data, seed_encode,
-                lambda b: seed_decode(b, len(ids), k), ids, logprobs, repeat),
-        measure("fp16 logprobs + 17-bit ids, zstd 3", data, nvidia_encode,
-                lambda b: nvidia_decode(b, len(ids), k), ids, logprobs, repeat),
+    formats = [
+        Format("ours", lambda i, l: ours_encode(i, l, header), lambda b: ours_decode(b, header)),
+        Format("seed (fp32 probs + int32 ids, gzip 6)", seed_encode,
+               lambda b: seed_decode(b, rows, k)),
+        Format("fp16 logprobs + 17-bit ids, zstd 3", nvidia_encode,
+               lambda b: nvidia_decode(b, rows, k)),
     ]  # fmt: skip
-    speedup = rows[0]["decode_tokens_per_s"] / rows[1]["decode_tokens_per_s"]
-    rows[0]["decode_speedup_vs_gzip"] = speedup
+    times = {f.name: ([], []) for f in formats}
+    blobs, decoded = {}, {}
+    for _ in range(repeat):
+        for f in formats:
+            seconds, blobs[f.name] = cpu_seconds(lambda: f.encode(ids, logprobs))
+            times[f.name][0].append(seconds)
+            seconds, decoded[f.name] = cpu_seconds(lambda: f.decode(blobs[f.name]))
+            times[f.name][1].append(seconds)
+    results = []
+    for f in formats:
+        enc, dec = (statistics.median(t) for t in times[f.name])
+        row = {"data": data, "format": f.name, "tokens": rows, "k": k,
+               "bytes": len(blobs[f.name]), "bytes_per_token": len(blobs[f.name]) / rows,
+               "encode_tokens_per_s": rows / enc, "decode_tokens_per_s": rows / dec,
+               **kl_per_token(ids, logprobs, decoded[f.name])}  # fmt: skip
+        print(f"{f.name:38s} {row['bytes_per_token']:7.1f} B/token"
+              f"  enc {row['encode_tokens_per_s']:9,.0f}"
+              f"  dec {row['decode_tokens_per_s']:9,.0f} tokens/s  KL mean {row['kl_mean']:.2e}"
+              f" max {row['kl_max']:.2e}", flush=True)  # fmt: skip
+        results.append(row)
+    speedup = results[0]["decode_tokens_per_s"] / results[1]["decode_tokens_per_s"]
+    results[0]["decode_speedup_vs_gzip"] = speedup
     print(f"decode speed-up of ours over the gzip format: {speedup:.1f}x", flush=True)
-    return rows
+    return results
 
 
 def synthetic_stress(
@@ -274,23 +284,23 @@ def synthetic_stress(
 def store_path(tokens, ids, logprobs, header: logit_store.StoreHeader, repeat: int) -> dict:
     """The real file path: write_block (atomic, fsync) and read (crc checks) of one block."""
     keys = np.array([logit_store.sample_key(t) for t in tokens], dtype=np.uint64)
-    shape = (header.num_samples, header.seq_length, header.k)
+    write, read = [], []
     with tempfile.TemporaryDirectory() as tmp:
         writer = logit_store.LogitStoreWriter(tmp, header)
-        write = lambda: writer.write_block(
-            0, keys, ids.reshape(shape), logprobs.reshape(shape)
-        )  # noqa: E731
-        enc_s, _ = timed(write, repeat)
+        for _ in range(repeat):
+            write.append(cpu_seconds(lambda: writer.write_block(0, keys, ids, logprobs))[0])
         writer.finalize()
         size = logit_store.block_path(tmp, 0).stat().st_size
         reader = logit_store.LogitStoreReader(tmp)
-        dec_s, _ = timed(lambda: reader.read(range(header.num_samples)), repeat)
+        for _ in range(repeat):
+            read.append(cpu_seconds(lambda: reader.read(range(header.num_samples)))[0])
     rows = ids.shape[0] * ids.shape[1]
-    print(f"{'ours, store files (write_block / read)':38s} enc {rows / enc_s:10,.0f}  dec "
-          f"{rows / dec_s:10,.0f} tokens/s", flush=True)  # fmt: skip
+    enc, dec = statistics.median(write), statistics.median(read)
+    print(f"{'ours, store files (write_block / read)':38s} enc {rows / enc:10,.0f}  dec "
+          f"{rows / dec:10,.0f} tokens/s", flush=True)  # fmt: skip
     return {"format": "ours, store files (write_block / read)", "tokens": rows,
             "bytes_per_token": size / rows,
-            "encode_tokens_per_s": rows / enc_s, "decode_tokens_per_s": rows / dec_s}  # fmt: skip
+            "encode_tokens_per_s": rows / enc, "decode_tokens_per_s": rows / dec}  # fmt: skip
 
 
 def main() -> None:

@@ -319,3 +319,20 @@ def test_sample_key_and_block_size() -> None:
     assert sample_key(tokens) != sample_key(tokens[::-1])
     assert default_samples_per_block(4096) == 32 and default_samples_per_block(128) == 1024
     assert os.fspath(block_path("s", 42)).endswith("blocks/block-00000042.bin")
+
+
+def test_rank_differences_beyond_16_bits_round_trip() -> None:
+    """Every vocabulary id once, so rank = id: rows whose first rank is >= 65535 escape."""
+    from megatron.apertus.distill.logit_codec import BlockDecoder, CodecParams, encode_block
+
+    k, rows = 16, VOCAB // 16
+    ids = np.arange(VOCAB).reshape(rows, k)
+    logprobs = np.log(np.full((rows, k), 1.0 / k, np.float32))
+    encoded = encode_block(ids, logprobs, samples=1, vocab_size=VOCAB, params=CodecParams())
+    assert encoded.escapes[0] == rows // 2
+    decoder = BlockDecoder(encoded.tables, encoded.table_size, positions=rows, k=k, levels=255)
+    out_ids, out_probs = np.empty((rows, k), np.int64), np.empty((rows, k), np.float32)
+    sizes = (int(encoded.frame_sizes[0, 0]), int(encoded.frame_sizes[0, 1]))
+    decoder.decode(encoded.payloads[0], sizes, int(encoded.escapes[0]), out_ids, out_probs)
+    np.testing.assert_array_equal(out_ids, ids)
+    np.testing.assert_allclose(out_probs, 1.0 / k, rtol=1e-6)

@@ -7,9 +7,11 @@ the error bound and the measurements behind each choice are in ``docs/teacher_lo
 * **Ids.** A per-block *rank table* lists every id that occurs in the block, most frequent
   first; rows store ranks, not ids, so the ids a teacher proposes everywhere (punctuation,
   frequent words) become small numbers. Each row is sorted by rank and stored as differences
-  d_0 = r_0 + 1, d_j = r_j - r_{j-1} >= 1, one byte each (255 = escape; the value d - 255 then
-  sits in a uint32 escape stream). Decoding is one cumulative sum and one gather through the
-  table (shifted by one so that no ``- 1`` pass is needed).
+  d_0 = r_0 + 1, d_j = r_j - r_{j-1} >= 1, as 16 bits in two byte planes (low bytes, then high
+  bytes; the high plane is nearly free when the differences are small); 65535 is an escape whose
+  excess sits in a uint32 escape stream, for blocks with more than 65535 distinct ids. Decoding
+  is a shift, an or, one cumulative sum and one gather through the table (shifted by one so that
+  no ``- 1`` pass is needed).
 * **Probabilities.** The row is renormalised over its top-k, p_i = t_i / S, and coded as
   c_i = round(L * sqrt(p_i)) in one byte (L = ``levels``). KL(p || p') ~ 2 sum (sqrt p - sqrt p')^2
   (the Fisher metric is flat in sqrt p), so a uniform grid in sqrt p spends its resolution where
@@ -18,7 +20,7 @@ the error bound and the measurements behind each choice are in ``docs/teacher_lo
   minimises the generalised KL of the bin; the decoded row is renormalised and scaled back to
   the stored mass S. The mass outside the top-k, 1 - S, is stored as float16, so the decoded
   probabilities sum to the teacher's S (to float16 precision of 1 - S): the "rest bucket" of
-  the distillation loss stays exact, and KL(p || p') is the only error.
+  the distillation loss keeps the teacher's tail, and KL(p || p') is the only other error.
 * **Bytes.** Every multi-byte stream is split into byte planes (all low bytes, then all high
   bytes) before zstd: the planes have very different statistics and zstd's entropy stage
   codes each well. Each sample is three zstd frames (rank differences; probability codes;
@@ -39,8 +41,8 @@ from typing import NamedTuple
 import numpy as np
 import zstandard
 
-ESCAPE = 255
-"""A rank difference byte of 255 means: the difference is 255 + the next escape value."""
+ESCAPE = 0xFFFF
+"""A 16-bit rank difference of 65535 means: the difference is 65535 + the next escape value."""
 MAX_EXCESS_MASS = 1e-2
 """Top-k probabilities may sum above 1 by rounding in low-precision teachers, not by more."""
 _local = threading.local()  # zstd contexts are not thread-safe, and cost ~10 us to create
@@ -122,7 +124,7 @@ def _rank_table(ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarra
     counts = np.bincount(ids.ravel(), minlength=vocab_size)
     present = np.flatnonzero(counts)
     table = present[np.argsort(-counts[present], kind="stable")].astype(np.uint32)
-    rank_of = np.zeros(vocab_size, dtype=np.int64)
+    rank_of = np.zeros(vocab_size, dtype=np.int32)  # halves the sort's memory traffic
     rank_of[table] = np.arange(len(table))
     return table, rank_of
 
@@ -198,9 +200,9 @@ def _sample_frames(
     diffs: np.ndarray, codes: np.ndarray, rest: np.ndarray, compressor: zstandard.ZstdCompressor
 ) -> tuple[list[bytes], int]:
     escaped = diffs >= ESCAPE
-    low = np.where(escaped, ESCAPE, diffs).astype(np.uint8)
+    short = np.minimum(diffs, ESCAPE).astype(np.uint16)
     excess = (diffs[escaped] - ESCAPE).astype(np.uint32)
-    streams = [low.tobytes(), codes.tobytes(), _planes(rest) + _planes(excess)]
+    streams = [_planes(short), codes.tobytes(), _planes(rest) + _planes(excess)]
     return [compressor.compress(stream) for stream in streams], len(excess)
 
 
@@ -227,13 +229,15 @@ class BlockDecoder:
         t, n = self.positions, self.positions * self.k
         view = memoryview(payload)
         first, second = frame_sizes
-        low = self._stream(view[:first], n)
+        planes = self._stream(view[:first], 2 * n)
         codes = self._stream(view[first : first + second], n)
         extra = self._stream(view[first + second :], 2 * t + 4 * escapes)
-        diffs = low.astype(np.int32)
+        diffs = planes[n:].astype(np.int32)
+        diffs <<= 8
+        diffs |= planes[:n]
         if escapes:
             excess = _unplanes(memoryview(extra)[2 * t :], np.uint32, escapes)
-            diffs[np.flatnonzero(low == ESCAPE)] += excess.astype(np.int32)
+            diffs[np.flatnonzero(diffs == ESCAPE)] += excess.astype(np.int32)
         ranks = np.cumsum(diffs.reshape(t, self.k), axis=1, dtype=np.int32)
         if ranks[:, -1].max(initial=0) >= len(self.table):
             raise ValueError("rank outside the block's table")
