@@ -201,7 +201,7 @@ def _memory_problem(plan: Plan) -> list[str]:
         return []
     hint = (
         "; --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-        f"would need {plan.recompute_alternatives['full'] / GIB:.1f} GiB"
+        f"would need {plan.recompute_alternatives['full uniform 1'] / GIB:.1f} GiB"
         if plan.run.training.recompute_granularity != "full" and not plan.run.forward_only
         else ""
     )
@@ -262,15 +262,20 @@ def _stages(run: Run, dp: int, microbatches: int, recompute: Recompute) -> list[
 
 def _hardware_flops(run: Run, tokens: int) -> float:
     """Model FLOPs plus the forward passes that recomputation repeats."""
-    model = flops_per_token(run.model) * tokens
-    m = run.model
-    attention_forward = 2 * m.num_layers * m.seq_length * m.hidden_size * tokens
-    if run.training.recompute_granularity == "full":
-        layers = m.num_layers * memory.layer_parameters(m, 1)
-        return model + 2 * layers * tokens + attention_forward
-    if run.training.recompute_granularity == "selective":
-        return model + attention_forward
-    return model
+    m, recompute = run.model, run.recompute
+    model = flops_per_token(m) * tokens
+    attention_forward = 2 * m.seq_length * m.hidden_size * tokens  # per layer
+    if recompute.granularity == "selective":
+        return model + m.num_layers * attention_forward
+    if recompute.granularity != "full":
+        return model
+    layers = m.num_layers
+    if recompute.method == "block":  # the first num_layers of every model chunk
+        chunks = run.parallel.pipeline_model_parallel_size * (
+            run.parallel.virtual_pipeline_model_parallel_size or 1
+        )
+        layers = min(layers, recompute.num_layers * chunks)
+    return model + layers * (2 * memory.layer_parameters(m, 1) * tokens + attention_forward)
 
 
 def plan(run: Run, cluster: Cluster) -> Plan:
@@ -283,11 +288,11 @@ def plan(run: Run, cluster: Cluster) -> Plan:
     problems = _batch_problems(run, dp) + _placement_problems(run, cluster)
     t = run.training
     microbatches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
-    alternatives = {
-        "none": Recompute(),
-        "selective": Recompute(granularity="selective"),
-        "full": Recompute(granularity="full", method="uniform", num_layers=1),
-    }
+    alternatives = [
+        Recompute(),
+        Recompute(granularity="selective"),
+        Recompute(granularity="full", method="uniform", num_layers=1),
+    ]
     result = Plan(
         run=run,
         cluster=cluster,
@@ -295,8 +300,8 @@ def plan(run: Run, cluster: Cluster) -> Plan:
         microbatches=microbatches,
         stages=_stages(run, dp, microbatches, recompute),
         recompute_alternatives={
-            name: max(s.total for s in _stages(run, dp, microbatches, choice))
-            for name, choice in alternatives.items()
+            _recompute_name(choice): max(s.total for s in _stages(run, dp, microbatches, choice))
+            for choice in alternatives
         },
         flops_per_step=flops_per_token(run.model) * t.global_batch_size * run.model.seq_length,
         train_iters=train_iterations(t, dp) if not problems else None,
@@ -307,6 +312,12 @@ def plan(run: Run, cluster: Cluster) -> Plan:
 # -- the report ------------------------------------------------------------------------------
 
 
+def _recompute_name(recompute: Recompute) -> str:
+    if recompute.granularity != "full":
+        return recompute.granularity or "none"
+    return f"full {recompute.method} {recompute.num_layers}"
+
+
 def _gib(value: float) -> str:
     return f"{value / GIB:8.2f} GiB"
 
@@ -315,11 +326,12 @@ def format_plan(p: Plan, *, name: str = "") -> str:
     """A human-readable report; refused layouts list every problem."""
     run, cluster = p.run, p.cluster
     par, t = run.parallel, run.training
-    memory_text = f"{cluster.gpu_memory_gib:g} GiB" if cluster.gpu_memory_gib else "unchecked (CPU)"
+    device = "CPU processes" if run.training.device == "cpu" else "GPUs"
+    memory_text = f"{cluster.gpu_memory_gib:g} GiB" if cluster.gpu_memory_gib else "not checked"
     lines = [
         f"layout plan: {name or 'model'} ({run.model.num_parameters() / 1e9:.3g} B parameters) on "
-        f"{cluster.gpus} GPUs = {cluster.nodes} nodes x {cluster.gpus_per_node}, memory per GPU "
-        f"{memory_text}"
+        f"{cluster.gpus} {device} = {cluster.nodes} nodes x {cluster.gpus_per_node}, memory per "
+        f"device {memory_text}"
     ]
     if p.data_parallel is not None:
         tokens = t.global_batch_size * run.model.seq_length
@@ -362,9 +374,8 @@ def _memory_lines(p: Plan) -> list[str]:
         ("gradients (fp32 DDP buffer)", peak.gradients),
         (f"optimizer ({master}{moments} {run.optimizer.optimizer} moments{sharding})",
          peak.optimizer),
-        (f"activations (recompute {run.training.recompute_granularity or 'none'})",
-         peak.activations),
-        ("output layer + loss dX/dW", peak.loss_buffers),
+        (f"activations (recompute {_recompute_name(run.recompute)})", peak.activations),
+        ("fused output layer + loss (dX, dW, a chunk of logits)", peak.loss_buffers),
         ("total", peak.total),
     ]  # fmt: skip
     stages = ", ".join(
@@ -372,7 +383,7 @@ def _memory_lines(p: Plan) -> list[str]:
     )
     lines = [f"  parameters   per GPU: {stages}",
              f"  memory per GPU, fullest pipeline stage ({peak.pipeline_rank}):"]  # fmt: skip
-    lines += [f"    {label:<52}{_gib(value)}" for label, value in rows]
+    lines += [f"    {label:<56}{_gib(value)}" for label, value in rows]
     if not run.forward_only:
         lines.append("    total by recomputation: " + ", ".join(
             f"{name} {value / GIB:.2f} GiB" for name, value in p.recompute_alternatives.items()))  # fmt: skip

@@ -281,6 +281,8 @@ class _SignalWatch:
 
 def _run_step(command: list[str], env: dict[str, str], watch: _SignalWatch) -> int:
     watch.proc = subprocess.Popen(command, env=env)
+    if signal.SIGUSR2 in watch.received:  # it came before srun existed
+        watch.proc.send_signal(signal.SIGUSR2)
     return watch.proc.wait()  # a handled signal interrupts wait(), which then resumes
 
 
@@ -293,15 +295,19 @@ def _script_path(job: Job) -> str:
     return re.search(r"Command=(\S+)", record).group(1)
 
 
-def resubmit(job: Job, count: int) -> str:
-    """Queue the same script behind this job (singleton: same name, starts after it ends)."""
+def resubmit(job: Job, count: int) -> str | None:
+    """Queue the same script behind this job (singleton: same name, starts after it ends);
+    its job id, or None when sbatch refused (logged)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     env["APERTUS_RESUBMISSION"] = str(count + 1)
     options = shlex.split(os.environ.get("APERTUS_SBATCH_OPTIONS", ""))
     command = ["sbatch", "--parsable", *options, f"--job-name={job.name}",
                "--dependency=singleton", _script_path(job)]  # fmt: skip
-    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-    return out.strip().split(";")[0]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        log(f"resubmission failed: {shlex.join(command)}: {proc.stderr.strip()}")
+        return None
+    return proc.stdout.strip().split(";")[0]
 
 
 def _should_resubmit(run: Run, start: int | None, watch: _SignalWatch) -> str | None:
@@ -362,8 +368,11 @@ def batch(run: Run, repo: Path) -> int:
         log(f"not resubmitting: {reason}")
         return rc
     count = int(os.environ.get("APERTUS_RESUBMISSION", "0"))
-    log(f"resubmitted as job {resubmit(job, count)} (resubmission {count + 1}), "
-        f"resuming from iteration {run.latest()}")  # fmt: skip
+    new_job = resubmit(job, count)
+    if new_job is None:
+        return rc or 1
+    log(f"resubmitted as job {new_job} (resubmission {count + 1}), resuming from iteration "
+        f"{run.latest()}")  # fmt: skip
     return rc
 
 
