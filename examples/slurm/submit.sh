@@ -7,5 +7,5 @@
 # Run it with the Python environment the tasks should use (or set APERTUS_PYTHON).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export APERTUS_REPO="$repo" PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 exec "${APERTUS_PYTHON:-python3}" -m megatron.apertus.launch submit "$@"

@@ -45,7 +45,7 @@ def _random_batches(run, count: int):
                     position_ids=torch.arange(s).expand(b, s).contiguous())  # fmt: skip
 
 
-def _build(run, dp: int):
+def _build(run):
     from megatron.apertus.model.builder import build_model, transformer_config
     from megatron.apertus.model.config import dtype_from_name
 
@@ -55,11 +55,11 @@ def _build(run, dp: int):
     return build_model(run.model, config, fused_loss=True), config
 
 
-def saved(run, dp: int) -> dict:
+def saved(run) -> dict:
     """Per-layer saved bytes of this rank's first model chunk, and its parameter count."""
     import torch
 
-    chunks, _ = _build(run, dp)
+    chunks, _ = _build(run)
     chunk = chunks[0]
     parameters = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
     current = {"layer": None}
@@ -105,7 +105,7 @@ def _train(run, dp: int, steps: int) -> list[float]:
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     shape = StepShape(num_microbatches=microbatches, seq_length=run.model.seq_length,
                       micro_batch_size=t.micro_batch_size)  # fmt: skip
-    chunks, config = _build(run, dp)
+    chunks, config = _build(run)
     model = wrap_ddp(
         chunks, config, use_distributed_optimizer=run.optimizer.use_distributed_optimizer
     )
@@ -157,7 +157,7 @@ def main() -> None:
 
     run = run_from_args(args.flags[1:] if args.flags[:1] == ["--"] else args.flags)
     dp = parallel.initialize(run.parallel, device="cpu", seed=run.training.seed, model=run.model)
-    report = saved(run, dp) if args.mode == "saved" else peak(run, dp, args.steps)
+    report = saved(run) if args.mode == "saved" else peak(run, dp, args.steps)
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:

@@ -48,7 +48,7 @@ def one_process():
 )  # fmt: skip
 def test_layer_activations_equal_saved_tensors(one_process, precision, recompute):
     run = run_from_args(SMALL + ["--precision", precision] + recompute)
-    measured = memory_worker.saved(run, dp=1)
+    measured = memory_worker.saved(run)
     expected = expected_layer_bytes(run)
     # Selective recomputation also saves one 4-byte scalar per layer that we do not count.
     tolerance = 4 if recompute[1:2] == ["selective"] else 0
@@ -61,7 +61,7 @@ def test_layer_activations_equal_saved_tensors(one_process, precision, recompute
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameters_equal_megatron_cores_count(one_process, tied):
     run = run_from_args(SMALL + ([] if not tied else ["--no-untie-embeddings-and-output-weights"]))
-    measured = memory_worker.saved(run, dp=1)["parameters"]
+    measured = memory_worker.saved(run)["parameters"]
     assert measured == memory.stage_parameters(run.model, run.parallel, 0)
     assert measured == run.model.num_parameters()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from megatron.apertus.launch.planner import Cluster, Plan, format_plan, plan, run_from_command
 from megatron.apertus.model.config import ConfigError
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(os.environ.get("APERTUS_REPO") or Path(__file__).resolve().parents[3])
 
 
 def sbatch_directives(script: Path) -> list[str]:
