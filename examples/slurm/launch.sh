@@ -9,6 +9,9 @@
 
 apertus_launch() {
     export APERTUS_REPO="${APERTUS_REPO:-${SLURM_SUBMIT_DIR:?submit with examples/slurm/submit.sh}}"
-    export PYTHONPATH="$APERTUS_REPO${PYTHONPATH:+:$PYTHONPATH}"
+    case ":${PYTHONPATH:-}:" in
+        *":$APERTUS_REPO:"*) ;;  # a resubmitted job inherits it
+        *) export PYTHONPATH="$APERTUS_REPO${PYTHONPATH:+:$PYTHONPATH}" ;;
+    esac
     exec "${APERTUS_HOST_PYTHON:-${APERTUS_PYTHON:-python3}}" -m megatron.apertus.launch batch "$@"
 }

@@ -100,8 +100,7 @@ def test_batch_step_skips_finished_runs_and_honours_the_exit_trigger(tmp_path):
     assert "already finished (iteration 10)" in slurm._prepare(run)
     longer = slurm.Run(run_dir=tmp_path, command=run.command + ["--train-iters=20"])
     assert longer.target_iteration == 20 and slurm._prepare(longer) is None
-    (tmp_path / "triggers").mkdir()
-    (tmp_path / "triggers" / "exit").touch()
+    (tmp_path / "triggers" / "exit").touch()  # _prepare made the directory
     assert "exit exists: not starting" in slurm._prepare(longer)
 
 

@@ -123,7 +123,6 @@ class Run:
         command = self.command
         if self.save_dir is None:
             return command
-        self.trigger_dir.mkdir(parents=True, exist_ok=True)
         command = with_flag(command, "--exit-signal-handler")
         command = with_flag(command, "--trigger-path", str(self.trigger_dir))
         if self.latest() is not None:
@@ -253,7 +252,8 @@ def task_environment(job: Job, repo: Path) -> dict[str, str]:
     for key, value in NETWORK_DEFAULTS.items():
         env.setdefault(key, value)
     env.setdefault("OMP_NUM_THREADS", env.get("SLURM_CPUS_PER_TASK", "1"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(repo)]
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), *paths])
     env["MASTER_ADDR"] = job.master_addr()
     env["MASTER_PORT"] = str(job.master_port())
     return env
@@ -340,6 +340,7 @@ def _prepare(run: Run) -> str | None:
     for path in unfinished_checkpoints(run.save_dir):
         log(f"removing unfinished checkpoint {path} (tracker: iteration {run.latest()})")
         shutil.rmtree(path)
+    run.trigger_dir.mkdir(parents=True, exist_ok=True)  # where users touch save / exit
     return None
 
 
