@@ -31,9 +31,13 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron.apertus.model.config import ApertusConfig
+from megatron.apertus.training.checkpoint_files import (
+    MODEL_CONFIG,
+    TRACKER,
+    iteration_dir,
+    latest_iteration,
+)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-MODEL_CONFIG = "apertus_model.json"
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -45,24 +49,10 @@ class TrainingState:
     consumed_samples: int = 0
 
 
-def iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
-    return Path(save_dir) / f"iter_{iteration:07d}"
-
-
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def latest_iteration(load_dir: str | os.PathLike) -> int | None:
-    tracker = Path(load_dir) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{tracker}: expected an iteration number, found {text!r}")
-    return int(text)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

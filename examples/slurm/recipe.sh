@@ -1,0 +1,19 @@
+# The Apertus recipe (REFERENCE section 1) as pretrain_gpt.py flags, shared by the pretraining and
+# distillation launchers; each launcher adds its model, layout, batch, learning rate and length.
+# Sourced after launch.sh. APERTUS_DATA is the Megatron blend: "[WEIGHT] PREFIX [WEIGHT] PREFIX ...".
+
+read -r -a APERTUS_DATA_PATH <<<"${APERTUS_DATA:?set APERTUS_DATA to a Megatron data blend, e.g. '0.7 /data/web_text_document 0.3 /data/code_text_document'}"
+
+APERTUS_RECIPE=(
+    --device cuda --precision bf16 --seq-length 4096 --max-position-embeddings 4096
+    --optimizer ademamix --adam-beta1 0.9 --adam-beta2 0.999 --ademamix-beta3 0.9999
+    --ademamix-alpha 8 --ademamix-alpha-warmup 100000 --ademamix-beta3-warmup 100000
+    --weight-decay 0.1 --clip-grad 0.1 --use-distributed-optimizer
+    --lr-decay-style WSD --lr-wsd-decay-style 1-sqrt
+    --data-path "${APERTUS_DATA_PATH[@]}" --split 969,30,1
+    --reset-position-ids --reset-attention-mask --eod-mask-loss
+    --log-interval 10 --eval-interval 2000 --eval-iters 10
+)
+
+# Memorisation-safe pretraining: Goldfish drops a deterministic 1/50 of the loss positions.
+APERTUS_GOLDFISH=(--goldfish-loss --goldfish-k 50 --goldfish-h 50)

@@ -1,0 +1,279 @@
+"""Per-GPU memory of an Apertus layout: model states, activations, loss buffers.
+
+Model states, per parameter held by a rank (megatron-core DDP with ``grad_reduce_in_fp32``, as
+``training/step.py`` builds it):
+
+* weights in the training dtype (2 bytes bf16, 4 bytes fp32);
+* gradients in DDP's fp32 ``main_grad`` buffer (4 bytes), never sharded;
+* optimizer: fp32 master weights (bf16 training only; fp32 training updates the weights
+  themselves) and 2 fp32 moments for Adam or 3 for AdEMAMix (``exp_avg``, ``exp_avg_slow``,
+  ``exp_avg_sq``); the distributed optimizer shards all of these over data-parallel ranks.
+
+Activations follow the accounting of Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (arXiv 2205.05198): bytes saved for backward per
+layer and micro-batch, divided by TP where tensors are split over heads or MLP columns and, with
+sequence parallelism, also where they are split over the sequence. Their GPT layer is replaced
+by ours, term by term (``layer_activation_bytes``): RMSNorms that save an fp32 copy of their
+input, fused QKV with per-head QK-norm, GQA, SDPA attention that keeps the flash-style
+log-sum-exp instead of the s x s scores (so there is no ``5as/h`` term, and megatron-core's
+selective recomputation of ``core_attn`` only saves the log-sum-exp), no dropout masks, and the
+non-gated xIELU MLP (two f-wide tensors). The table was read off the saved-tensor hooks of the
+real layer and is tested against them (``tests/launch/test_memory.py``).
+
+Pipelining: with 1F1B, pipeline rank r holds min(PP - r, M) micro-batches in flight; with
+interleaving, min(2 (PP - r - 1) + (VP - 1) PP + 1, M VP) model chunks (megatron-core's warmup
+plus one). Not modelled: transient buffers (an op's temporaries, communication buffers, the CUDA
+context, allocator fragmentation); the planner keeps a share of each GPU for them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.ops.sparse_kl import default_chunk_rows
+
+OPTIMIZER_MOMENTS = {"adam": 2, "ademamix": 3}
+"""fp32 moment tensors per parameter."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32 = 4
+
+
+@dataclass(kw_only=True, frozen=True)
+class Recompute:
+    """Activation recomputation as megatron-core's ``TransformerConfig`` takes it."""
+
+    granularity: str | None = None
+    """None, ``selective`` (recompute core attention) or ``full``."""
+    method: str | None = None
+    """``uniform`` (checkpoint groups of ``num_layers``) or ``block`` (the first ``num_layers``)."""
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.granularity not in (None, "selective", "full"):
+            raise ValueError(
+                f"--recompute-granularity must be selective or full, got {self.granularity!r}"
+            )
+        if self.granularity == "full" and (
+            self.method not in ("uniform", "block") or not self.num_layers
+        ):
+            raise ValueError(
+                "--recompute-granularity full needs --recompute-method uniform|block and "
+                "--recompute-num-layers N"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class Shape:
+    """One micro-batch as a rank sees it."""
+
+    seq_length: int
+    micro_batch_size: int
+    tp: int
+    sequence_parallel: bool
+    dtype_bytes: int
+    """Bytes per activation element (the training dtype)."""
+    device: str = "cuda"
+    """Where it runs (the fused loss sizes its chunks by device)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_length * self.micro_batch_size
+
+    @property
+    def seq_split(self) -> int:
+        """Over how many ranks the tensors outside attention and MLP are split."""
+        return self.tp if self.sequence_parallel else 1
+
+
+# -- parameters ------------------------------------------------------------------------------
+
+
+def layer_parameters(model: ApertusConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (norms and xIELU scalars replicated)."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    qkv = h * d * (model.num_attention_heads + 2 * model.num_query_groups)
+    projection = model.num_attention_heads * d * h
+    sharded = qkv + projection + 2 * h * f
+    replicated = 2 * h + (2 * d if model.qk_layernorm else 0) + 2  # norms, QK-norms, alphas
+    return sharded // tp + replicated
+
+
+def stage_parameters(model: ApertusConfig, parallel: ParallelConfig, pipeline_rank: int) -> int:
+    """Parameters held by one rank of pipeline stage ``pipeline_rank`` (all its model chunks).
+
+    The first stage holds the embedding, the last the final norm and the output layer; with tied
+    embeddings and PP > 1 the last stage keeps its own copy of the embedding as output weight.
+    """
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    vocab = model.vocab_size * model.hidden_size // tp
+    count = model.num_layers // pp * layer_parameters(model, tp)
+    if pipeline_rank == 0:
+        count += vocab
+    if pipeline_rank == pp - 1:
+        count += model.hidden_size
+        if model.untie_embeddings_and_output_weights or pp > 1:
+            count += vocab
+    return count
+
+
+# -- activations -----------------------------------------------------------------------------
+
+
+def layer_activation_bytes(model: ApertusConfig, shape: Shape, *, selective: bool = False) -> float:
+    """Bytes one transformer layer saves for backward for one micro-batch (no recomputation).
+
+    ``selective``: megatron-core's selective recomputation of core attention, which drops
+    SDPA's log-sum-exp (its inputs and output stay saved).
+    """
+    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_channels * model.num_query_groups
+    nh, ng, p, t, r = (
+        model.num_attention_heads,
+        model.num_query_groups,
+        shape.dtype_bytes,
+        shape.tp,
+        shape.seq_split,
+    )
+    norm = (FP32 * h + p * h + FP32) / r  # fp32 copy of the input, normalised x, 1/rms
+    # q is copied out of the fused QKV output when a rank holds several query groups; in fp32
+    # .float() returns that copy (or, for k and for one group, the QKV output's view) itself.
+    q_copy = FP32 * h if p < FP32 or ng > t else 0
+    k_copy = FP32 * kv if p < FP32 else 0
+    per_token = (
+        2 * norm  # input and pre-MLP RMSNorm
+        + 2 * p * h / r  # inputs of linear_qkv and linear_fc1 (gathered again in backward)
+        + p * (h + 2 * kv) / t  # QKV output (its views k and v are saved)
+        + (q_copy + p * h + FP32 * nh) / t  # q-norm: input, normed q, 1/rms
+        + (k_copy + p * kv + FP32 * ng) / t  # k-norm
+        + p * (h + kv) / t  # SDPA's q and k after RoPE
+        + p * h / t  # SDPA output = linear_proj input
+        + (0 if selective else FP32 * nh / t)  # SDPA log-sum-exp
+        + 2 * p * f / t  # xIELU input (fc1 output) and fc2 input
+    )
+    rope_tables = 4 * shape.seq_length * model.kv_channels * p  # cos and sin for q and k
+    xielu_alphas = 2 * p
+    return per_token * shape.tokens + rope_tables + xielu_alphas
+
+
+def layer_input_bytes(model: ApertusConfig, shape: Shape) -> float:
+    """What a fully recomputed layer (or group of layers) keeps: its input."""
+    return shape.dtype_bytes * model.hidden_size * shape.tokens / shape.seq_split
+
+
+def in_flight_chunks(parallel: ParallelConfig, pipeline_rank: int, microbatches: int) -> int:
+    """Model-chunk forward passes whose activations pipeline rank ``pipeline_rank`` holds at peak."""
+    pp = parallel.pipeline_model_parallel_size
+    vp = parallel.virtual_pipeline_model_parallel_size or 1
+    if pp == 1:
+        return 1
+    if vp == 1:
+        return min(pp - pipeline_rank, microbatches)
+    return min(2 * (pp - pipeline_rank - 1) + (vp - 1) * pp + 1, microbatches * vp)
+
+
+def chunk_activation_bytes(
+    model: ApertusConfig, shape: Shape, layers: int, recompute: Recompute
+) -> tuple[float, float]:
+    """(bytes a model chunk of ``layers`` layers keeps per in-flight micro-batch, extra working
+    set while one chunk's recomputed layers run their backward)."""
+    full = layer_activation_bytes(model, shape, selective=recompute.granularity == "selective")
+    if recompute.granularity != "full":
+        return layers * full, 0.0
+    n = min(recompute.num_layers, layers)
+    saved_input = layer_input_bytes(model, shape)
+    if recompute.method == "uniform":
+        return math.ceil(layers / n) * saved_input, n * full
+    return n * saved_input + (layers - n) * full, full  # block: the first n layers recomputed
+
+
+def loss_buffer_bytes(model: ApertusConfig, shape: Shape) -> float:
+    """Peak of the fused output layer + loss (``ops/sparse_kl.py``) in its forward, which
+    computes dX and dW there and keeps them for backward: dX, dW (accumulated in fp32 when the
+    tokens take several chunks, then cast), and one chunk of logits."""
+    p, h, vocab_local = shape.dtype_bytes, model.hidden_size, model.vocab_size // shape.tp
+    dtype = torch.float32 if p == FP32 else torch.bfloat16
+    rows = default_chunk_rows(shape.tokens, vocab_local, dtype, torch.device(shape.device))
+    one_chunk = shape.tokens <= rows
+    grad_weight = vocab_local * h * (p if one_chunk else FP32 + (p if p < FP32 else 0))
+    return p * shape.tokens * h + grad_weight + p * min(rows, shape.tokens) * vocab_local
+
+
+@dataclass(kw_only=True, frozen=True)
+class StageMemory:
+    """Bytes on one GPU of pipeline stage ``pipeline_rank``."""
+
+    pipeline_rank: int
+    parameters: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    loss_buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.loss_buffers
+
+
+@dataclass(kw_only=True, frozen=True)
+class Workload:
+    """The parts of a run's settings that decide its memory."""
+
+    precision: str = "bf16"
+    optimizer: str = "ademamix"
+    distributed_optimizer: bool = True
+    data_parallel: int = 1
+    microbatches: int = 1
+    recompute: Recompute = Recompute()
+    forward_only: bool = False
+    """Inference (teacher logits): weights and one layer's working set, no states."""
+
+
+def model_state_bytes(parameters: int, run: Workload) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes for ``parameters`` held by a rank."""
+    weights = DTYPE_BYTES[run.precision] * parameters
+    if run.forward_only:
+        return weights, 0.0, 0.0
+    master = FP32 if run.precision != "fp32" else 0
+    optimizer = (master + FP32 * OPTIMIZER_MOMENTS[run.optimizer]) * parameters
+    if run.distributed_optimizer:
+        optimizer /= run.data_parallel
+    return weights, FP32 * parameters, optimizer
+
+
+def stage_memory(
+    model: ApertusConfig, parallel: ParallelConfig, shape: Shape, run: Workload, pipeline_rank: int
+) -> StageMemory:
+    """Memory of one GPU of pipeline stage ``pipeline_rank``."""
+    pp = parallel.pipeline_model_parallel_size
+    vp = parallel.virtual_pipeline_model_parallel_size or 1
+    parameters = stage_parameters(model, parallel, pipeline_rank)
+    weights, gradients, optimizer = model_state_bytes(parameters, run)
+    layers = model.num_layers // (pp * vp)
+    last = pipeline_rank == pp - 1
+    if run.forward_only:
+        # One layer's tensors at a time, and (an upper bound: tools may chunk) fp32 logits.
+        activations = layer_activation_bytes(model, shape)
+        loss = FP32 * shape.tokens * model.vocab_size / shape.tp if last else 0.0
+        return StageMemory(pipeline_rank=pipeline_rank, parameters=parameters, weights=weights,
+                           gradients=0.0, optimizer=0.0, activations=activations,
+                           loss_buffers=loss)  # fmt: skip
+    chunks = in_flight_chunks(parallel, pipeline_rank, run.microbatches)
+    kept, working = chunk_activation_bytes(model, shape, layers, run.recompute)
+    activations = chunks * kept + working
+    if shape.dtype_bytes < FP32 and run.recompute.granularity != "full":
+        # The schedule keeps the input it received for each chunk in flight (in fp32 the first
+        # RMSNorm saves that very tensor); on the first stage, about 1/VP of them are embeddings.
+        received = chunks if pipeline_rank > 0 else chunks * (vp - 1) / vp
+        activations += received * layer_input_bytes(model, shape)
+    loss = 0.0
+    if last:
+        h = model.hidden_size
+        activations += (FP32 * h + shape.dtype_bytes * h + FP32) * shape.tokens / shape.seq_split
+        loss = loss_buffer_bytes(model, shape)
+    return StageMemory(pipeline_rank=pipeline_rank, parameters=parameters, weights=weights,
+                       gradients=gradients, optimizer=optimizer, activations=activations,
+                       loss_buffers=loss)  # fmt: skip

@@ -1,0 +1,395 @@
+"""Parallel-layout planner: is a layout possible on a cluster, and what does each GPU hold?
+
+For a run's flags (the same names as ``pretrain_gpt.py``'s, parsed by the same generated
+parser) and a cluster (GPUs, GPUs per node, memory per GPU) it checks, naming the failing
+constraint:
+
+* the model split (``validate_layout``: heads, query groups, MLP columns and vocabulary over TP;
+  layers over PP x virtual stages; GPUs over TP x PP);
+* the batch: global batch (and every ramp-up batch) divisible by micro-batch x DP; with virtual
+  stages, micro-batches per step divisible by PP (megatron-core's interleaved schedule);
+* the placement: a TP group inside one node; the sequence over TP with sequence parallelism;
+* memory: the fullest pipeline stage (``memory.stage_memory``) within the usable share of a GPU.
+
+It reports the per-GPU memory (weights, gradients, optimizer states, activations with the
+chosen recomputation and the alternatives) and model FLOPs per step (``flops_per_token``, the
+same count the training log uses for MFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+
+from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+from megatron.apertus.launch import memory
+from megatron.apertus.launch.memory import Recompute, Shape, StageMemory, Workload
+from megatron.apertus.model.config import (
+    ApertusConfig,
+    ConfigError,
+    ParallelConfig,
+    validate_layout,
+)
+from megatron.apertus.training import config as C
+from megatron.apertus.training.metrics import flops_per_token
+
+GIB = 2**30
+FORWARD_ONLY_ENTRIES = ("tools/generate_teacher_logits.py",)
+"""Entry points that run the model without backward (no gradients or optimizer states)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Cluster:
+    gpus: int
+    """Processes of the job, one per GPU (nodes x tasks per node)."""
+    gpus_per_node: int
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU; None (CPU runs) skips the fit check."""
+    usable_fraction: float = 0.9
+    """Share of a GPU's memory the estimate may fill; the rest is for what it does not model
+    (CUDA context, NCCL buffers, temporaries, allocator fragmentation)."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ConfigError(
+                f"--gpus ({self.gpus}) and --gpus-per-node ({self.gpus_per_node}) must be >= 1"
+            )
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ConfigError(
+                f"--gpus ({self.gpus}) is not a multiple of --gpus-per-node ({self.gpus_per_node})"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Run:
+    """The settings of a run that its layout depends on (parsed from its flags)."""
+
+    model: ApertusConfig
+    parallel: ParallelConfig
+    training: C.TrainingConfig
+    optimizer: C.OptimizerSettings
+    forward_only: bool = False
+
+    @property
+    def recompute(self) -> Recompute:
+        t = self.training
+        return Recompute(
+            granularity=t.recompute_granularity,
+            method=t.recompute_method,
+            num_layers=t.recompute_num_layers,
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class Plan:
+    run: Run
+    cluster: Cluster
+    problems: list[str] = field(default_factory=list)
+    """Every constraint the layout breaks; empty when it can be submitted."""
+    data_parallel: int | None = None
+    microbatches: int | None = None
+    stages: list[StageMemory] = field(default_factory=list)
+    """Per pipeline stage, with the run's recomputation."""
+    recompute_alternatives: dict[str, float] = field(default_factory=dict)
+    """Total bytes of the fullest stage for each recomputation choice."""
+    flops_per_step: float | None = None
+    train_iters: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def peak(self) -> StageMemory | None:
+        return max(self.stages, key=lambda s: s.total) if self.stages else None
+
+
+# -- reading a run's flags -------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The layout-relevant part of ``pretrain_gpt.py``'s command line (same generated flags)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    C.add_model_arguments(parser)
+    C.add_arguments(parser, C.TrainingConfig, title="training")
+    C.add_arguments(parser, C.OptimizerSettings, title="optimizer")
+    return parser
+
+
+def run_from_args(argv: list[str], *, forward_only: bool = False) -> Run:
+    """The run described by an entry point's flags; flags the planner does not need are ignored."""
+    args, _ = _parser().parse_known_args(argv)
+    try:
+        return Run(
+            model=C.model_from_arguments(args),
+            parallel=C.from_arguments(ParallelConfig, args),
+            training=C.from_arguments(C.TrainingConfig, args),
+            optimizer=C.from_arguments(C.OptimizerSettings, args),
+            forward_only=forward_only,
+        )
+    except ValueError as err:  # ConfigError is a ValueError
+        raise ConfigError(str(err)) from err
+
+
+def run_from_command(command: list[str]) -> Run:
+    """The run of ``[entry_script, *flags]`` as a launcher starts it."""
+    entry, *argv = command
+    return run_from_args(argv, forward_only=entry.endswith(FORWARD_ONLY_ENTRIES))
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+
+def _batch_problems(run: Run, dp: int) -> list[str]:
+    t, pp = run.training, run.parallel.pipeline_model_parallel_size
+    interleaved = run.parallel.virtual_pipeline_model_parallel_size is not None
+    unit = t.micro_batch_size * dp
+    sizes = [("--global-batch-size", t.global_batch_size)]
+    if t.rampup_batch_size:
+        start, increment, _ = t.rampup_batch_size
+        sizes += [
+            ("--rampup-batch-size START", start),
+            ("--rampup-batch-size INCREMENT", increment),
+        ]
+        if start > t.global_batch_size or (t.global_batch_size - start) % increment:
+            return [f"--rampup-batch-size {start} {increment}: the ramp from {start} must reach "
+                    f"--global-batch-size {t.global_batch_size} in whole increments"]  # fmt: skip
+    problems = []
+    for name, size in sizes:
+        if size % unit:
+            problems.append(
+                f"{name} ({size}) is not divisible by --micro-batch-size ({t.micro_batch_size}) "
+                f"x data-parallel size ({dp}) = {unit}"
+            )
+        elif interleaved and (size // unit) % pp:
+            problems.append(
+                f"{name} ({size}) gives {size // unit} micro-batches per step, not a multiple of "
+                f"--pipeline-model-parallel-size ({pp}) as the interleaved schedule needs"
+            )
+    return problems
+
+
+def _placement_problems(run: Run, cluster: Cluster) -> list[str]:
+    tp = run.parallel.tensor_model_parallel_size
+    problems = []
+    if cluster.gpus_per_node % tp and cluster.gpus > cluster.gpus_per_node:
+        problems.append(
+            f"--tensor-model-parallel-size ({tp}) does not divide GPUs per node "
+            f"({cluster.gpus_per_node}): tensor-parallel groups would span nodes"
+        )
+    if run.parallel.sequence_parallel and run.model.seq_length % tp:
+        problems.append(
+            f"--seq-length ({run.model.seq_length}) is not divisible by "
+            f"--tensor-model-parallel-size ({tp}), which --sequence-parallel splits it over"
+        )
+    return problems
+
+
+def _memory_problem(plan: Plan) -> list[str]:
+    gib = plan.cluster.gpu_memory_gib
+    peak = plan.peak
+    if gib is None or peak is None:
+        return []
+    usable = gib * plan.cluster.usable_fraction
+    if peak.total / GIB <= usable:
+        return []
+    hint = (
+        "; --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+        f"would need {plan.recompute_alternatives['full uniform 1'] / GIB:.1f} GiB"
+        if plan.run.training.recompute_granularity != "full" and not plan.run.forward_only
+        else ""
+    )
+    return [
+        f"pipeline stage {peak.pipeline_rank} needs {peak.total / GIB:.1f} GiB per GPU, more than "
+        f"the {usable:.1f} GiB usable ({plan.cluster.usable_fraction:.0%} of {gib:g} GiB){hint}"
+    ]
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+
+def train_iterations(training: C.TrainingConfig, dp: int) -> int:
+    """Optimizer steps of the run, following megatron-core's batch-size ramp-up."""
+    if training.train_iters is not None:
+        return training.train_iters
+    gbs, samples = training.global_batch_size, training.train_samples
+    if not training.rampup_batch_size:
+        return math.ceil(samples / gbs)
+    start, increment, ramp = training.rampup_batch_size
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(
+        gbs, training.micro_batch_size, dp, False, 1, start, increment, ramp
+    )  # rank 1: no log lines
+    consumed = steps = 0
+    while consumed < samples and consumed <= ramp:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        steps += 1
+    return steps + max(0, math.ceil((samples - consumed) / gbs))
+
+
+def _shape(run: Run) -> Shape:
+    return Shape(
+        seq_length=run.model.seq_length,
+        micro_batch_size=run.training.micro_batch_size,
+        tp=run.parallel.tensor_model_parallel_size,
+        sequence_parallel=run.parallel.sequence_parallel,
+        dtype_bytes=memory.DTYPE_BYTES[run.training.precision],
+        device="cpu" if run.training.device == "cpu" else "cuda",
+    )
+
+
+def _stages(run: Run, dp: int, microbatches: int, recompute: Recompute) -> list[StageMemory]:
+    workload = Workload(
+        precision=run.training.precision,
+        optimizer=run.optimizer.optimizer,
+        distributed_optimizer=run.optimizer.use_distributed_optimizer,
+        data_parallel=dp,
+        microbatches=microbatches,
+        recompute=recompute,
+        forward_only=run.forward_only,
+    )
+    return [
+        memory.stage_memory(run.model, run.parallel, _shape(run), workload, r)
+        for r in range(run.parallel.pipeline_model_parallel_size)
+    ]
+
+
+def _hardware_flops(run: Run, tokens: int) -> float:
+    """Model FLOPs plus the forward passes that recomputation repeats."""
+    m, recompute = run.model, run.recompute
+    model = flops_per_token(m) * tokens
+    attention_forward = 2 * m.seq_length * m.hidden_size * tokens  # per layer
+    if recompute.granularity == "selective":
+        return model + m.num_layers * attention_forward
+    if recompute.granularity != "full":
+        return model
+    layers = m.num_layers
+    if recompute.method == "block":  # the first num_layers of every model chunk
+        chunks = run.parallel.pipeline_model_parallel_size * (
+            run.parallel.virtual_pipeline_model_parallel_size or 1
+        )
+        layers = min(layers, recompute.num_layers * chunks)
+    return model + layers * (2 * memory.layer_parameters(m, 1) * tokens + attention_forward)
+
+
+def plan(run: Run, cluster: Cluster) -> Plan:
+    """Check ``run``'s layout on ``cluster`` and estimate its per-GPU memory and FLOPs."""
+    try:
+        dp = validate_layout(run.model, run.parallel, cluster.gpus)
+        recompute = run.recompute
+    except ValueError as err:
+        return Plan(run=run, cluster=cluster, problems=[str(err)])
+    problems = _batch_problems(run, dp) + _placement_problems(run, cluster)
+    t = run.training
+    microbatches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
+    alternatives = [
+        Recompute(),
+        Recompute(granularity="selective"),
+        Recompute(granularity="full", method="uniform", num_layers=1),
+    ]
+    result = Plan(
+        run=run,
+        cluster=cluster,
+        data_parallel=dp,
+        microbatches=microbatches,
+        stages=_stages(run, dp, microbatches, recompute),
+        recompute_alternatives={
+            _recompute_name(choice): max(s.total for s in _stages(run, dp, microbatches, choice))
+            for choice in alternatives
+        },
+        flops_per_step=flops_per_token(run.model) * t.global_batch_size * run.model.seq_length,
+        train_iters=train_iterations(t, dp) if not problems else None,
+    )
+    return replace(result, problems=problems + _memory_problem(result))
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def _recompute_name(recompute: Recompute) -> str:
+    if recompute.granularity != "full":
+        return recompute.granularity or "none"
+    return f"full {recompute.method} {recompute.num_layers}"
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:8.2f} GiB"
+
+
+def format_plan(p: Plan, *, name: str = "") -> str:
+    """A human-readable report; refused layouts list every problem."""
+    run, cluster = p.run, p.cluster
+    par, t = run.parallel, run.training
+    device = "CPU processes" if run.training.device == "cpu" else "GPUs"
+    memory_text = f"{cluster.gpu_memory_gib:g} GiB" if cluster.gpu_memory_gib else "not checked"
+    lines = [
+        f"layout plan: {name or 'model'} ({run.model.num_parameters() / 1e9:.3g} B parameters) on "
+        f"{cluster.gpus} {device} = {cluster.nodes} nodes x {cluster.gpus_per_node}, memory per "
+        f"device {memory_text}"
+    ]
+    if p.data_parallel is not None:
+        tokens = t.global_batch_size * run.model.seq_length
+        lines += [
+            f"  parallelism  TP {par.tensor_model_parallel_size} x PP "
+            f"{par.pipeline_model_parallel_size} (virtual stages "
+            f"{par.virtual_pipeline_model_parallel_size or 1}) x DP {p.data_parallel}; sequence "
+            f"parallel {'on' if par.sequence_parallel else 'off'}",
+            f"  batch        micro-batch {t.micro_batch_size} x {p.microbatches} micro-batches x DP "
+            f"{p.data_parallel} = global batch {t.global_batch_size} x {run.model.seq_length} "
+            f"tokens = {tokens / 1e6:.2f} M tokens per step"
+            + (f"; ramp-up {t.rampup_batch_size}" if t.rampup_batch_size else ""),
+        ]
+    if p.stages:
+        lines += _memory_lines(p)
+        tokens = t.global_batch_size * run.model.seq_length
+        hardware = _hardware_flops(run, tokens)
+        lines.append(
+            f"  FLOPs/step   model {p.flops_per_step:.3e} ({p.flops_per_step / cluster.gpus:.3e} per "
+            f"GPU); with recomputation {hardware:.3e}"
+        )
+        if p.train_iters is not None:
+            lines.append(f"  run          {p.train_iters} steps, "
+                         f"{p.flops_per_step * p.train_iters:.3e} model FLOPs")  # fmt: skip
+    if p.problems:
+        lines.append("REFUSED:")
+        lines += [f"  - {problem}" for problem in p.problems]
+    else:
+        lines.append("OK: the layout is valid" + (" and fits" if cluster.gpu_memory_gib else ""))
+    return "\n".join(lines)
+
+
+def _memory_lines(p: Plan) -> list[str]:
+    run, peak = p.run, p.peak
+    moments = memory.OPTIMIZER_MOMENTS[run.optimizer.optimizer]
+    master = "fp32 master + " if run.training.precision != "fp32" else ""
+    sharding = f" / DP {p.data_parallel}" if run.optimizer.use_distributed_optimizer else ""
+    rows = [
+        (f"weights ({run.training.precision})", peak.weights),
+        ("gradients (fp32 DDP buffer)", peak.gradients),
+        (f"optimizer ({master}{moments} {run.optimizer.optimizer} moments{sharding})",
+         peak.optimizer),
+        (f"activations (recompute {_recompute_name(run.recompute)})", peak.activations),
+        ("fused output layer + loss (dX, dW, a chunk of logits)", peak.loss_buffers),
+        ("total", peak.total),
+    ]  # fmt: skip
+    stages = ", ".join(
+        f"stage {s.pipeline_rank} {s.parameters / 1e6:.1f} M" for s in _few(p.stages)
+    )
+    lines = [f"  parameters   per GPU: {stages}",
+             f"  memory per GPU, fullest pipeline stage ({peak.pipeline_rank}):"]  # fmt: skip
+    lines += [f"    {label:<56}{_gib(value)}" for label, value in rows]
+    if not run.forward_only:
+        lines.append("    total by recomputation: " + ", ".join(
+            f"{name} {value / GIB:.2f} GiB" for name, value in p.recompute_alternatives.items()))  # fmt: skip
+    return lines
+
+
+def _few(stages: list[StageMemory]) -> list[StageMemory]:
+    """First, second and last stage (the middle ones repeat the second)."""
+    return stages if len(stages) <= 3 else [stages[0], stages[1], stages[-1]]

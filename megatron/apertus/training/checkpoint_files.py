@@ -1,0 +1,49 @@
+"""The files of a checkpoint save directory, readable without torch.
+
+Launchers (``launch/slurm.py``, whose batch step may run on a host Python without torch) and
+``checkpoint.py`` share these names::
+
+    SAVE/latest_checkpointed_iteration.txt   iteration of the newest *complete* checkpoint
+    SAVE/iter_0000100/                        a checkpoint (complete once the tracker names it)
+    SAVE/iter_0000100.tmp/                    a checkpoint being written
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_CONFIG = "apertus_model.json"
+_ITERATION_DIR = re.compile(r"iter_(\d{7})(\.tmp)?")
+
+
+def iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(load_dir: str | os.PathLike) -> int | None:
+    tracker = Path(load_dir) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def unfinished_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoint directories the tracker does not vouch for: ``.tmp`` ones (a save cut short)
+    and ``iter_*`` ones newer than the tracker (renamed, but the tracker never advanced)."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    latest = latest_iteration(save_dir)
+    found = []
+    for path in sorted(save_dir.iterdir()):
+        match = _ITERATION_DIR.fullmatch(path.name)
+        if match and path.is_dir():
+            if match.group(2) or latest is None or int(match.group(1)) > latest:
+                found.append(path)
+    return found

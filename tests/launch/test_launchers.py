@@ -1,0 +1,139 @@
+"""The launchers without a cluster: every script parses and passes the planner, refusals come
+before sbatch, and the batch step's decisions on real save directories. The same code runs on
+a real Slurm cluster in tests/slurm."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron.apertus.launch import slurm
+from megatron.apertus.launch.submit import check, resources, sbatch_directives, submit
+from megatron.apertus.model.config import ConfigError
+from megatron.apertus.training.checkpoint_files import TRACKER, unfinished_checkpoints
+from tests.conftest import REPO
+
+SLURM_DIR = REPO / "examples" / "slurm"
+SCRIPTS = sorted(SLURM_DIR.glob("*.sbatch"))
+SETTINGS = {  # what a user exports before submitting the real runs
+    "APERTUS_DATA": "0.7 /data/web_text_document 0.3 /data/code_text_document",
+    "APERTUS_TEACHER_CHECKPOINT": "/checkpoints/apertus-8b",
+    "APERTUS_LOGITS_DIR": "/data/teacher-logits",
+}
+
+
+@pytest.mark.parametrize("path", SCRIPTS + sorted(SLURM_DIR.glob("*.sh")), ids=lambda p: p.name)
+def test_scripts_are_valid_bash(path):
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_launcher_passes_the_planner(script, tmp_path):
+    env = dict(
+        SETTINGS, APERTUS_REPO=str(REPO), APERTUS_RUN_DIR=str(tmp_path), PATH="/usr/bin:/bin"
+    )
+    result, shape, recorded = check(script, [], env, gpu_memory_gib=None, usable_fraction=0.9)
+    assert result.ok, result.problems
+    assert recorded["run_dir"] == str(tmp_path)
+    assert shape.tasks == {"pretrain_apertus_8b": 1024, "pretrain_apertus_70b": 4096}.get(
+        script.stem, shape.tasks
+    )
+
+
+def test_invalid_layout_is_refused_before_sbatch(monkeypatch, capsys, tmp_path):
+    """300 nodes give DP 600, which does not divide the global batch. PATH holds no sbatch: a
+    refusal that reached it would fail differently."""
+    for key, value in SETTINGS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("APERTUS_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert submit(SLURM_DIR / "pretrain_apertus_8b.sbatch", ["--nodes=300"]) == 1
+    out, err = capsys.readouterr()
+    assert "--global-batch-size (2048) is not divisible by --micro-batch-size (4) x " in out
+    assert "refused, nothing was queued" in err
+
+
+def test_a_script_that_cannot_describe_its_run_is_refused(monkeypatch, capsys):
+    monkeypatch.delenv("APERTUS_DATA", raising=False)
+    assert submit(SLURM_DIR / "pretrain_apertus_70b.sbatch", [], plan_only=True) == 1
+    assert "set APERTUS_DATA to a Megatron data blend" in capsys.readouterr().err
+
+
+def test_job_shape_from_sbatch_lines_and_overrides():
+    options = sbatch_directives(SLURM_DIR / "pretrain_apertus_70b.sbatch")
+    assert "--nodes=1024" in options and "--signal=USR2@1800" in options
+    shape = resources(options + ["--nodes=2", "-J", "short"])  # the command line wins
+    assert (shape.tasks, shape.tasks_per_node, shape.job_name) == (8, 4, "short")
+    with pytest.raises(ConfigError, match="one process per GPU"):
+        resources(["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=4"])
+    with pytest.raises(ConfigError, match="fixed number of nodes"):
+        resources(["--nodes=2-4"])
+
+
+def _save_dir(tmp_path: Path, tracker: int | None, dirs: list[str]) -> Path:
+    save = tmp_path / "checkpoints"
+    for name in dirs:
+        (save / name).mkdir(parents=True)
+    if tracker is not None:
+        (save / TRACKER).write_text(f"{tracker}\n")
+    return save
+
+
+def test_unfinished_checkpoints_are_the_tmp_ones_and_those_newer_than_the_tracker(tmp_path):
+    save = _save_dir(tmp_path, 5, ["iter_0000002", "iter_0000005", "iter_0000006.tmp",
+                                   "iter_0000007", "unrelated"])  # fmt: skip
+    assert [p.name for p in unfinished_checkpoints(save)] == ["iter_0000006.tmp", "iter_0000007"]
+    run = slurm.Run(run_dir=tmp_path, command=["pretrain_gpt.py", "--save", str(save),
+                                               "--train-iters", "10"])  # fmt: skip
+    assert slurm._prepare(run) is None
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000002", "iter_0000005",
+                                                      TRACKER, "unrelated"]  # fmt: skip
+
+
+def test_batch_step_skips_finished_runs_and_honours_the_exit_trigger(tmp_path):
+    save = _save_dir(tmp_path, 10, ["iter_0000010"])
+    run = slurm.Run(run_dir=tmp_path, command=["pretrain_gpt.py", "--save", str(save),
+                                               "--train-iters", "10"])  # fmt: skip
+    assert "already finished (iteration 10)" in slurm._prepare(run)
+    longer = slurm.Run(run_dir=tmp_path, command=run.command + ["--train-iters=20"])
+    assert longer.target_iteration == 20 and slurm._prepare(longer) is None
+    (tmp_path / "triggers" / "exit").touch()  # _prepare made the directory
+    assert "exit exists: not starting" in slurm._prepare(longer)
+
+
+def test_training_command_gets_the_launchers_contract(tmp_path):
+    save = tmp_path / "checkpoints"
+    command = ["pretrain_gpt.py", "--save", str(save), "--load", "/initial", "--train-iters", "9"]
+    fresh = slurm.Run(run_dir=tmp_path, command=command).training_command()
+    assert slurm.flag_value(fresh, "--load") == "/initial", "no checkpoint yet: the initial one"
+    assert "--exit-signal-handler" in fresh
+    assert slurm.flag_value(fresh, "--trigger-path") == str(tmp_path / "triggers")
+    _save_dir(tmp_path, 4, ["iter_0000004"])
+    resumed = slurm.Run(run_dir=tmp_path, command=command).training_command()
+    assert slurm.flag_value(resumed, "--load") == str(save) and resumed.count("--load") == 1
+    teacher = ["tools/generate_teacher_logits.py", "--load", "/teacher", "--topk", "256"]
+    assert slurm.Run(run_dir=tmp_path, command=teacher).training_command() == teacher
+
+
+def test_container_runtimes(monkeypatch, tmp_path):
+    repo, run_dir = Path("/repo"), tmp_path
+    monkeypatch.delenv("APERTUS_CONTAINER_IMAGE", raising=False)
+    assert slurm.container_prefix(repo, run_dir) == ([], [])
+    monkeypatch.setenv("APERTUS_CONTAINER_IMAGE", "/images/apertus.sqsh")
+    monkeypatch.setenv("APERTUS_CONTAINER_MOUNTS", "/data,/scratch:/scratch")
+    options, prefix = slurm.container_prefix(repo, run_dir)
+    assert options[:2] == ["--container-image=/images/apertus.sqsh",
+                           f"--container-mounts=/repo:/repo,{run_dir}:{run_dir},/data:/data,"
+                           "/scratch:/scratch"] and prefix == []  # fmt: skip
+    monkeypatch.setenv("APERTUS_CONTAINER_RUNTIME", "apptainer")
+    assert slurm.container_prefix(repo, run_dir) == ([], [
+        "apptainer", "exec", "--nv", "--bind", f"/repo,{run_dir},/data,/scratch:/scratch",
+        "/images/apertus.sqsh"])  # fmt: skip
+
+
+def test_environment_snapshot_withholds_secrets():
+    text = slurm.environment_text({"WANDB_API_KEY": "abc", "HF_TOKEN": "x", "NCCL_DEBUG": "WARN"})
+    assert text == "HF_TOKEN=<withheld>\nNCCL_DEBUG=WARN\nWANDB_API_KEY=<withheld>\n"

@@ -1,0 +1,111 @@
+"""The planner's memory model against the real model: parameter counts per rank equal
+megatron-core's, activation bytes per layer equal what autograd saves, and the whole estimate
+is within 15% of the measured peak memory of a training step on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.apertus import parallel
+from megatron.apertus.launch import memory
+from megatron.apertus.launch.planner import Cluster, _shape, plan, run_from_args
+from megatron.apertus.model.config import ParallelConfig
+from tests.conftest import REPO
+from tests.launch import memory_worker
+
+WORKER = REPO / "tests" / "launch" / "memory_worker.py"
+# Every dimension distinct, so that a term counted with the wrong width shows.
+SMALL = ["--model-preset", "tiny", "--vocab-size", "1024", "--train-iters", "1", "--micro-batch-size",
+         "2", "--global-batch-size", "4", "--seq-length", "64", "--hidden-size", "128",
+         "--ffn-hidden-size", "384"]  # fmt: skip
+
+
+def expected_layer_bytes(run) -> float:
+    shape = _shape(run)
+    kept, _ = memory.chunk_activation_bytes(run.model, shape, 1, run.recompute)
+    return kept
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
+    yield
+    parallel.shutdown()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "recompute",
+    [[], ["--recompute-granularity", "selective"],
+     ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]],
+    ids=["none", "selective", "full"],
+)  # fmt: skip
+def test_layer_activations_equal_saved_tensors(one_process, precision, recompute):
+    run = run_from_args(SMALL + ["--precision", precision] + recompute)
+    measured = memory_worker.saved(run)
+    expected = expected_layer_bytes(run)
+    # Selective recomputation also saves one 4-byte scalar per layer that we do not count.
+    tolerance = 4 if recompute[1:2] == ["selective"] else 0
+    assert all(abs(m - expected) <= tolerance for m in measured["layer_bytes"]), (
+        measured,
+        expected,
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameters_equal_megatron_cores_count(one_process, tied):
+    run = run_from_args(SMALL + ([] if not tied else ["--no-untie-embeddings-and-output-weights"]))
+    measured = memory_worker.saved(run)["parameters"]
+    assert measured == memory.stage_parameters(run.model, run.parallel, 0)
+    assert measured == run.model.num_parameters()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["--tensor-model-parallel-size", "2", "--sequence-parallel", "--no-untie-embeddings-and-output-weights"],
+     ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+      "--num-layers", "8", "--precision", "bf16", "--no-untie-embeddings-and-output-weights"]],
+    ids=["tp2-sp-tied-fp32", "pp2-vp2-tied-bf16"],
+)  # fmt: skip
+def test_sharded_layouts_on_two_ranks(tmp_path, layout):
+    """Per-rank parameters and per-layer activations under torchrun (gloo, CPU)."""
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(WORKER), "--mode", "saved", "--out", str(out),
+                           "--", *SMALL, *layout], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = json.loads(out.read_text())
+    run = run_from_args(SMALL + layout)
+    pp = run.parallel.pipeline_model_parallel_size
+    for rank, report in enumerate(reports):
+        stage = rank if pp > 1 else 0
+        assert report["parameters"] == memory.stage_parameters(run.model, run.parallel, stage)
+        assert set(report["layer_bytes"]) == {expected_layer_bytes(run)}
+
+
+def test_estimate_within_15_percent_of_measured_peak_memory(tmp_path):
+    """A 4-layer model (hidden 256, seq 256, micro-batch 4, 2 micro-batches, AdEMAMix, fp32):
+    peak resident-memory growth over building and two training steps (memory_worker.py)."""
+    flags = ["--model-preset", "tiny", "--device", "cpu", "--vocab-size", "8192", "--train-iters",
+             "2", "--micro-batch-size", "4", "--global-batch-size", "8", "--seq-length", "256",
+             "--hidden-size", "256", "--ffn-hidden-size", "768", "--optimizer", "ademamix"]  # fmt: skip
+    out = tmp_path / "peak.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run([sys.executable, str(WORKER), "--mode", "peak", "--out", str(out), "--",
+                           *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    measured = json.loads(out.read_text())[0]["peak_growth_bytes"]
+    estimate = plan(run_from_args(flags), Cluster(gpus=1, gpus_per_node=1)).peak
+    parts = {f.name: round(getattr(estimate, f.name) / 2**20, 1)
+             for f in dataclasses.fields(estimate) if f.name not in ("pipeline_rank", "parameters")}  # fmt: skip
+    print(f"estimate {estimate.total / 2**20:.1f} MiB {parts}, measured {measured / 2**20:.1f} MiB")
+    assert abs(estimate.total - measured) / measured < 0.15

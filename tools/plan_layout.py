@@ -1,0 +1,50 @@
+"""Check a parallel layout on a cluster and estimate its per-GPU memory and FLOPs per step.
+
+    python tools/plan_layout.py --gpus 1024 --gpus-per-node 4 --gpu-memory-gib 96 -- \\
+        --model-preset apertus-8b --tensor-model-parallel-size 2 --micro-batch-size 4 \\
+        --global-batch-size 2048 --seq-length 4096 --train-iters 1000 --precision bf16 \\
+        --optimizer ademamix --use-distributed-optimizer
+
+The flags after ``--`` are the run's own (``pretrain_gpt.py``'s names; others are ignored).
+Exits 1, listing every broken constraint, when the layout cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron.apertus.launch.planner import Cluster, format_plan, plan, run_from_command
+from megatron.apertus.model.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gpus", type=int, required=True, help="processes, one per GPU")
+    parser.add_argument("--gpus-per-node", type=int, default=4)
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="memory of one GPU (omit for CPU runs: no fit check)")  # fmt: skip
+    parser.add_argument("--usable-fraction", type=float, default=0.9,
+                        help="share of a GPU the estimate may fill")  # fmt: skip
+    parser.add_argument("--entry", default="pretrain_gpt.py",
+                        help="entry point the flags are for (tools/generate_teacher_logits.py: "
+                             "forward only)")  # fmt: skip
+    parser.add_argument("run_flags", nargs=argparse.REMAINDER, help="-- then the run's flags")
+    args = parser.parse_args(argv)
+    flags = args.run_flags[1:] if args.run_flags[:1] == ["--"] else args.run_flags
+    try:
+        cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                          gpu_memory_gib=args.gpu_memory_gib, usable_fraction=args.usable_fraction)  # fmt: skip
+        run = run_from_command([args.entry, *flags])
+    except ConfigError as err:
+        parser.error(str(err))
+    result = plan(run, cluster)
+    preset = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--model-preset"), "")
+    print(format_plan(result, name=preset))
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
