@@ -142,6 +142,7 @@ def _training_state_dict(
     sharded["training_state"] = {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
+        "layout": _layout(),  # RNG states are restored only into the layout that saved them
     }
     return sharded
 
