@@ -21,7 +21,19 @@ import sys
 
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.model.config import ApertusConfig, ConfigError, ParallelConfig
+from megatron.apertus.model.presets import PRESETS, preset
 from megatron.apertus.training import config as C
+
+ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "vocab_size", "untie_embeddings_and_output_weights")  # fmt: skip
+
+
+def check_architecture(model: ApertusConfig, expected: ApertusConfig, name: str) -> None:
+    """Refuse a teacher checkpoint that is not the architecture the launcher planned for."""
+    differ = [f"{f} {getattr(model, f)} (preset: {getattr(expected, f)})"
+              for f in ARCHITECTURE if getattr(model, f) != getattr(expected, f)]  # fmt: skip
+    if differ:
+        raise ConfigError(f"--load is not an {name} checkpoint: {', '.join(differ)}")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -32,6 +44,10 @@ def parse_args(argv: list[str] | None = None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--load", required=True, help="teacher checkpoint (save or iter_* dir)")
+    parser.add_argument(
+        "--model-preset", choices=sorted(PRESETS),
+        help="optional: refuse a checkpoint whose architecture is not this preset's",
+    )  # fmt: skip
     parser.add_argument("--seq-length", type=int, help="the student's sequence length")
     C.add_arguments(parser, ParallelConfig, title="teacher parallelism")
     C.add_arguments(parser, C.TrainingConfig, title="the student's run (order of its samples)")
@@ -41,6 +57,8 @@ def parse_args(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     try:
         model: ApertusConfig = load_model_config(args.load)
+        if args.model_preset is not None:
+            check_architecture(model, preset(args.model_preset), args.model_preset)
         if args.seq_length is not None:
             model = dataclasses.replace(model, seq_length=args.seq_length)
         return GenerationConfig(

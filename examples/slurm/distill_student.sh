@@ -5,13 +5,13 @@
 RUN_DIR="${APERTUS_RUN_DIR:-${APERTUS_REPO:-$SLURM_SUBMIT_DIR}/runs/distill-$STUDENT}"
 source "${APERTUS_REPO:-$SLURM_SUBMIT_DIR}/examples/slurm/launch.sh"
 source "$APERTUS_REPO/examples/slurm/recipe.sh"
-TRAIN_ITERS=$((1700000000000 / (GLOBAL_BATCH * 4096)))
 apertus_launch --run-dir "$RUN_DIR" --gpu-memory-gib 96 -- pretrain_gpt.py \
     "${APERTUS_RECIPE[@]}" \
     --model-preset "$STUDENT" --tensor-model-parallel-size "$TP" \
-    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
-    --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-iters 2000 \
-    --lr-wsd-decay-iters $((TRAIN_ITERS / 5)) \
+    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" \
+    --seed 1234 --train-samples "$APERTUS_DISTILL_SAMPLES" \
+    --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-samples $((2000 * GLOBAL_BATCH)) \
+    --lr-wsd-decay-samples $((APERTUS_DISTILL_SAMPLES / 5)) \
     --distill-logits-path "${APERTUS_LOGITS_DIR:?set APERTUS_LOGITS_DIR to the teacher logits}" \
     --kd-alpha 0.9 --kd-tail rest_bucket \
     --save "$RUN_DIR/checkpoints" --save-interval 1000 \

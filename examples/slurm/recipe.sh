@@ -4,14 +4,22 @@
 
 read -r -a APERTUS_DATA_PATH <<<"${APERTUS_DATA:?set APERTUS_DATA to a Megatron data blend, e.g. '0.7 /data/web_text_document 0.3 /data/code_text_document'}"
 
+# The data as the run sees it (blend, split, sequence length, document packing): teacher logits
+# are generated over exactly the samples a student built from these flags consumes.
+APERTUS_DATA_FLAGS=(
+    --data-path "${APERTUS_DATA_PATH[@]}" --split 969,30,1 --seq-length 4096
+    --reset-position-ids --reset-attention-mask --eod-mask-loss
+)
+# The v1.1 students' length (REFERENCE section 1: 1.7T tokens of 4096), shared with their logits.
+APERTUS_DISTILL_SAMPLES=415039062
+
 APERTUS_RECIPE=(
-    --device cuda --precision bf16 --seq-length 4096 --max-position-embeddings 4096
+    --device cuda --precision bf16 --max-position-embeddings 4096
     --optimizer ademamix --adam-beta1 0.9 --adam-beta2 0.999 --ademamix-beta3 0.9999
     --ademamix-alpha 8 --ademamix-alpha-warmup 100000 --ademamix-beta3-warmup 100000
     --weight-decay 0.1 --clip-grad 0.1 --use-distributed-optimizer
     --lr-decay-style WSD --lr-wsd-decay-style 1-sqrt
-    --data-path "${APERTUS_DATA_PATH[@]}" --split 969,30,1
-    --reset-position-ids --reset-attention-mask --eod-mask-loss
+    "${APERTUS_DATA_FLAGS[@]}"
     --log-interval 10 --eval-interval 2000 --eval-iters 10
 )
 
