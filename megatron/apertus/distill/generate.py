@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterator
@@ -274,9 +275,9 @@ class TeacherRunner:
 
     def run(self) -> None:
         pending = self.pending_blocks()
-        tokens_per_block = self.store_header.samples_per_block * self.cfg.model.seq_length
         bar = tqdm(total=len(pending), unit="block", disable=not self.is_writer,
                    desc=f"teacher logits (dp rank {parallel_state.get_data_parallel_rank()})")  # fmt: skip
+        start, tokens = time.perf_counter(), 0
         for block in pending:
             positions = list(self.store_header.block_positions(block))
             result = self.block_topk(positions)
@@ -284,8 +285,8 @@ class TeacherRunner:
                 keys = np.array([sample_key(sample_tokens(self.dataset[p])) for p in positions],
                                 dtype=np.uint64)  # fmt: skip
                 self.writer.write_block(block, keys, *result)
-                rate = bar.format_dict["rate"] or 0.0
-                bar.set_postfix(tokens_s=f"{rate * tokens_per_block:.0f}")
+            tokens += len(positions) * self.cfg.model.seq_length
+            bar.set_postfix(tokens_s=f"{tokens / (time.perf_counter() - start):.0f}")
             bar.update()
         bar.close()
         dist.barrier()
