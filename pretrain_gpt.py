@@ -13,6 +13,7 @@ import sys
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
+from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.model.config import ConfigError, ParallelConfig
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.training import config as C
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     try:
         train(config)
-    except ConfigError as err:
+    except (ConfigError, LogitStoreError) as err:
         sys.exit(f"pretrain_gpt.py: error: {err}")
     except TrainingStopped as err:
         sys.exit(f"pretrain_gpt.py: stopped: {err}")
