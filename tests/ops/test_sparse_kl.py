@@ -172,6 +172,25 @@ def test_only_rest_bucket_is_stationary_at_the_teacher() -> None:
             assert grad > 1e-2, tail
 
 
+def test_label_tail_is_unbiased_for_the_full_kl_gradient() -> None:
+    """Averaged over labels drawn from the teacher, the label tail's gradient is the gradient of
+    the KL to the teacher's whole distribution (q - p), which the top-K alone cannot give."""
+    student = torch.tensor([[0.3, -1.0, 2.0, 0.0, 1.0, -0.5, 0.2]], dtype=torch.float64)
+    teacher = torch.softmax(torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0, 0.0, 0.7]]).double(), 1)
+    ids = teacher.topk(3, dim=1).indices
+    identity = torch.eye(7, dtype=torch.float64)
+    expected_grad = torch.zeros_like(student)
+    for label in range(7):
+        logits = student.clone().requires_grad_()
+        loss, _ = sparse_kd_reference(
+            logits, identity, ids, teacher.gather(1, ids), torch.tensor([label]),
+            torch.tensor([True]), alpha=1.0, tail="label",
+        )  # fmt: skip
+        expected_grad += teacher[0, label] * torch.autograd.grad(loss, logits)[0]
+    full_kl_grad = torch.softmax(student, 1) - teacher
+    assert_close(expected_grad, full_kl_grad, 1e-12, "E_y[label-tail gradient]")
+
+
 # --------------------------------------------------------------------------- implementations
 
 

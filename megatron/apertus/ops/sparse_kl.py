@@ -17,6 +17,11 @@ The teacher mass outside the top-K (1 - S) is handled by ``tail`` (docs/sparse_k
                      on K this is exactly the full-vocabulary KL gradient, and it keeps the
                      teacher's tail mass instead of teaching the student to drop it). Q_rest is
                      floored at REST_FLOOR in value and in the 1/Q_rest of the gradient.
+* ``"label"``:       ignore + CE on the label when it is outside K: the observed next token
+                     stands in for the teacher's tail (target t on K plus 1 at y if y not in K)
+                     dKL/dz_j = (S + [y not in K]) q_j - t_j [j in K] - [j = y not in K]
+                     (unbiased: its expectation over labels drawn from the teacher is the
+                     full-vocabulary KL gradient q_j - p_j).
 
 so dL/dz_j = c q_j + (sparse corrections at the <= K+1 ids in K and y). The [N, V] logits are never
 materialised: tokens are processed in chunks, a chunk's logits come from one GEMM, two passes over
@@ -46,7 +51,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-TAIL_MODES = ("ignore", "renormalize", "rest_bucket")
+TAIL_MODES = ("ignore", "renormalize", "rest_bucket", "label")
 DEFAULT_TAIL = "rest_bucket"
 DEFAULT_ALPHA = 0.9
 IMPLS = ("auto", "reference", "torch", "cpu", "cuda")
@@ -111,6 +116,9 @@ def sparse_kd_reference(
             # Floored in value; the gradient passes straight through (1/Q_rest at the floor).
             q_rest = q_rest + (q_rest.clamp_min(REST_FLOOR) - q_rest).detach()
             kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * q_rest.log()
+        if tail == "label":
+            outside = ~(teacher_ids == labels[:, None]).any(1)
+            kl = kl + torch.where(outside, ce, 0.0)
     loss = torch.where(keep, alpha * kl + (1.0 - alpha) * ce, 0.0).sum()
     return loss, keep.sum()
 
@@ -226,6 +234,7 @@ class _Targets:
     weight: torch.Tensor  # [N, K] teacher weights p: t, or t / S when renormalised; 0 if masked
     mass: torch.Tensor  # [N] sum_K p
     rest: torch.Tensor  # [N] P_rest = max(1 - S, 0) for rest_bucket, else 0
+    label_out: torch.Tensor  # [N] 1.0 for kept tokens whose label is outside K (tail=label), else 0
     teacher_term: torch.Tensor  # [N] sum_K p log p (+ P_rest log P_rest): the loss's constant
 
     def rows(self, start: int, stop: int) -> _Targets:
@@ -266,16 +275,19 @@ def _prepare_targets(
     if tail == "rest_bucket":
         rest = (1.0 - mass).clamp_min(0.0) * keep
         teacher_term = teacher_term + torch.xlogy(rest, rest)
+    label_in_k = (ids == labels[:, None]).any(1)
+    label_out = (keep & ~label_in_k).to(compute) if tail == "label" else torch.zeros_like(mass)
     return _Targets(
         keep=keep.to(compute),
         ids=ids,
         labels=labels,
         local_idx=local_column(ids, keep[:, None]),
         label_local=local_column(labels, keep),
-        label_in_k=(ids == labels[:, None]).any(1),
+        label_in_k=label_in_k,
         weight=t,
         mass=mass,
         rest=rest,
+        label_out=label_out,
         teacher_term=teacher_term,
     )
 
@@ -329,17 +341,19 @@ def _chunk_terms(
     sum_exp, weighted_z, z_y, sum_exp_k = partial.unbind(0)
     lse = row_max + torch.log(sum_exp)
 
-    kl = tg.teacher_term - weighted_z + tg.mass * lse
-    # dKL/dz_j = kl_dense q_j off the teacher ids, kl_sparse q_j - p_j on them; the rest bucket
-    # adds P_rest/Q_rest * q_j ([j in K] - Q_K) (r = 0 for the other modes).
+    # The label tail adds the CE of labels outside K (label_out = 0 for the other modes).
+    kl = tg.teacher_term - weighted_z + (tg.mass + tg.label_out) * lse - tg.label_out * z_y
+    # dKL/dz_j = kl_dense q_j off the teacher ids, kl_sparse q_j - p_j on them (- [j = y] for a
+    # label outside K); the rest bucket adds P_rest/Q_rest * q_j ([j in K] - Q_K) (r = 0 for
+    # the other modes).
     q_k = sum_exp_k / sum_exp
     r = torch.zeros_like(q_k)
     if tail == "rest_bucket":
         q_rest = (1.0 - q_k).clamp_min(REST_FLOOR)
         kl = kl - tg.rest * torch.log(q_rest)
         r = tg.rest / q_rest
-    kl_dense = tg.mass - r * q_k
-    kl_sparse = tg.mass + r * (1.0 - q_k)
+    kl_dense = tg.mass + tg.label_out - r * q_k
+    kl_sparse = tg.mass + tg.label_out + r * (1.0 - q_k)
     keep = tg.keep
     loss = keep * (alpha * kl + (1.0 - alpha) * (lse - z_y))
     coef = keep * (alpha * kl_dense + (1.0 - alpha))
@@ -350,7 +364,7 @@ def _chunk_terms(
         - alpha * tg.weight
         - (1.0 - alpha) * is_label
     )
-    val_y = coef * torch.exp(z_y_here - lse) - keep * (1.0 - alpha)
+    val_y = coef * torch.exp(z_y_here - lse) - keep * (1.0 - alpha) - alpha * tg.label_out
     idx_y = torch.where(label_here & ~tg.label_in_k, tg.label_local, -1)
     idx = torch.cat([tg.local_idx, idx_y[:, None]], dim=1)
     val = torch.cat([val_k, val_y[:, None]], dim=1)
