@@ -101,6 +101,19 @@ def test_stored_topk_is_the_teachers_topk(teacher, logits):
     assert torch.allclose(got, want, atol=2e-3, rtol=0.05)
 
 
+def test_bf16_generation_reads_the_16_bit_logits(teacher, logits, tmp_path):
+    """A bf16 teacher (no fp32 copy of its logits: top-k and row statistics read them directly)
+    stores nearly the fp32 teacher's top-k: bf16 rounding moves only ids near the k-th value."""
+    generate(teacher, tmp_path / "bf16", extra=["--precision", "bf16"])
+    fp32 = LogitStoreReader(logits).read(range(24))
+    bf16 = LogitStoreReader(tmp_path / "bf16").read(range(24))
+    assert np.array_equal(bf16.sample_keys, fp32.sample_keys)
+    shared = (bf16.ids[..., :, None] == fp32.ids[..., None, :]).any(-1).float().mean().item()
+    assert shared > 0.9, f"only {shared:.1%} of the bf16 top-{TOPK} ids are the fp32 ones"
+    mass_error = (bf16.probs.sum(-1) - fp32.probs.sum(-1)).abs().max().item()
+    assert mass_error < 0.02, f"top-{TOPK} mass differs by {mass_error:.3g}"
+
+
 def test_parallel_generation_matches_one_process_and_resumes(teacher, logits, tmp_path):
     """TP=2 (global top-k over the vocabulary shards) gives the same store; DP=2 writes
     disjoint blocks from two processes and gives the same bytes; a lost block is regenerated

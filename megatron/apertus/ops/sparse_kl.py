@@ -482,6 +482,12 @@ def _select_passes(impl: str, x: torch.Tensor) -> _Passes:
     return _extension_passes(impl)
 
 
+def row_max_and_sum_exp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row max and sum exp(z - max) of [n, V] logits, in fp32, read in their own dtype by
+    the device's compiled pass when built (no fp32 copy of the logits), else by PyTorch."""
+    return _select_passes("auto", logits).row_stats(logits.contiguous())
+
+
 # --------------------------------------------------------------------------- chunk loop
 
 
