@@ -13,6 +13,6 @@ apertus_launch --run-dir "$RUN_DIR" --gpu-memory-gib 96 -- pretrain_gpt.py \
     --lr "$LR" --min-lr "$MIN_LR" --lr-warmup-samples $((2000 * GLOBAL_BATCH)) \
     --lr-wsd-decay-samples $((APERTUS_DISTILL_SAMPLES / 5)) \
     --distill-logits-path "${APERTUS_LOGITS_DIR:?set APERTUS_LOGITS_DIR to the teacher logits}" \
-    --kd-alpha 0.9 --kd-tail rest_bucket \
+    --kd-alpha 0.9 --kd-tail label \
     --save "$RUN_DIR/checkpoints" --save-interval 1000 \
     --data-cache-path "$RUN_DIR/cache" --tensorboard-dir "$RUN_DIR/tensorboard"

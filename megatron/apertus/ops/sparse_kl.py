@@ -13,15 +13,16 @@ The teacher mass outside the top-K (1 - S) is handled by ``tail`` (docs/sparse_k
 * ``"renormalize"``: as ignore with p = t / S (a row with S = 0 has no KL term)
                      dKL/dz_j = q_j - p_j [j in K]
 * ``"rest_bucket"``: ignore + P_rest log(P_rest / Q_rest), P_rest = 1 - S, Q_rest = 1 - sum_K q_i
-                     dKL/dz_j = q_j - t_j on K,  (1 - P_rest / Q_rest) q_j off K   (the default:
-                     on K this is exactly the full-vocabulary KL gradient, and it keeps the
-                     teacher's tail mass instead of teaching the student to drop it). Q_rest is
-                     floored at REST_FLOOR in value and in the 1/Q_rest of the gradient.
+                     dKL/dz_j = q_j - t_j on K,  (1 - P_rest / Q_rest) q_j off K   (on K this is
+                     exactly the full-vocabulary KL gradient, and it keeps the teacher's tail mass
+                     instead of teaching the student to drop it, but off K it only scales the
+                     student's own tail). Q_rest is floored at REST_FLOOR in value and in the
+                     1/Q_rest of the gradient.
 * ``"label"``:       ignore + CE on the label when it is outside K: the observed next token
                      stands in for the teacher's tail (target t on K plus 1 at y if y not in K)
                      dKL/dz_j = (S + [y not in K]) q_j - t_j [j in K] - [j = y not in K]
-                     (unbiased: its expectation over labels drawn from the teacher is the
-                     full-vocabulary KL gradient q_j - p_j).
+                     (the default, because unbiased: its expectation over labels drawn from
+                     the teacher is the full-vocabulary KL gradient q_j - p_j).
 
 so dL/dz_j = c q_j + (sparse corrections at the <= K+1 ids in K and y). The [N, V] logits are never
 materialised: tokens are processed in chunks, a chunk's logits come from one GEMM, two passes over
@@ -52,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 TAIL_MODES = ("ignore", "renormalize", "rest_bucket", "label")
-DEFAULT_TAIL = "rest_bucket"
+DEFAULT_TAIL = "label"
 DEFAULT_ALPHA = 0.9
 IMPLS = ("auto", "reference", "torch", "cpu", "cuda")
 
