@@ -4,9 +4,9 @@
 
 The teacher runs over held-out real text (the last 10% of the embedded corpus's documents,
 the demo's validation split, tokenized with tekken) cut into samples of its sequence length;
-its log_softmax + topk(k) are the exact values. Without ``--teacher-checkpoint`` the demo
-teacher is trained first (``examples/demo.py --iters 200``, a few minutes on CPU) into
-``runs/teacher-demo``. Formats, compared in one run on the same logits, one core:
+its log_softmax + topk(k) are the exact values. Without ``--teacher-checkpoint`` it is the
+demo's teacher (``runs/demo/teacher``, written by ``make demo``). Formats, compared in one run
+on the same logits, one core:
 
 * ``ours``: ``megatron.apertus.distill.logit_codec`` (rank-coded id differences, sqrt-grid
   probabilities, zstd) wrapped as a block file with its checksums;
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from megatron.apertus.distill import logit_store
 from megatron.apertus.distill.logit_codec import BlockDecoder, encode_block
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO_TEACHER = REPO / "runs" / "teacher-demo"
+DEMO_TEACHER = REPO / "runs" / "demo" / "teacher"
 VALID_SHARE = 0.1  # the demo's --split 90,10,0
 VOCAB = 131072  # tekken
 
@@ -52,23 +51,13 @@ VOCAB = 131072  # tekken
 # -- the teacher and its logits -----------------------------------------------------------------
 
 
-def teacher_checkpoint(path: str | None, iters: int) -> Path:
-    """The given checkpoint, or the demo teacher (trained now if absent)."""
-    if path:
-        return Path(path)
-    checkpoints = DEMO_TEACHER / "checkpoints"
-    if not (checkpoints / "latest_checkpointed_iteration.txt").is_file():
-        cmd = [
-            sys.executable,
-            "examples/demo.py",
-            "--out",
-            str(DEMO_TEACHER),
-            "--iters",
-            str(iters),
-        ]
-        print("$", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=REPO, check=True)
-    return checkpoints
+def teacher_checkpoint(path: str | None) -> Path:
+    """The given checkpoint, or the demo's teacher (``make demo`` writes it)."""
+    checkpoint = Path(path) if path else DEMO_TEACHER
+    if not (checkpoint / "latest_checkpointed_iteration.txt").is_file():
+        raise SystemExit(f"{checkpoint}: no checkpoint here; run `make demo` first "
+                         "or pass --teacher-checkpoint SAVE_DIR")  # fmt: skip
+    return checkpoint
 
 
 def held_out_samples(seq_length: int) -> np.ndarray:
@@ -310,16 +299,13 @@ def main() -> None:
     parser.add_argument(
         "--teacher-checkpoint", help="save dir of pretrain_gpt.py (default: demo teacher)"
     )
-    parser.add_argument(
-        "--demo-iters", type=int, default=200, help="iterations of the demo teacher"
-    )
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
         "--stress-samples", type=int, default=64, help="0: no synthetic stress case"
     )
     args = parser.parse_args()
-    checkpoint = teacher_checkpoint(args.teacher_checkpoint, args.demo_iters)
+    checkpoint = teacher_checkpoint(args.teacher_checkpoint)
     torch.set_num_threads(2)
     tokens, ids, logprobs = teacher_topk(checkpoint, args.k)
     torch.set_num_threads(1)  # the formats are compared on one core
