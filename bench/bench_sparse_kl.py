@@ -103,7 +103,7 @@ def gemm_floor(inputs: Inputs, chunk_rows: int) -> Callable[[], object]:
         grad_x = torch.empty_like(x)
         for start in range(0, x.shape[0], chunk_rows):
             x_chunk = x[start : start + chunk_rows]
-            logits = x_chunk @ weight.T
+            logits = x_chunk @ weight.T if x.is_cuda else (weight @ x_chunk.T).T  # ours' layout
             torch.mm(logits, weight, out=grad_x[start : start + chunk_rows])
             sparse_kl._add_weight_grad(grad_w, logits, x_chunk, first=start == 0)
         return grad_x, grad_w.to(weight.dtype)

@@ -4,13 +4,15 @@
 // in ATen (megatron/apertus/ops/sparse_kl.py); this file does only what touches every logit:
 //   row_stats:  per-row max m and sum_j exp(z_j - m), fp32, before the (optional) TP all-reduce;
 //   write_grad: z_j <- coef * exp(z_j - lse) for every j, then z[idx[k]] <- val[k] for the
-//               K+1 sparse entries (teacher ids and label, idx -1 = not on this rank), in place.
+//               K+1 sparse entries (teacher ids and label, idx -1 = not on this rank), in place;
+//   col_stats, write_grad_t: the same on logits_t [V_local, n], the layout the CPU chunks use.
 // Rows are split over ATen's OpenMP pool; the inner loops are plain fp32 loops that the compiler
 // vectorises (target_clones builds AVX-512, AVX2 and baseline copies, chosen when loaded).
 // bf16/fp16 rows are widened into a per-thread fp32 row buffer, so accumulation is always fp32.
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -204,6 +206,127 @@ void write_grad(at::Tensor logits, const at::Tensor& lse, const at::Tensor& coef
   });
 }
 
+// ---- the same two passes on the transposed layout: logits_t [V, n], one column per token.
+// On CPU the GEMM W x^T (M = V) runs faster than x W^T (M = n) for the chunk sizes that keep the
+// buffer small (docs/sparse_kl.md); here each V-row holds one logit of every token, so the loops
+// run over tokens (contiguous) and a block of kColBlock V-rows stays in cache for its two passes.
+
+constexpr int64_t kColBlock = 256;
+
+SPARSE_KL_CLONES void update_col_max(const float* z, float* m, int64_t n) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) m[c] = z[c] > m[c] ? z[c] : m[c];
+}
+
+SPARSE_KL_CLONES void add_col_sumexp(const float* z, const float* m, float* s, int64_t n) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) s[c] += exp_nonpositive(z[c] - m[c]);
+}
+
+SPARSE_KL_CLONES void col_scaled_softmax(float* z, const float* lse, const float* coef,
+                                         int64_t n) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) z[c] = coef[c] * exp_nonpositive(z[c] - lse[c]);
+}
+
+// Applies fn(block_index, block_as_fp32, rows) to blocks of kColBlock V-rows, in parallel;
+// 16-bit blocks go through a per-thread fp32 buffer.
+template <typename T, typename Fn>
+void for_each_block(T* data, int64_t v, int64_t n, bool write_back, Fn fn) {
+  const int64_t blocks = (v + kColBlock - 1) / kColBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
+    if constexpr (!std::is_same_v<T, float>) buffer.resize(kColBlock * n);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * kColBlock;
+      const int64_t rows = first + kColBlock < v ? kColBlock : v - first;
+      T* block = data + first * n;
+      if constexpr (std::is_same_v<T, float>) {
+        fn(b, block, rows);
+      } else {
+        widen(block, buffer.data(), rows * n);
+        fn(b, buffer.data(), rows);
+        if (write_back) narrow(buffer.data(), block, rows * n);
+      }
+    }
+  });
+}
+
+// Per token: max over its V logits and sum exp(z - max). Each block keeps its own column max
+// and sum (both passes while the block is in cache); blocks are merged in block order with the
+// sums rescaled and added in fp64, so the result does not depend on the thread count.
+std::vector<at::Tensor> col_stats(const at::Tensor& logits_t) {
+  check_logits(logits_t);
+  const int64_t v = logits_t.size(0), n = logits_t.size(1);
+  const int64_t blocks = (v + kColBlock - 1) / kColBlock;
+  std::vector<float> block_max(blocks * n, -std::numeric_limits<float>::infinity());
+  std::vector<float> block_sum(blocks * n, 0.0f);
+  dispatch_logits(logits_t.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for_each_block(static_cast<T*>(logits_t.data_ptr()), v, n, false,
+                   [&](int64_t b, float* z, int64_t rows) {
+                     float* m = block_max.data() + b * n;
+                     float* sum = block_sum.data() + b * n;
+                     for (int64_t r = 0; r < rows; ++r) update_col_max(z + r * n, m, n);
+                     for (int64_t r = 0; r < rows; ++r) add_col_sumexp(z + r * n, m, sum, n);
+                   });
+  });
+  auto max = at::empty({n}, logits_t.options().dtype(at::kFloat));
+  auto sum = at::empty({n}, logits_t.options().dtype(at::kFloat));
+  float* max_p = max.data_ptr<float>();
+  float* sum_p = sum.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t b = 0; b < blocks; ++b) m = block_max[b * n + c] > m ? block_max[b * n + c] : m;
+      double total = 0.0;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float bm = block_max[b * n + c];
+        if (block_sum[b * n + c] > 0.0f) total += block_sum[b * n + c] * std::exp(double(bm - m));
+      }
+      max_p[c] = m;
+      sum_p[c] = static_cast<float>(total);
+    }
+  });
+  return {max, sum};
+}
+
+// In place on logits_t [V, n]: z <- coef * exp(z - lse) column-wise, then the sparse entries
+// z[idx[c, k], c] <- val[c, k] (idx -1: not on this rank).
+void write_grad_t(at::Tensor logits_t, const at::Tensor& lse, const at::Tensor& coef,
+                  const at::Tensor& idx, const at::Tensor& val) {
+  check_logits(logits_t);
+  const int64_t v = logits_t.size(0), n = logits_t.size(1);
+  check_rowvec(lse, n, "lse");
+  check_rowvec(coef, n, "coef");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == n &&
+                  idx.is_contiguous() && idx.device().is_cpu(),
+              "sparse_kl_cpu: idx must be a contiguous int64 CPU matrix [n, K+1]");
+  TORCH_CHECK(val.scalar_type() == at::kFloat && val.sizes() == idx.sizes() && val.is_contiguous(),
+              "sparse_kl_cpu: val must be a contiguous float32 matrix shaped like idx");
+  const int64_t kp = idx.size(1);
+  const float* lse_p = lse.data_ptr<float>();
+  const float* coef_p = coef.data_ptr<float>();
+  const int64_t* idx_p = idx.data_ptr<int64_t>();
+  const float* val_p = val.data_ptr<float>();
+  dispatch_logits(logits_t.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* data = static_cast<T*>(logits_t.data_ptr());
+    for_each_block(data, v, n, true, [&](int64_t, float* z, int64_t rows) {
+      for (int64_t r = 0; r < rows; ++r) col_scaled_softmax(z + r * n, lse_p, coef_p, n);
+    });
+    for (int64_t c = 0; c < n; ++c) {
+      for (int64_t k = 0; k < kp; ++k) {
+        const int64_t j = idx_p[c * kp + k];
+        if (j >= 0) {
+          TORCH_CHECK(j < v, "sparse_kl_cpu: sparse index ", j, " outside the shard of ", v);
+          data[j * n + c] = static_cast<T>(val_p[c * kp + k]);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -212,4 +335,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_grad", &write_grad,
         "In place: logits <- coef * exp(logits - lse), then logits[r, idx] <- val",
         py::arg("logits"), py::arg("lse"), py::arg("coef"), py::arg("idx"), py::arg("val"));
+  m.def("col_stats", &col_stats, "row_stats of logits_t.T for logits_t [V, n] (one column per token)",
+        py::arg("logits_t"));
+  m.def("write_grad_t", &write_grad_t, "write_grad of logits_t.T, in place on logits_t [V, n]",
+        py::arg("logits_t"), py::arg("lse"), py::arg("coef"), py::arg("idx"), py::arg("val"));
 }

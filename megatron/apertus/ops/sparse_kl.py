@@ -424,6 +424,11 @@ def _load_extension(kind: str) -> tuple[ModuleType | None, str]:
         return None, str(error)
 
 
+def _is_transposed(logits: torch.Tensor) -> bool:
+    """[n, V] logits stored as the transpose of a contiguous [V, n] matrix (CPU chunks)."""
+    return not logits.is_contiguous() and logits.T.is_contiguous()
+
+
 def _extension_passes(kind: str) -> _Passes:
     """The compiled passes; they take fp32 row vectors, and the CUDA ones the current stream."""
     module, _ = _load_extension(kind)
@@ -432,6 +437,8 @@ def _extension_passes(kind: str) -> _Passes:
         return (torch.cuda.current_stream(logits.device).cuda_stream,) if kind == "cuda" else ()
 
     def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if kind == "cpu" and _is_transposed(logits):
+            return tuple(module.col_stats(logits.T))
         row_max, row_sum = module.row_stats(logits, *extra(logits))
         return row_max, row_sum
 
@@ -442,7 +449,10 @@ def _extension_passes(kind: str) -> _Passes:
         idx: torch.Tensor,
         val: torch.Tensor,
     ) -> None:
-        module.write_grad(logits, lse.float(), coef.float(), idx, val.float(), *extra(logits))
+        if kind == "cpu" and _is_transposed(logits):
+            module.write_grad_t(logits.T, lse.float(), coef.float(), idx, val.float())
+        else:
+            module.write_grad(logits, lse.float(), coef.float(), idx, val.float(), *extra(logits))
 
     return _Passes(row_stats, write_grad)
 
@@ -548,7 +558,10 @@ def _chunk_step(
 
     A function of its own so that the chunk's logits are freed before the next chunk's exist.
     """
-    logits = x_chunk @ weight.T
+    if x_chunk.is_cuda:
+        logits = x_chunk @ weight.T
+    else:  # [V, n] in memory: on CPU this GEMM (M = V) and dx, dW from it run faster (docs)
+        logits = (weight @ x_chunk.T).T
     row_max, row_sum = passes.row_stats(logits)
     terms = _chunk_terms(
         logits, row_max, row_sum, targets, alpha=alpha, tail=tail, tp_group=tp_group
