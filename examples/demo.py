@@ -15,9 +15,10 @@ logits, distil a smaller student from them, and compare it with a cross-entropy-
 4. Two students of the same smaller shape (hidden 64) train for the same steps on the same
    samples: one distilled (0.9 KL to the teacher's top-256 + 0.1 CE, with the default ``label``
    tail), one with cross-entropy only.
-Everything runs in bf16 with fp32 losses and optimizer states (``PRECISION``).
 5. ``OUT/summary.json`` holds the validation losses, the unigram baselines of the data, the
    time of a distillation step against a cross-entropy step, and ``OUT/loss.png`` the curves.
+
+Everything runs in bf16 with fp32 losses and optimizer states (``PRECISION``).
 """
 
 from __future__ import annotations
