@@ -136,6 +136,19 @@ void check_rowvec(const at::Tensor& t, int64_t n, const char* name) {
               "sparse_kl_cpu: ", name, " must be a contiguous float32 CPU vector of length ", n);
 }
 
+// The per-token terms of write_grad / write_grad_t for n tokens: lse, coef [n] and the sparse
+// entries idx (int64), val (fp32) [n, K+1].
+void check_grad_terms(const at::Tensor& lse, const at::Tensor& coef, const at::Tensor& idx,
+                      const at::Tensor& val, int64_t n) {
+  check_rowvec(lse, n, "lse");
+  check_rowvec(coef, n, "coef");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == n &&
+                  idx.is_contiguous() && idx.device().is_cpu(),
+              "sparse_kl_cpu: idx must be a contiguous int64 CPU matrix [n, K+1]");
+  TORCH_CHECK(val.scalar_type() == at::kFloat && val.sizes() == idx.sizes() && val.is_contiguous(),
+              "sparse_kl_cpu: val must be a contiguous float32 matrix shaped like idx");
+}
+
 // Applies fn(row, row_as_fp32, writable_fp32_or_null) to each row; 16-bit rows go through a
 // per-thread buffer (grain: enough rows to amortise the buffer, few enough to balance threads).
 template <typename T, typename Fn>
@@ -178,13 +191,7 @@ void write_grad(at::Tensor logits, const at::Tensor& lse, const at::Tensor& coef
                 const at::Tensor& idx, const at::Tensor& val) {
   check_logits(logits);
   const int64_t n = logits.size(0), v = logits.size(1);
-  check_rowvec(lse, n, "lse");
-  check_rowvec(coef, n, "coef");
-  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == n &&
-                  idx.is_contiguous() && idx.device().is_cpu(),
-              "sparse_kl_cpu: idx must be a contiguous int64 CPU matrix [n, K+1]");
-  TORCH_CHECK(val.scalar_type() == at::kFloat && val.sizes() == idx.sizes() && val.is_contiguous(),
-              "sparse_kl_cpu: val must be a contiguous float32 matrix shaped like idx");
+  check_grad_terms(lse, coef, idx, val, n);
   const int64_t kp = idx.size(1);
   const float* lse_p = lse.data_ptr<float>();
   const float* coef_p = coef.data_ptr<float>();
@@ -297,13 +304,7 @@ void write_grad_t(at::Tensor logits_t, const at::Tensor& lse, const at::Tensor& 
                   const at::Tensor& idx, const at::Tensor& val) {
   check_logits(logits_t);
   const int64_t v = logits_t.size(0), n = logits_t.size(1);
-  check_rowvec(lse, n, "lse");
-  check_rowvec(coef, n, "coef");
-  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == n &&
-                  idx.is_contiguous() && idx.device().is_cpu(),
-              "sparse_kl_cpu: idx must be a contiguous int64 CPU matrix [n, K+1]");
-  TORCH_CHECK(val.scalar_type() == at::kFloat && val.sizes() == idx.sizes() && val.is_contiguous(),
-              "sparse_kl_cpu: val must be a contiguous float32 matrix shaped like idx");
+  check_grad_terms(lse, coef, idx, val, n);
   const int64_t kp = idx.size(1);
   const float* lse_p = lse.data_ptr<float>();
   const float* coef_p = coef.data_ptr<float>();
