@@ -1,14 +1,15 @@
 """Extra time of a distillation step over a cross-entropy step, in one process.
 
-    python bench/bench_distill_step.py [--logits runs/demo/logits] [--rounds 7]
+    python bench/bench_distill_step.py [--logits runs/demo/logits] [--rounds 7] [--device cuda]
 
 A training step differs only in its loss (the rest of the model is the same): the fused output
 layer + loss with ``alpha=0`` and no teacher (cross-entropy) against ``alpha=0.9`` with the
 teacher's top-k (the sparse KL correction at k ids per token), forward + backward, plus reading
 one step's teacher targets from a store (decode; in training this overlaps the previous step in a
 background thread). The two losses alternate round by round, so load from other processes hits
-both alike. Shapes: the demo student (16 x 128 tokens, hidden 64) and the CPU shape of the kernel
-benchmark (2048 tokens, hidden 512), V = 131072, k = 64 and 256.
+both alike. Shapes on CPU (fp32): the demo student (hidden 64) and the CPU shape of the kernel
+benchmark (2048 tokens, hidden 512), V = 131072, k = 64 and 256. On CUDA (bf16): one micro-batch of
+8 x 2048 tokens at the hidden sizes of the Apertus-v1.1 0.5B, 1.5B and 4B students, k = 256.
 """
 
 from __future__ import annotations
@@ -28,31 +29,41 @@ from _common import write_results  # noqa: E402
 from megatron.apertus.ops.sparse_kl import fused_linear_sparse_kd
 
 VOCAB = 131072
-SHAPES = [(2048, 64, 64), (2048, 64, 256), (2048, 512, 256)]  # tokens, hidden, k
+SHAPES = {  # tokens, hidden, k
+    "cpu": [(2048, 64, 64), (2048, 64, 256), (2048, 512, 256)],
+    "cuda": [(16384, 1024, 256), (16384, 2048, 256), (16384, 3072, 256)],
+}
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
-def peaked_teacher(tokens: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct ids per row and a decaying top-k distribution with 0.9 of the mass."""
-    ids = torch.stack([torch.randperm(VOCAB)[:k] for _ in range(tokens)])
-    probs = torch.softmax(-torch.arange(k, dtype=torch.float32) / 8, 0) * 0.9
+def peaked_teacher(tokens: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct random ids per row and a decaying top-k distribution with 0.9 of the mass."""
+    ids = torch.cat([torch.rand(min(1024, tokens - start), VOCAB, device=device).topk(k).indices
+                     for start in range(0, tokens, 1024)])  # fmt: skip
+    probs = torch.softmax(-torch.arange(k, dtype=torch.float32, device=device) / 8, 0) * 0.9
     return ids, probs.expand(tokens, k).contiguous()
 
 
 def loss_step(x, weight, labels, mask, teacher) -> float:
     """Forward + backward of the fused loss; seconds."""
     x.grad = weight.grad = None
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync()
     start = time.perf_counter()
     ids, probs, alpha = teacher if teacher is not None else (None, None, 0.0)
     loss, _ = fused_linear_sparse_kd(x, weight, ids, probs, labels, mask, alpha=alpha)
     loss.backward()
+    sync()
     return time.perf_counter() - start
 
 
-def compare(tokens: int, hidden: int, k: int, rounds: int) -> dict:
-    x = torch.randn(tokens, hidden, requires_grad=True)
-    weight = (torch.randn(VOCAB, hidden) * 0.02).requires_grad_()
-    labels, mask = torch.randint(0, VOCAB, (tokens,)), torch.ones(tokens)
-    ids, probs = peaked_teacher(tokens, k)
+def compare(tokens: int, hidden: int, k: int, rounds: int, device: str) -> dict:
+    dtype = DTYPES[device]
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device, requires_grad=True)
+    weight = (torch.randn(VOCAB, hidden, device=device) * 0.02).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (tokens,), device=device)
+    mask = torch.ones(tokens, device=device)
+    ids, probs = peaked_teacher(tokens, k, device)
     cases = {"cross_entropy": None, "distillation": (ids, probs, 0.9)}
     times = {name: [] for name in cases}
     for round_ in range(rounds + 1):  # round 0 warms up
@@ -61,7 +72,7 @@ def compare(tokens: int, hidden: int, k: int, rounds: int) -> dict:
             if round_:
                 times[name].append(seconds)
     ce, kd = (statistics.median(times[n]) for n in cases)
-    return {"tokens": tokens, "hidden": hidden, "vocab": VOCAB, "k": k,
+    return {"tokens": tokens, "hidden": hidden, "vocab": VOCAB, "k": k, "dtype": str(dtype),
             "cross_entropy_ms": 1e3 * ce, "distillation_ms": 1e3 * kd,
             "extra_ms": 1e3 * (kd - ce), "extra_fraction": kd / ce - 1}  # fmt: skip
 
@@ -85,11 +96,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logits", type=Path, default=Path("runs/demo/logits"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", choices=sorted(SHAPES), default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.manual_seed(0)
     rows = []
-    for tokens, hidden, k in SHAPES:
-        row = compare(tokens, hidden, k, args.rounds)
+    for tokens, hidden, k in SHAPES[args.device]:
+        row = compare(tokens, hidden, k, args.rounds, args.device)
         rows.append(row)
         print(f"N={tokens} H={hidden} k={k}: CE {row['cross_entropy_ms']:.0f} ms, distillation "
               f"{row['distillation_ms']:.0f} ms (+{100 * row['extra_fraction']:.1f}%)")  # fmt: skip

@@ -1,6 +1,6 @@
 """Teacher top-k logit storage on real teacher logits: size, speed and error of three formats.
 
-    python bench/bench_logit_storage.py [--teacher-checkpoint SAVE_DIR] [--k 256]
+    python bench/bench_logit_storage.py [--teacher-checkpoint SAVE_DIR] [--k 256] [--device cuda]
 
 The teacher runs over held-out real text (the last 10% of the embedded corpus's documents,
 the demo's validation split, tokenized with tekken) cut into samples of its sequence length;
@@ -73,8 +73,8 @@ def held_out_samples(seq_length: int) -> np.ndarray:
     return tokens[: n * seq_length].reshape(n, seq_length)
 
 
-def teacher_topk(checkpoint: Path, k: int, batch: int = 8) -> tuple[np.ndarray, ...]:
-    """(tokens [n, T], ids int64 [n, T, k], logprobs float32 [n, T, k]) of the teacher."""
+def teacher_topk(checkpoint: Path, k: int, device: str, batch: int = 8) -> tuple[np.ndarray, ...]:
+    """(tokens [n, T], ids int64 [n, T, k], logprobs float32 [n, T, k]) of the fp32 teacher."""
     from megatron.apertus import parallel
     from megatron.apertus.model import ParallelConfig, transformer_config
     from megatron.apertus.model.builder import build_model
@@ -82,24 +82,24 @@ def teacher_topk(checkpoint: Path, k: int, batch: int = 8) -> tuple[np.ndarray, 
 
     model = load_model_config(checkpoint)
     layout = ParallelConfig()
-    parallel.initialize(layout, device="cpu", seed=0, model=model)
+    parallel.initialize(layout, device=device, seed=0, model=model)
     try:
         config = transformer_config(
-            model, layout, use_cpu_initialization=True, perform_initialization=False
+            model, layout, use_cpu_initialization=device == "cpu", perform_initialization=False
         )
         (chunk,) = build_model(model, config)
         load_model(checkpoint, [chunk])
         chunk.eval()
         tokens = held_out_samples(model.seq_length)
         ids, logprobs = [], []
-        positions = torch.arange(model.seq_length).unsqueeze(0)
+        positions = torch.arange(model.seq_length, device=device).unsqueeze(0)
         with torch.no_grad():
             for start in range(0, len(tokens), batch):
-                x = torch.from_numpy(tokens[start : start + batch])
+                x = torch.from_numpy(tokens[start : start + batch]).to(device)
                 logits = chunk(x, positions.expand(len(x), -1), None).float()
                 top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-                ids.append(top.indices.numpy())
-                logprobs.append(top.values.numpy())
+                ids.append(top.indices.cpu().numpy())
+                logprobs.append(top.values.cpu().numpy())
         return tokens, np.concatenate(ids), np.concatenate(logprobs)
     finally:
         parallel.shutdown()
@@ -302,12 +302,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the teacher runs (the formats always run on one CPU core)",
+    )
+    parser.add_argument(
         "--stress-samples", type=int, default=64, help="0: no synthetic stress case"
     )
     args = parser.parse_args()
     checkpoint = teacher_checkpoint(args.teacher_checkpoint)
     torch.set_num_threads(2)
-    tokens, ids, logprobs = teacher_topk(checkpoint, args.k)
+    tokens, ids, logprobs = teacher_topk(checkpoint, args.k, args.device)
     torch.set_num_threads(1)  # the formats are compared on one core
     label = f"teacher {checkpoint} on held-out text"
     rows = compare(label, ids, logprobs, args.repeat)

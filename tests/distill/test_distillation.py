@@ -16,8 +16,9 @@ import torch
 from megatron.apertus import parallel
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreReader, block_path
-from megatron.apertus.distill.targets import dataset_key
+from megatron.apertus.distill.targets import TeacherLogits, dataset_key
 from megatron.apertus.model import ParallelConfig, transformer_config
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.training import checkpoint
@@ -61,17 +62,23 @@ def block_digests(store: Path, blocks: int) -> list[str]:
     return [hashlib.sha256(block_path(store, b).read_bytes()).hexdigest() for b in range(blocks)]
 
 
+def student_train_data(seq_length: int):
+    """The student's training dataset (STUDENT_DATA); needs parallel.initialize."""
+    training = TrainingConfig(train_iters=6, global_batch_size=4, micro_batch_size=2,
+                              seed=11, eval_iters=1)  # fmt: skip
+    train, _, _ = build_datasets(DatasetConfig(), build_tokenizer("TekkenTokenizer", None),
+                                 seq_length=seq_length, seed=training.seed,
+                                 num_samples=training.dataset_sizes())  # fmt: skip
+    return train
+
+
 def teacher_logprobs(teacher: Path, positions: list[int]) -> tuple[torch.Tensor, list[int]]:
     """Full-vocabulary log-probabilities of the teacher on the student's samples at
     ``positions`` (one process), and those samples' store keys."""
     model_config = checkpoint.load_model_config(teacher)
     parallel.initialize(ParallelConfig(), device="cpu", seed=0)
     try:
-        training = TrainingConfig(train_iters=6, global_batch_size=4, micro_batch_size=2,
-                                  seed=11, eval_iters=1)  # fmt: skip
-        train, _, _ = build_datasets(DatasetConfig(), build_tokenizer("TekkenTokenizer", None),
-                                     seq_length=model_config.seq_length, seed=training.seed,
-                                     num_samples=training.dataset_sizes())  # fmt: skip
+        train = student_train_data(model_config.seq_length)
         chunk = build_model(model_config, transformer_config(model_config, ParallelConfig(),
                                                              use_cpu_initialization=True))[0]  # fmt: skip
         checkpoint.load_model(teacher, [chunk])
@@ -165,3 +172,33 @@ def test_logits_of_other_data_are_refused_naming_the_sample(logits):
     assert proc.returncode != 0
     assert "do not match the training data" in proc.stderr
     assert "sample" in proc.stderr and "position 0" in proc.stderr
+
+
+def test_micro_batches_take_their_rows_of_the_prefetched_step(logits):
+    """The loop prefetches a step's samples as the previous step starts; each of its micro-batches
+    (STUDENT_DATA: two of 2 samples) is served from that one decode."""
+    reader = LogitStoreReader(logits)
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
+    teacher = None
+    try:
+        train = student_train_data(reader.header.seq_length)
+        config = DistillConfig(distill_logits_path=str(logits))
+        teacher = TeacherLogits(config, dataset=train, dataset_hash=train.unique_description_hash,
+                                seq_length=reader.header.seq_length, vocab_size=131072,
+                                first_position=0, last_position=24)  # fmt: skip
+        teacher.prefetch([0, 1, 2, 3])
+        for step in range(3):
+            positions = list(range(4 * step, 4 * step + 4))
+            micro_batches = [teacher.targets(half, [train[p] for p in half])
+                             for half in (positions[:2], positions[2:])]  # fmt: skip
+            step_batch = teacher._ahead_batch  # the decode these micro-batches came from
+            teacher.prefetch([p + 4 for p in positions])  # the next step, as the loop does
+            assert step_batch is not None and step_batch.sample_keys.tolist() == [
+                dataset_key(train, p) for p in positions]  # fmt: skip
+            for half, got in zip((positions[:2], positions[2:]), micro_batches):
+                want = reader.read(half)
+                assert torch.equal(got.ids, want.ids) and torch.equal(got.probs, want.probs)
+    finally:
+        if teacher is not None:
+            teacher.close()
+        parallel.shutdown()

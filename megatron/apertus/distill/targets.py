@@ -9,13 +9,16 @@ different data-parallel size reads the same store.
 Every sample read is checked against the store's key of that position (a fingerprint of the
 sample's tokens): logits made for other data, another order or another sequence length are
 refused with the first mismatched sample named, before a step uses them.
+
+The rank's samples of the next step are decoded in a thread while the current step runs, and
+each micro-batch takes its rows of that step's batch.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -48,7 +51,7 @@ def dataset_key(dataset, position: int) -> int:
 
 
 class TeacherLogits:
-    """Teacher targets for the student's micro-batches, decoded one step ahead in a thread."""
+    """Teacher targets for the student's micro-batches, decoded one step ahead."""
 
     def __init__(
         self,
@@ -70,7 +73,8 @@ class TeacherLogits:
         self._check_data(dataset, dataset_hash, first_position, last_position)
         self._pin = torch.cuda.is_available()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-logits")
-        self._ahead: dict[tuple[int, ...], Future] = {}
+        self._ahead: tuple[tuple[int, ...], Callable[[], TopKBatch]] | None = None
+        self._ahead_batch: TopKBatch | None = None
 
     def _check_header(self, seq_length: int, vocab_size: int, last_position: int) -> None:
         header, path = self.reader.header, self.config.distill_logits_path
@@ -109,16 +113,33 @@ class TeacherLogits:
         return self.reader.read(positions, pin_memory=self._pin)
 
     def prefetch(self, positions: Sequence[int]) -> None:
-        """Start decoding ``positions`` (the rank's samples of a coming step) in the background."""
-        key = tuple(positions)
-        if key not in self._ahead:
-            self._ahead[key] = self._pool.submit(self._read, key)
+        """Start decoding ``positions`` (the rank's samples of the next step) in the background,
+        once the current step has taken its targets; the current step's batch is released."""
+        key = tuple(int(p) for p in positions)
+        if self._ahead is None or self._ahead[0] != key:
+            self._ahead = (key, self._pool.submit(self._read, key).result)
+            self._ahead_batch = None
+
+    def _prefetched(self, positions: tuple[int, ...]) -> TopKBatch | None:
+        """Rows of the prefetched step for a micro-batch (a contiguous run of its positions)."""
+        if self._ahead is None or not positions or positions[0] not in self._ahead[0]:
+            return None
+        step, result = self._ahead
+        start = step.index(positions[0])
+        end = start + len(positions)
+        if step[start:end] != positions:
+            return None
+        if self._ahead_batch is None:
+            self._ahead_batch = result()
+        keys, ids, probs = self._ahead_batch
+        return TopKBatch(keys[start:end], ids[start:end], probs[start:end])
 
     def targets(self, positions: Sequence[int], samples: list[dict]) -> TeacherTargets:
         """The teacher's top-k for ``samples`` (at ``positions``), checked against their keys."""
-        key = tuple(positions)
-        future = self._ahead.pop(key, None)
-        batch = future.result() if future is not None else self._read(key)
+        key = tuple(int(p) for p in positions)
+        batch = self._prefetched(key)
+        if batch is None:
+            batch = self._read(key)
         expected = np.array([sample_key(sample_tokens(s)) for s in samples], dtype=np.uint64)
         if not np.array_equal(batch.sample_keys.astype(np.uint64), expected):
             self._check_keys_of(positions, expected)
@@ -132,5 +153,5 @@ class TeacherLogits:
                                   f"match the training data: {err}") from err  # fmt: skip
 
     def close(self) -> None:
+        self._ahead, self._ahead_batch = None, None
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._ahead.clear()

@@ -212,15 +212,17 @@ class Trainer:
             first_position=self.state.consumed_samples,
             last_position=self.cfg.training.total_samples(),
         )
-        self._prefetch_teacher(teacher)
+        self._prefetch_teacher(teacher, self.state.consumed_samples)
         return teacher
 
-    def _prefetch_teacher(self, teacher) -> None:
-        """Start decoding the teacher targets of the next step while this one runs."""
-        if self._finished():
+    def _prefetch_teacher(self, teacher, consumed_samples: int) -> None:
+        """Start decoding the teacher targets of the step that starts at ``consumed_samples``
+        (its global batch taken as the current one: a batch-size ramp-up reads the samples
+        beyond it when they are needed)."""
+        if consumed_samples >= self.cfg.training.total_samples():
             return
         teacher.prefetch(rank_positions(
-            self.state.consumed_samples, get_current_global_batch_size(),
+            consumed_samples, get_current_global_batch_size(),
             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=self.dp,
             length=len(self.train_data),
         ))  # fmt: skip
@@ -275,6 +277,8 @@ class Trainer:
         teacher = self.teacher.targets if self.teacher is not None else None
         iterators = self._iterators(self.train_data, self.state.consumed_samples, global_batch,
                                     teacher)  # fmt: skip
+        if self.teacher is not None:  # this step's targets are taken: decode the next step's now
+            self._prefetch_teacher(self.teacher, self.state.consumed_samples + global_batch)
         result = train_step(self.model, self.optimizer, iterators, self._shape(),
                             grad_hook=self.hooks.get("grads"), iteration=self.state.iteration + 1)  # fmt: skip
         self.state.iteration += 1
@@ -282,8 +286,6 @@ class Trainer:
         if not result.skipped:
             self.scheduler.step(increment=global_batch)
         update_num_microbatches(self.state.consumed_samples, consistency_check=False)
-        if self.teacher is not None:
-            self._prefetch_teacher(self.teacher)
         return result
 
     # -- reporting ---------------------------------------------------------------------------------
