@@ -55,6 +55,24 @@ def test_split_holds_out_documents(corpora):
     assert train_docs and valid_docs and not train_docs & valid_docs
 
 
+def test_each_part_reads_its_own_data_path(corpora):
+    root, (first, second), tokenizer = corpora
+    config = DatasetConfig(train_data_path=[first], valid_data_path=[second],
+                           data_cache_path=str(root / "cache"))  # fmt: skip
+    train, valid, test = build_datasets(
+        config, tokenizer, seq_length=64, seed=3, num_samples=(50, 20, 0)
+    )
+    assert test is None
+    assert train.dataset.path_prefix == first and valid.dataset.path_prefix == second
+    # all of each prefix's documents, no split
+    assert set(train.document_index.tolist()) == set(range(len(train.dataset)))
+    assert set(valid.document_index.tolist()) == set(range(len(valid.dataset)))
+    with pytest.raises(ValueError, match="drop --data-path and --split"):
+        DatasetConfig(data_path=[first], train_data_path=[first])
+    with pytest.raises(ValueError, match="need --train-data-path"):
+        DatasetConfig(valid_data_path=[second])
+
+
 def test_sample_order_does_not_depend_on_data_parallel_size(corpora):
     root, (first, _), tokenizer = corpora
     config = DatasetConfig(data_path=[first], split="100,0,0", data_cache_path=str(root / "cache"))

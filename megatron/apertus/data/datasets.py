@@ -1,7 +1,9 @@
 """Training data through megatron-core's dataset builder: blends, splits, cached sample indices.
 
 ``--data-path`` takes Megatron's forms (``PREFIX ...`` or ``WEIGHT PREFIX WEIGHT PREFIX ...``),
-``--split`` the train/valid/test proportions by document. Samples are megatron-core
+``--split`` the train/valid/test proportions by document; or, as in Megatron-LM, each part gets
+its own blend (``--train-data-path``, ``--valid-data-path``, ``--test-data-path``), all of its
+documents, with no split. Samples are megatron-core
 ``GPTDataset`` items; the attention layout and Goldfish mask are added per micro-batch in
 :mod:`megatron.apertus.data.batches`, so the dataset's own dense attention masks stay off.
 """
@@ -29,6 +31,12 @@ class DatasetConfig:
     """Megatron blend; empty means the embedded corpus (preprocessed on first use)."""
     split: str | None = None
     """Train/valid/test proportions by document; default 969,30,1 (90,10,0 on the embedded corpus)."""
+    train_data_path: list[str] = field(default_factory=list)
+    """Blend of the training part (instead of --data-path and --split)."""
+    valid_data_path: list[str] = field(default_factory=list)
+    """Blend of the validation part (instead of --data-path and --split)."""
+    test_data_path: list[str] = field(default_factory=list)
+    """Blend of the test part (instead of --data-path and --split)."""
     data_cache_path: str | None = None
     """Where megatron-core caches sample indices (and the embedded corpus is preprocessed)."""
     reset_position_ids: bool = False
@@ -36,11 +44,22 @@ class DatasetConfig:
     eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
+        if self.per_split and (self.data_path or self.split):
+            raise ValueError(
+                "--train-data-path/--valid-data-path/--test-data-path give each part its own "
+                "data: drop --data-path and --split"
+            )
+        if self.per_split and not self.train_data_path:
+            raise ValueError("--valid-data-path/--test-data-path need --train-data-path")
         if self.reset_position_ids != self.reset_attention_mask:
             raise ValueError(
                 "--reset-position-ids and --reset-attention-mask go together: documents are "
                 "packed as separate sequences, so positions restart exactly where attention does"
             )
+
+    @property
+    def per_split(self) -> bool:
+        return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
 
 
 def default_cache_dir() -> Path:
@@ -68,13 +87,19 @@ def build_datasets(
 ) -> list[GPTDataset | None]:
     """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0 or
     when the split gives that part no documents)."""
-    blend = resolve_blend(config, tokenizer)
     cache = config.data_cache_path or str(default_cache_dir() / "indices")
+    if config.per_split:
+        parts = (config.train_data_path, config.valid_data_path, config.test_data_path)
+        blends = dict(blend_per_split=[get_blend_from_list(p) if p else None for p in parts])
+    else:
+        blends = dict(
+            blend=get_blend_from_list(resolve_blend(config, tokenizer)),
+            split=config.split or ("969,30,1" if config.data_path else "90,10,0"),
+        )
     gpt_config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=get_blend_from_list(blend),
-        split=config.split or ("969,30,1" if config.data_path else "90,10,0"),
+        **blends,
         path_to_cache=cache,
         tokenizer=tokenizer,
         reset_position_ids=False,
