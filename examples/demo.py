@@ -5,7 +5,9 @@ logits, distil a smaller student from them, and compare it with a cross-entropy-
 
 1. ``tools/preprocess_data.py`` tokenizes real text shipped with Python (the language reference
    topics and the standard library's docstrings, ~0.5M tokens) with the 131072-token tekken
-   tokenizer into ``OUT/data``.
+   tokenizer into ``OUT/data``: the teacher's training documents (the first 90%), the held-out
+   documents (the last 10%, every run's validation data) and the students' training documents
+   (every 8th of the teacher's, 1/9 of its tokens).
 2. ``pretrain_gpt.py`` trains the teacher (hidden 128, 4 layers) with Goldfish (k=50, h=50),
    AdEMAMix, a WSD schedule with 1-sqrt cooldown, document masking and ``<s>``/``</s>``
    documents; it stops at half the steps with a checkpoint (``--exit-interval``) and a second
@@ -14,7 +16,8 @@ logits, distil a smaller student from them, and compare it with a cross-entropy-
    samples, in the order the student consumes them (``OUT/logits``).
 4. Two students of the same smaller shape (hidden 64) train for the same steps on the same
    samples: one distilled (0.9 KL to the teacher's top-256 + 0.1 CE, with the default ``label``
-   tail), one with cross-entropy only.
+   tail), one with cross-entropy only. 100 steps of 16 samples are four passes over their
+   documents: the setting distillation is for, a student with less data than its teacher had.
 5. ``OUT/summary.json`` holds the validation losses, the unigram baselines of the data, the
    time of a distillation step against a cross-entropy step, and ``OUT/loss.png`` the curves.
 
@@ -39,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 SEED = 1234
 GLOBAL_BATCH = 16
 TOPK = 256
+STUDENT_SHARE = 8  # the students train on every 8th of the teacher's documents
 # bf16 weights and GEMMs, fp32 loss and optimizer state (megatron-core's Float16Module and
 # distributed-optimizer main weights): on CPUs with AVX512-BF16 a bf16 GEMM runs ~4x an fp32 one
 # (285 against 67 GFLOP/s here), and the 131072-wide output layer dominates this model's time.
@@ -59,46 +63,59 @@ def run(*args: str) -> float:
     return time.perf_counter() - start
 
 
-def preprocess(out: Path) -> str:
+def preprocess(out: Path) -> dict[str, str]:
+    """Token files of the three document sets; their prefixes by name."""
     from megatron.apertus.data.corpus import training_documents, write_jsonl
 
+    documents = training_documents()
+    first_valid = int(round(len(documents) * 0.9))
+    parts = {"teacher": documents[:first_valid], "valid": documents[first_valid:],
+             "student": documents[:first_valid:STUDENT_SHARE]}  # fmt: skip
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    source = write_jsonl(data / "python_docs.jsonl", training_documents())
-    run("tools/preprocess_data.py", "--input", str(source), "--output-prefix", str(data / "python_docs"),
-        "--workers", "2")  # fmt: skip
-    return str(data / "python_docs_text_document")
+    prefixes = {}
+    for name, part in parts.items():
+        source = write_jsonl(data / f"{name}.jsonl", part)
+        run("tools/preprocess_data.py", "--input", str(source), "--output-prefix", str(data / name),
+            "--workers", "2")  # fmt: skip
+        prefixes[name] = str(data / f"{name}_text_document")
+    return prefixes
 
 
-def unigram_baselines(prefix: str, valid_share: float) -> dict[str, float]:
-    """Nats per token of context-free predictions: the unigram entropy of the whole corpus, of
-    the held-out documents (the last ``valid_share`` of them, as megatron-core's split takes
-    them), and the cross-entropy on the held-out text of the unigram model of the training
-    documents (add-0.1 smoothed): the best a model ignoring context can do on validation."""
+def tokens(prefix: str) -> np.ndarray:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix)
-    documents = [np.array(dataset[i]) for i in range(len(dataset))]
-    first_valid = int(round(len(documents) * (1 - valid_share)))
-    train, valid = np.concatenate(documents[:first_valid]), np.concatenate(documents[first_valid:])
+    return np.concatenate([np.array(dataset[i]) for i in range(len(dataset))])
+
+
+def unigram_baselines(data: dict[str, str]) -> dict[str, float]:
+    """Nats per token of context-free predictions on the held-out documents: their own unigram
+    entropy, and the cross-entropy of the unigram model of the teacher's and of the students'
+    training documents (add-0.1 smoothed): the best a model ignoring context can do."""
+    valid = tokens(data["valid"])
 
     def entropy(tokens: np.ndarray) -> float:
         counts = np.bincount(tokens).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
-    counts = np.bincount(train, minlength=int(valid.max()) + 1) + 0.1
+    def unigram_loss(train: np.ndarray) -> float:
+        counts = np.bincount(train, minlength=int(valid.max()) + 1) + 0.1
+        return float(-np.log(counts[valid] / counts.sum()).mean())
+
     return {
-        "unigram_entropy_corpus": entropy(np.concatenate(documents)),
         "unigram_entropy_validation": entropy(valid),
-        "unigram_model_validation_loss": float(-np.log(counts[valid] / counts.sum()).mean()),
+        "unigram_model_of_teacher_data_validation_loss": unigram_loss(tokens(data["teacher"])),
+        "unigram_model_of_student_data_validation_loss": unigram_loss(tokens(data["student"])),
     }
 
 
-def data_args(out: Path, data: str, iters: int) -> list[str]:
-    """Data, batch and validation flags shared by the teacher, its logits and the students."""
+def data_args(out: Path, train: str, valid: str, iters: int) -> list[str]:
+    """Data, batch and validation flags (the students' are shared with the teacher's logits)."""
     return [
-        "--data-path", data, "--split", "90,10,0", "--data-cache-path", str(out / "cache"),
+        "--train-data-path", train, "--valid-data-path", valid,
+        "--data-cache-path", str(out / "cache"),
         "--seed", str(SEED), "--train-iters", str(iters), "--global-batch-size", str(GLOBAL_BATCH),
         "--micro-batch-size", str(GLOBAL_BATCH // 2),
         "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
@@ -118,10 +135,10 @@ def recipe_args(iters: int, lr: float) -> list[str]:
     ]  # fmt: skip
 
 
-def pretrain_teacher(out: Path, data: str, iters: int) -> dict:
+def pretrain_teacher(out: Path, data: dict[str, str], iters: int) -> dict:
     """Train, stop half way with a checkpoint, resume to the end; the whole history."""
-    args = [*TEACHER, *data_args(out, data, iters), *recipe_args(iters, lr=2e-3),
-            "--save", str(out / "teacher")]  # fmt: skip
+    args = [*TEACHER, *data_args(out, data["teacher"], data["valid"], iters),
+            *recipe_args(iters, lr=2e-3), "--save", str(out / "teacher")]  # fmt: skip
     run("pretrain_gpt.py", *args, "--exit-interval", str(iters // 2),
         "--log-json", str(out / "teacher-part1.json"))  # fmt: skip
     run("pretrain_gpt.py", *args, "--load", str(out / "teacher"),
@@ -132,9 +149,10 @@ def pretrain_teacher(out: Path, data: str, iters: int) -> dict:
     return history
 
 
-def train_student(out: Path, data: str, iters: int, name: str, extra: list[str]) -> dict:
-    args = [*STUDENT, *data_args(out, data, iters), *recipe_args(iters, lr=5e-3),
-            "--save", str(out / name), "--log-json", str(out / f"{name}.json"), *extra]  # fmt: skip
+def train_student(out: Path, data: dict[str, str], iters: int, name: str, extra: list[str]) -> dict:
+    args = [*STUDENT, *data_args(out, data["student"], data["valid"], iters),
+            *recipe_args(iters, lr=5e-3), "--save", str(out / name),
+            "--log-json", str(out / f"{name}.json"), *extra]  # fmt: skip
     run("pretrain_gpt.py", *args)
     return json.loads((out / f"{name}.json").read_text())
 
@@ -177,7 +195,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/demo")
     # One pass over the training documents (~3500 samples of 128 tokens) for the teacher: in a
     # second pass its held-out loss rose (6.68 -> 6.76 from step 225 to 300), as the 131072-row
-    # embeddings memorise. The students see the first half of it.
+    # embeddings memorise.
     parser.add_argument("--teacher-iters", type=int, default=200)
     parser.add_argument("--student-iters", type=int, default=100)
     args = parser.parse_args()
@@ -186,7 +204,7 @@ def main() -> None:
         shutil.rmtree(out / stale, ignore_errors=True)
     data = preprocess(out)
     teacher = pretrain_teacher(out, data, args.teacher_iters)
-    student_data = data_args(out, data, args.student_iters)
+    student_data = data_args(out, data["student"], data["valid"], args.student_iters)
     logits_seconds = run("tools/generate_teacher_logits.py", "--load", str(out / "teacher"),
                          "--logits-dir", str(out / "logits"), "--topk", str(TOPK), *student_data)  # fmt: skip
     distilled = train_student(out, data, args.student_iters, "student-distilled",
@@ -201,7 +219,8 @@ def main() -> None:
         "teacher_resumed_at_iteration": teacher["resumed_at_iteration"],
         "student_distilled_validation_loss": final(distilled),
         "student_ce_only_validation_loss": final(baseline),
-        **unigram_baselines(data, valid_share=0.1),
+        **unigram_baselines(data),
+        "training_tokens": {name: len(tokens(data[name])) for name in ("teacher", "student")},
         "uniform_entropy": math.log(131072),
         "teacher_logits_seconds": logits_seconds,
         "teacher_logits_bytes": sum(f.stat().st_size for f in (out / "logits").rglob("*") if f.is_file()),
