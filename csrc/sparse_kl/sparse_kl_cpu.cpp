@@ -136,10 +136,30 @@ void check_rowvec(const at::Tensor& t, int64_t n, const char* name) {
               "sparse_kl_cpu: ", name, " must be a contiguous float32 CPU vector of length ", n);
 }
 
-// The per-token terms of write_grad / write_grad_t for n tokens: lse, coef [n] and the sparse
-// entries idx (int64), val (fp32) [n, K+1].
-void check_grad_terms(const at::Tensor& lse, const at::Tensor& coef, const at::Tensor& idx,
-                      const at::Tensor& val, int64_t n) {
+// The per-token terms of write_grad / write_grad_t for n tokens on a shard of v logits: lse,
+// coef [n] and the sparse entries idx (int64; -1: not on this rank), val (fp32) [n, K+1].
+struct GradTerms {
+  const float* lse;
+  const float* coef;
+  const int64_t* idx;
+  const float* val;
+  int64_t kp, v;
+
+  // set(j, value) for each sparse entry of token c on this shard.
+  template <typename Fn>
+  void for_each_entry(int64_t c, Fn set) const {
+    for (int64_t k = 0; k < kp; ++k) {
+      const int64_t j = idx[c * kp + k];
+      if (j >= 0) {
+        TORCH_CHECK(j < v, "sparse_kl_cpu: sparse index ", j, " outside the shard of ", v);
+        set(j, val[c * kp + k]);
+      }
+    }
+  }
+};
+
+GradTerms grad_terms(const at::Tensor& lse, const at::Tensor& coef, const at::Tensor& idx,
+                     const at::Tensor& val, int64_t n, int64_t v) {
   check_rowvec(lse, n, "lse");
   check_rowvec(coef, n, "coef");
   TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == n &&
@@ -147,6 +167,8 @@ void check_grad_terms(const at::Tensor& lse, const at::Tensor& coef, const at::T
               "sparse_kl_cpu: idx must be a contiguous int64 CPU matrix [n, K+1]");
   TORCH_CHECK(val.scalar_type() == at::kFloat && val.sizes() == idx.sizes() && val.is_contiguous(),
               "sparse_kl_cpu: val must be a contiguous float32 matrix shaped like idx");
+  return {lse.data_ptr<float>(), coef.data_ptr<float>(), idx.data_ptr<int64_t>(),
+          val.data_ptr<float>(), idx.size(1), v};
 }
 
 // Applies fn(row, row_as_fp32, writable_fp32_or_null) to each row; 16-bit rows go through a
@@ -191,24 +213,13 @@ void write_grad(at::Tensor logits, const at::Tensor& lse, const at::Tensor& coef
                 const at::Tensor& idx, const at::Tensor& val) {
   check_logits(logits);
   const int64_t n = logits.size(0), v = logits.size(1);
-  check_grad_terms(lse, coef, idx, val, n);
-  const int64_t kp = idx.size(1);
-  const float* lse_p = lse.data_ptr<float>();
-  const float* coef_p = coef.data_ptr<float>();
-  const int64_t* idx_p = idx.data_ptr<int64_t>();
-  const float* val_p = val.data_ptr<float>();
+  const GradTerms terms = grad_terms(lse, coef, idx, val, n, v);
   dispatch_logits(logits.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     for_each_row(static_cast<T*>(logits.data_ptr()), n, v, true, [&](int64_t r, float* z) {
-      row_scaled_softmax(z, z, v, lse_p[r], coef_p[r]);
+      row_scaled_softmax(z, z, v, terms.lse[r], terms.coef[r]);
       // The sparse entries are distinct per row (validated in Python), so order is irrelevant.
-      for (int64_t k = 0; k < kp; ++k) {
-        const int64_t j = idx_p[r * kp + k];
-        if (j >= 0) {
-          TORCH_CHECK(j < v, "sparse_kl_cpu: sparse index ", j, " outside the shard of ", v);
-          z[j] = val_p[r * kp + k];
-        }
-      }
+      terms.for_each_entry(r, [&](int64_t j, float value) { z[j] = value; });
     });
   });
 }
@@ -304,26 +315,17 @@ void write_grad_t(at::Tensor logits_t, const at::Tensor& lse, const at::Tensor& 
                   const at::Tensor& idx, const at::Tensor& val) {
   check_logits(logits_t);
   const int64_t v = logits_t.size(0), n = logits_t.size(1);
-  check_grad_terms(lse, coef, idx, val, n);
-  const int64_t kp = idx.size(1);
-  const float* lse_p = lse.data_ptr<float>();
-  const float* coef_p = coef.data_ptr<float>();
-  const int64_t* idx_p = idx.data_ptr<int64_t>();
-  const float* val_p = val.data_ptr<float>();
+  const GradTerms terms = grad_terms(lse, coef, idx, val, n, v);
   dispatch_logits(logits_t.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* data = static_cast<T*>(logits_t.data_ptr());
     for_each_block(data, v, n, true, [&](int64_t, float* z, int64_t rows) {
-      for (int64_t r = 0; r < rows; ++r) col_scaled_softmax(z + r * n, lse_p, coef_p, n);
+      for (int64_t r = 0; r < rows; ++r) col_scaled_softmax(z + r * n, terms.lse, terms.coef, n);
     });
     for (int64_t c = 0; c < n; ++c) {
-      for (int64_t k = 0; k < kp; ++k) {
-        const int64_t j = idx_p[c * kp + k];
-        if (j >= 0) {
-          TORCH_CHECK(j < v, "sparse_kl_cpu: sparse index ", j, " outside the shard of ", v);
-          data[j * n + c] = static_cast<T>(val_p[c * kp + k]);
-        }
-      }
+      terms.for_each_entry(c, [&](int64_t j, float value) {
+        data[j * n + c] = static_cast<T>(value);
+      });
     }
   });
 }
