@@ -15,7 +15,9 @@ from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.model.config import ConfigError, ParallelConfig
+from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
+from megatron.apertus.parallel import resolve_device
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
 
@@ -26,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     )
     C.add_model_arguments(parser)
     C.add_arguments(parser, C.TrainingConfig, title="training")
+    C.add_arguments(parser, EngineConfig, title="transformer implementation and FP8")
     C.add_arguments(parser, C.OptimizerSettings, title="optimizer")
     C.add_arguments(parser, AdEMAMixSettings, title="AdEMAMix", prefix="ademamix_")
     C.add_arguments(parser, ScheduleConfig, title="learning-rate schedule")
@@ -37,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, DistillConfig, title="distillation (sparse top-k teacher logits)")
     args = parser.parse_args(argv)
     try:
-        return RunConfig(
+        config = RunConfig(
             model=C.model_from_arguments(args),
             parallel=C.from_arguments(ParallelConfig, args),
             training=C.from_arguments(C.TrainingConfig, args),
@@ -50,9 +53,19 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             goldfish=C.from_arguments(GoldfishConfig, args, prefix="goldfish_"),
             logging=C.from_arguments(C.LoggingConfig, args),
             distill=C.from_arguments(DistillConfig, args),
+            engine=C.from_arguments(EngineConfig, args),
+        )
+        validate_engine(
+            config.engine,
+            device=resolve_device(config.training.device),
+            num_layers=config.model.num_layers,
+            context_parallel_size=config.parallel.context_parallel_size,
         )
     except (ConfigError, ValueError) as err:
         parser.error(str(err))
+    except RuntimeError as err:  # --device cuda without a GPU
+        parser.error(str(err))
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:

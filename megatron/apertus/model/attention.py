@@ -5,13 +5,17 @@ Two layouts:
 
 * ``sbhd`` (``[s, b, heads, d]``): causal attention over each sample, or an explicit mask.
 * ``thd`` packed documents (``[t, heads, d]`` with ``packed_seq_params.cu_seqlens_q``): each
-  segment attends causally to itself only. Segments are processed one SDPA call each, so no
-  dense mask is built and a segment's result does not depend on its neighbours.
+  segment attends causally to itself only. On CUDA in bf16/fp16 all segments go through one
+  varlen flash-attention call (``torch.nn.attention.varlen.varlen_attn``); elsewhere (CPU,
+  fp32) through one SDPA call per segment, the exact reference. Neither builds a dense mask,
+  and a segment's result does not depend on its neighbours.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import inspect
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +23,32 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@functools.cache
+def _varlen_attn() -> Callable | None:
+    """torch's varlen flash attention (torch >= 2.10, CUDA builds), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """torch >= 2.12 shares each key/value head among its query heads (``enable_gqa``); older
+    versions need the key/value heads repeated."""
+    return "enable_gqa" in inspect.signature(_varlen_attn()).parameters
+
+
+def uses_varlen(query: torch.Tensor) -> bool:
+    """Whether packed documents of ``query`` go through the varlen flash kernel."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and _varlen_attn() is not None
+    )
 
 
 class SDPAttention(MegatronModule):
@@ -81,6 +111,30 @@ class SDPAttention(MegatronModule):
         """[t, heads, d] -> [t, heads * d], attending within each ``cu_seqlens`` segment."""
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention packs only the thd format, got {params.qkv_format!r}")
+        dropout_active = self.training and self.dropout_p > 0
+        if uses_varlen(query) and not dropout_active:  # the varlen kernel has no dropout
+            return self._varlen(query, key, value, params)
+        return self._per_segment(query, key, value, params)
+
+    def _varlen(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
+        """All segments in one flash-attention call; ``window_size=(-1, 0)`` is causal."""
+        gqa = {}
+        if key.shape[1] != query.shape[1]:
+            if _varlen_takes_gqa():
+                gqa["enable_gqa"] = True
+            else:
+                repeat = query.shape[1] // key.shape[1]
+                key, value = (t.repeat_interleave(repeat, dim=1) for t in (key, value))
+        cu = params.cu_seqlens_q.to(device=query.device, dtype=torch.int32)
+        longest = int(params.max_seqlen_q)
+        out = _varlen_attn()(
+            query, key, value, cu, cu, longest, longest,
+            scale=self.softmax_scale, window_size=(-1, 0), **gqa,
+        )  # fmt: skip
+        return out.reshape(out.shape[0], -1)
+
+    def _per_segment(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
+        """One SDPA call per segment: the exact reference (CPU, fp32, attention dropout)."""
         bounds = params.cu_seqlens_q.tolist()
         outputs = []
         for start, end in zip(bounds[:-1], bounds[1:]):

@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.apertus import cpu_compat
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.model.engine import EngineConfig, transformer_config_fields
 from megatron.apertus.model.fused_loss import FusedLossGPTModel
 from megatron.apertus.model.spec import apertus_block_spec
 
@@ -21,9 +22,12 @@ def transformer_config(
     *,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = False,
+    transformer_impl: str = "local",
+    engine: EngineConfig | None = None,
     **overrides,
 ) -> TransformerConfig:
-    """megatron-core's TransformerConfig for ``model`` split as ``parallel``.
+    """megatron-core's TransformerConfig for ``model`` split as ``parallel``, its layers built
+    by ``transformer_impl`` in the precision ``engine`` asks for (FP8, deterministic kernels).
 
     ``overrides`` carries training-side fields (recomputation, overlap flags, ...).
     ``use_te_activation_func=True`` is megatron-core's switch for "build the MLP activation from
@@ -61,7 +65,8 @@ def transformer_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        # TE's fused RoPE kernel (sbhd and thd); the local path keeps the unfused reference.
+        apply_rope_fusion=transformer_impl == "transformer_engine",
         gradient_accumulation_fusion=False,
         # Losses are token sums divided by the global batch's token count (set before DDP is
         # built: DDP then skips its own 1/DP gradient scaling).
@@ -70,6 +75,8 @@ def transformer_config(
         # virtual stages the batched path posts activations and gradients to the same peer in
         # orders that cross over. The unbatched path separates the directions by group.
         batch_p2p_comm=not cpu_compat.is_enabled(),
+        context_parallel_size=parallel.context_parallel_size,
+        **transformer_config_fields(engine or EngineConfig(), transformer_impl),
         **overrides,
     )
 

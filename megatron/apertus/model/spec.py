@@ -1,12 +1,16 @@
-"""Megatron-core layer spec of an Apertus decoder layer and block.
+"""Megatron-core layer specs of an Apertus decoder layer and block, one per implementation.
 
 Slots: RMSNorm before attention and MLP; fused-QKV column-parallel projection; per-head
-RMSNorm on queries and keys (applied by megatron-core before RoPE); SDPA core attention;
+RMSNorm on queries and keys (applied by megatron-core before RoPE); core attention;
 non-gated MLP ``fc2(xIELU(fc1(x)))`` with the xIELU module built from the spec.
 
-Checkpoint keys follow megatron-core's local spec, including its map of the layer norms to
-the Transformer-Engine names (``self_attention.linear_qkv.layer_norm_weight``), so that
-checkpoints are interchangeable with TE-fused layouts.
+* ``local``: our RMSNorm, megatron-core's parallel linears, SDPA / varlen attention.
+* ``transformer_engine``: the pre-attention and pre-MLP RMSNorms fused into the QKV and fc1
+  linears (``TELayerNormColumnParallelLinear``), TE row-parallel linears, TE RMSNorm for
+  QK-norm and the final norm, ``TEDotProductAttention``. Imported only when asked for.
+
+Checkpoint keys are the same for both: the local spec maps its norms to the TE-fused names
+(``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``).
 """
 
 from __future__ import annotations
@@ -31,13 +35,24 @@ from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.layers import XIELU, RMSNorm
 
 
-def apertus_layer_spec(model: ApertusConfig, *, xielu_impl: str = "auto") -> ModuleSpec:
-    """One Apertus transformer layer; ``xielu_impl`` picks the xIELU kernel (a backend choice,
-    not part of the model: any value computes the same function)."""
-    xielu = ModuleSpec(
+def _xielu_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
+    """``xielu_impl`` picks the xIELU kernel (a backend choice, not part of the model: any
+    value computes the same function)."""
+    return ModuleSpec(
         module=XIELU,
         params={"beta": model.xielu_beta, "eps": model.xielu_eps, "impl": xielu_impl},
     )
+
+
+def apertus_layer_spec(
+    model: ApertusConfig, *, xielu_impl: str = "auto", transformer_impl: str = "local"
+) -> ModuleSpec:
+    """One Apertus transformer layer built from ``transformer_impl``'s modules."""
+    if transformer_impl == "transformer_engine":
+        return _te_layer_spec(model, xielu_impl)
+    if transformer_impl != "local":
+        raise ValueError(f"unknown transformer_impl {transformer_impl!r}")
+    xielu = _xielu_spec(model, xielu_impl)
     attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -72,6 +87,54 @@ def apertus_layer_spec(model: ApertusConfig, *, xielu_impl: str = "auto") -> Mod
     )
 
 
+def _te_layer_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
+    """The layer on Transformer Engine modules (their norms follow ``config.normalization``,
+    RMSNorm); megatron-core wraps the layers in TE's FP8 autocast when FP8 is configured."""
+    from megatron.core.extensions.transformer_engine import (
+        TEDotProductAttention,
+        TELayerNormColumnParallelLinear,
+        TENorm,
+        TERowParallelLinear,
+    )
+
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=TELayerNormColumnParallelLinear,
+            core_attention=TEDotProductAttention,
+            linear_proj=TERowParallelLinear,
+            q_layernorm=TENorm if model.qk_layernorm else None,
+            k_layernorm=TENorm if model.qk_layernorm else None,
+        ),
+    )
+    mlp = ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=TELayerNormColumnParallelLinear,
+            activation_func=_xielu_spec(model, xielu_impl),
+            linear_fc2=TERowParallelLinear,
+        ),
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def _final_norm(transformer_impl: str) -> type:
+    if transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return RMSNorm
+
+
 def apertus_block_spec(
     model: ApertusConfig,
     config: TransformerConfig,
@@ -79,7 +142,9 @@ def apertus_block_spec(
     *,
     xielu_impl: str = "auto",
 ) -> TransformerBlockSubmodules:
-    """The layers of this pipeline (virtual) stage plus the final RMSNorm."""
+    """The layers of this pipeline (virtual) stage plus the final RMSNorm, built from the
+    implementation named by ``config.transformer_impl``."""
+    impl = config.transformer_impl
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    layer = apertus_layer_spec(model, xielu_impl=xielu_impl)
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm)
+    layer = apertus_layer_spec(model, xielu_impl=xielu_impl, transformer_impl=impl)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_final_norm(impl))

@@ -10,6 +10,11 @@ What a training checkpoint holds: the model, the optimizer (its states sharded a
 with the distributed optimizer in megatron-core's ``fully_reshardable`` form, so TP/PP/DP may
 change on load), the scheduler, every rank's RNG states, the iteration and the consumed samples.
 
+Implementations: checkpoints of the local and the Transformer Engine layers carry the same
+weight keys. TE adds ``_extra_state`` entries (its FP8 scales and amax history); a load restores
+them when the checkpoint has them and otherwise leaves TE's fresh state, so either kind of
+checkpoint loads into either implementation. Any other missing weight is an error.
+
 Atomicity: a checkpoint is written under ``iter_XXXXXXX.tmp`` and renamed when every rank has
 finished; the tracker is replaced atomically afterwards. A directory left half-written (a job
 killed during save) keeps its ``.tmp`` name: it is never loaded and is removed by the next save.
@@ -29,6 +34,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.training.checkpoint_files import (
@@ -208,9 +215,12 @@ def load(
         chunks, optimizer if full else None, None, TrainingState(), rng=full and same_layout,
         loading=True,
     )  # fmt: skip
-    loaded = dist_checkpointing.load(template, str(directory))
+    loaded, _, absent = dist_checkpointing.load(
+        template, str(directory), strict=StrictHandling.RETURN_UNEXPECTED
+    )
+    _check_only_extra_state(absent, directory)
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
+        _load_weights(chunk, loaded["model" if len(chunks) == 1 else f"model{i}"], directory)
     if full:
         optimizer.load_state_dict(loaded["optimizer"])
     if "rng_state" in loaded:
@@ -224,6 +234,35 @@ def load(
         iteration=saved.get("iteration", 0), consumed_samples=saved.get("consumed_samples", 0)
     )
     return state, full
+
+
+def _is_extra_state(key: str) -> bool:
+    """Transformer Engine's per-module FP8 metadata (absent from checkpoints of local layers)."""
+    return "_extra_state" in key
+
+
+def _check_only_extra_state(absent: set[str], directory: Path) -> None:
+    weights = sorted(key for key in absent if not _is_extra_state(key))
+    if weights:
+        listed = ", ".join(weights[:5]) + (" ..." if len(weights) > 5 else "")
+        raise CheckpointMismatch(f"{directory} lacks {len(weights)} tensors this run needs: {listed}")
+
+
+def _load_weights(chunk, state: dict, directory: Path) -> None:
+    """``load_state_dict`` that lets TE's ``_extra_state`` be absent, and nothing else."""
+    while isinstance(chunk, Float16Module):  # its load_state_dict returns nothing
+        chunk = chunk.module
+    result = chunk.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if not _is_extra_state(key)]
+    if missing or result.unexpected_keys:
+        raise CheckpointMismatch(
+            f"{directory} does not match this model: missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose tensors are not this model's."""
 
 
 def has_optimizer_states(path: str | os.PathLike) -> bool:

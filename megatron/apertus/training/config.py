@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from megatron.apertus.model.config import ApertusConfig, ConfigError, ParallelConfig
 from megatron.apertus.model.presets import PRESETS, preset
+from megatron.apertus.training.gemm_metrics import STATISTICS
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
@@ -142,6 +143,27 @@ class LoggingConfig:
     log_json: Optional[str] = _help(
         "write every logged iteration's loss and grad norm to this JSON file", None
     )
+    log_intermediate_metrics: Optional[list[str]] = _help(
+        "statistics of every transformer GEMM's input, per layer, among mean, rms, kurtosis, "
+        "underflow, overflow (FP8 e4m3 cast); Apertus-fork flag, docs/gpu.md",
+        None,
+    )
+    log_intermediate_metrics_interval: Optional[int] = _help(
+        "iterations between intermediate-metric measurements (default: --log-interval); "
+        "Apertus-fork flag",
+        None,
+    )
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.log_intermediate_metrics or ()) - set(STATISTICS))
+        if unknown:
+            raise ConfigError(
+                f"--log-intermediate-metrics: unknown {', '.join(unknown)}; choose among "
+                f"{', '.join(STATISTICS)}"
+            )
+        interval = self.log_intermediate_metrics_interval
+        if interval is not None and interval < 1:
+            raise ConfigError(f"--log-intermediate-metrics-interval must be >= 1, got {interval}")
 
 
 ALIASES = {

@@ -38,6 +38,7 @@ from megatron.apertus.model.config import (
     ParallelConfig,
     dtype_from_name,
 )
+from megatron.apertus.model.engine import EngineConfig, enable_deterministic_mode, validate_engine
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.checkpoint import TrainingState
@@ -48,6 +49,7 @@ from megatron.apertus.training.config import (
     OptimizerSettings,
     TrainingConfig,
 )
+from megatron.apertus.training.gemm_metrics import GemmInputMonitor
 from megatron.apertus.training.metrics import (
     Metrics,
     device_peak_tflops,
@@ -83,6 +85,17 @@ class RunConfig:
     goldfish: GoldfishConfig
     logging: LoggingConfig
     distill: DistillConfig = field(default_factory=DistillConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def _describe_engine(impl: str, engine: EngineConfig) -> str:
+    """The one log line that says how the layers compute."""
+    chosen = "" if engine.transformer_impl else " (default for this machine)"
+    precision = "bf16/fp32 GEMMs"
+    if engine.fp8:
+        precision = f"FP8 {engine.fp8_format} GEMMs, {engine.fp8_recipe} scaling"
+    determinism = ", deterministic kernels" if engine.deterministic_mode else ""
+    return f"transformer implementation: {impl}{chosen}; {precision}{determinism}"
 
 
 class TrainingStopped(RuntimeError):
@@ -117,6 +130,14 @@ class Trainer:
         self.cfg = cfg
         self.hooks = hooks or {}
         self.device_name = parallel.resolve_device(cfg.training.device)
+        self.transformer_impl = validate_engine(
+            cfg.engine,
+            device=self.device_name,
+            num_layers=cfg.model.num_layers,
+            context_parallel_size=cfg.parallel.context_parallel_size,
+        )
+        if cfg.engine.deterministic_mode:
+            enable_deterministic_mode()
         self.dp = parallel.initialize(
             cfg.parallel, device=self.device_name, seed=cfg.training.seed, model=cfg.model
         )
@@ -137,6 +158,7 @@ class Trainer:
         )
         self.train_data, self.valid_data = self._datasets()
         self.model = self._build_model()
+        self.gemm_monitor = self._gemm_monitor()
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(
             self.model,
             cfg.optimizer,
@@ -182,16 +204,35 @@ class Trainer:
             cfg.parallel,
             params_dtype=dtype_from_name(cfg.training.precision),
             use_cpu_initialization=self.device_name == "cpu",
+            transformer_impl=self.transformer_impl,
+            engine=cfg.engine,
             **cfg.training.recompute_overrides(),
         )
+        if _is_reporting_rank():
+            log.info(_describe_engine(self.transformer_impl, cfg.engine))
         chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl,
                              fused_loss=cfg.training.fused_output_loss)  # fmt: skip
         if tconfig.bf16 or tconfig.fp16:
             # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
             chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
         return wrap_ddp(
-            chunks, tconfig, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer
+            chunks,
+            tconfig,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            fp8_param_gather=cfg.engine.fp8_param_gather,
         )
+
+    def _gemm_monitor(self) -> GemmInputMonitor | None:
+        names = self.cfg.logging.log_intermediate_metrics
+        if not names:
+            return None
+        delayed = self.cfg.engine.fp8 and self.cfg.engine.fp8_recipe == "delayed"
+        return GemmInputMonitor(self.model, names=names, delayed_scaling=delayed)
+
+    def _measures_gemm_inputs(self, iteration: int) -> bool:
+        logging_cfg = self.cfg.logging
+        interval = logging_cfg.log_intermediate_metrics_interval or self.cfg.training.log_interval
+        return self.gemm_monitor is not None and (iteration % interval == 0 or iteration == 1)
 
     def _teacher_logits(self):
         """The teacher's top-k for the training samples, when this run distils."""
@@ -279,9 +320,16 @@ class Trainer:
                                     teacher)  # fmt: skip
         if self.teacher is not None:  # this step's targets are taken: decode the next step's now
             self._prefetch_teacher(self.teacher, self.state.consumed_samples + global_batch)
+        iteration = self.state.iteration + 1
+        measure = self._measures_gemm_inputs(iteration)
+        if measure:
+            self.gemm_monitor.attach()
         result = train_step(self.model, self.optimizer, iterators, self._shape(),
-                            grad_hook=self.hooks.get("grads"), iteration=self.state.iteration + 1)  # fmt: skip
-        self.state.iteration += 1
+                            grad_hook=self.hooks.get("grads"), iteration=iteration)  # fmt: skip
+        if measure:
+            for name, value in self.gemm_monitor.detach().items():
+                self.metrics.record(f"intermediate/{name}", iteration, value)
+        self.state.iteration = iteration
         self.state.consumed_samples += global_batch
         if not result.skipped:
             self.scheduler.step(increment=global_batch)

@@ -48,13 +48,18 @@ class StepResult:
 
 
 def wrap_ddp(
-    chunks: list[GPTModel], config: TransformerConfig, *, use_distributed_optimizer: bool
+    chunks: list[GPTModel],
+    config: TransformerConfig,
+    *,
+    use_distributed_optimizer: bool,
+    fp8_param_gather: bool = False,
 ) -> list[DistributedDataParallel]:
     """Wrap each model chunk in megatron-core DDP (gradients go to ``param.main_grad``)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
+        fp8_param_gather=fp8_param_gather,
     )
     return [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)

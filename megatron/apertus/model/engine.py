@@ -1,0 +1,248 @@
+"""Which implementation computes the layers, and in what precision: Megatron-LM's
+``--transformer-impl``, FP8 through Transformer Engine, and deterministic kernels.
+
+Everything here is decided and checked *before* anything is allocated, and each refusal names
+the flag and what is missing, because a wrong choice found after model construction costs a
+cluster job's queue time. Transformer Engine is imported lazily: the CPU build never has it.
+
+Choices:
+
+* ``local``: our own layers (``model/spec.py``): PyTorch SDPA attention, varlen flash attention
+  for packed documents on CUDA, exact per-document SDPA on CPU.
+* ``transformer_engine``: TE's fused RMSNorm + linear for QKV and fc1, TE row-parallel linears,
+  TE RMSNorm for QK-norm, ``TEDotProductAttention`` (THD ``cu_seqlens`` for packed documents);
+  our xIELU between fc1 and fc2. The only implementation that can run FP8 GEMMs.
+
+Checkpoints carry the same keys under both (TE's FP8 metadata travels in ``_extra_state``
+entries that the other implementation ignores), so a run can switch between them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron.apertus.model.config import ConfigError
+
+IMPLS = ("local", "transformer_engine")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+AMAX_ALGOS = ("most_recent", "max")
+FP8_MIN_CAPABILITY = (8, 9)
+"""FP8 tensor-core GEMMs: Ada (8.9) and Hopper (9.0) onwards."""
+MXFP8_MIN_CAPABILITY = (10, 0)
+"""MXFP8 block scaling is a Blackwell (10.x) hardware format."""
+
+
+def _help(text: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(kw_only=True, frozen=True)
+class EngineConfig:
+    """Implementation and precision of the transformer layers (Megatron-LM's flags and meanings)."""
+
+    transformer_impl: Optional[str] = _help(
+        "local or transformer_engine (default: transformer_engine when it imports and the device "
+        "is CUDA, else local)"
+    )
+    use_packed_seq_params: bool = _help(
+        "packed documents travel as THD cu_seqlens (always so here with --reset-attention-mask; "
+        "accepted for Megatron-LM compatibility)",
+        False,
+    )
+    fp8_format: Optional[str] = _help(
+        "train the transformer layers' GEMMs in FP8: e4m3, or hybrid (e4m3 forward, e5m2 "
+        "gradients); needs --transformer-impl transformer_engine"
+    )
+    fp8_recipe: str = _help("FP8 scaling: delayed, tensorwise, blockwise or mxfp8", "delayed")
+    fp8_margin: int = _help("delayed scaling: scale down by 2^margin", 0)
+    fp8_amax_history_len: int = _help("delayed scaling: amax history length", 1)
+    fp8_amax_compute_algo: str = _help(
+        "delayed scaling: most_recent or max of the history", "most_recent"
+    )
+    fp8_param_gather: bool = _help(
+        "keep the FP8 copy of the weights as the parameters (all-gathered in FP8)", False
+    )
+    first_last_layers_bf16: bool = _help(
+        "keep the first and last transformer layers in bf16 under FP8", False
+    )
+    num_layers_at_start_in_bf16: int = _help("layers at the start kept in bf16", 1)
+    num_layers_at_end_in_bf16: int = _help("layers at the end kept in bf16", 1)
+    deterministic_mode: bool = _help(
+        "bitwise-reproducible GPU runs: deterministic kernels only (slower; docs/gpu.md)", False
+    )
+
+    def __post_init__(self) -> None:
+        choices = (
+            ("--transformer-impl", self.transformer_impl, IMPLS + (None,)),
+            ("--fp8-format", self.fp8_format, FP8_FORMATS + (None,)),
+            ("--fp8-recipe", self.fp8_recipe, FP8_RECIPES),
+            ("--fp8-amax-compute-algo", self.fp8_amax_compute_algo, AMAX_ALGOS),
+        )
+        for flag, value, allowed in choices:
+            if value not in allowed:
+                names = ", ".join(a for a in allowed if a is not None)
+                raise ConfigError(f"{flag} must be one of {names}, got {value!r}")
+        if self.fp8_amax_history_len < 1:
+            raise ConfigError(
+                f"--fp8-amax-history-len must be >= 1, got {self.fp8_amax_history_len}"
+            )
+        for flag in ("fp8_param_gather", "first_last_layers_bf16"):
+            if getattr(self, flag) and self.fp8_format is None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --fp8-format")
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_format is not None
+
+
+# -- what this machine has ------------------------------------------------------------------------
+
+
+@functools.cache
+def transformer_engine_error() -> str | None:
+    """Why Transformer Engine cannot be used here (None when it imports)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "Transformer Engine is not installed"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # TE raises OSError/RuntimeError/ImportError for missing CUDA libs
+        return f"Transformer Engine does not import ({type(err).__name__}: {err})"
+    return None
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of the current GPU (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+# -- choice and validation ------------------------------------------------------------------------
+
+
+def resolve_transformer_impl(
+    engine: EngineConfig, device: str, te_error: Callable[[], str | None] = transformer_engine_error
+) -> str:
+    """The implementation to build: the requested one, or TE when it imports on CUDA."""
+    if engine.transformer_impl is not None:
+        return engine.transformer_impl
+    if device == "cuda" and te_error() is None:
+        return "transformer_engine"
+    return "local"
+
+
+def validate_engine(
+    engine: EngineConfig,
+    *,
+    device: str,
+    num_layers: int,
+    context_parallel_size: int = 1,
+    te_error: Callable[[], str | None] = transformer_engine_error,
+    capability: Callable[[], tuple[int, int] | None] = cuda_capability,
+) -> str:
+    """Check the implementation and precision flags against this machine; return the impl.
+
+    ``te_error`` and ``capability`` probe the machine; they are parameters so that the rules
+    for GPUs this machine does not have can be checked too.
+    """
+    impl = resolve_transformer_impl(engine, device, te_error)
+    if impl == "transformer_engine":
+        if device != "cuda":
+            raise ConfigError(
+                "--transformer-impl transformer_engine needs a CUDA device (this run is on "
+                f"{device}); use --transformer-impl local"
+            )
+        missing = te_error()
+        if missing:
+            raise ConfigError(f"--transformer-impl transformer_engine: {missing}")
+    if context_parallel_size > 1 and impl == "local":
+        raise ConfigError(
+            f"--context-parallel-size {context_parallel_size} needs --transformer-impl "
+            "transformer_engine (the local attention has no context parallelism)"
+        )
+    if context_parallel_size > 1:
+        raise ConfigError(
+            f"--context-parallel-size {context_parallel_size}: the data loader does not yet split "
+            "sequences over context-parallel ranks; use 1"
+        )
+    if engine.fp8:
+        _validate_fp8(engine, impl, num_layers, capability)
+    return impl
+
+
+def _validate_fp8(
+    engine: EngineConfig,
+    impl: str,
+    num_layers: int,
+    capability: Callable[[], tuple[int, int] | None],
+) -> None:
+    if impl != "transformer_engine":
+        raise ConfigError(
+            f"--fp8-format {engine.fp8_format} needs --transformer-impl transformer_engine "
+            "(FP8 GEMMs come from Transformer Engine)"
+        )
+    cap = capability()
+    if cap is None or cap < FP8_MIN_CAPABILITY:
+        raise ConfigError(
+            f"--fp8-format {engine.fp8_format} needs a GPU of compute capability >= 8.9 "
+            f"(Ada, Hopper, Blackwell); this GPU has {_capability_name(cap)}"
+        )
+    if engine.fp8_recipe == "mxfp8" and cap < MXFP8_MIN_CAPABILITY:
+        raise ConfigError(
+            "--fp8-recipe mxfp8 needs a Blackwell GPU (compute capability >= 10.0); this GPU has "
+            f"{_capability_name(cap)}: use tensorwise, delayed or blockwise"
+        )
+    if engine.first_last_layers_bf16:
+        start, end = engine.num_layers_at_start_in_bf16, engine.num_layers_at_end_in_bf16
+        if start < 0 or end < 0 or start + end > num_layers:
+            raise ConfigError(
+                f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) "
+                f"must be between 0 and --num-layers ({num_layers})"
+            )
+
+
+def _capability_name(cap: tuple[int, int] | None) -> str:
+    return "none (no CUDA device)" if cap is None else f"{cap[0]}.{cap[1]}"
+
+
+def transformer_config_fields(engine: EngineConfig, impl: str) -> dict:
+    """The TransformerConfig fields that carry these choices."""
+    fields: dict[str, Any] = {
+        "transformer_impl": impl,
+        "deterministic_mode": engine.deterministic_mode,
+    }
+    if engine.fp8:
+        fields.update(
+            fp8=engine.fp8_format,
+            fp8_recipe=engine.fp8_recipe,
+            fp8_margin=engine.fp8_margin,
+            fp8_amax_history_len=engine.fp8_amax_history_len,
+            fp8_amax_compute_algo=engine.fp8_amax_compute_algo,
+            fp8_param=engine.fp8_param_gather,
+            first_last_layers_bf16=engine.first_last_layers_bf16,
+            num_layers_at_start_in_bf16=engine.num_layers_at_start_in_bf16,
+            num_layers_at_end_in_bf16=engine.num_layers_at_end_in_bf16,
+        )
+    return fields
+
+
+def enable_deterministic_mode() -> None:
+    """Deterministic kernels wherever they exist, and a warning naming any op that has none.
+
+    Must run before the first cuBLAS call and before NCCL starts (the environment is read
+    then). Cost: see docs/gpu.md. Our own CUDA kernels reduce in a fixed order and need no
+    switch.
+    """
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"  # TE attention's backward
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS split-K reductions
+    os.environ.setdefault("NCCL_ALGO", "Ring")  # one reduction order across runs
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False

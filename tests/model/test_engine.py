@@ -1,0 +1,100 @@
+"""The implementation and FP8 flags are checked before anything is allocated, each refusal in one
+line naming the flag and what is missing; GPUs this machine lacks are described to the same
+rules through the probe parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.apertus.model.config import ConfigError, ParallelConfig
+from megatron.apertus.model.engine import EngineConfig, resolve_transformer_impl, validate_engine
+from pretrain_gpt import parse_args
+
+HOPPER, ADA, AMPERE, BLACKWELL = (9, 0), (8, 9), (8, 0), (10, 0)
+TE_OK = lambda: None  # noqa: E731
+TE_MISSING = lambda: "Transformer Engine is not installed"  # noqa: E731
+
+
+def check(engine: EngineConfig, *, device="cuda", te=TE_OK, gpu=HOPPER, cp=1, layers=4) -> str:
+    return validate_engine(engine, device=device, num_layers=layers, context_parallel_size=cp,
+                           te_error=te, capability=lambda: gpu)  # fmt: skip
+
+
+def test_default_is_te_on_cuda_when_it_imports_else_local():
+    assert resolve_transformer_impl(EngineConfig(), "cuda", TE_OK) == "transformer_engine"
+    assert resolve_transformer_impl(EngineConfig(), "cuda", TE_MISSING) == "local"
+    assert resolve_transformer_impl(EngineConfig(), "cpu", TE_OK) == "local"
+    assert check(EngineConfig(), device="cpu", te=TE_MISSING, gpu=None) == "local"
+
+
+@pytest.mark.parametrize(
+    "engine, kwargs, message",
+    [
+        (EngineConfig(transformer_impl="transformer_engine"), dict(te=TE_MISSING),
+         "--transformer-impl transformer_engine: Transformer Engine is not installed"),
+        (EngineConfig(transformer_impl="transformer_engine"), dict(device="cpu", gpu=None),
+         "--transformer-impl transformer_engine needs a CUDA device"),
+        (EngineConfig(fp8_format="e4m3"), dict(device="cpu", gpu=None),
+         "--fp8-format e4m3 needs --transformer-impl transformer_engine"),
+        (EngineConfig(transformer_impl="local", fp8_format="hybrid"), {},
+         "--fp8-format hybrid needs --transformer-impl transformer_engine"),
+        (EngineConfig(transformer_impl="transformer_engine", fp8_format="e4m3"), dict(gpu=AMPERE),
+         "--fp8-format e4m3 needs a GPU of compute capability >= 8.9"),
+        (EngineConfig(fp8_format="e4m3", fp8_recipe="mxfp8"), dict(gpu=HOPPER),
+         "--fp8-recipe mxfp8 needs a Blackwell GPU"),
+        (EngineConfig(transformer_impl="local"), dict(cp=2),
+         "--context-parallel-size 2 needs --transformer-impl transformer_engine"),
+        (EngineConfig(fp8_format="e4m3", first_last_layers_bf16=True,
+                      num_layers_at_start_in_bf16=3, num_layers_at_end_in_bf16=2), {},
+         "--num-layers-at-start-in-bf16 (3) + --num-layers-at-end-in-bf16 (2)"),
+    ],
+)  # fmt: skip
+def test_each_refusal_names_the_flag_and_what_is_missing(engine, kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        check(engine, **kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("gpu", [ADA, HOPPER, BLACKWELL])
+def test_fp8_is_accepted_from_ada_on(gpu):
+    engine = EngineConfig(fp8_format="hybrid", fp8_recipe="tensorwise")
+    assert check(engine, gpu=gpu) == "transformer_engine"
+    assert check(EngineConfig(fp8_format="e4m3", fp8_recipe="mxfp8"), gpu=BLACKWELL)
+
+
+@pytest.mark.parametrize(
+    "fields, flag",
+    [
+        (dict(fp8_format="e5m2"), "--fp8-format"),
+        (dict(fp8_recipe="current"), "--fp8-recipe"),
+        (dict(fp8_amax_compute_algo="mean"), "--fp8-amax-compute-algo"),
+        (dict(transformer_impl="te"), "--transformer-impl"),
+        (dict(fp8_param_gather=True), "--fp8-param-gather needs --fp8-format"),
+        (dict(fp8_amax_history_len=0), "--fp8-amax-history-len"),
+    ],
+)
+def test_bad_values_are_refused_at_construction(fields, flag):
+    with pytest.raises(ConfigError, match=flag):
+        EngineConfig(**fields)
+
+
+def test_context_parallel_size_is_validated():
+    with pytest.raises(ConfigError, match="--context-parallel-size"):
+        ParallelConfig(context_parallel_size=0)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
+        (["--fp8-format", "e4m3"], "--fp8-format e4m3 needs --transformer-impl transformer_engine"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2 needs"),
+        (["--log-intermediate-metrics", "skew"], "--log-intermediate-metrics: unknown skew"),
+    ],
+)
+def test_entry_point_exits_2_with_one_line_before_building_anything(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--device", "cpu", "--train-iters", "1", *flags])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ": error: " in last and message in last
