@@ -1,6 +1,6 @@
-"""Teacher logits end to end: generation (TP, DP, resume), checks against the teacher's own
-logits, student training from them (exact resume, alpha=0 equals plain CE), refusal of logits
-made for other data. Real subprocesses, real tokenizer, the embedded corpus."""
+"""Teacher logits end to end: generation (TP, DP, chunked output layer, resume), checks against
+the teacher's own logits, student training from them (exact resume, alpha=0 equals plain CE),
+refusal of logits made for other data. Real subprocesses, real tokenizer, the embedded corpus."""
 
 from __future__ import annotations
 
@@ -121,18 +121,30 @@ def test_bf16_generation_reads_the_16_bit_logits(teacher, logits, tmp_path):
     assert mass_error < 0.02, f"top-{TOPK} mass differs by {mass_error:.3g}"
 
 
+def test_chunked_generation_writes_the_same_bytes(teacher, logits, tmp_path):
+    """The last stage's logits in chunks of 96 tokens (96 + 160 of a micro-batch's 256: the
+    remainder joins the last chunk) give the bytes of one chunk, megatron-core's own product."""
+    generate(teacher, tmp_path / "chunked", extra=["--topk-chunk-rows", "96"])
+    assert block_digests(tmp_path / "chunked", 3) == block_digests(logits, 3)
+    assert (tmp_path / "chunked" / "index.bin").read_bytes() == (logits / "index.bin").read_bytes()
+
+
 def test_parallel_generation_matches_one_process_and_resumes(teacher, logits, tmp_path):
-    """TP=2 (global top-k over the vocabulary shards) gives the same store; DP=2 writes
-    disjoint blocks from two processes and gives the same bytes; a lost block is regenerated
-    alone by re-running the command."""
-    tp2, dp2 = tmp_path / "tp2", tmp_path / "dp2"
+    """TP=2 (global top-k over the vocabulary shards) gives the same store, also in chunks with
+    sequence parallelism (bytes: with two ranks, both layouts add the same two partial sums);
+    DP=2 writes disjoint blocks from two processes and gives the same bytes; a lost block is
+    regenerated alone by re-running the command."""
+    tp2, tp2_chunked, dp2 = tmp_path / "tp2", tmp_path / "tp2_chunked", tmp_path / "dp2"
     generate(teacher, tp2, nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    generate(teacher, tp2_chunked, nproc=2, extra=["--tensor-model-parallel-size", "2",
+                                                   "--sequence-parallel", "--topk-chunk-rows", "64"])  # fmt: skip
     generate(teacher, dp2, nproc=2)
     reference = LogitStoreReader(logits).read(range(24))
     sharded = LogitStoreReader(tp2).read(range(24))
     assert np.array_equal(sharded.sample_keys, reference.sample_keys)
     assert torch.equal(sharded.ids.sort(-1).values, reference.ids.sort(-1).values)
     assert torch.allclose(sharded.probs.sum(-1), reference.probs.sum(-1), atol=1e-3)
+    assert block_digests(tp2_chunked, 3) == block_digests(tp2, 3)
     assert block_digests(dp2, 3) == block_digests(logits, 3)
 
     kept = {b: block_path(dp2, b).stat().st_mtime_ns for b in (0, 2)}

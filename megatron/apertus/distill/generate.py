@@ -8,6 +8,12 @@ writer (tensor rank 0 of the last pipeline stage) stores them. The top-k is glob
 tensor-parallel vocabulary shards: every shard's own top-k (a superset of its part of the global
 top-k) is gathered and reduced once more; the log-probabilities use the all-reduced
 log-sum-exp of the full vocabulary. An interrupted run resumes: finished blocks are skipped.
+
+The last stage never holds the [tokens, vocabulary] logits: it returns the top-k itself,
+computing logits through the output layer's weight for a chunk of tokens at a time (about
+256 MiB of them). Each chunk's logits are bitwise the unchunked output layer's rows, so the
+store's bytes are those of the full logits (docs/teacher_logits.md: where that was measured,
+and the small chunks for which a GEMM differs in the last bit).
 """
 
 from __future__ import annotations
@@ -16,14 +22,15 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from tqdm import tqdm
 
 from megatron.apertus import parallel
@@ -51,6 +58,9 @@ from megatron.apertus.training.step import packed_seq_params_to
 
 log = logging.getLogger("apertus.distill")
 
+TOPK_CHUNK_BYTES = 256 * 2**20
+"""Default size of one chunk's logits on the last stage."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class LogitsConfig:
@@ -66,12 +76,21 @@ class LogitsConfig:
     teacher_name: str | None = field(
         default=None, metadata={"help": "teacher identifier in the header (default: from --load)"}
     )
+    topk_chunk_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Apertus addition: tokens whose logits the last stage holds at once "
+            "(default: a multiple of 64 giving about 256 MiB of logits)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.logits_dir:
             raise ConfigError("--logits-dir is required")
         if self.topk < 1:
             raise ConfigError(f"--topk must be at least 1, got {self.topk}")
+        if self.topk_chunk_rows is not None and self.topk_chunk_rows < 1:
+            raise ConfigError(f"--topk-chunk-rows must be at least 1, got {self.topk_chunk_rows}")
 
 
 @dataclass(kw_only=True)
@@ -132,23 +151,87 @@ def _gather_candidates(values, ids, group):
     return torch.cat(all_values, -1), torch.cat(all_ids, -1)
 
 
+# -- the output layer in chunks of tokens -----------------------------------------------------------
+
+
+def default_topk_chunk_rows(vocab_local: int, dtype: torch.dtype) -> int:
+    """Rows whose logits [rows, V_local] fill about TOPK_CHUNK_BYTES: a multiple of 64, at least
+    64. Depends only on shapes, so all tensor-parallel ranks agree (each chunk has collectives)."""
+    rows = TOPK_CHUNK_BYTES // (vocab_local * torch.empty((), dtype=dtype).element_size())
+    return max(64, rows // 64 * 64)
+
+
+def row_chunks(num_rows: int, chunk_rows: int) -> list[slice]:
+    """``[0, num_rows)`` in slices of ``chunk_rows``; the remainder joins the last slice.
+
+    Why: a product of few rows can take another GEMM kernel, whose rows differ from the
+    unchunked product's in the last bit (on CPU, MKL does so below 4 rows); a short last chunk
+    would be such a product. Measured in docs/teacher_logits.md.
+    """
+    starts = range(0, max(num_rows - chunk_rows, 0) + 1, chunk_rows)
+    bounds = [*starts, num_rows]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def output_weight(model: GPTModel) -> torch.Tensor:
+    """The output layer's weight [V_local, h]: the word embeddings' when they are tied."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def chunked_topk(
+    hidden_states: torch.Tensor, weight: torch.Tensor, k: int, chunk_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`global_topk` of the logits ``hidden_states [s, b, h] @ weight.T``, ``[b, s, k]``,
+    holding one chunk's logits at a time.
+
+    Each chunk is the product megatron-core's output layer computes (``torch.matmul`` in the
+    model's dtype), on rows in its token order [s, b]; the results are reordered to [b, s].
+    """
+    s, b, h = hidden_states.shape
+    rows = hidden_states.reshape(s * b, h)
+    parts = [
+        global_topk(torch.matmul(rows[c], weight.t()), k) for c in row_chunks(s * b, chunk_rows)
+    ]
+    ids, logprobs = (torch.cat(p).view(s, b, -1).transpose(0, 1) for p in zip(*parts))
+    return ids, logprobs
+
+
+def return_topk_instead_of_logits(model: GPTModel, k: int, chunk_rows: int | None) -> None:
+    """Make a last-stage ``model`` return ``(ids, log-probabilities)`` ``[b, s, k]`` instead of
+    logits, computed by :func:`chunked_topk` from its final hidden states (after the final norm).
+
+    The model's ``_postprocess`` (output layer, logits) is replaced on this instance only: the
+    one behaviour megatron-core's GPTModel offers no hook for. Multi-token prediction, which
+    that method also runs, is not used by Apertus.
+    """
+
+    def postprocess(hidden_states: torch.Tensor, **_) -> tuple[torch.Tensor, torch.Tensor]:
+        if model.config.sequence_parallel:  # the output layer's own gather of all tokens
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        weight = output_weight(model)
+        rows = chunk_rows or default_topk_chunk_rows(weight.shape[0], weight.dtype)
+        return chunked_topk(hidden_states, weight, k, rows)
+
+    model._postprocess = postprocess
+
+
 # -- forward over a block ---------------------------------------------------------------------------
 
 
-def _forward_step(k: int, data_iterator: Iterator[Batch], model):
+def _forward_step(data_iterator: Iterator[Batch], model):
+    """One micro-batch; the last stage's output is already its top-k, which the schedule keeps
+    as it is when there is no loss function."""
     batch = next(data_iterator)
     device = next(model.parameters()).device
-    logits = model(
+    output = model(
         batch.tokens.to(device),
         batch.position_ids.to(device),
         None,
         packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
     )
-
-    def topk(output: torch.Tensor, non_loss_data: bool = True):
-        return global_topk(output, k)
-
-    return logits, topk
+    return output, None
 
 
 def _micro_batches(dataset, positions: list[int], micro: int, config: BatchConfig) -> list[Batch]:
@@ -192,11 +275,13 @@ class TeacherRunner:
                                      use_cpu_initialization=self.device == "cpu")  # fmt: skip
         chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl)
         checkpoint.load_model(cfg.load, chunks)
-        # No Float16Module: its only work here would be an fp32 copy of the [tokens, vocabulary]
-        # logits (a fifth of the generation time on CPU); the top-k and the row statistics read
-        # the 16-bit logits directly, and token ids need no input conversion.
+        # No Float16Module: the parameters are already in the teacher's dtype, token ids need no
+        # input conversion, and the top-k and the row statistics read each chunk's 16-bit logits
+        # directly (no fp32 copy).
         for chunk in chunks:
             chunk.eval()
+            if chunk.post_process:
+                return_topk_instead_of_logits(chunk, cfg.logits.topk, cfg.logits.topk_chunk_rows)
         return chunks
 
     @property
@@ -261,7 +346,7 @@ class TeacherRunner:
         iterators = [iter(batches) for _ in self.chunks]
         with torch.no_grad():
             outputs = get_forward_backward_func()(
-                forward_step_func=partial(_forward_step, self.cfg.logits.topk),
+                forward_step_func=_forward_step,
                 data_iterator=iterators[0] if len(iterators) == 1 else iterators,
                 model=self.chunks,
                 num_microbatches=len(batches),
