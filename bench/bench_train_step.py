@@ -157,6 +157,9 @@ def main() -> None:
     parser.add_argument("--loss-steps", type=int, default=0,
                         help="also train bf16 and FP8 this many steps and compare validation loss")
     parser.add_argument("--loss-model", default="apertus-v1.1-0.5b")
+    parser.add_argument("--loss-configs", nargs="+", choices=list(CONFIGS),
+                        default=["te-bf16-packed", "te-fp8-tensorwise-packed"])
+    parser.add_argument("--name", default="train_step", help="results file stem")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_train_step")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -180,13 +183,13 @@ def main() -> None:
                    **run_child(argv, args.warmup, args.steps)}  # fmt: skip
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+            write_results(args.name, rows)  # after every row: a cut-short run keeps its figures
     losses = []
-    if args.loss_steps:
-        for config in ("te-bf16-packed", "te-fp8-tensorwise-packed", "te-fp8-delayed-packed"):
-            losses.append(loss_run(args.loss_model, config, args.loss_steps, args.out))
-            print(json.dumps(losses[-1]), flush=True)
-    extra = {"loss_comparison": losses} if losses else None
-    print(f"wrote {write_results('train_step', rows, extra)}")
+    for config in args.loss_configs if args.loss_steps else []:
+        losses.append(loss_run(args.loss_model, config, args.loss_steps, args.out))
+        print(json.dumps(losses[-1]), flush=True)
+        write_results(args.name, rows, {"loss_comparison": losses})
+    print(f"wrote {write_results(args.name, rows, {'loss_comparison': losses} if losses else None)}")
 
 
 if __name__ == "__main__":
