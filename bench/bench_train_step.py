@@ -112,7 +112,7 @@ def child(args: argparse.Namespace) -> None:
 def run_child(argv: list[str], warmup: int, steps: int) -> dict:
     cmd = [sys.executable, __file__, "--child", json.dumps(argv), "--warmup", str(warmup),
            "--steps", str(steps)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=REPO)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :])
@@ -132,7 +132,7 @@ def loss_run(model: str, config: str, steps: int, out: Path) -> dict:
                     global_batch=8, extra=schedule)  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv], cwd=REPO,
-                          capture_output=True, text=True)  # fmt: skip
+                          capture_output=True, text=True, errors="replace")  # fmt: skip
     print(proc.stdout[-2500:], proc.stderr[-1500:] if proc.returncode else "", flush=True)
     if proc.returncode:
         return {"config": config, "error": f"exit {proc.returncode}"}

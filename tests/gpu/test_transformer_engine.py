@@ -145,7 +145,9 @@ def pretrain(tmp_path, name: str, *extra: str, iters: int = 8) -> list[float]:
            "--seq-length", "256", "--train-iters", str(iters), "--global-batch-size", "8",
            "--micro-batch-size", "4", "--lr", "3e-3", "--log-interval", "1", "--eval-iters", "1",
            "--reset-attention-mask", "--reset-position-ids", "--log-json", str(log), *extra]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    # errors="replace": a library may print bytes that are not UTF-8
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, errors="replace",
+                          timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(name, [line for line in proc.stdout.splitlines() if "transformer implementation" in line])
     return series(read_json(log), "train/loss")[1]
