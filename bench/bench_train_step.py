@@ -45,6 +45,9 @@ CONFIGS = {
     "te-fp8-delayed-packed": [*TE, *PACKED, "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
                               "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"],
 }  # fmt: skip
+SDPA = ["--attention-backend", "local"]  # TE's linears with PyTorch flash / varlen attention
+CONFIGS.update({f"{name}-sdpa": [*flags, *SDPA] for name, flags in list(CONFIGS.items())
+                if name.startswith("te-")})  # fmt: skip
 MICRO_BATCH = {"apertus-v1.1-0.5b": 4, "apertus-v1.1-1.5b": 2}
 GLOBAL_BATCH = 16
 RESULT_PREFIX = "BENCH_RESULT "

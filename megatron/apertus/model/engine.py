@@ -27,12 +27,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.core.transformer.enums import AttnBackend
+
 from megatron.apertus.model.config import ConfigError
 
 IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 AMAX_ALGOS = ("most_recent", "max")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 FP8_MIN_CAPABILITY = (8, 9)
 """FP8 tensor-core GEMMs: Ada (8.9) and Hopper (9.0) onwards."""
 MXFP8_MIN_CAPABILITY = (10, 0)
@@ -55,6 +58,12 @@ class EngineConfig:
         "packed documents travel as THD cu_seqlens (always so here with --reset-attention-mask; "
         "accepted for Megatron-LM compatibility)",
         False,
+    )
+    attention_backend: str = _help(
+        "core attention: auto, flash, fused or unfused pick Transformer Engine's backend (auto: TE "
+        "chooses); local is PyTorch's flash SDPA and varlen attention (the local implementation's "
+        "only one)",
+        "auto",
     )
     fp8_format: Optional[str] = _help(
         "train the transformer layers' GEMMs in FP8: e4m3, or hybrid (e4m3 forward, e5m2 "
@@ -84,6 +93,7 @@ class EngineConfig:
             ("--fp8-format", self.fp8_format, FP8_FORMATS + (None,)),
             ("--fp8-recipe", self.fp8_recipe, FP8_RECIPES),
             ("--fp8-amax-compute-algo", self.fp8_amax_compute_algo, AMAX_ALGOS),
+            ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS),
         )
         for flag, value, allowed in choices:
             if value not in allowed:
@@ -162,6 +172,11 @@ def validate_engine(
         missing = te_error()
         if missing:
             raise ConfigError(f"--transformer-impl transformer_engine: {missing}")
+    if impl == "local" and engine.attention_backend not in ("auto", "local"):
+        raise ConfigError(
+            f"--attention-backend {engine.attention_backend} needs --transformer-impl "
+            "transformer_engine (the local implementation attends through PyTorch SDPA/varlen)"
+        )
     if context_parallel_size > 1 and impl == "local":
         raise ConfigError(
             f"--context-parallel-size {context_parallel_size} needs --transformer-impl "
@@ -217,6 +232,7 @@ def transformer_config_fields(engine: EngineConfig, impl: str) -> dict:
     fields: dict[str, Any] = {
         "transformer_impl": impl,
         "deterministic_mode": engine.deterministic_mode,
+        "attention_backend": AttnBackend[engine.attention_backend],
     }
     if engine.fp8:
         fields.update(
@@ -246,3 +262,11 @@ def enable_deterministic_mode() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+
+
+def select_te_attention_backend(backend: str) -> None:
+    """Restrict Transformer Engine's attention to one backend (its environment switches, read
+    when attention runs); ``auto`` and ``local`` leave TE's own choice alone."""
+    if backend in ("flash", "fused", "unfused"):
+        for name in ("flash", "fused", "unfused"):
+            os.environ[f"NVTE_{name.upper()}_ATTN"] = "1" if name == backend else "0"

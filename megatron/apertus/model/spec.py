@@ -20,7 +20,7 @@ from typing import Optional
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -45,11 +45,15 @@ def _xielu_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
 
 
 def apertus_layer_spec(
-    model: ApertusConfig, *, xielu_impl: str = "auto", transformer_impl: str = "local"
+    model: ApertusConfig,
+    *,
+    xielu_impl: str = "auto",
+    transformer_impl: str = "local",
+    attention_backend: AttnBackend = AttnBackend.auto,
 ) -> ModuleSpec:
     """One Apertus transformer layer built from ``transformer_impl``'s modules."""
     if transformer_impl == "transformer_engine":
-        return _te_layer_spec(model, xielu_impl)
+        return _te_layer_spec(model, xielu_impl, attention_backend)
     if transformer_impl != "local":
         raise ValueError(f"unknown transformer_impl {transformer_impl!r}")
     xielu = _xielu_spec(model, xielu_impl)
@@ -87,9 +91,13 @@ def apertus_layer_spec(
     )
 
 
-def _te_layer_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
+def _te_layer_spec(
+    model: ApertusConfig, xielu_impl: str, attention_backend: AttnBackend
+) -> ModuleSpec:
     """The layer on Transformer Engine modules (their norms follow ``config.normalization``,
-    RMSNorm); megatron-core wraps the layers in TE's FP8 autocast when FP8 is configured."""
+    RMSNorm); megatron-core wraps the layers in TE's FP8 autocast when FP8 is configured.
+    ``AttnBackend.local`` keeps our SDPA/varlen core attention between TE's linears (for
+    machines where TE has no fused or flash attention of its own)."""
     from megatron.core.extensions.transformer_engine import (
         TEDotProductAttention,
         TELayerNormColumnParallelLinear,
@@ -102,7 +110,9 @@ def _te_layer_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=TELayerNormColumnParallelLinear,
-            core_attention=TEDotProductAttention,
+            core_attention=(
+                SDPAttention if attention_backend == AttnBackend.local else TEDotProductAttention
+            ),
             linear_proj=TERowParallelLinear,
             q_layernorm=TENorm if model.qk_layernorm else None,
             k_layernorm=TENorm if model.qk_layernorm else None,
@@ -146,5 +156,6 @@ def apertus_block_spec(
     implementation named by ``config.transformer_impl``."""
     impl = config.transformer_impl
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    layer = apertus_layer_spec(model, xielu_impl=xielu_impl, transformer_impl=impl)
+    layer = apertus_layer_spec(model, xielu_impl=xielu_impl, transformer_impl=impl,
+                               attention_backend=config.attention_backend)  # fmt: skip
     return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_final_norm(impl))

@@ -38,7 +38,12 @@ from megatron.apertus.model.config import (
     ParallelConfig,
     dtype_from_name,
 )
-from megatron.apertus.model.engine import EngineConfig, enable_deterministic_mode, validate_engine
+from megatron.apertus.model.engine import (
+    EngineConfig,
+    enable_deterministic_mode,
+    select_te_attention_backend,
+    validate_engine,
+)
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.checkpoint import TrainingState
@@ -138,6 +143,7 @@ class Trainer:
         )
         if cfg.engine.deterministic_mode:
             enable_deterministic_mode()
+        select_te_attention_backend(cfg.engine.attention_backend)
         self.dp = parallel.initialize(
             cfg.parallel, device=self.device_name, seed=cfg.training.seed, model=cfg.model
         )
