@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(config)
     except (ConfigError, LogitStoreError) as err:
-        sys.exit(f"pretrain_gpt.py: error: {err}")
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
     except TrainingStopped as err:
         sys.exit(f"pretrain_gpt.py: stopped: {err}")
 

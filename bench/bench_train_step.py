@@ -53,8 +53,16 @@ GLOBAL_BATCH = 16
 RESULT_PREFIX = "BENCH_RESULT "
 
 
-def run_args(model: str, config: str, *, seq: int, steps: int, micro: int, global_batch: int,
-             extra: list[str]) -> list[str]:
+def run_args(
+    model: str,
+    config: str,
+    *,
+    seq: int,
+    steps: int,
+    micro: int,
+    global_batch: int,
+    extra: list[str],
+) -> list[str]:
     return [
         "--model-preset", model, "--device", "cuda", "--precision", "bf16",
         "--seq-length", str(seq), "--max-position-embeddings", str(seq),
@@ -157,11 +165,19 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=4096)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--loss-steps", type=int, default=0,
-                        help="also train bf16 and FP8 this many steps and compare validation loss")
+    parser.add_argument(
+        "--loss-steps",
+        type=int,
+        default=0,
+        help="also train bf16 and FP8 this many steps and compare validation loss",
+    )
     parser.add_argument("--loss-model", default="apertus-v1.1-0.5b")
-    parser.add_argument("--loss-configs", nargs="+", choices=list(CONFIGS),
-                        default=["te-bf16-packed", "te-fp8-tensorwise-packed"])
+    parser.add_argument(
+        "--loss-configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        default=["te-bf16-packed", "te-fp8-tensorwise-packed"],
+    )
     parser.add_argument("--name", default="train_step", help="results file stem")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_train_step")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -192,7 +208,9 @@ def main() -> None:
         losses.append(loss_run(args.loss_model, config, args.loss_steps, args.out))
         print(json.dumps(losses[-1]), flush=True)
         write_results(args.name, rows, {"loss_comparison": losses})
-    print(f"wrote {write_results(args.name, rows, {'loss_comparison': losses} if losses else None)}")
+    print(
+        f"wrote {write_results(args.name, rows, {'loss_comparison': losses} if losses else None)}"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Skipped (reported, never passed) without CUDA or without Transformer Engine.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -105,7 +106,9 @@ def test_packed_documents_are_really_masked(gpu, impl):
     torch.testing.assert_close(changed[:, 90:], reference[:, 90:], rtol=0, atol=1e-6)
     # Unpacked (one causal sequence) the perturbation leaks: the check above can fail.
     leaky = logits(chunk, batch_of([perturbed + b + c], eod, pack=False))
-    assert not torch.allclose(leaky[:, 90:], logits(chunk, batch_of([a + b + c], eod, False))[:, 90:])
+    assert not torch.allclose(
+        leaky[:, 90:], logits(chunk, batch_of([a + b + c], eod, False))[:, 90:]
+    )
 
 
 def test_varlen_attention_matches_per_document_sdpa(gpu):
@@ -138,7 +141,10 @@ def test_varlen_attention_matches_per_document_sdpa(gpu):
 # -- whole runs through the entry point --------------------------------------------------------
 
 
-def pretrain(tmp_path, name: str, *extra: str, iters: int = 8) -> list[float]:
+def pretrain(
+    tmp_path, name: str, *extra: str, iters: int = 8, env: dict | None = None, code: int = 0
+) -> list[float] | str:
+    """Losses of a run (or, when it must fail with ``code``, its last line of stderr)."""
     log = tmp_path / f"{name}.json"
     cmd = [sys.executable, str(PRETRAIN), "--device", "cuda", "--precision", "bf16",
            "--model-preset", "tiny", "--hidden-size", "256", "--ffn-hidden-size", "768",
@@ -147,8 +153,10 @@ def pretrain(tmp_path, name: str, *extra: str, iters: int = 8) -> list[float]:
            "--reset-attention-mask", "--reset-position-ids", "--log-json", str(log), *extra]  # fmt: skip
     # errors="replace": a library may print bytes that are not UTF-8
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, errors="replace",
-                          timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+                          timeout=900, env={**os.environ, **(env or {})})  # fmt: skip
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if code:
+        return proc.stderr.strip().splitlines()[-1]
     print(name, [line for line in proc.stdout.splitlines() if "transformer implementation" in line])
     return series(read_json(log), "train/loss")[1]
 
@@ -166,8 +174,12 @@ def test_fp8_trains_is_deterministic_and_resumes_exactly(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     pretrain(tmp_path, "fp8-stop", *FP8, "--deterministic-mode", "--save", ckpt,
              "--exit-interval", "4")  # fmt: skip
-    resumed = pretrain(tmp_path, "fp8-resumed", *FP8, "--deterministic-mode", "--save", ckpt,
-                       "--load", ckpt)  # fmt: skip
+    resume = [*FP8, "--deterministic-mode", "--save", ckpt, "--load", ckpt]
+    # TE keeps delayed-scaling state as a pickle: loaded only when the user says the file is trusted.
+    refusal = pretrain(tmp_path, "fp8-refused", *resume, code=2)
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in refusal and str(ckpt) in refusal
+    resumed = pretrain(tmp_path, "fp8-resumed", *resume,
+                       env={"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"})  # fmt: skip
     # The amax history and scales come back with the weights: the continuation is bitwise equal.
     assert resumed[-4:] == first[-4:], (resumed, first)
 

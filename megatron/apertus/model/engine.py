@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-
 from megatron.core.transformer.enums import AttnBackend
 
 from megatron.apertus.model.config import ConfigError

@@ -37,7 +37,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
 
-from megatron.apertus.model.config import ApertusConfig
+from megatron.apertus.model.config import ApertusConfig, ConfigError
 from megatron.apertus.training.checkpoint_files import (
     MODEL_CONFIG,
     TRACKER,
@@ -220,7 +220,11 @@ def load(
     )
     _check_only_extra_state(absent, directory)
     for i, chunk in enumerate(chunks):
-        _load_weights(chunk, loaded["model" if len(chunks) == 1 else f"model{i}"], directory)
+        try:
+            _load_weights(chunk, loaded["model" if len(chunks) == 1 else f"model{i}"], directory)
+        except RuntimeError as err:
+            _explain_te_refusal(err, directory)
+            raise
     if full:
         optimizer.load_state_dict(loaded["optimizer"])
     if "rng_state" in loaded:
@@ -245,7 +249,9 @@ def _check_only_extra_state(absent: set[str], directory: Path) -> None:
     weights = sorted(key for key in absent if not _is_extra_state(key))
     if weights:
         listed = ", ".join(weights[:5]) + (" ..." if len(weights) > 5 else "")
-        raise CheckpointMismatch(f"{directory} lacks {len(weights)} tensors this run needs: {listed}")
+        raise CheckpointMismatch(
+            f"{directory} lacks {len(weights)} tensors this run needs: {listed}"
+        )
 
 
 def _load_weights(chunk, state: dict, directory: Path) -> None:
@@ -261,8 +267,23 @@ def _load_weights(chunk, state: dict, directory: Path) -> None:
         )
 
 
-class CheckpointMismatch(ValueError):
-    """A checkpoint whose tensors are not this model's."""
+class CheckpointMismatch(ConfigError):
+    """A checkpoint that cannot be loaded into this run (the message names the directory)."""
+
+
+PICKLED_FP8_STATE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+"""Transformer Engine's switch for unpickling its delayed-scaling state from a checkpoint."""
+
+
+def _explain_te_refusal(err: RuntimeError, directory: Path) -> None:
+    """TE stores delayed-scaling FP8 state (amax history, scales) as a pickle and refuses to load
+    it by default; say so in one line naming the checkpoint and the switch."""
+    if PICKLED_FP8_STATE in str(err):
+        raise CheckpointMismatch(
+            f"{directory} holds FP8 delayed-scaling state that Transformer Engine stores as a "
+            f"Python pickle; set {PICKLED_FP8_STATE}=1 to load a checkpoint you trust (your own "
+            "run's), or resume with another --fp8-recipe"
+        ) from err
 
 
 def has_optimizer_states(path: str | os.PathLike) -> bool:

@@ -1,0 +1,50 @@
+"""A load restores every weight the model asks for or names what the checkpoint lacks; only
+Transformer Engine's ``_extra_state`` (FP8 metadata) may be absent, so checkpoints of the local
+and the TE layers load into each other (checked on GPU in tests/gpu/test_transformer_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.apertus import parallel
+from megatron.apertus.model import ParallelConfig, preset, transformer_config
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.training import checkpoint
+
+
+@pytest.fixture
+def cpu():
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
+    yield
+    parallel.shutdown()
+
+
+def tiny(**fields):
+    model = preset("tiny", **fields)
+    config = transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
+    return model, build_model(model, config)[0]
+
+
+def test_weights_round_trip(cpu, tmp_path):
+    model, saved = tiny()
+    checkpoint.save_model(tmp_path, 0, [saved], model)
+    _, loaded = tiny()
+    checkpoint.load_model(tmp_path, [loaded])
+    for (name, want), got in zip(saved.state_dict().items(), loaded.state_dict().values()):
+        if torch.is_tensor(want):
+            assert torch.equal(want, got), name
+
+
+def test_a_checkpoint_missing_weights_is_refused_naming_them(cpu, tmp_path):
+    model, saved = tiny(qk_layernorm=False)
+    checkpoint.save_model(tmp_path, 0, [saved], model)
+    _, needs_qk_norms = tiny(qk_layernorm=True)
+    with pytest.raises(checkpoint.CheckpointMismatch, match="k_layernorm") as err:
+        checkpoint.load_model(tmp_path, [needs_qk_norms])
+    assert str(tmp_path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_only_te_extra_state_may_be_absent():
+    assert checkpoint._is_extra_state("decoder.layers.0.mlp.linear_fc1._extra_state")
+    assert not checkpoint._is_extra_state("decoder.layers.0.mlp.linear_fc1.weight")
