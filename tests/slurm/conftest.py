@@ -1,6 +1,6 @@
 """A real one-node Slurm cluster on this machine: munged, slurmctld and slurmd from Debian.
 
-The session fixture installs the packages when they are missing (as root, like CI), writes a
+The cluster fixture (one per test module) installs the packages when they are missing (as root, like CI), writes a
 munge key and a ``slurm.conf`` naming this host (its CPUs and memory as ``slurmd -C`` reports
 them, ``proctrack/linuxproc``, ``task/none``, ``select/cons_tres``) into a temporary
 directory, starts the three daemons in the foreground on free ports, waits for the node to be
@@ -158,7 +158,7 @@ def _stop(cluster: Cluster) -> None:
             daemon.wait()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm(tmp_path_factory) -> Iterator[Cluster]:
     ensure_slurm_installed()
     root = tmp_path_factory.mktemp("slurm")
