@@ -37,8 +37,8 @@ def check_architecture(model: ApertusConfig, expected: ApertusConfig, name: str)
 
 
 def parse_args(argv: list[str] | None = None):
-    from megatron.apertus.distill.generate import GenerationConfig, LogitsConfig
     from megatron.apertus.training.checkpoint import load_model_config
+    from megatron.apertus.training.teacher_logits import GenerationConfig, LogitsConfig
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -76,8 +76,8 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-    from megatron.apertus.distill.generate import generate
     from megatron.apertus.distill.logit_store import LogitStoreError
+    from megatron.apertus.training.teacher_logits import generate
 
     config = parse_args(argv)
     try:

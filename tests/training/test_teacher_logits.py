@@ -10,14 +10,14 @@ import torch
 from megatron.apertus import parallel
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.tokenizer import build_tokenizer
-from megatron.apertus.distill.generate import (
+from megatron.apertus.model import ParallelConfig, preset, transformer_config
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.training.teacher_logits import (
     default_topk_chunk_rows,
     global_topk,
     return_topk_instead_of_logits,
     row_chunks,
 )
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
-from megatron.apertus.model.builder import build_model
 
 TOPK = 16
 

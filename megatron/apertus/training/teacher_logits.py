@@ -14,6 +14,10 @@ computing logits through the output layer's weight for a chunk of tokens at a ti
 256 MiB of them). Each chunk's logits are bitwise the unchunked output layer's rows, so the
 store's bytes are those of the full logits (docs/teacher_logits.md: where that was measured,
 and the small chunks for which a GEMM differs in the last bit).
+
+This runner lives in ``training`` beside the loop because, like the loop, it drives a model
+from checkpoints, configs and step helpers of this layer; ``distill`` keeps only what the
+trainer consumes (store, codec, targets, config), so it never imports ``training``.
 """
 
 from __future__ import annotations
