@@ -14,17 +14,25 @@ from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreError
-from megatron.apertus.model.config import ConfigError, ParallelConfig
+from megatron.apertus.model.config import ConfigError
 from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.parallel import resolve_device
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
+from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """The run a command line describes; exits 2 with one line per flag it cannot honour.
+
+    As in Megatron-LM, flags are never abbreviated: ``--xielu`` is a flag of its own, not a
+    prefix of ``--xielu-beta``.
+    """
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     C.add_model_arguments(parser)
     C.add_arguments(parser, C.TrainingConfig, title="training")
@@ -38,11 +46,18 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, GoldfishConfig, title="goldfish loss", prefix="goldfish_")
     C.add_arguments(parser, C.LoggingConfig, title="logging")
     C.add_arguments(parser, DistillConfig, title="distillation (sparse top-k teacher logits)")
+    add_megatron_flags(parser)
     args = parser.parse_args(argv)
+    refused = refusals(args)
+    if len(refused) > 1:
+        parser.error(f"{len(refused)} flags cannot be honoured:\n  " + "\n  ".join(refused))
+    if refused:
+        parser.error(refused[0])
     try:
+        model = C.model_from_arguments(args)
         config = RunConfig(
-            model=C.model_from_arguments(args),
-            parallel=C.from_arguments(ParallelConfig, args),
+            model=model,
+            parallel=C.parallel_from_arguments(args, model),
             training=C.from_arguments(C.TrainingConfig, args),
             optimizer=C.from_arguments(C.OptimizerSettings, args),
             ademamix=C.from_arguments(AdEMAMixSettings, args, prefix="ademamix_"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -37,22 +38,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(device: str) -> None:
+def init_distributed(device: str, timeout_minutes: int | None = None) -> None:
     """Start torch.distributed from the environment, or as a world of one when none is set.
 
     A world of one gets its own free port and leaves ``os.environ`` alone, so subprocesses
     started later (tests, tools) do not inherit a rendezvous that is not theirs.
+    ``timeout_minutes`` bounds every collective of the default group (None: torch's default).
     """
     if dist.is_initialized():
         return
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device == "cuda" else "gloo"
+    timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, **timeout)
     else:
         address = f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(backend=backend, init_method=address, rank=0, world_size=1)
+        dist.init_process_group(
+            backend=backend, init_method=address, rank=0, world_size=1, **timeout
+        )
 
 
 def set_seed(seed: int) -> None:
@@ -70,13 +75,15 @@ def initialize(parallel: ParallelConfig, *, device: str, seed: int, model=None) 
     """
     if device == "cpu":
         cpu_compat.enable()
-    init_distributed(device)
+    timeout = parallel.distributed_timeout_minutes
+    init_distributed(device, timeout)
     if model is not None:
         validate_layout(model, parallel, dist.get_world_size())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        **({} if timeout is None else {"distributed_timeout_minutes": timeout}),
     )
     set_seed(seed)
     return parallel_state.get_data_parallel_world_size()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -97,13 +98,21 @@ class ApertusConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
-    """How the model is split: tensor, pipeline (optionally interleaved) and data parallel."""
+    """How the model is split: tensor, pipeline (optionally interleaved) and data parallel, and
+    how long the collectives between those processes may wait."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    distributed_timeout_minutes: int | None = field(
+        default=None,
+        metadata={
+            "help": "timeout of collectives on every process group (default: torch's for the "
+            "default group, megatron-core's 30 minutes for its groups)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -123,6 +132,9 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        timeout = self.distributed_timeout_minutes
+        if timeout is not None and timeout < 1:
+            raise ConfigError(f"--distributed-timeout-minutes must be >= 1, got {timeout}")
 
     @property
     def model_parallel_size(self) -> int:
@@ -174,6 +186,40 @@ def validate_layout(model: ApertusConfig, parallel: ParallelConfig, world_size: 
             f"--pipeline-model-parallel-size ({pp}); the rest is the data-parallel size"
         )
     return world_size // (tp * pp)
+
+
+def virtual_stages(num_layers: int, pipeline: int, layers_per_virtual_stage: int) -> int | None:
+    """Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` as virtual stages per pipeline
+    rank (our ``virtual_pipeline_model_parallel_size``); None when each rank holds one stage, the
+    plain (non-interleaved) schedule, which computes the same as an interleaved one of one chunk.
+    """
+    flag = f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}"
+    if layers_per_virtual_stage < 1:
+        raise ConfigError(f"{flag}: must be >= 1")
+    if pipeline == 1:
+        raise ConfigError(f"{flag} needs --pipeline-model-parallel-size > 1")
+    if num_layers % pipeline:
+        raise ConfigError(
+            f"--num-layers ({num_layers}) is not divisible by --pipeline-model-parallel-size "
+            f"({pipeline}): every pipeline stage needs the same number of layers"
+        )
+    per_stage = num_layers // pipeline
+    if per_stage % layers_per_virtual_stage:
+        raise ConfigError(
+            f"{flag} does not divide the {per_stage} layers of each pipeline stage "
+            f"(--num-layers {num_layers} / --pipeline-model-parallel-size {pipeline})"
+        )
+    stages = per_stage // layers_per_virtual_stage
+    return stages if stages > 1 else None
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron-LM's padded vocabulary: ``vocab_size`` rounded up to a multiple of
+    ``divisible_by`` x the tensor-parallel size, so every TP rank holds an equal, aligned slice."""
+    if divisible_by < 1:
+        raise ConfigError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by}")
+    multiple = divisible_by * tensor_parallel
+    return math.ceil(vocab_size / multiple) * multiple
 
 
 def dtype_from_name(name: str) -> torch.dtype:

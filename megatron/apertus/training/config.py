@@ -14,13 +14,27 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron.apertus.model.config import ApertusConfig, ConfigError, ParallelConfig
+from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.model.config import (
+    ApertusConfig,
+    ConfigError,
+    ParallelConfig,
+    padded_vocab_size,
+    virtual_stages,
+)
 from megatron.apertus.model.presets import PRESETS, preset
 from megatron.apertus.training.gemm_metrics import STATISTICS
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
     return field(default=default, metadata={"help": text}, **kwargs)
+
+
+def _switch(text: str) -> Any:
+    """A boolean field whose flag, as in Megatron-LM, only switches on (no ``--no-`` form)."""
+    return field(default=False, metadata={"help": text, "switch": True})
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -37,7 +51,11 @@ class TrainingConfig:
     eval_interval: int = _help("iterations between validation passes (0: only at the end)", 0)
     eval_iters: int = _help("validation batches per validation pass", 4)
     device: str = _help("auto, cpu or cuda", "auto")
-    precision: str = _help("parameter dtype: fp32, bf16 or fp16", "fp32")
+    precision: Optional[str] = _help(
+        "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)", None
+    )
+    bf16: bool = _switch("Megatron-LM's --precision bf16")
+    fp16: bool = _switch("Megatron-LM's --precision fp16")
     exit_signal_handler: bool = _help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
     trigger_path: Optional[str] = _help("directory watched for 'save' and 'exit' files", None)
     exit_interval: int = _help("save and stop after this many iterations (0: never)", 0)
@@ -55,12 +73,28 @@ class TrainingConfig:
     )
 
     def __post_init__(self) -> None:
+        self._resolve_precision()
         if (self.train_iters is None) == (self.train_samples is None):
             raise ConfigError("give exactly one of --train-iters and --train-samples")
         if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
             raise ConfigError("--rampup-batch-size takes three numbers: START INCREMENT SAMPLES")
         if self.rampup_batch_size is not None and self.train_iters is not None:
             raise ConfigError("--rampup-batch-size needs --train-samples (the step count varies)")
+
+    def _resolve_precision(self) -> None:
+        """``precision`` from --precision, --bf16 or --fp16, which must not disagree; always set
+        afterwards (the frozen field is written once, here, as dataclasses document)."""
+        switched = [name for name in ("bf16", "fp16") if getattr(self, name)]
+        if len(switched) == 2:
+            raise ConfigError("--bf16 and --fp16 exclude each other")
+        if switched and self.precision not in (None, switched[0]):
+            raise ConfigError(f"--{switched[0]} contradicts --precision {self.precision}")
+        precision = self.precision or (switched[0] if switched else "fp32")
+        if precision not in PRECISIONS:
+            raise ConfigError(
+                f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+            )
+        object.__setattr__(self, "precision", precision)
 
     def total_samples(self) -> int:
         """Samples the run consumes (its training dataset's size)."""
@@ -169,8 +203,12 @@ class LoggingConfig:
 ALIASES = {
     "override_opt_param_scheduler": ["--override-opt_param-scheduler"],
     "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"],
+    "rope_scaling": ["--use-rope-scaling"],
+    "fused_output_loss": ["--cross-entropy-loss-fusion"],
 }
-"""Megatron-LM's own spellings, kept beside the generated flag names."""
+"""Megatron-LM's own spellings, kept beside the generated flag names. A boolean's alias only
+switches on, as Megatron-LM's does (``--cross-entropy-loss-fusion``: a fused cross-entropy, here
+the fused output layer + loss)."""
 
 
 def _flag(name: str) -> str:
@@ -198,20 +236,27 @@ def add_arguments(
     title: str,
     defaults: bool = True,
     prefix: str = "",
-) -> None:
+) -> argparse._ArgumentGroup:
     """Add one argument group with a flag ``--<prefix><field>`` per field of dataclass ``cls``."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
-        flags = [_flag(prefix + f.name), *ALIASES.get(prefix + f.name, [])]
+        name = prefix + f.name
         kwargs = dict(default=_default(f) if defaults else None, help=f.metadata.get("help", ""))
         if kind is bool:
-            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
+            action = "store_true" if f.metadata.get("switch") else argparse.BooleanOptionalAction
+            group.add_argument(_flag(name), action=action, **kwargs)
+            for alias in ALIASES.get(name, []):
+                group.add_argument(alias, dest=name, action="store_const", const=True,
+                                   default=argparse.SUPPRESS,
+                                   help=f"Megatron-LM's spelling of {_flag(name)}")  # fmt: skip
         elif typing.get_origin(kind) is list:
+            flags = [_flag(name), *ALIASES.get(name, [])]
             group.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **kwargs)
         else:
-            group.add_argument(*flags, type=kind, **kwargs)
+            group.add_argument(_flag(name), *ALIASES.get(name, []), type=kind, **kwargs)
+    return group
 
 
 def from_arguments(cls: type, args: argparse.Namespace, base: Any = None, prefix: str = "") -> Any:
@@ -233,9 +278,69 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         help="architecture to start from; any model flag below overrides it",
     )
-    add_arguments(parser, ApertusConfig, title="model (overrides the preset)", defaults=False)
-    add_arguments(parser, ParallelConfig, title="parallelism")
+    model = add_arguments(
+        parser, ApertusConfig, title="model (overrides the preset)", defaults=False
+    )
+    model.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        help="the model's vocabulary is the tokenizer's, padded to a multiple of this x "
+        "--tensor-model-parallel-size (Megatron-LM's rule; with --vocab-size: checked to be one)",
+    )
+    layout = add_arguments(parser, ParallelConfig, title="parallelism")
+    layout.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        help="interleaved pipeline: layers per virtual stage (sets "
+        "--virtual-pipeline-model-parallel-size to --num-layers / PP / this)",
+    )
 
 
 def model_from_arguments(args: argparse.Namespace) -> ApertusConfig:
-    return from_arguments(ApertusConfig, args, base=preset(args.model_preset))
+    """The preset, overridden by the model flags; ``--make-vocab-size-divisible-by`` pads the
+    tokenizer's vocabulary as Megatron-LM does unless ``--vocab-size`` is given (then it checks).
+
+    A parser without the tokenizer flags (the launch planner's) checks the preset's vocabulary
+    instead of loading a tokenizer.
+    """
+    model = from_arguments(ApertusConfig, args, base=preset(args.model_preset))
+    divisor = args.make_vocab_size_divisible_by
+    if divisor is None:
+        return model
+    tp = args.tensor_model_parallel_size
+    if args.vocab_size is None and "tokenizer_type" in args:
+        return dataclasses.replace(
+            model, vocab_size=padded_vocab_size(_tokenizer_vocab_size(args), divisor, tp)
+        )
+    if padded_vocab_size(model.vocab_size, divisor, tp) != model.vocab_size:
+        raise ConfigError(
+            f"--make-vocab-size-divisible-by {divisor}: the vocabulary ({model.vocab_size}, "
+            f"--vocab-size) is not a multiple of {divisor} x --tensor-model-parallel-size ({tp})"
+        )
+    return model
+
+
+def _tokenizer_vocab_size(args: argparse.Namespace) -> int:
+    try:
+        return build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"--make-vocab-size-divisible-by pads the tokenizer's vocabulary, which did not "
+            f"load: {err}"
+        ) from err
+
+
+def parallel_from_arguments(args: argparse.Namespace, model: ApertusConfig) -> ParallelConfig:
+    """The layout flags; Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` becomes the
+    number of virtual stages per pipeline rank."""
+    parallel = from_arguments(ParallelConfig, args)
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if per_stage is None:
+        return parallel
+    if parallel.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError(
+            "give --num-layers-per-virtual-pipeline-stage or --virtual-pipeline-model-parallel-size"
+            ", not both"
+        )
+    stages = virtual_stages(model.num_layers, parallel.pipeline_model_parallel_size, per_stage)
+    return dataclasses.replace(parallel, virtual_pipeline_model_parallel_size=stages)

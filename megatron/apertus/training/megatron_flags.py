@@ -1,0 +1,165 @@
+"""Megatron-LM flags that no config of ours has a field for: accepted where they restate what
+this code always does, refused where they ask for something it does not implement.
+
+Megatron-LM launch scripts (the Apertus 8B and 70B ones among them) carry three kinds of such
+flags: restatements of the architecture (``--xielu``, ``--normalization RMSNorm``), choices
+that name our only behaviour (``--ckpt-format torch_dist``, ``--dataloader-type single``), and
+behaviours we do not have yet (``--overlap-grad-reduce``, ``--async-save``). The first two are
+accepted, so such scripts run unmodified; any other value, and the third kind, is refused, all
+of them at once, one line each naming the flag, so a script learns in one try what to drop.
+
+Nothing here changes a run. Megatron-LM flags that do change one are fields of the run's configs
+(``--bf16``, ``--use-rope-scaling``, ``--make-vocab-size-divisible-by``,
+``--num-layers-per-virtual-pipeline-stage``, ``--distributed-timeout-minutes`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from megatron.core.dist_checkpointing.validation import StrictHandling
+
+SWITCH = (True,)
+"""``accepts`` of a switch that restates what we do."""
+
+
+@dataclass(frozen=True)
+class MegatronFlag:
+    """One Megatron-LM flag, and which of its values are what this code does."""
+
+    flag: str
+    meaning: str = ""
+    """What the accepted values mean here."""
+    refusal: str = ""
+    """Why any other value (a switch: the switch itself) is refused."""
+    takes: type | None = None
+    """Type of the flag's value; None for a switch."""
+    accepts: tuple = ()
+    """Values that are what this code does (a switch that restates it: ``SWITCH``); none: the
+    flag is always refused."""
+    choices: tuple | None = None
+    """Megatron-LM's choices, where it restricts them."""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def refused(self, value) -> str | None:
+        """The refusal line for ``value`` as parsed (None: not given, or accepted)."""
+        if value is None or value in self.accepts:
+            return None
+        given = self.flag if self.takes is None else f"{self.flag} {value}"
+        return f"{given}: {self.refusal}"
+
+    def help(self) -> str:
+        if not self.accepts:
+            return f"Megatron-LM's; refused: {self.refusal}"
+        if self.takes is None or self.accepts == self.choices:
+            return f"Megatron-LM's; accepted: {self.meaning}"
+        values = ", ".join(str(v) for v in self.accepts)
+        return f"Megatron-LM's; {values}: {self.meaning}; other values refused: {self.refusal}"
+
+
+NOT_YET = "not implemented yet"
+STRICTNESS = tuple(s.value for s in StrictHandling)
+
+FLAGS: tuple[MegatronFlag, ...] = (
+    # -- the architecture, restated ------------------------------------------------------------
+    MegatronFlag("--xielu", "the MLP is xIELU (always)", accepts=SWITCH),
+    MegatronFlag("--swiglu", refusal="the Apertus MLP is xIELU, not gated; SwiGLU is not "
+                 "implemented"),
+    MegatronFlag("--normalization", "every norm is RMSNorm (always)",
+                 "only RMSNorm is implemented", takes=str, accepts=("RMSNorm",)),
+    MegatronFlag("--position-embedding-type", "rotary position embeddings (always)",
+                 "only rope is implemented", takes=str, accepts=("rope",)),
+    MegatronFlag("--group-query-attention", "key/value heads from --num-query-groups",
+                 accepts=SWITCH),
+    MegatronFlag("--disable-bias-linear", "the linear layers have no biases (always)",
+                 accepts=SWITCH),
+    MegatronFlag("--qknorm-impl", "picks the QK RMSNorm's kernels in Megatron-LM; here "
+                 "--transformer-impl does (the same RMSNorm)", takes=str,
+                 accepts=("apex", "torch", "te"), choices=("apex", "torch", "te")),
+    # -- precision, regularisation, data order --------------------------------------------------
+    MegatronFlag("--main-grads-dtype", "gradients accumulate and reduce in fp32 (always)",
+                 "bf16 main gradients are " + NOT_YET, takes=str, accepts=("fp32",),
+                 choices=("fp32", "bf16")),
+    MegatronFlag("--attention-dropout", "no attention dropout (always)", "dropout is " + NOT_YET,
+                 takes=float, accepts=(0.0,)),
+    MegatronFlag("--hidden-dropout", "no hidden dropout (always)", "dropout is " + NOT_YET,
+                 takes=float, accepts=(0.0,)),
+    MegatronFlag("--no-check-for-nan-in-loss-and-grad",
+                 "changes nothing: every step checks its loss and gradient norm, a non-finite "
+                 "step is skipped (weights untouched) and --max-skipped-steps of them in a row "
+                 "stop the run (Megatron-LM without the check would apply the update)",
+                 accepts=SWITCH),
+    MegatronFlag("--dataloader-type", "each step reads the next global batch in order, split "
+                 "over the data-parallel ranks (Megatron-LM's single sampler)",
+                 "only single is implemented", takes=str, accepts=("single",),
+                 choices=("single", "cyclic", "external")),
+    MegatronFlag("--decrease-batch-size-if-needed",
+                 refusal="shrinking the global batch to fit the data-parallel size is " + NOT_YET),
+    MegatronFlag("--num-workers", refusal="batches are read in the training process; data "
+                 "loader workers are " + NOT_YET, takes=int),
+    MegatronFlag("--num-dataset-builder-threads", refusal="building dataset indices in threads "
+                 "is " + NOT_YET, takes=int),
+    MegatronFlag("--manual-gc", refusal="scheduled garbage collection is " + NOT_YET),
+    MegatronFlag("--manual-gc-interval", refusal="scheduled garbage collection is " + NOT_YET,
+                 takes=int),
+    # -- communication --------------------------------------------------------------------------
+    MegatronFlag("--overlap-grad-reduce", refusal="overlapping the gradient reduction with the "
+                 "backward pass is " + NOT_YET),
+    MegatronFlag("--overlap-param-gather", refusal="overlapping the parameter all-gather with "
+                 "the forward pass is " + NOT_YET),
+    MegatronFlag("--ddp-bucket-size", refusal="choosing the gradient bucket size is " + NOT_YET,
+                 takes=int),
+    MegatronFlag("--overlap-p2p-communication-warmup-flush", refusal="overlapping pipeline "
+                 "sends and receives in warmup and flush is " + NOT_YET),
+    # -- checkpoints ---------------------------------------------------------------------------
+    MegatronFlag("--ckpt-format", "megatron-core torch_dist checkpoints (always)",
+                 "only torch_dist is implemented", takes=str, accepts=("torch_dist",)),
+    MegatronFlag("--dist-ckpt-strictness", "a load fails when the checkpoint lacks a tensor the "
+                 "model needs (Transformer Engine's FP8 _extra_state excepted) and ignores "
+                 "tensors the model does not use (always)",
+                 "loads always fail on missing tensors and ignore extra ones", takes=str,
+                 accepts=("assume_ok_unexpected", "raise_unexpected"), choices=STRICTNESS),
+    MegatronFlag("--ckpt-assume-constant-structure", "a permission to cache the save plan; "
+                 "saves here take no shortcut from it (same files)", accepts=SWITCH),
+    MegatronFlag("--async-save", refusal="saving checkpoints in the background is " + NOT_YET),
+    MegatronFlag("--ckpt-fully-parallel-load", refusal="reading a checkpoint once and "
+                 "exchanging it between data-parallel ranks is " + NOT_YET),
+    # -- logging -------------------------------------------------------------------------------
+    MegatronFlag("--log-throughput", "tokens/s/device is always logged, TFLOP/s/device and MFU "
+                 "on GPUs of known peak", accepts=SWITCH),
+    MegatronFlag("--no-log-loss-scale-to-tensorboard", "the loss scale is never logged",
+                 accepts=SWITCH),
+    MegatronFlag("--log-params-norm", refusal="logging the parameter norm is " + NOT_YET),
+    MegatronFlag("--log-params-norm-per-param",
+                 refusal="logging per-parameter norms is " + NOT_YET),
+    MegatronFlag("--log-memory-to-tensorboard", refusal="logging memory use is " + NOT_YET),
+    MegatronFlag("--log-progress", refusal="writing progress.txt is " + NOT_YET),
+)  # fmt: skip
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """Recognise every flag of :data:`FLAGS` (absent ones parse as None)."""
+    group = parser.add_argument_group(
+        "Megatron-LM flags without a setting here (restatements accepted, the rest refused)"
+    )
+    for entry in FLAGS:
+        if entry.takes is None:
+            group.add_argument(entry.flag, action="store_true", default=None, help=entry.help())
+        else:
+            group.add_argument(entry.flag, type=entry.takes, choices=entry.choices,
+                               default=None, help=entry.help())  # fmt: skip
+
+
+def refusals(args: argparse.Namespace) -> list[str]:
+    """One line per flag of ``args`` that asks for something this code does not do."""
+    lines = [line for entry in FLAGS if (line := entry.refused(getattr(args, entry.dest)))]
+    if args.group_query_attention and args.num_query_groups is None:
+        lines.append(
+            "--group-query-attention: needs --num-query-groups (Megatron-LM would use 1 key/value "
+            "head; the preset's number is not assumed)"
+        )
+    return lines

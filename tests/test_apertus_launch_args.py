@@ -1,0 +1,418 @@
+"""The Apertus launch scripts' Megatron-LM arguments parse with Megatron-LM's meaning, or are
+refused with one line per flag we cannot honour; each restated architecture flag is checked.
+
+The two arrays below are the ``*_ARGS=( ... )`` arrays of github swiss-ai/pretrain-code at
+commit 531cc8b, ``pretraining/submit_apertus_8b.sh`` and ``pretraining/submit_apertus_70b.sh``,
+one flag per line in the scripts' order, comments removed. Shell variables carry the scripts'
+values ($SEQ_LEN 4096, $GBS 2048, $COOLDOWN_SAMPLES 403905806, $CHECKPOINT_STEPS 2000); the
+directories and the Hugging Face tokenizer name are placeholders filled with temporary paths and
+a local tokenizer directory. The scripts append ``--data-path ... --data-cache-path DIR``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.apertus import parallel
+from megatron.apertus.model import ParallelConfig, preset
+
+APERTUS_8B = """
+--main-grads-dtype fp32
+--num-layers 32
+--hidden-size 4096
+--ffn-hidden-size 21504
+--num-attention-heads 32
+--group-query-attention
+--num-query-groups 8
+--max-position-embeddings 4096
+--position-embedding-type rope
+--rotary-base 500000
+--use-rope-scaling
+--rope-scaling-factor 8
+--make-vocab-size-divisible-by 128
+--normalization RMSNorm
+--xielu
+--qk-layernorm
+--qknorm-impl apex
+--untie-embeddings-and-output-weights
+--log-throughput
+--log-params-norm
+--tensorboard-dir {TENSORBOARD_DIR}
+--no-log-loss-scale-to-tensorboard
+--log-memory-to-tensorboard
+--attention-dropout 0.0
+--hidden-dropout 0.0
+--weight-decay 0.1
+--clip-grad 0.1
+--adam-beta1 0.9
+--adam-beta2 0.999
+--ademamix-alpha 8
+--ademamix-beta3 0.9999
+--ademamix-beta3-warmup 100000
+--ademamix-alpha-warmup 100000
+--micro-batch-size 4
+--global-batch-size 2048
+--rampup-batch-size 1024 1024 1718272000
+--no-check-for-nan-in-loss-and-grad
+--train-samples 3662109375
+--log-interval 1
+--cross-entropy-loss-fusion
+--disable-bias-linear
+--optimizer ademamix
+--dataloader-type single
+--manual-gc
+--manual-gc-interval 500
+--exit-signal-handler
+--trigger-path {TRIGGER_DIR}
+--seed 28
+--init-method-std 0.008944
+--lr 0.00011
+--min-lr 0.000011
+--lr-decay-style WSD
+--lr-warmup-samples 4096000
+--lr-wsd-decay-style 1-sqrt
+--lr-wsd-decay-samples 403905806
+--save {CKPT_DIR}
+--load {CKPT_DIR}
+--save-interval 2000
+--ckpt-format torch_dist
+--async-save
+--ckpt-fully-parallel-load
+--dist-ckpt-strictness assume_ok_unexpected
+--override-opt_param-scheduler
+--distributed-timeout-minutes 60
+--bf16
+--tensor-model-parallel-size 2
+--pipeline-model-parallel-size 1
+--use-distributed-optimizer
+--overlap-grad-reduce
+--overlap-param-gather
+--tokenizer-type HuggingFaceTokenizer
+--tokenizer-model {TOKENIZER}
+--split 100,0,0
+--seq-length 4096
+--reset-position-ids
+--reset-attention-mask
+--eod-mask-loss
+--num-workers 64
+--num-dataset-builder-threads 4
+--goldfish-loss
+--goldfish-k 50
+--goldfish-h 50
+"""
+
+APERTUS_70B = """
+--main-grads-dtype fp32
+--transformer-impl transformer_engine
+--ddp-bucket-size 10000000000
+--decrease-batch-size-if-needed
+--num-layers 80
+--hidden-size 8192
+--ffn-hidden-size 43008
+--num-attention-heads 64
+--group-query-attention
+--num-query-groups 8
+--max-position-embeddings 4096
+--position-embedding-type rope
+--rotary-base 500000
+--use-rope-scaling
+--rope-scaling-factor 8
+--make-vocab-size-divisible-by 128
+--normalization RMSNorm
+--xielu
+--qk-layernorm
+--qknorm-impl apex
+--untie-embeddings-and-output-weights
+--log-throughput
+--log-progress
+--tensorboard-dir {TENSORBOARD_DIR}
+--no-log-loss-scale-to-tensorboard
+--log-memory-to-tensorboard
+--attention-dropout 0.0
+--hidden-dropout 0.0
+--weight-decay 0.1
+--clip-grad 0.1
+--adam-beta1 0.9
+--adam-beta2 0.999
+--ademamix-alpha 8
+--ademamix-beta3 0.9999
+--ademamix-beta3-warmup 100000
+--ademamix-alpha-warmup 100000
+--micro-batch-size 1
+--global-batch-size 2048
+--rampup-batch-size 2048 2048 1072164864
+--no-check-for-nan-in-loss-and-grad
+--log-interval 1
+--train-samples 3662109375
+--cross-entropy-loss-fusion
+--disable-bias-linear
+--optimizer ademamix
+--dataloader-type single
+--manual-gc
+--manual-gc-interval 50
+--exit-signal-handler
+--trigger-path {TRIGGER_DIR}
+--seed 28
+--init-method-std 0.008944
+--lr 0.00001
+--min-lr 0.000001
+--lr-decay-style WSD
+--lr-warmup-samples 4096000
+--lr-wsd-decay-style 1-sqrt
+--lr-wsd-decay-samples 403905806
+--save {CKPT_DIR}
+--load {CKPT_DIR}
+--save-interval 2000
+--ckpt-format torch_dist
+--async-save
+--ckpt-fully-parallel-load
+--dist-ckpt-strictness assume_ok_unexpected
+--override-opt_param-scheduler
+--ckpt-assume-constant-structure
+--bf16
+--tensor-model-parallel-size 4
+--pipeline-model-parallel-size 8
+--use-distributed-optimizer
+--overlap-grad-reduce
+--overlap-param-gather
+--sequence-parallel
+--num-layers-per-virtual-pipeline-stage 2
+--context-parallel-size 1
+--overlap-p2p-communication-warmup-flush
+--tokenizer-type HuggingFaceTokenizer
+--tokenizer-model {TOKENIZER}
+--split 100,0,0
+--seq-length 4096
+--reset-position-ids
+--reset-attention-mask
+--eod-mask-loss
+--num-workers 32
+--num-dataset-builder-threads 4
+--goldfish-loss
+--goldfish-k 50
+--goldfish-h 50
+"""
+
+NOT_YET = "not implemented yet"
+REFUSED_8B = [
+    "--num-workers 64: batches are read in the training process; data loader workers are "
+    + NOT_YET,
+    f"--num-dataset-builder-threads 4: building dataset indices in threads is {NOT_YET}",
+    f"--manual-gc: scheduled garbage collection is {NOT_YET}",
+    f"--manual-gc-interval 500: scheduled garbage collection is {NOT_YET}",
+    "--overlap-grad-reduce: overlapping the gradient reduction with the backward pass is "
+    + NOT_YET,
+    "--overlap-param-gather: overlapping the parameter all-gather with the forward pass is "
+    + NOT_YET,
+    f"--async-save: saving checkpoints in the background is {NOT_YET}",
+    "--ckpt-fully-parallel-load: reading a checkpoint once and exchanging it between "
+    f"data-parallel ranks is {NOT_YET}",
+    f"--log-params-norm: logging the parameter norm is {NOT_YET}",
+    f"--log-memory-to-tensorboard: logging memory use is {NOT_YET}",
+]
+REFUSED_70B = [
+    "--decrease-batch-size-if-needed: shrinking the global batch to fit the data-parallel size "
+    f"is {NOT_YET}",
+    "--num-workers 32: batches are read in the training process; data loader workers are "
+    + NOT_YET,
+    f"--num-dataset-builder-threads 4: building dataset indices in threads is {NOT_YET}",
+    f"--manual-gc: scheduled garbage collection is {NOT_YET}",
+    f"--manual-gc-interval 50: scheduled garbage collection is {NOT_YET}",
+    "--overlap-grad-reduce: overlapping the gradient reduction with the backward pass is "
+    + NOT_YET,
+    "--overlap-param-gather: overlapping the parameter all-gather with the forward pass is "
+    + NOT_YET,
+    f"--ddp-bucket-size 10000000000: choosing the gradient bucket size is {NOT_YET}",
+    "--overlap-p2p-communication-warmup-flush: overlapping pipeline sends and receives in warmup "
+    f"and flush is {NOT_YET}",
+    f"--async-save: saving checkpoints in the background is {NOT_YET}",
+    "--ckpt-fully-parallel-load: reading a checkpoint once and exchanging it between "
+    f"data-parallel ranks is {NOT_YET}",
+    f"--log-memory-to-tensorboard: logging memory use is {NOT_YET}",
+    f"--log-progress: writing progress.txt is {NOT_YET}",
+]
+SCRIPTS = {"8b": (APERTUS_8B, REFUSED_8B), "70b": (APERTUS_70B, REFUSED_70B)}
+TOKENIZER_VOCAB = 1000
+"""Ids of the stand-in tokenizer: padded to 1024 under --make-vocab-size-divisible-by 128 with
+TP 2 (multiples of 256) and TP 4 (of 512)."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A Hugging Face tokenizer directory (a word-level tokenizer.json of 1000 ids)."""
+    from tokenizers import Tokenizer, models
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    words = [f"w{i}" for i in range(TOKENIZER_VOCAB - len(specials))]
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    directory = tmp_path_factory.mktemp("tokenizer")
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def launch_args(script: str, tmp_path, tokenizer_dir) -> list[list[str]]:
+    """The script's array, one list of words per flag line, then the flags it appends."""
+    paths = dict(CKPT_DIR=tmp_path / "ckpt", TRIGGER_DIR=tmp_path / "trigger",
+                 TENSORBOARD_DIR=tmp_path / "tensorboard", TOKENIZER=tokenizer_dir)  # fmt: skip
+    text = SCRIPTS[script][0].format(**{key: str(value) for key, value in paths.items()})
+    lines = [shlex.split(line) for line in text.strip().splitlines()]
+    return lines + [["--data-path", str(tmp_path / "data")],
+                    ["--data-cache-path", str(tmp_path / "cache")]]  # fmt: skip
+
+
+def error_lines(capsys, argv: list[str]) -> list[str]:
+    """The refusal lines of a command line that parse_args rejects with exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.parse_args(argv)
+    assert exit_.value.code == 2
+    message = capsys.readouterr().err.split(": error: ", 1)[1].strip().splitlines()
+    return [line.strip() for line in message[1:]] if len(message) > 1 else message
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_launch_script_is_refused_exactly_for_what_is_not_implemented(
+    script, tmp_path, tokenizer_dir, capsys
+):
+    argv = sum(launch_args(script, tmp_path, tokenizer_dir), [])
+    assert error_lines(capsys, argv) == SCRIPTS[script][1]
+
+
+@pytest.mark.parametrize("script, layout", [
+    ("8b", ParallelConfig(tensor_model_parallel_size=2, distributed_timeout_minutes=60)),
+    ("70b", ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=8,
+                           virtual_pipeline_model_parallel_size=5, sequence_parallel=True)),
+])  # fmt: skip
+def test_launch_script_without_the_refused_flags_is_the_apertus_run(
+    script, layout, tmp_path, tokenizer_dir
+):
+    refused = {line.split(":")[0].split()[0] for line in SCRIPTS[script][1]}
+    lines = [words for words in launch_args(script, tmp_path, tokenizer_dir)
+             if words[0] not in refused]  # fmt: skip
+    # Transformer Engine needs a GPU; the layers' implementation is no part of what is checked.
+    cfg = pretrain_gpt.parse_args(sum(lines, []) + ["--transformer-impl", "local"])
+    assert cfg.model == dataclasses.replace(preset(f"apertus-{script}"), vocab_size=1024)
+    assert cfg.parallel == layout
+    assert cfg.training.precision == "bf16" and cfg.training.fused_output_loss
+    assert cfg.optimizer.optimizer == "ademamix" and cfg.optimizer.use_distributed_optimizer
+    assert cfg.schedule.lr_decay_style == "WSD" and cfg.schedule.override_opt_param_scheduler
+    assert cfg.data.tokenizer_model == str(tokenizer_dir) and cfg.data.goldfish_loss
+    assert cfg.dataset.split == "100,0,0" and cfg.dataset.reset_attention_mask
+
+
+BASE = ["--train-iters", "1", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--normalization", "LayerNorm"], "--normalization LayerNorm: only RMSNorm is implemented"),
+    (["--position-embedding-type", "learned_absolute"],
+     "--position-embedding-type learned_absolute: only rope is implemented"),
+    (["--position-embedding-type", "none"],
+     "--position-embedding-type none: only rope is implemented"),
+    (["--swiglu"], "--swiglu: the Apertus MLP is xIELU, not gated; SwiGLU is not implemented"),
+    (["--group-query-attention"], "--group-query-attention: needs --num-query-groups"),
+    (["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16: bf16 main gradients are not "
+     "implemented yet"),
+    (["--attention-dropout", "0.1"], "--attention-dropout 0.1: dropout is not implemented yet"),
+    (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not implemented yet"),
+    (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist is implemented"),
+    (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: only single is implemented"),
+    (["--dist-ckpt-strictness", "log_all"], "--dist-ckpt-strictness log_all: loads always fail on "
+     "missing tensors and ignore extra ones"),
+    (["--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
+    (["--bf16", "--precision", "fp32"], "--bf16 contradicts --precision fp32"),
+    (["--make-vocab-size-divisible-by", "128", "--vocab-size", "1000"],
+     "--make-vocab-size-divisible-by 128: the vocabulary (1000, --vocab-size) is not a multiple "
+     "of 128 x --tensor-model-parallel-size (1)"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "--num-layers-per-virtual-pipeline-stage 3 does not divide the 2 layers of each pipeline "
+     "stage"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage 1 needs --pipeline-model-parallel-size > 1"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--virtual-pipeline-model-parallel-size", "2"],
+     "give --num-layers-per-virtual-pipeline-stage or --virtual-pipeline-model-parallel-size"),
+    (["--xielu-bet", "0.5"], "unrecognized arguments: --xielu-bet 0.5"),
+])  # fmt: skip
+def test_what_we_do_not_implement_is_refused_naming_the_flag(flags, line, capsys):
+    (refusal,) = error_lines(capsys, BASE + flags)
+    assert refusal.startswith(line)
+
+
+def test_restated_architecture_changes_nothing():
+    restated = ["--xielu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+                "--qknorm-impl", "apex", "--main-grads-dtype", "fp32", "--attention-dropout", "0",
+                "--hidden-dropout", "0.0", "--dataloader-type", "single", "--ckpt-format",
+                "torch_dist", "--dist-ckpt-strictness", "assume_ok_unexpected",
+                "--ckpt-assume-constant-structure", "--no-check-for-nan-in-loss-and-grad",
+                "--log-throughput", "--no-log-loss-scale-to-tensorboard",
+                "--cross-entropy-loss-fusion", "--use-rope-scaling"]  # fmt: skip
+    assert pretrain_gpt.parse_args(BASE + restated) == pretrain_gpt.parse_args(BASE)
+
+
+@pytest.mark.parametrize("flags, precision", [
+    ([], "fp32"), (["--bf16"], "bf16"), (["--fp16"], "fp16"), (["--precision", "bf16"], "bf16"),
+    (["--bf16", "--precision", "bf16"], "bf16"),
+])  # fmt: skip
+def test_megatron_precision_switches_set_the_precision(flags, precision):
+    assert pretrain_gpt.parse_args(BASE + flags).training.precision == precision
+
+
+def test_megatron_spellings_of_our_switches():
+    assert not pretrain_gpt.parse_args(BASE + ["--no-rope-scaling"]).model.rope_scaling
+    assert pretrain_gpt.parse_args(
+        BASE + ["--no-rope-scaling", "--use-rope-scaling"]
+    ).model.rope_scaling
+    unfused = pretrain_gpt.parse_args(BASE + ["--no-fused-output-loss"])
+    assert not unfused.training.fused_output_loss
+    fused = pretrain_gpt.parse_args(
+        BASE + ["--no-fused-output-loss", "--cross-entropy-loss-fusion"]
+    )
+    assert fused.training.fused_output_loss
+
+
+@pytest.mark.parametrize("tp, flags, vocab", [
+    (1, [], 131072),  # without the flag: the preset's vocabulary
+    (2, ["--make-vocab-size-divisible-by", "128"], 1024),  # the tokenizer's 1000, padded to 256s
+    (1, ["--make-vocab-size-divisible-by", "7"], 1001),
+    (2, ["--make-vocab-size-divisible-by", "128", "--vocab-size", "2048"], 2048),
+])  # fmt: skip
+def test_vocabulary_padding(tp, flags, vocab, tokenizer_dir):
+    tokenizer = [
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(tokenizer_dir),
+    ]
+    cfg = pretrain_gpt.parse_args(
+        BASE + tokenizer + flags + ["--tensor-model-parallel-size", str(tp)]
+    )
+    assert cfg.model.vocab_size == vocab
+
+
+@pytest.mark.parametrize("per_stage, stages", [(1, 2), (2, None)])
+def test_layers_per_virtual_stage_become_virtual_stages(per_stage, stages):
+    flags = ["--pipeline-model-parallel-size", "2",
+             "--num-layers-per-virtual-pipeline-stage", str(per_stage)]  # fmt: skip
+    cfg = pretrain_gpt.parse_args(BASE + flags)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == stages
+
+
+def test_distributed_timeout_reaches_every_process_group():
+    parallel.initialize(ParallelConfig(distributed_timeout_minutes=7), device="cpu", seed=1)
+    try:
+        from megatron.core import parallel_state
+
+        groups = [torch.distributed.distributed_c10d._get_default_group(),
+                  parallel_state.get_tensor_model_parallel_group(),
+                  parallel_state.get_data_parallel_group()]  # fmt: skip
+        for group in groups:
+            backend = group._get_backend(torch.device("cpu"))
+            assert backend.options._timeout.total_seconds() == 7 * 60
+    finally:
+        parallel.shutdown()
