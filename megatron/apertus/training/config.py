@@ -229,6 +229,20 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
+ADDITIONS = {
+    "device", "precision", "xielu_impl", "fused_output_loss", "max_skipped_steps", "log_json",
+    "loss_plot", "rope_scaling", "xielu_beta", "xielu_eps", "goldfish_hash",
+    "distill_logits_path", "kd_alpha", "kd_tail",
+}  # fmt: skip
+"""Flags of this fork that neither Megatron-LM nor the Apertus fork has; their help says so."""
+ADDITION_MARK = " [megatron-apertus addition]"
+
+
+def _help_text(name: str, f: dataclasses.Field) -> str:
+    text = f.metadata.get("help", "")
+    return text + ADDITION_MARK if name in ADDITIONS else text
+
+
 def add_arguments(
     parser: argparse.ArgumentParser,
     cls: type,
@@ -243,7 +257,7 @@ def add_arguments(
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
         name = prefix + f.name
-        kwargs = dict(default=_default(f) if defaults else None, help=f.metadata.get("help", ""))
+        kwargs = dict(default=_default(f) if defaults else None, help=_help_text(name, f))
         if kind is bool:
             action = "store_true" if f.metadata.get("switch") else argparse.BooleanOptionalAction
             group.add_argument(_flag(name), action=action, **kwargs)
@@ -276,7 +290,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-preset",
         default="tiny",
         choices=sorted(PRESETS),
-        help="architecture to start from; any model flag below overrides it",
+        help="architecture to start from; any model flag below overrides it" + ADDITION_MARK,
     )
     model = add_arguments(
         parser, ApertusConfig, title="model (overrides the preset)", defaults=False
