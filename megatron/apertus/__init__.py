@@ -4,6 +4,20 @@ Layering (arrows point down only; ``tests/test_layering.py`` holds the order and
 tools and entry scripts -> convert, launch -> training -> data, distill, optim, parallel ->
 model -> cpu_compat -> ops. ``cpu_compat`` is the one module that teaches megatron-core to run
 on CPU.
+
+Importing this package hides megatron-core's import-time notices that Transformer Engine or
+Apex is absent: megatron-core then uses its PyTorch fallbacks, which are this package's default
+CPU path, so the notices say nothing a user can act on. Only those messages are matched, and
+only from megatron-core; every subpackage imports this file before megatron-core.
 """
 
+import warnings
+
 __version__ = "0.1.0"
+
+warnings.filterwarnings(
+    "ignore",
+    message=r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back",
+    category=UserWarning,
+    module=r"megatron\.core\.",
+)

@@ -6,6 +6,9 @@ its own blend (``--train-data-path``, ``--valid-data-path``, ``--test-data-path`
 documents, with no split. Samples are megatron-core
 ``GPTDataset`` items; the attention layout and Goldfish mask are added per micro-batch in
 :mod:`megatron.apertus.data.batches`, so the dataset's own dense attention masks stay off.
+
+Every local prefix must name a ``.bin``/``.idx`` pair with a Megatron index header; this is
+checked before megatron-core opens them (it would assert), naming the flag and the file.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+from megatron.core.datasets.object_storage_utils import is_object_storage_path
 from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron.apertus.data.corpus import embedded_corpus_prefix
 from megatron.apertus.data.tokenizer import Tokenizer
+from megatron.apertus.model.config import ConfigError
 
 log = logging.getLogger("apertus.data")
 
@@ -77,6 +83,30 @@ def resolve_blend(config: DatasetConfig, tokenizer: Tokenizer) -> list[str]:
     return [str(embedded_corpus_prefix(cache, tokenizer, build=False))]
 
 
+def check_prefixes(flag: str, blend: list[str]) -> None:
+    """Refuse a prefix of ``blend`` (Megatron's ``[WEIGHT] PREFIX ...`` list, given as ``flag``)
+    whose ``.bin`` or ``.idx`` is missing, or whose ``.idx`` is not a Megatron index."""
+    prefixes, _ = get_blend_from_list(blend)
+    for prefix in prefixes:
+        if not is_object_storage_path(prefix):
+            _check_pair(flag, prefix)
+
+
+def _check_pair(flag: str, prefix: str) -> None:
+    bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
+    if not bin_path.is_file() and not idx_path.is_file():
+        hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+        raise ConfigError(f"{flag}: neither {bin_path} nor {idx_path} exists{hint}")
+    for missing, present in ((bin_path, idx_path), (idx_path, bin_path)):
+        if not missing.is_file():
+            raise ConfigError(f"{flag}: {missing} is missing ({present} is there); "
+                              "preprocess again with tools/preprocess_data.py")  # fmt: skip
+    with idx_path.open("rb") as index:
+        if index.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
+            raise ConfigError(f"{flag}: {idx_path} is not a Megatron index file (wrong "
+                              "header: truncated or another format)")  # fmt: skip
+
+
 def build_datasets(
     config: DatasetConfig,
     tokenizer: Tokenizer,
@@ -90,8 +120,13 @@ def build_datasets(
     cache = config.data_cache_path or str(default_cache_dir() / "indices")
     if config.per_split:
         parts = (config.train_data_path, config.valid_data_path, config.test_data_path)
+        for name, part in zip(("train", "valid", "test"), parts):
+            if part:
+                check_prefixes(f"--{name}-data-path", part)
         blends = dict(blend_per_split=[get_blend_from_list(p) if p else None for p in parts])
     else:
+        if config.data_path:
+            check_prefixes("--data-path", config.data_path)
         blends = dict(
             blend=get_blend_from_list(resolve_blend(config, tokenizer)),
             split=config.split or ("969,30,1" if config.data_path else "90,10,0"),

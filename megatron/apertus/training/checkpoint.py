@@ -18,6 +18,11 @@ checkpoint loads into either implementation. Any other missing weight is an erro
 Atomicity: a checkpoint is written under ``iter_XXXXXXX.tmp`` and renamed when every rank has
 finished; the tracker is replaced atomically afterwards. A directory left half-written (a job
 killed during save) keeps its ``.tmp`` name: it is never loaded and is removed by the next save.
+
+Refusals: a load compares every weight's global shape with the checkpoint's metadata before
+megatron-core reads anything, so a checkpoint of another architecture is refused in one line
+(:class:`CheckpointMismatch`) naming the first differing tensor, both shapes and the differing
+fields of ``apertus_model.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
 
@@ -62,20 +69,54 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A save directory (follow its tracker) or an ``iter_*`` directory itself."""
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The checkpoint at ``path`` (a save directory: follow its tracker; or an ``iter_*``
+    directory itself), or None when it holds none: missing, empty, or only a save cut short
+    before the tracker was first written. A tracker naming no complete checkpoint is an error:
+    that directory was damaged after a save, and starting over would hide it."""
     path = Path(path)
-    iteration = latest_iteration(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointMismatch(f"{path} is a file, not a checkpoint directory")
+    try:
+        iteration = latest_iteration(path)
+    except ValueError as err:
+        raise CheckpointMismatch(str(err)) from None
     resolved = path if iteration is None else iteration_dir(path, iteration)
-    if not (resolved / MODEL_CONFIG).is_file():
-        raise FileNotFoundError(
-            f"{resolved} is not a complete Apertus checkpoint (no {MODEL_CONFIG})"
+    if (resolved / MODEL_CONFIG).is_file():
+        return resolved
+    if iteration is None:
+        return None
+    raise CheckpointMismatch(
+        f"{path / TRACKER} names iteration {iteration}, but {resolved} is not a complete "
+        f"Apertus checkpoint (no {MODEL_CONFIG})"
+    )
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """Like :func:`find_checkpoint`, for callers that need a checkpoint there."""
+    resolved = find_checkpoint(path)
+    if resolved is None:
+        raise CheckpointMismatch(
+            f"{path} holds no Apertus checkpoint (no {TRACKER}, no {MODEL_CONFIG})"
         )
     return resolved
 
 
-def has_checkpoint(path: str | os.PathLike | None) -> bool:
-    return bool(path) and latest_iteration(path) is not None
+def check_save_dir(save_dir: str | os.PathLike) -> None:
+    """Create ``save_dir`` and write a file there, so that a directory this rank cannot write
+    fails at start-up rather than at the first save, with the steps before it lost."""
+    path = Path(save_dir)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker == path:
+        raise ConfigError(f"--save {path} is a file, not a directory")
+    if blocker is not None:
+        raise ConfigError(f"--save {path}: {blocker} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--save {path}: cannot write there ({err.strerror})") from None
 
 
 def load_model_config(path: str | os.PathLike) -> ApertusConfig:
@@ -199,14 +240,17 @@ def load(
     *,
     optimizer=None,
     scheduler=None,
+    model: ApertusConfig | None = None,
 ) -> tuple[TrainingState, bool]:
     """Load a checkpoint into this rank's chunks (and optimizer, scheduler, RNG when given).
 
     Weights reshard from whatever layout saved them. A weights-only checkpoint (converted or
-    initial) restores the model and leaves the rest fresh. Returns the training state and
-    whether the optimizer state was restored.
+    initial) restores the model and leaves the rest fresh. ``model``, the configuration the
+    chunks were built from, lets a refusal name the flags that differ. Returns the training
+    state and whether the optimizer state was restored.
     """
     directory = resolve_checkpoint(path)
+    _check_shapes(chunks, directory, model)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     full = optimizer is not None and has_optimizer_states(directory)
     # RNG states are per rank; in another layout they have no owner and the run keeps its seeds.
@@ -230,14 +274,57 @@ def load(
     if "rng_state" in loaded:
         _restore_rng(loaded["rng_state"])
     if full and scheduler is not None and "scheduler" in common:
-        # megatron-core's scheduler keeps the step count and, under --override-opt_param-scheduler,
-        # takes every other value from the current flags.
-        scheduler.load_state_dict(common["scheduler"])
+        _load_schedule(scheduler, common["scheduler"], directory)
     saved = common.get("training_state", {})
     state = TrainingState(
         iteration=saved.get("iteration", 0), consumed_samples=saved.get("consumed_samples", 0)
     )
     return state, full
+
+
+def _check_shapes(chunks, directory: Path, model: ApertusConfig | None) -> None:
+    """Refuse a checkpoint whose weights have other global shapes than this model's (another
+    architecture): megatron-core would stop mid-load with a traceback. Global shapes do not
+    depend on the TP/PP layout, so any layout compares."""
+    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    for tensor in nested_values(_model_state(chunks)):
+        if not isinstance(tensor, ShardedTensor) or tensor.key not in saved:
+            continue
+        theirs, ours = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
+        if theirs != ours:
+            raise CheckpointMismatch(
+                f"{directory} holds another architecture: {tensor.key} is {list(theirs)} there, "
+                f"{list(ours)} in this model{_config_differences(directory, model)}"
+            )
+
+
+def _config_differences(directory: Path, model: ApertusConfig | None) -> str:
+    """``; its apertus_model.json differs in --flag A there, B here, ...``, or nothing. Compared
+    as JSON, so a file of an older or newer version with other fields still compares."""
+    if model is None:
+        return ""
+    saved = json.loads((directory / MODEL_CONFIG).read_text())
+    ours = json.loads(model.to_json())
+    differ = [
+        f"--{name.replace('_', '-')} {saved.get(name)} there, {ours.get(name)} here"
+        for name in sorted(saved.keys() | ours.keys())
+        if saved.get(name) != ours.get(name)
+    ]
+    return f"; its {MODEL_CONFIG} differs in {', '.join(differ)}" if differ else ""
+
+
+def _load_schedule(scheduler, state: dict, directory: Path) -> None:
+    """megatron-core's scheduler keeps the step count and, under --override-opt_param-scheduler,
+    takes every other value from the current flags; with neither switch it asserts that the
+    flags agree with the checkpoint, which a user meets on changing e.g. --train-iters."""
+    try:
+        scheduler.load_state_dict(state)
+    except AssertionError as err:
+        raise CheckpointMismatch(
+            f"{directory} was saved with another learning-rate schedule ({err}); pass "
+            "--override-opt_param-scheduler to follow the flags, or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        ) from None
 
 
 def _is_extra_state(key: str) -> bool:

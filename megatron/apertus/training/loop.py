@@ -3,6 +3,11 @@
 One :class:`Trainer` per process. Every decision that changes what ranks do next (skip a step,
 save, stop) is taken from values all ranks share (all-reduced flags, the replicated grad norm),
 so ranks never diverge.
+
+Start-up checks what a user can get wrong before anything is allocated (an unwritable --save,
+batch sizes that do not split into micro-batches, a --load that is no checkpoint) and raises
+:class:`ConfigError` in one line; a --load that holds no checkpoint yet starts from scratch and
+says so, as Megatron-LM does.
 """
 
 from __future__ import annotations
@@ -130,10 +135,39 @@ def _check_resumable(settings: OptimizerSettings) -> None:
     )
 
 
+def _check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> None:
+    """Every global batch, each size of a ramp-up too, splits into whole micro-batches on every
+    data-parallel rank; said with the flags before megatron-core's calculator asserts."""
+    sizes = {"--global-batch-size": t.global_batch_size, "--micro-batch-size": t.micro_batch_size}
+    if t.rampup_batch_size is not None:
+        start, increment, _ = t.rampup_batch_size
+        sizes |= {"--rampup-batch-size START": start, "--rampup-batch-size INCREMENT": increment}
+    for flag, size in sizes.items():
+        if size < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {size}")
+    for flag, size in sizes.items():
+        if flag != "--micro-batch-size" and size % (t.micro_batch_size * dp):
+            raise ConfigError(
+                f"{flag} ({size}) is not divisible by --micro-batch-size ({t.micro_batch_size}) x "
+                f"data-parallel size ({dp} = world size {torch.distributed.get_world_size()} / "
+                f"(--tensor-model-parallel-size {layout.tensor_model_parallel_size} x "
+                f"--pipeline-model-parallel-size {layout.pipeline_model_parallel_size}))"
+            )
+    if t.rampup_batch_size is not None and (
+        start > t.global_batch_size or (t.global_batch_size - start) % increment
+    ):
+        raise ConfigError(
+            f"--rampup-batch-size START ({start}) does not reach --global-batch-size "
+            f"({t.global_batch_size}) in steps of INCREMENT ({increment})"
+        )
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, hooks: dict | None = None) -> None:
         self.cfg = cfg
         self.hooks = hooks or {}
+        if cfg.checkpoint.save:
+            checkpoint.check_save_dir(cfg.checkpoint.save)
         self.device_name = parallel.resolve_device(cfg.training.device)
         self.transformer_impl = validate_engine(
             cfg.engine,
@@ -153,6 +187,8 @@ class Trainer:
             else torch.device("cpu")
         )
         t = cfg.training
+        _check_batch_sizes(t, cfg.parallel, self.dp)
+        self.resume_from = self._find_checkpoint()
         init_num_microbatches_calculator(
             0, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, self.dp
         )
@@ -277,23 +313,47 @@ class Trainer:
     def _chunks(self):
         return [ddp.module for ddp in self.model]
 
-    def _resume(self) -> TrainingState:
-        """Continue from --load (its latest complete checkpoint), or start fresh."""
+    def _find_checkpoint(self) -> Path | None:
+        """The checkpoint --load names, looked up before anything is built."""
         source = self.cfg.checkpoint.load
         if not source:
+            return None
+        found = checkpoint.find_checkpoint(source)
+        if found is None:
+            self._log_fresh_start(source)
+        return found
+
+    def _resume(self) -> TrainingState:
+        """Continue from the checkpoint --load names, or start fresh."""
+        found = self.resume_from
+        if found is None:
             return TrainingState()
-        if checkpoint.has_optimizer_states(source):
+        if checkpoint.has_optimizer_states(found):
             _check_resumable(self.cfg.optimizer)
-        state, full = checkpoint.load(
-            source, self._chunks(), optimizer=self.optimizer, scheduler=self.scheduler
-        )
+        state, full = checkpoint.load(found, self._chunks(), optimizer=self.optimizer,
+                                      scheduler=self.scheduler, model=self.cfg.model)  # fmt: skip
         if not full:  # weights only: the optimizer's fp32 main params must follow the new weights
             self.optimizer.reload_model_params()
         update_num_microbatches(state.consumed_samples, consistency_check=False)
         if _is_reporting_rank():
-            log.info(f"resumed from {checkpoint.resolve_checkpoint(source)} at iteration {state.iteration}, "
+            log.info(f"resumed from {found} at iteration {state.iteration}, "
                      f"{state.consumed_samples} samples consumed")  # fmt: skip
         return state
+
+    def _log_fresh_start(self, source: str) -> None:
+        """As Megatron-LM does, a --load without a checkpoint starts from scratch. --load equal
+        to --save is the usual restartable job (its first start finds nothing); another --load
+        names a checkpoint to start from, so finding none there is a warning."""
+        if not _is_reporting_rank():
+            return
+        save = self.cfg.checkpoint.save
+        if save and Path(save).resolve() == Path(source).resolve():
+            log.info(f"no checkpoint found at {source}: starting from scratch")
+            return
+        found = f"holds no checkpoint (no {checkpoint.TRACKER}, no {checkpoint.MODEL_CONFIG})"
+        if not Path(source).exists():
+            found = "does not exist"
+        log.warning(f"--load {source} {found}: starting from scratch")
 
     # -- one step --------------------------------------------------------------------------------
 

@@ -1,0 +1,162 @@
+"""The mistakes of a first hour with the trainer: each is said in one line and exit code 2.
+
+Every test runs the real entry point. A refusal prints exactly one ``pretrain_gpt.py: error:``
+line naming the flag or file, and no traceback; a restartable job (``--save X --load X``)
+whose directory holds no checkpoint yet starts from scratch and says so, as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.apertus.training import checkpoint
+from tests.conftest import PRETRAIN, REPO, run_entry
+
+BASE = ["--model-preset", "tiny", "--global-batch-size", "2", "--micro-batch-size", "1",
+        "--eval-iters", "0"]  # fmt: skip
+TINY = BASE + ["--train-iters", "1"]
+ERROR = "pretrain_gpt.py: error: "
+
+
+def run(script: Path, args: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def refused(args: list[str], base: list[str] = TINY) -> str:
+    """The one error line of a run that must stop at a user mistake."""
+    proc = run(PRETRAIN, base + args)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    return errors[0].removeprefix(ERROR)
+
+
+@pytest.mark.parametrize("script", [PRETRAIN, REPO / "tools" / "generate_teacher_logits.py"])
+def test_start_without_notices_of_absent_transformer_engine_or_apex(script):
+    proc = run(script, ["--help"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for notice in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        assert notice not in proc.stderr
+
+
+# -- --load and --save -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("before", ["missing", "empty", "killed during its first save"])
+def test_a_job_with_no_checkpoint_yet_starts_from_scratch(tmp_path, before):
+    save = tmp_path / "save"
+    if before == "empty":
+        save.mkdir()
+    elif before == "killed during its first save":
+        (save / "iter_0000001.tmp").mkdir(parents=True)
+    proc = run_entry(PRETRAIN, TINY + ["--save", str(save), "--load", str(save)])
+    assert f"no checkpoint found at {save}: starting from scratch" in proc.stdout
+    assert checkpoint.latest_iteration(save) == 1
+    assert not list(save.glob("iter_*.tmp"))
+
+
+def test_load_of_a_directory_without_a_checkpoint_warns_and_starts_from_scratch(tmp_path):
+    (tmp_path / "README").write_text("not a checkpoint")
+    proc = run_entry(PRETRAIN, TINY + ["--load", str(tmp_path)])
+    assert (f"--load {tmp_path} holds no checkpoint (no latest_checkpointed_iteration.txt, "
+            "no apertus_model.json): starting from scratch") in proc.stdout  # fmt: skip
+    assert "iteration      1 |" in proc.stdout
+
+
+def test_load_of_a_file_is_refused(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_text("")
+    assert refused(["--load", str(path)]) == f"{path} is a file, not a checkpoint directory"
+
+
+def test_a_tracker_naming_no_checkpoint_is_refused(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5\n")
+    assert refused(["--load", str(tmp_path)]) == (
+        f"{tmp_path}/latest_checkpointed_iteration.txt names iteration 5, but "
+        f"{tmp_path}/iter_0000005 is not a complete Apertus checkpoint (no apertus_model.json)"
+    )
+
+
+def test_save_under_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "file").write_text("")
+    save = tmp_path / "file" / "checkpoints"
+    assert (
+        refused(["--save", str(save)])
+        == f"--save {save}: {tmp_path}/file is a file, not a directory"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_save_is_refused_before_training(tmp_path):
+    tmp_path.chmod(0o555)
+    try:
+        message = refused(["--save", str(tmp_path)])
+    finally:
+        tmp_path.chmod(0o755)
+    assert message == f"--save {tmp_path}: cannot write there (Permission denied)"
+
+
+@pytest.fixture(scope="module")
+def narrow_checkpoint(tmp_path_factory) -> Path:
+    """A one-step run of the tiny model with --hidden-size 32 (the preset has 64)."""
+    save = tmp_path_factory.mktemp("narrow")
+    run_entry(PRETRAIN, TINY + ["--hidden-size", "32", "--save", str(save)])
+    return save
+
+
+def test_load_of_another_architecture_names_the_tensor_and_both_shapes(narrow_checkpoint):
+    assert refused(["--load", str(narrow_checkpoint)]) == (
+        f"{narrow_checkpoint}/iter_0000001 holds another architecture: "
+        "embedding.word_embeddings.weight is [131072, 32] there, [131072, 64] in this model; "
+        "its apertus_model.json differs in --hidden-size 32 there, 64 here"
+    )
+
+
+def test_resume_with_another_schedule_names_the_switches(narrow_checkpoint):
+    message = refused(
+        ["--load", str(narrow_checkpoint), "--hidden-size", "32", "--train-iters", "2"]
+    )
+    assert message.startswith(f"{narrow_checkpoint}/iter_0000001 was saved with another "
+                              "learning-rate schedule (")  # fmt: skip
+    assert "--override-opt_param-scheduler" in message
+
+
+# -- data and batch sizes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "files, flag, expected",
+    [({"part.bin": b""}, "--data-path", "{p}.idx is missing ({p}.bin is there)"),
+     ({"part.idx": b"MMIDIDX\x00\x00"}, "--train-data-path", "{p}.bin is missing ({p}.idx is there)"),
+     ({"part.bin": b"", "part.idx": b""}, "--data-path",
+      "{p}.idx is not a Megatron index file (wrong header: truncated or another format)")],
+    ids=["only the .bin", "only the .idx", "an index of another format"],
+)  # fmt: skip
+def test_a_missing_or_broken_half_of_a_dataset_is_named(tmp_path, files, flag, expected):
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    prefix = tmp_path / "part"
+    assert refused([flag, "1.0", str(prefix)]).startswith(f"{flag}: " + expected.format(p=prefix))
+
+
+def test_a_global_batch_that_does_not_split_into_micro_batches_is_refused():
+    assert refused(["--global-batch-size", "5", "--micro-batch-size", "2"]) == (
+        "--global-batch-size (5) is not divisible by --micro-batch-size (2) x data-parallel size "
+        "(1 = world size 1 / (--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1))"
+    )
+
+
+def test_a_ramp_up_that_does_not_split_into_micro_batches_is_refused():
+    message = refused(["--train-samples", "20", "--global-batch-size", "8", "--micro-batch-size",
+                       "2", "--rampup-batch-size", "3", "1", "8"], base=BASE)  # fmt: skip
+    assert message.startswith(
+        "--rampup-batch-size START (3) is not divisible by --micro-batch-size"
+    )
