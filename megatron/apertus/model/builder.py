@@ -76,6 +76,7 @@ def transformer_config(
         # orders that cross over. The unbatched path separates the directions by group.
         batch_p2p_comm=not cpu_compat.is_enabled(),
         context_parallel_size=parallel.context_parallel_size,
+        cuda_graph_scope=[],  # megatron-core's default "full" only warns that it is deprecated
         **transformer_config_fields(engine or EngineConfig(), transformer_impl),
         **overrides,
     )
