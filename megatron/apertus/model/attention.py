@@ -37,8 +37,9 @@ def _varlen_attn() -> Callable | None:
 
 @functools.cache
 def _varlen_takes_gqa() -> bool:
-    """torch >= 2.12 shares each key/value head among its query heads (``enable_gqa``); older
-    versions need the key/value heads repeated."""
+    """Whether varlen_attn takes ``enable_gqa`` (newer torch). Without it the key/value heads
+    are repeated: torch 2.11's kernel accepted fewer of them, but its result with them is
+    untested, so the verified path is kept."""
     return "enable_gqa" in inspect.signature(_varlen_attn()).parameters
 
 
