@@ -203,8 +203,6 @@ REFUSED_8B = [
     "--num-workers 64: batches are read in the training process; data loader workers are "
     + NOT_YET,
     f"--num-dataset-builder-threads 4: building dataset indices in threads is {NOT_YET}",
-    f"--manual-gc: scheduled garbage collection is {NOT_YET}",
-    f"--manual-gc-interval 500: scheduled garbage collection is {NOT_YET}",
     "--overlap-grad-reduce: overlapping the gradient reduction with the backward pass is "
     + NOT_YET,
     "--overlap-param-gather: overlapping the parameter all-gather with the forward pass is "
@@ -212,17 +210,11 @@ REFUSED_8B = [
     f"--async-save: saving checkpoints in the background is {NOT_YET}",
     "--ckpt-fully-parallel-load: reading a checkpoint once and exchanging it between "
     f"data-parallel ranks is {NOT_YET}",
-    f"--log-params-norm: logging the parameter norm is {NOT_YET}",
-    f"--log-memory-to-tensorboard: logging memory use is {NOT_YET}",
 ]
 REFUSED_70B = [
-    "--decrease-batch-size-if-needed: shrinking the global batch to fit the data-parallel size "
-    f"is {NOT_YET}",
     "--num-workers 32: batches are read in the training process; data loader workers are "
     + NOT_YET,
     f"--num-dataset-builder-threads 4: building dataset indices in threads is {NOT_YET}",
-    f"--manual-gc: scheduled garbage collection is {NOT_YET}",
-    f"--manual-gc-interval 50: scheduled garbage collection is {NOT_YET}",
     "--overlap-grad-reduce: overlapping the gradient reduction with the backward pass is "
     + NOT_YET,
     "--overlap-param-gather: overlapping the parameter all-gather with the forward pass is "
@@ -233,7 +225,6 @@ REFUSED_70B = [
     f"--async-save: saving checkpoints in the background is {NOT_YET}",
     "--ckpt-fully-parallel-load: reading a checkpoint once and exchanging it between "
     f"data-parallel ranks is {NOT_YET}",
-    f"--log-memory-to-tensorboard: logging memory use is {NOT_YET}",
     f"--log-progress: writing progress.txt is {NOT_YET}",
 ]
 SCRIPTS = {"8b": (APERTUS_8B, REFUSED_8B), "70b": (APERTUS_70B, REFUSED_70B)}
@@ -302,6 +293,11 @@ def test_launch_script_without_the_refused_flags_is_the_apertus_run(
     assert cfg.schedule.lr_decay_style == "WSD" and cfg.schedule.override_opt_param_scheduler
     assert cfg.data.tokenizer_model == str(tokenizer_dir) and cfg.data.goldfish_loss
     assert cfg.dataset.split == "100,0,0" and cfg.dataset.reset_attention_mask
+    assert cfg.training.manual_gc
+    assert cfg.training.manual_gc_interval == {"8b": 500, "70b": 50}[script]
+    assert cfg.training.decrease_batch_size_if_needed == (script == "70b")
+    assert cfg.logging.log_memory_to_tensorboard
+    assert cfg.logging.log_params_norm == (script == "8b")
 
 
 BASE = ["--train-iters", "1", "--device", "cpu"]

@@ -241,8 +241,10 @@ def load(
     optimizer=None,
     scheduler=None,
     model: ApertusConfig | None = None,
+    rng: bool = False,
 ) -> tuple[TrainingState, bool]:
-    """Load a checkpoint into this rank's chunks (and optimizer, scheduler, RNG when given).
+    """Load a checkpoint into this rank's chunks (and optimizer, scheduler when given; with
+    ``rng`` each rank's RNG states, when the checkpoint was saved in this layout).
 
     Weights reshard from whatever layout saved them. A weights-only checkpoint (converted or
     initial) restores the model and leaves the rest fresh. ``model``, the configuration the
@@ -252,12 +254,13 @@ def load(
     directory = resolve_checkpoint(path)
     _check_shapes(chunks, directory, model)
     common = dist_checkpointing.load_common_state_dict(str(directory))
-    full = optimizer is not None and has_optimizer_states(directory)
+    trained = has_optimizer_states(directory)  # a training checkpoint: it holds RNG states too
+    full = optimizer is not None and trained
     # RNG states are per rank; in another layout they have no owner and the run keeps its seeds.
     same_layout = common.get("training_state", {}).get("layout") == _layout()
     template = _training_state_dict(
-        chunks, optimizer if full else None, None, TrainingState(), rng=full and same_layout,
-        loading=True,
+        chunks, optimizer if full else None, None, TrainingState(),
+        rng=rng and trained and same_layout, loading=True,
     )  # fmt: skip
     loaded, _, absent = dist_checkpointing.load(
         template, str(directory), strict=StrictHandling.RETURN_UNEXPECTED

@@ -67,6 +67,20 @@ class TrainingConfig:
     recompute_num_layers: Optional[int] = _help(
         "layers per recomputed group (uniform) or count (block)", None
     )
+    manual_gc: bool = _switch(
+        "turn Python's automatic garbage collector off and collect on every rank at the same "
+        "moments (start, --manual-gc-interval, around validation and saves), so no rank stalls "
+        "the others at a collective"
+    )
+    manual_gc_interval: int = _help(
+        "with --manual-gc: iterations between collections (0: only at start, validation, saves)",
+        0,
+    )
+    decrease_batch_size_if_needed: bool = _switch(
+        "a --global-batch-size that does not split into --micro-batch-size x data-parallel size "
+        "runs as the largest multiple of that below it (megatron-core's calculator) instead of "
+        "being refused"
+    )
     xielu_impl: str = _help("xIELU kernel: auto, cuda, cpu or torch", "auto")
     fused_output_loss: bool = _help(
         "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)", True
@@ -80,6 +94,8 @@ class TrainingConfig:
             raise ConfigError("--rampup-batch-size takes three numbers: START INCREMENT SAMPLES")
         if self.rampup_batch_size is not None and self.train_iters is not None:
             raise ConfigError("--rampup-batch-size needs --train-samples (the step count varies)")
+        if self.manual_gc_interval < 0:
+            raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
 
     def _resolve_precision(self) -> None:
         """``precision`` from --precision, --bf16 or --fp16, which must not disagree; always set
@@ -153,6 +169,21 @@ class CheckpointConfig:
         "checkpoint (save directory or iter_* directory) to start from", None
     )
     save_interval: int = _help("iterations between checkpoints (0: only at the end)", 0)
+    finetune: bool = _switch(
+        "load only the weights from --load: the iteration, consumed samples, optimizer, "
+        "learning-rate schedule and RNG states start fresh"
+    )
+    no_load_optim: bool = _switch(
+        "load the weights, iteration and consumed samples from --load, not the optimizer state; "
+        "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
+    )
+    no_load_rng: bool = _switch("keep this run's seeded RNG states instead of the checkpoint's")
+
+    def loads_optimizer(self) -> bool:
+        return not (self.finetune or self.no_load_optim)
+
+    def loads_rng(self) -> bool:
+        return not (self.finetune or self.no_load_rng)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -176,6 +207,17 @@ class LoggingConfig:
     loss_plot: Optional[str] = _help("PNG of the loss curves (default: SAVE/loss.png)", None)
     log_json: Optional[str] = _help(
         "write every logged iteration's loss and grad norm to this JSON file", None
+    )
+    log_params_norm: bool = _switch(
+        "log the L2 norm of all parameters (the whole model, each shard once) every --log-interval"
+    )
+    log_params_norm_per_param: bool = _switch(
+        "log each parameter's L2 norm (params-norm/NAME) to TensorBoard, wandb and --log-json "
+        "every --log-interval; Apertus-fork flag"
+    )
+    log_memory_to_tensorboard: bool = _switch(
+        "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "
+        "and reserved bytes, on a CPU the process's resident memory"
     )
     log_intermediate_metrics: Optional[list[str]] = _help(
         "statistics of every transformer GEMM's input, per layer, among mean, rms, kurtosis, "

@@ -23,7 +23,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
-    get_current_global_batch_size,
+    get_current_running_global_batch_size,
     get_num_microbatches,
     init_num_microbatches_calculator,
     update_num_microbatches,
@@ -59,6 +59,7 @@ from megatron.apertus.training.config import (
     OptimizerSettings,
     TrainingConfig,
 )
+from megatron.apertus.training.diagnostics import ManualGC, memory_stats, params_norms
 from megatron.apertus.training.gemm_metrics import GemmInputMonitor
 from megatron.apertus.training.metrics import (
     Metrics,
@@ -137,7 +138,9 @@ def _check_resumable(settings: OptimizerSettings) -> None:
 
 def _check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> None:
     """Every global batch, each size of a ramp-up too, splits into whole micro-batches on every
-    data-parallel rank; said with the flags before megatron-core's calculator asserts."""
+    data-parallel rank; said with the flags before megatron-core's calculator asserts. Under
+    --decrease-batch-size-if-needed megatron-core rounds each size down to such a multiple, so
+    each must only hold one micro-batch per rank."""
     sizes = {"--global-batch-size": t.global_batch_size, "--micro-batch-size": t.micro_batch_size}
     if t.rampup_batch_size is not None:
         start, increment, _ = t.rampup_batch_size
@@ -145,14 +148,19 @@ def _check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> No
     for flag, size in sizes.items():
         if size < 1:
             raise ConfigError(f"{flag} must be >= 1, got {size}")
+    unit = t.micro_batch_size * dp
     for flag, size in sizes.items():
-        if flag != "--micro-batch-size" and size % (t.micro_batch_size * dp):
-            raise ConfigError(
-                f"{flag} ({size}) is not divisible by --micro-batch-size ({t.micro_batch_size}) x "
-                f"data-parallel size ({dp} = world size {torch.distributed.get_world_size()} / "
-                f"(--tensor-model-parallel-size {layout.tensor_model_parallel_size} x "
-                f"--pipeline-model-parallel-size {layout.pipeline_model_parallel_size}))"
-            )
+        if flag == "--micro-batch-size" or not size % unit:
+            continue
+        if t.decrease_batch_size_if_needed and size >= unit:
+            continue
+        fits = "smaller than" if t.decrease_batch_size_if_needed else "not divisible by"
+        raise ConfigError(
+            f"{flag} ({size}) is {fits} --micro-batch-size ({t.micro_batch_size}) x "
+            f"data-parallel size ({dp} = world size {torch.distributed.get_world_size()} / "
+            f"(--tensor-model-parallel-size {layout.tensor_model_parallel_size} x "
+            f"--pipeline-model-parallel-size {layout.pipeline_model_parallel_size}))"
+        )
     if t.rampup_batch_size is not None and (
         start > t.global_batch_size or (t.global_batch_size - start) % increment
     ):
@@ -190,8 +198,14 @@ class Trainer:
         _check_batch_sizes(t, cfg.parallel, self.dp)
         self.resume_from = self._find_checkpoint()
         init_num_microbatches_calculator(
-            0, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, self.dp
+            torch.distributed.get_rank(),
+            t.rampup_batch_size,
+            t.global_batch_size,
+            t.micro_batch_size,
+            self.dp,
+            decrease_batch_size_if_needed=t.decrease_batch_size_if_needed,
         )
+        self._log_decreased_batch()
         self.tokenizer = self._tokenizer()
         self.batch = BatchConfig(
             eod=self.tokenizer.eod,
@@ -221,8 +235,18 @@ class Trainer:
         if cfg.checkpoint.load and self.state.iteration > 0:
             self.metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, self.state.iteration)
         self.skipped_in_a_row = 0
+        self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
 
     # -- setup -----------------------------------------------------------------------------------
+
+    def _log_decreased_batch(self) -> None:
+        """Say when megatron-core runs a smaller global batch than --global-batch-size."""
+        running = get_current_running_global_batch_size()
+        if running != self.cfg.training.global_batch_size and _is_reporting_rank():
+            t = self.cfg.training
+            log.info(f"--decrease-batch-size-if-needed: global batch {running} instead of "
+                     f"{t.global_batch_size} (a multiple of --micro-batch-size "
+                     f"{t.micro_batch_size} x data-parallel size {self.dp})")  # fmt: skip
 
     def _tokenizer(self) -> Tokenizer:
         tokenizer = build_tokenizer(self.cfg.data.tokenizer_type, self.cfg.data.tokenizer_model)
@@ -305,7 +329,7 @@ class Trainer:
         if consumed_samples >= self.cfg.training.total_samples():
             return
         teacher.prefetch(rank_positions(
-            consumed_samples, get_current_global_batch_size(),
+            consumed_samples, get_current_running_global_batch_size(),
             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=self.dp,
             length=len(self.train_data),
         ))  # fmt: skip
@@ -328,17 +352,33 @@ class Trainer:
         found = self.resume_from
         if found is None:
             return TrainingState()
-        if checkpoint.has_optimizer_states(found):
+        ck = self.cfg.checkpoint
+        optimizer = self.optimizer if ck.loads_optimizer() else None
+        if optimizer is not None and checkpoint.has_optimizer_states(found):
             _check_resumable(self.cfg.optimizer)
-        state, full = checkpoint.load(found, self._chunks(), optimizer=self.optimizer,
-                                      scheduler=self.scheduler, model=self.cfg.model)  # fmt: skip
+        state, full = checkpoint.load(found, self._chunks(), optimizer=optimizer,
+                                      scheduler=self.scheduler if optimizer else None,
+                                      model=self.cfg.model, rng=ck.loads_rng())  # fmt: skip
         if not full:  # weights only: the optimizer's fp32 main params must follow the new weights
             self.optimizer.reload_model_params()
+        if ck.finetune:
+            state = TrainingState()
         update_num_microbatches(state.consumed_samples, consistency_check=False)
         if _is_reporting_rank():
-            log.info(f"resumed from {found} at iteration {state.iteration}, "
-                     f"{state.consumed_samples} samples consumed")  # fmt: skip
+            log.info(self._describe_resume(found, state))
         return state
+
+    def _describe_resume(self, found: Path, state: TrainingState) -> str:
+        ck = self.cfg.checkpoint
+        if ck.finetune:
+            return (f"--finetune: weights loaded from {found}; iteration, consumed samples, "
+                    "optimizer, learning-rate schedule and RNG states start fresh")  # fmt: skip
+        line = (f"resumed from {found} at iteration {state.iteration}, "
+                f"{state.consumed_samples} samples consumed")  # fmt: skip
+        fresh = [f"{flag}: {what} start fresh" for flag, what, on in (
+            ("--no-load-optim", "optimizer and learning-rate schedule", ck.no_load_optim),
+            ("--no-load-rng", "RNG states", ck.no_load_rng)) if on]  # fmt: skip
+        return line + "".join(f"; {part}" for part in fresh)
 
     def _log_fresh_start(self, source: str) -> None:
         """As Megatron-LM does, a --load without a checkpoint starts from scratch. --load equal
@@ -380,7 +420,7 @@ class Trainer:
         return [iter(batches) for _ in self.model]
 
     def step(self) -> StepResult:
-        global_batch = get_current_global_batch_size()
+        global_batch = get_current_running_global_batch_size()
         teacher = self.teacher.targets if self.teacher is not None else None
         iterators = self._iterators(self.train_data, self.state.consumed_samples, global_batch,
                                     teacher)  # fmt: skip
@@ -415,7 +455,10 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.record("train/lr", it, lr)
         self.metrics.record("train/step_seconds", it, seconds)
-        if not _is_reporting_rank() or not (it % self.cfg.training.log_interval == 0 or it == 1):
+        if not (it % self.cfg.training.log_interval == 0 or it == 1):
+            return
+        diagnostics = self._record_diagnostics(it)
+        if not _is_reporting_rank():
             return
         tokens_s = (
             global_batch * self.cfg.model.seq_length / seconds / torch.distributed.get_world_size()
@@ -432,7 +475,24 @@ class Trainer:
             line += f" | TFLOP/s/device {tflops:.1f} | MFU {100 * tflops / peak:.1f}%"
         if result.goldfish_fraction is not None:
             line += f" | goldfish dropped {100 * result.goldfish_fraction:.2f}%"
-        log.info(line)
+        log.info(line + diagnostics)
+
+    def _record_diagnostics(self, it: int) -> str:
+        """Parameter norms (a collective: every rank computes them) and memory use, as asked
+        for; returns what the log line adds."""
+        logging_cfg = self.cfg.logging
+        added = ""
+        if logging_cfg.log_params_norm or logging_cfg.log_params_norm_per_param:
+            total, each = params_norms(self.model, per_param=logging_cfg.log_params_norm_per_param)
+            if logging_cfg.log_params_norm:
+                self.metrics.record("train/params_norm", it, total)
+                added = f" | params norm {total:.4f}"
+            for name, value in each.items():
+                self.metrics.record(f"params-norm/{name}", it, value)
+        if logging_cfg.log_memory_to_tensorboard:
+            for name, value in memory_stats(self.device).items():
+                self.metrics.record(name, it, value)
+        return added
 
     def evaluate(self) -> float | None:
         """Mean validation loss per token over ``--eval-iters`` global batches."""
@@ -442,7 +502,7 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         sums = []
-        global_batch = get_current_global_batch_size()
+        global_batch = get_current_running_global_batch_size()
         with torch.no_grad():
             for i in range(t.eval_iters):
                 iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
@@ -457,7 +517,9 @@ class Trainer:
         return (total[0] / total[1]).item()
 
     def validate(self) -> None:
+        self.gc.boundary()
         loss = self.evaluate()
+        self.gc.boundary()
         if loss is None:
             return
         self.metrics.record("valid/loss", self.state.iteration, loss)
@@ -470,6 +532,7 @@ class Trainer:
             return
         path = checkpoint.save(self.cfg.checkpoint.save, self._chunks(), self.cfg.model, self.state,
                                optimizer=self.optimizer, scheduler=self.scheduler)  # fmt: skip
+        self.gc.boundary()
         if _is_reporting_rank():
             self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)
             log.info(f"saved checkpoint {path}")
@@ -506,12 +569,13 @@ class Trainer:
         if t.eval_interval and self.state.iteration == 0:
             self.validate()
         while not self._finished():
-            global_batch = get_current_global_batch_size()
+            global_batch = get_current_running_global_batch_size()
             start = time.perf_counter()
             result = self.step()
             self._report(result, time.perf_counter() - start, global_batch)
             self._check_finite(result)
             it = self.state.iteration
+            self.gc.step(it)
             if t.eval_interval and it % t.eval_interval == 0:
                 self.validate()
             requests = self.stop.poll(self.device)
@@ -540,6 +604,7 @@ class Trainer:
         return self.metrics.history
 
     def shutdown(self) -> None:
+        self.gc.close()
         if self.teacher is not None:
             self.teacher.close()
         destroy_num_microbatches_calculator()

@@ -10,7 +10,8 @@ of them at once, one line each naming the flag, so a script learns in one try wh
 
 Nothing here changes a run. Megatron-LM flags that do change one are fields of the run's configs
 (``--bf16``, ``--use-rope-scaling``, ``--make-vocab-size-divisible-by``,
-``--num-layers-per-virtual-pipeline-stage``, ``--distributed-timeout-minutes`` ...).
+``--num-layers-per-virtual-pipeline-stage``, ``--distributed-timeout-minutes``, ``--finetune``,
+``--manual-gc``, ``--log-params-norm`` ...).
 """
 
 from __future__ import annotations
@@ -97,15 +98,10 @@ FLAGS: tuple[MegatronFlag, ...] = (
                  "over the data-parallel ranks (Megatron-LM's single sampler)",
                  "only single is implemented", takes=str, accepts=("single",),
                  choices=("single", "cyclic", "external")),
-    MegatronFlag("--decrease-batch-size-if-needed",
-                 refusal="shrinking the global batch to fit the data-parallel size is " + NOT_YET),
     MegatronFlag("--num-workers", refusal="batches are read in the training process; data "
                  "loader workers are " + NOT_YET, takes=int),
     MegatronFlag("--num-dataset-builder-threads", refusal="building dataset indices in threads "
                  "is " + NOT_YET, takes=int),
-    MegatronFlag("--manual-gc", refusal="scheduled garbage collection is " + NOT_YET),
-    MegatronFlag("--manual-gc-interval", refusal="scheduled garbage collection is " + NOT_YET,
-                 takes=int),
     # -- communication --------------------------------------------------------------------------
     MegatronFlag("--overlap-grad-reduce", refusal="overlapping the gradient reduction with the "
                  "backward pass is " + NOT_YET),
@@ -133,10 +129,6 @@ FLAGS: tuple[MegatronFlag, ...] = (
                  "on GPUs of known peak", accepts=SWITCH),
     MegatronFlag("--no-log-loss-scale-to-tensorboard", "the loss scale is never logged",
                  accepts=SWITCH),
-    MegatronFlag("--log-params-norm", refusal="logging the parameter norm is " + NOT_YET),
-    MegatronFlag("--log-params-norm-per-param",
-                 refusal="logging per-parameter norms is " + NOT_YET),
-    MegatronFlag("--log-memory-to-tensorboard", refusal="logging memory use is " + NOT_YET),
     MegatronFlag("--log-progress", refusal="writing progress.txt is " + NOT_YET),
 )  # fmt: skip
 

@@ -1,0 +1,223 @@
+"""Megatron-LM's run flags: --finetune, --no-load-optim, --no-load-rng, --manual-gc,
+--log-params-norm (and the Apertus fork's per-parameter norms), --log-memory-to-tensorboard,
+--decrease-batch-size-if-needed; each checked by its effect on a tiny run."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.apertus import parallel
+from megatron.apertus.model import ParallelConfig, transformer_config
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.training import checkpoint
+from megatron.apertus.training.loop import Trainer, train
+from tests.conftest import PRETRAIN, read_json, run_entry, series
+from tests.training.test_first_hour import refused
+
+BASE = (
+    "--model-preset tiny --global-batch-size 4 --micro-batch-size 2 --eval-iters 1 "
+    "--log-interval 1 --lr 3e-3 --seed 5"
+).split()
+
+
+LOG_NORMS = "--log-params-norm --log-params-norm-per-param"
+
+
+def _rng_hook(iteration: int, model) -> None:
+    """Draw from the torch RNG, so that the saved RNG state differs from a fresh start's."""
+    torch.rand(3)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint after 3 iterations (its RNG advanced by the hook), the torch RNG state it
+    saved, and the losses of the uninterrupted run of 5 iterations."""
+    root = tmp_path_factory.mktemp("flags")
+    train(
+        pretrain_gpt.parse_args(
+            BASE + ["--train-iters", "5", "--exit-interval", "3", "--save", str(root / "ckpt")]
+        ),
+        hooks={"grads": _rng_hook},
+    )
+    saved_rng = torch.get_rng_state()
+    ckpt, log = root / "ckpt", root / "full.json"
+    run_entry(
+        PRETRAIN, BASE + f"--train-iters 5 --save {ckpt} --load {ckpt} --log-json {log}".split()
+    )
+    return root, saved_rng, series(read_json(root / "full.json"), "train/loss")
+
+
+def _weights_only(source, target) -> None:
+    """Save the weights of ``source`` as a step-0 checkpoint without optimizer or RNG states."""
+    model_config = checkpoint.load_model_config(source)
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
+    try:
+        chunk = build_model(
+            model_config,
+            transformer_config(model_config, ParallelConfig(), use_cpu_initialization=True),
+        )[0]
+        checkpoint.load_model(source, [chunk])
+        checkpoint.save_model(target, 0, [chunk], model_config)
+    finally:
+        parallel.shutdown()
+
+
+def test_finetune_starts_at_iteration_1_from_the_weights_only(trained, tmp_path):
+    """--finetune from a training checkpoint is a start from its weights alone: the same losses
+    as a run from a weights-only copy, other losses than the run from scratch."""
+    root, _, (_, scratch) = trained
+    ckpt = root / "ckpt" / "iter_0000003"
+    _weights_only(ckpt, tmp_path / "weights")
+    runs, logs = {}, {}
+    for name, extra in (
+        ("finetune", ["--load", str(ckpt), "--finetune"]),
+        ("weights", ["--load", str(tmp_path / "weights")]),
+    ):
+        logs[name] = run_entry(
+            PRETRAIN,
+            BASE + ["--train-iters", "2", "--log-json", str(tmp_path / f"{name}.json")] + extra,
+        ).stdout
+        runs[name] = series(read_json(tmp_path / f"{name}.json"), "train/loss")
+    assert "--finetune: weights loaded from" in logs["finetune"]
+    assert "consumed samples 4 |" in logs["finetune"]
+    assert runs["finetune"][0] == [1, 2]
+    assert runs["finetune"] == runs["weights"]
+    assert runs["finetune"][1][0] < scratch[0]
+
+
+def test_no_load_optim_keeps_the_iteration_and_restarts_the_optimizer(trained):
+    root, _, (_, full) = trained
+    save = root / "ckpt" / "iter_0000003"
+    log = root / "no-optim.json"
+    proc = run_entry(
+        PRETRAIN, BASE + f"--train-iters 5 --load {save} --no-load-optim --log-json {log}".split()
+    )
+    assert "--no-load-optim: optimizer and learning-rate schedule start fresh" in proc.stdout
+    steps, losses = series(read_json(root / "no-optim.json"), "train/loss")
+    assert steps == [4, 5]
+    assert losses[0] == full[3], "the same weights see the same batch"
+    assert losses[1] != full[4], "a fresh Adam takes another step"
+
+
+@pytest.mark.parametrize("flags, restored", [([], True), (["--no-load-rng"], False)])
+def test_no_load_rng_keeps_the_seeded_rng_states(trained, flags, restored):
+    root, saved_rng, _ = trained
+    fresh = Trainer(pretrain_gpt.parse_args(BASE + ["--train-iters", "5"]))
+    seeded = torch.get_rng_state()
+    fresh.shutdown()
+    resumed = Trainer(
+        pretrain_gpt.parse_args(
+            BASE + ["--train-iters", "5", "--load", str(root / "ckpt" / "iter_0000003")] + flags
+        )
+    )
+    state = torch.get_rng_state()
+    resumed.shutdown()
+    assert not torch.equal(saved_rng, seeded)
+    assert torch.equal(state, saved_rng if restored else seeded)
+
+
+def test_manual_gc_disables_the_collector_and_collects_at_the_interval():
+    events = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            events.append("gc")
+
+    def on_step(iteration: int, model) -> None:
+        events.append(f"it{iteration}" + ("" if gc.isenabled() else " (gc off)"))
+
+    cfg = pretrain_gpt.parse_args(
+        BASE + ["--train-iters", "5", "--manual-gc", "--manual-gc-interval", "2"]
+    )
+    gc.callbacks.append(on_gc)
+    try:
+        train(cfg, hooks={"grads": on_step})
+    finally:
+        gc.callbacks.remove(on_gc)
+    first, last = events.index("it1 (gc off)"), events.index("it5 (gc off)")
+    assert events[first - 1] == "gc", "a collection at the start"
+    expected = "it1 (gc off)|it2 (gc off)|gc|it3 (gc off)|it4 (gc off)|gc|it5 (gc off)"
+    assert events[first : last + 1] == expected.split("|")
+    assert events[last + 1 :].count("gc") == 2, "before and after the final validation"
+    assert gc.isenabled()
+
+
+def _direct_norms(save) -> dict[str, float]:
+    model_config = checkpoint.load_model_config(save)
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
+    try:
+        chunk = build_model(
+            model_config,
+            transformer_config(model_config, ParallelConfig(), use_cpu_initialization=True),
+        )[0]
+        checkpoint.load_model(save, [chunk])
+        return {name: p.detach().double().norm().item() for name, p in chunk.named_parameters()}
+    finally:
+        parallel.shutdown()
+
+
+@pytest.fixture(scope="module")
+def norms(tmp_path_factory):
+    """A 1-process run of one step logging the norms, and the norms of its saved weights."""
+    root = tmp_path_factory.mktemp("norms")
+    flags = f"--train-iters 1 --save {root / 'ckpt'} {LOG_NORMS} --log-memory-to-tensorboard"
+    history = train(pretrain_gpt.parse_args(BASE + flags.split()))
+    return root, history, _direct_norms(root / "ckpt")
+
+
+def test_params_norm_is_the_norm_of_the_weights(norms):
+    _, history, direct = norms
+    (logged,) = [value for _, value in history["train/params_norm"]]
+    assert logged == pytest.approx(np.sqrt(sum(v * v for v in direct.values())), rel=1e-6)
+    per_param = {
+        k.removeprefix("params-norm/"): v[0][1]
+        for k, v in history.items()
+        if k.startswith("params-norm/")
+    }
+    assert per_param.keys() == direct.keys()
+    for name, value in direct.items():
+        assert per_param[name] == pytest.approx(value, rel=1e-6), name
+
+
+@pytest.mark.parametrize(
+    "layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]]
+)
+def test_params_norm_is_the_same_in_every_layout(norms, layout):
+    """The 1-process checkpoint under TP=2 or PP=2 (lr 0: the step changes nothing) logs the
+    same norm, and each parameter's under the same name."""
+    root, history, _ = norms
+    log = root / f"{layout[0]}.json"
+    flags = f"--train-iters 1 --load {root / 'ckpt'} --finetune --lr 0 --weight-decay 0 {LOG_NORMS}"
+    run_entry(PRETRAIN, BASE + layout + flags.split() + ["--log-json", str(log)], nproc=2)
+    theirs = read_json(log)
+    ours = {k: v for k, v in history.items() if "norm" in k and "grad" not in k}
+    assert {k for k in theirs if "norm" in k and "grad" not in k} == ours.keys()
+    for key, [[_, value]] in ours.items():
+        assert theirs[key][0][1] == pytest.approx(value, rel=1e-6), key
+
+
+def test_memory_is_logged(norms):
+    _, history, _ = norms
+    (rss,) = [value for _, value in history["memory/rss_bytes"]]
+    assert rss > 100 * 2**20
+
+
+def test_decrease_batch_size_if_needed(caplog):
+    """megatron-core runs the largest multiple of micro-batch x data-parallel size; without the
+    switch, and below one micro-batch, the global batch is refused."""
+    flags = BASE + ["--global-batch-size", "5", "--train-iters", "2"]
+    assert refused(flags, base=[]).startswith("--global-batch-size (5) is not divisible")
+    too_small = ["--global-batch-size", "1", "--decrease-batch-size-if-needed"]
+    assert refused(flags + too_small, base=[]).startswith(
+        "--global-batch-size (1) is smaller than --micro-batch-size (2)"
+    )
+    with caplog.at_level(logging.INFO, logger="apertus"):
+        train(pretrain_gpt.parse_args(flags + ["--decrease-batch-size-if-needed"]))
+    assert "--decrease-batch-size-if-needed: global batch 4 instead of 5" in caplog.text
+    assert "consumed samples 8 | lr 3.000e-03 | global batch 4 |" in caplog.text
