@@ -122,7 +122,8 @@ def transformer_engine_error() -> str | None:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # TE raises OSError/RuntimeError/ImportError for missing CUDA libs
-        return f"Transformer Engine does not import ({type(err).__name__}: {err})"
+        first_line = (str(err).splitlines() or [""])[0]
+        return f"Transformer Engine does not import ({type(err).__name__}: {first_line})"
     return None
 
 
