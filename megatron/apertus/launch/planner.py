@@ -115,7 +115,7 @@ class Plan:
 
 def _parser() -> argparse.ArgumentParser:
     """The layout-relevant part of ``pretrain_gpt.py``'s command line (same generated flags)."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     C.add_model_arguments(parser)
     C.add_arguments(parser, C.TrainingConfig, title="training")
     C.add_arguments(parser, C.OptimizerSettings, title="optimizer")
@@ -126,9 +126,10 @@ def run_from_args(argv: list[str], *, forward_only: bool = False) -> Run:
     """The run described by an entry point's flags; flags the planner does not need are ignored."""
     args, _ = _parser().parse_known_args(argv)
     try:
+        model = C.model_from_arguments(args)
         return Run(
-            model=C.model_from_arguments(args),
-            parallel=C.from_arguments(ParallelConfig, args),
+            model=model,
+            parallel=C.parallel_from_arguments(args, model),
             training=C.from_arguments(C.TrainingConfig, args),
             optimizer=C.from_arguments(C.OptimizerSettings, args),
             forward_only=forward_only,
