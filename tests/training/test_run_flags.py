@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -53,19 +55,26 @@ def trained(tmp_path_factory):
     return root, saved_rng, series(read_json(root / "full.json"), "train/loss")
 
 
-def _weights_only(source, target) -> None:
-    """Save the weights of ``source`` as a step-0 checkpoint without optimizer or RNG states."""
-    model_config = checkpoint.load_model_config(source)
+@contextlib.contextmanager
+def _loaded(save) -> Iterator[torch.nn.Module]:
+    """The model of checkpoint ``save``, loaded into one CPU process."""
+    model_config = checkpoint.load_model_config(save)
     parallel.initialize(ParallelConfig(), device="cpu", seed=0)
     try:
         chunk = build_model(
             model_config,
             transformer_config(model_config, ParallelConfig(), use_cpu_initialization=True),
         )[0]
-        checkpoint.load_model(source, [chunk])
-        checkpoint.save_model(target, 0, [chunk], model_config)
+        checkpoint.load_model(save, [chunk])
+        yield chunk
     finally:
         parallel.shutdown()
+
+
+def _weights_only(source, target) -> None:
+    """Save the weights of ``source`` as a step-0 checkpoint without optimizer or RNG states."""
+    with _loaded(source) as chunk:
+        checkpoint.save_model(target, 0, [chunk], checkpoint.load_model_config(source))
 
 
 def test_finetune_starts_at_iteration_1_from_the_weights_only(trained, tmp_path):
@@ -149,17 +158,8 @@ def test_manual_gc_disables_the_collector_and_collects_at_the_interval():
 
 
 def _direct_norms(save) -> dict[str, float]:
-    model_config = checkpoint.load_model_config(save)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
-    try:
-        chunk = build_model(
-            model_config,
-            transformer_config(model_config, ParallelConfig(), use_cpu_initialization=True),
-        )[0]
-        checkpoint.load_model(save, [chunk])
+    with _loaded(save) as chunk:
         return {name: p.detach().double().norm().item() for name, p in chunk.named_parameters()}
-    finally:
-        parallel.shutdown()
 
 
 @pytest.fixture(scope="module")
