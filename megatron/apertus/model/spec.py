@@ -44,6 +44,33 @@ def _xielu_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
     )
 
 
+def _attention_spec(
+    model: ApertusConfig, *, qkv: type, core: type, proj: type, norm: type
+) -> ModuleSpec:
+    """Causal self-attention from one implementation's modules; ``norm`` is the QK-norm."""
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=qkv,
+            core_attention=core,
+            linear_proj=proj,
+            q_layernorm=norm if model.qk_layernorm else None,
+            k_layernorm=norm if model.qk_layernorm else None,
+        ),
+    )
+
+
+def _mlp_spec(model: ApertusConfig, xielu_impl: str, *, fc1: type, fc2: type) -> ModuleSpec:
+    """The non-gated MLP ``fc2(xIELU(fc1(x)))``."""
+    return ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=fc1, activation_func=_xielu_spec(model, xielu_impl), linear_fc2=fc2
+        ),
+    )
+
+
 def apertus_layer_spec(
     model: ApertusConfig,
     *,
@@ -56,24 +83,10 @@ def apertus_layer_spec(
         return _te_layer_spec(model, xielu_impl, attention_backend)
     if transformer_impl != "local":
         raise ValueError(f"unknown transformer_impl {transformer_impl!r}")
-    xielu = _xielu_spec(model, xielu_impl)
-    attention = ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
-            core_attention=SDPAttention,
-            linear_proj=RowParallelLinear,
-            q_layernorm=RMSNorm if model.qk_layernorm else None,
-            k_layernorm=RMSNorm if model.qk_layernorm else None,
-        ),
+    attention = _attention_spec(
+        model, qkv=ColumnParallelLinear, core=SDPAttention, proj=RowParallelLinear, norm=RMSNorm
     )
-    mlp = ModuleSpec(
-        module=MLP,
-        submodules=MLPSubmodules(
-            linear_fc1=ColumnParallelLinear, activation_func=xielu, linear_fc2=RowParallelLinear
-        ),
-    )
+    mlp = _mlp_spec(model, xielu_impl, fc1=ColumnParallelLinear, fc2=RowParallelLinear)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -105,27 +118,11 @@ def _te_layer_spec(
         TERowParallelLinear,
     )
 
-    attention = ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=TELayerNormColumnParallelLinear,
-            core_attention=(
-                SDPAttention if attention_backend == AttnBackend.local else TEDotProductAttention
-            ),
-            linear_proj=TERowParallelLinear,
-            q_layernorm=TENorm if model.qk_layernorm else None,
-            k_layernorm=TENorm if model.qk_layernorm else None,
-        ),
+    core = SDPAttention if attention_backend == AttnBackend.local else TEDotProductAttention
+    attention = _attention_spec(
+        model, qkv=TELayerNormColumnParallelLinear, core=core, proj=TERowParallelLinear, norm=TENorm
     )
-    mlp = ModuleSpec(
-        module=MLP,
-        submodules=MLPSubmodules(
-            linear_fc1=TELayerNormColumnParallelLinear,
-            activation_func=_xielu_spec(model, xielu_impl),
-            linear_fc2=TERowParallelLinear,
-        ),
-    )
+    mlp = _mlp_spec(model, xielu_impl, fc1=TELayerNormColumnParallelLinear, fc2=TERowParallelLinear)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
