@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.metadata
 import logging
 from typing import Iterator
 
@@ -18,6 +19,7 @@ from megatron.apertus import parallel
 from megatron.apertus.model import ParallelConfig, transformer_config
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.training import checkpoint
+from megatron.apertus.training.checkpoint_files import read_run_info
 from megatron.apertus.training.loop import Trainer, train
 from tests.conftest import PRETRAIN, read_json, run_entry, series
 from tests.training.test_first_hour import refused
@@ -98,6 +100,18 @@ def test_finetune_starts_at_iteration_1_from_the_weights_only(trained, tmp_path)
     assert runs["finetune"][0] == [1, 2]
     assert runs["finetune"] == runs["weights"]
     assert runs["finetune"][1][0] < scratch[0]
+
+
+def test_a_training_checkpoint_records_its_run(trained):
+    """``apertus_run.json``: the tokenizer, the data, the tokens seen and the command."""
+    root, _, _ = trained
+    info = read_run_info(checkpoint.find_checkpoint(root / "ckpt"))
+    assert info["tokenizer"] == {"type": "TekkenTokenizer", "model": None}
+    assert info["data_path"] == []  # the embedded corpus
+    assert (info["iteration"], info["consumed_samples"]) == (5, 20)
+    assert info["consumed_tokens"] == 20 * checkpoint.load_model_config(root / "ckpt").seq_length
+    assert info["command"][0].endswith("pretrain_gpt.py") and "--save" in info["command"]
+    assert info["version"] == importlib.metadata.version("megatron-apertus")
 
 
 def test_no_load_optim_keeps_the_iteration_and_restarts_the_optimizer(trained):

@@ -5,6 +5,7 @@ Layout of a save directory::
     SAVE/latest_checkpointed_iteration.txt   iteration of the newest *complete* checkpoint
     SAVE/iter_0000100/                        dist_checkpointing files
     SAVE/iter_0000100/apertus_model.json      ApertusConfig of the model (JSON, no pickle)
+    SAVE/iter_0000100/apertus_run.json        the run's record (training saves; see RUN_INFO)
 
 What a training checkpoint holds: the model, the optimizer (its states sharded as the model is;
 with the distributed optimizer in megatron-core's ``fully_reshardable`` form, so TP/PP/DP may
@@ -47,6 +48,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.apertus.model.config import ApertusConfig, ConfigError
 from megatron.apertus.training.checkpoint_files import (
     MODEL_CONFIG,
+    RUN_INFO,
     TRACKER,
     iteration_dir,
     latest_iteration,
@@ -206,8 +208,12 @@ def save(
     *,
     optimizer=None,
     scheduler=None,
+    run_info: dict | None = None,
 ) -> Path:
-    """Save a complete checkpoint (a collective: every rank calls it) and advance the tracker."""
+    """Save a complete checkpoint (a collective: every rank calls it) and advance the tracker.
+
+    ``run_info`` (JSON-serialisable) is recorded as ``apertus_run.json``: exports read the
+    tokenizer and the training data from it."""
     final = iteration_dir(save_dir, state.iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
@@ -222,6 +228,8 @@ def save(
     dist.barrier()
     if rank0:
         (tmp / MODEL_CONFIG).write_text(model.to_json())
+        if run_info is not None:
+            (tmp / RUN_INFO).write_text(json.dumps(run_info, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _atomic_write(Path(save_dir) / TRACKER, f"{state.iteration}\n")

@@ -6,16 +6,20 @@ Launchers (``launch/slurm.py``, whose batch step may run on a host Python withou
     SAVE/latest_checkpointed_iteration.txt   iteration of the newest *complete* checkpoint
     SAVE/iter_0000100/                        a checkpoint (complete once the tracker names it)
     SAVE/iter_0000100.tmp/                    a checkpoint being written
+    SAVE/iter_0000100/apertus_run.json        how the run that saved it was made (tokenizer,
+                                              data, tokens seen, command); training saves only
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_CONFIG = "apertus_model.json"
+RUN_INFO = "apertus_run.json"
 _ITERATION_DIR = re.compile(r"iter_(\d{7})(\.tmp)?")
 
 
@@ -47,3 +51,12 @@ def unfinished_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
             if match.group(2) or latest is None or int(match.group(1)) > latest:
                 found.append(path)
     return found
+
+
+def read_run_info(checkpoint_dir: str | os.PathLike) -> dict | None:
+    """The run record of a checkpoint directory (``iter_*``), or None when it has none
+    (checkpoints written by conversion tools, or by versions that did not record runs)."""
+    path = Path(checkpoint_dir) / RUN_INFO
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())

@@ -12,9 +12,12 @@ says so, as Megatron-LM does.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 import math
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -107,6 +110,16 @@ def _describe_engine(impl: str, engine: EngineConfig) -> str:
         precision = f"FP8 {engine.fp8_format} GEMMs, {engine.fp8_recipe} scaling"
     determinism = ", deterministic kernels" if engine.deterministic_mode else ""
     return f"transformer implementation: {impl}{chosen}; {precision}{determinism}"
+
+
+def _source_commit() -> str | None:
+    """The git commit of this source tree, when it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 class TrainingStopped(RuntimeError):
@@ -527,11 +540,31 @@ class Trainer:
             log.info(f"validation at iteration {self.state.iteration} | lm loss {loss:.5f} | "
                      f"ppl {perplexity(loss):.2f}")  # fmt: skip
 
+    def _run_info(self) -> dict:
+        """What a checkpoint records of the run that made it (``apertus_run.json``): exports
+        write the run's tokenizer and a model card from it."""
+        data, dataset = self.cfg.data, self.cfg.dataset
+        tokenizer_model = data.tokenizer_model
+        if tokenizer_model is not None and Path(tokenizer_model).exists():
+            tokenizer_model = str(Path(tokenizer_model).resolve())
+        return {
+            "tokenizer": {"type": data.tokenizer_type, "model": tokenizer_model},
+            "data_path": list(dataset.data_path or dataset.train_data_path),
+            "iteration": self.state.iteration,
+            "consumed_samples": self.state.consumed_samples,
+            "consumed_tokens": self.state.consumed_samples * self.cfg.model.seq_length,
+            "seq_length": self.cfg.model.seq_length,
+            "command": list(sys.argv),
+            "version": importlib.metadata.version("megatron-apertus"),
+            "git_commit": _source_commit(),
+        }
+
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
         path = checkpoint.save(self.cfg.checkpoint.save, self._chunks(), self.cfg.model, self.state,
-                               optimizer=self.optimizer, scheduler=self.scheduler)  # fmt: skip
+                               optimizer=self.optimizer, scheduler=self.scheduler,
+                               run_info=self._run_info())  # fmt: skip
         self.gc.boundary()
         if _is_reporting_rank():
             self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)
