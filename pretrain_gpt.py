@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, C.OptimizerSettings, title="optimizer")
     C.add_arguments(parser, AdEMAMixSettings, title="AdEMAMix", prefix="ademamix_")
     C.add_arguments(parser, ScheduleConfig, title="learning-rate schedule")
+    C.add_arguments(parser, C.CommunicationConfig, title="communication overlap")
     C.add_arguments(parser, C.CheckpointConfig, title="checkpointing")
     C.add_arguments(parser, C.DataConfig, title="data")
     C.add_arguments(parser, DatasetConfig, title="datasets")
@@ -69,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             logging=C.from_arguments(C.LoggingConfig, args),
             distill=C.from_arguments(DistillConfig, args),
             engine=C.from_arguments(EngineConfig, args),
+            communication=C.from_arguments(C.CommunicationConfig, args),
+        )
+        config.communication.check(
+            distributed_optimizer=config.optimizer.use_distributed_optimizer,
+            virtual_pipeline=config.parallel.virtual_pipeline_model_parallel_size is not None,
         )
         validate_engine(
             config.engine,

@@ -18,6 +18,7 @@ APERTUS_RECIPE=(
     --optimizer ademamix --adam-beta1 0.9 --adam-beta2 0.999 --ademamix-beta3 0.9999
     --ademamix-alpha 8 --ademamix-alpha-warmup 100000 --ademamix-beta3-warmup 100000
     --weight-decay 0.1 --clip-grad 0.1 --use-distributed-optimizer
+    --overlap-grad-reduce --overlap-param-gather
     --lr-decay-style WSD --lr-wsd-decay-style 1-sqrt
     "${APERTUS_DATA_FLAGS[@]}"
     --log-interval 10 --eval-interval 2000 --eval-iters 10

@@ -1,5 +1,6 @@
-"""TP=2, PP=2 (also interleaved), DP=2 (also with the distributed optimizer) on 2 CPU processes
-reproduce the single-process losses of 3 optimizer steps from the same initial checkpoint.
+"""TP=2, PP=2 (also interleaved), DP=2 (also with the distributed optimizer), with and without
+overlapped communication, on 2 CPU processes reproduce the single-process losses of 3 optimizer
+steps from the same initial checkpoint.
 
 Tolerances (fp32): relative 2e-6 on every training and validation loss; relative 1e-4 on the
 gradient norm. Splitting a matmul over TP ranks or a batch over DP ranks changes the order of
@@ -22,6 +23,8 @@ COMMON = [
     "--micro-batch-size", "1", "--eval-iters", "1", "--log-interval", "1", "--adam-eps", "1e-4",
 ]  # fmt: skip
 RTOL = 2e-6
+OVERLAP_BUCKET = 40_000
+"""Gradient elements per bucket with overlap: the tiny model's chunks split into several."""
 GRAD_NORM_RTOL = 5e-4
 
 LAYOUTS = {
@@ -30,6 +33,10 @@ LAYOUTS = {
     "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
     "dp2": [],
     "dp2-distributed-optimizer": ["--use-distributed-optimizer"],
+    # Overlapped communication (several buckets) must not change a result.
+    "dp2-overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", str(OVERLAP_BUCKET)],
+    "dp2-distributed-optimizer-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", str(OVERLAP_BUCKET)],
+    "pp2-interleaved-overlap": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-p2p-communication-warmup-flush"],
 }  # fmt: skip
 
 

@@ -74,7 +74,8 @@ def transformer_config(
         # gloo matches point-to-point messages between two ranks in posting order; with PP=2 and
         # virtual stages the batched path posts activations and gradients to the same peer in
         # orders that cross over. The unbatched path separates the directions by group.
-        batch_p2p_comm=not cpu_compat.is_enabled(),
+        # Overlapped p2p (megatron-core's overlap_p2p_comm) is unbatched by definition.
+        batch_p2p_comm=not (cpu_compat.is_enabled() or overrides.get("overlap_p2p_comm", False)),
         context_parallel_size=parallel.context_parallel_size,
         cuda_graph_scope=[],  # megatron-core's default "full" only warns that it is deprecated
         **transformer_config_fields(engine or EngineConfig(), transformer_impl),

@@ -45,6 +45,14 @@ def _token_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).reshape(-1, *t.shape[2:])
 
 
+def _run_forward_pre_hooks(module: torch.nn.Module) -> None:
+    """What calling ``module`` would run before its forward. The fused loss reads the output
+    layer's weight without calling the layer, yet hooks must see it used: megatron-core's DDP
+    waits there for the weight's all-gather under --overlap-param-gather."""
+    for hook in module._forward_pre_hooks.values():
+        hook(module, ())
+
+
 class FusedLossGPTModel(GPTModel):
     """megatron-core GPTModel with the fused linear cross-entropy (or distillation) loss on the
     last stage."""
@@ -74,6 +82,8 @@ class FusedLossGPTModel(GPTModel):
             if self.share_embeddings_and_output_weights
             else self.output_layer.weight
         )
+        if weight is self.output_layer.weight:
+            _run_forward_pre_hooks(self.output_layer)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         teacher = getattr(self, "_teacher", None)

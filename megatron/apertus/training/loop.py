@@ -57,6 +57,7 @@ from megatron.apertus.training import checkpoint
 from megatron.apertus.training.checkpoint import TrainingState
 from megatron.apertus.training.config import (
     CheckpointConfig,
+    CommunicationConfig,
     DataConfig,
     LoggingConfig,
     OptimizerSettings,
@@ -76,6 +77,7 @@ from megatron.apertus.training.step import (
     StepResult,
     StepShape,
     run_microbatches,
+    synced_parameters,
     train_step,
     wrap_ddp,
 )
@@ -100,6 +102,7 @@ class RunConfig:
     logging: LoggingConfig
     distill: DistillConfig = field(default_factory=DistillConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    communication: CommunicationConfig = field(default_factory=CommunicationConfig)
 
 
 def _describe_engine(impl: str, engine: EngineConfig) -> str:
@@ -286,6 +289,9 @@ class Trainer:
             transformer_impl=self.transformer_impl,
             engine=cfg.engine,
             **cfg.training.recompute_overrides(),
+            **cfg.communication.transformer_overrides(
+                virtual_pipeline=cfg.parallel.virtual_pipeline_model_parallel_size is not None
+            ),
         )
         if _is_reporting_rank():
             log.info(_describe_engine(self.transformer_impl, cfg.engine))
@@ -299,6 +305,9 @@ class Trainer:
             tconfig,
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             fp8_param_gather=cfg.engine.fp8_param_gather,
+            overlap_grad_reduce=cfg.communication.overlap_grad_reduce,
+            overlap_param_gather=cfg.communication.overlap_param_gather,
+            bucket_size=cfg.communication.ddp_bucket_size,
         )
 
     def _gemm_monitor(self) -> GemmInputMonitor | None:
@@ -496,7 +505,9 @@ class Trainer:
         logging_cfg = self.cfg.logging
         added = ""
         if logging_cfg.log_params_norm or logging_cfg.log_params_norm_per_param:
-            total, each = params_norms(self.model, per_param=logging_cfg.log_params_norm_per_param)
+            with synced_parameters(self.model):
+                total, each = params_norms(self.model,
+                                           per_param=logging_cfg.log_params_norm_per_param)  # fmt: skip
             if logging_cfg.log_params_norm:
                 self.metrics.record("train/params_norm", it, total)
                 added = f" | params norm {total:.4f}"
@@ -516,7 +527,7 @@ class Trainer:
             chunk.eval()
         sums = []
         global_batch = get_current_running_global_batch_size()
-        with torch.no_grad():
+        with torch.no_grad(), synced_parameters(self.model):
             for i in range(t.eval_iters):
                 iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
                 losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
@@ -562,9 +573,10 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
-        path = checkpoint.save(self.cfg.checkpoint.save, self._chunks(), self.cfg.model, self.state,
-                               optimizer=self.optimizer, scheduler=self.scheduler,
-                               run_info=self._run_info())  # fmt: skip
+        with synced_parameters(self.model):
+            path = checkpoint.save(self.cfg.checkpoint.save, self._chunks(), self.cfg.model,
+                                   self.state, optimizer=self.optimizer, scheduler=self.scheduler,
+                                   run_info=self._run_info())  # fmt: skip
         self.gc.boundary()
         if _is_reporting_rank():
             self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)

@@ -4,7 +4,7 @@ this code always does, refused where they ask for something it does not implemen
 Megatron-LM launch scripts (the Apertus 8B and 70B ones among them) carry three kinds of such
 flags: restatements of the architecture (``--xielu``, ``--normalization RMSNorm``), choices
 that name our only behaviour (``--ckpt-format torch_dist``, ``--dataloader-type single``), and
-behaviours we do not have yet (``--overlap-grad-reduce``, ``--async-save``). The first two are
+behaviours we do not have yet (``--async-save``). The first two are
 accepted, so such scripts run unmodified; any other value, and the third kind, is refused, all
 of them at once, one line each naming the flag, so a script learns in one try what to drop.
 
@@ -102,15 +102,6 @@ FLAGS: tuple[MegatronFlag, ...] = (
                  "loader workers are " + NOT_YET, takes=int),
     MegatronFlag("--num-dataset-builder-threads", refusal="building dataset indices in threads "
                  "is " + NOT_YET, takes=int),
-    # -- communication --------------------------------------------------------------------------
-    MegatronFlag("--overlap-grad-reduce", refusal="overlapping the gradient reduction with the "
-                 "backward pass is " + NOT_YET),
-    MegatronFlag("--overlap-param-gather", refusal="overlapping the parameter all-gather with "
-                 "the forward pass is " + NOT_YET),
-    MegatronFlag("--ddp-bucket-size", refusal="choosing the gradient bucket size is " + NOT_YET,
-                 takes=int),
-    MegatronFlag("--overlap-p2p-communication-warmup-flush", refusal="overlapping pipeline "
-                 "sends and receives in warmup and flush is " + NOT_YET),
     # -- checkpoints ---------------------------------------------------------------------------
     MegatronFlag("--ckpt-format", "megatron-core torch_dist checkpoints (always)",
                  "only torch_dist is implemented", takes=str, accepts=("torch_dist",)),

@@ -7,6 +7,7 @@ masked positions all give the same gradient as one big batch would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -53,11 +54,20 @@ def wrap_ddp(
     *,
     use_distributed_optimizer: bool,
     fp8_param_gather: bool = False,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+    bucket_size: int | None = None,
 ) -> list[DistributedDataParallel]:
-    """Wrap each model chunk in megatron-core DDP (gradients go to ``param.main_grad``)."""
+    """Wrap each model chunk in megatron-core DDP (gradients go to ``param.main_grad``).
+
+    With ``overlap_param_gather`` several chunks (virtual pipeline stages) gather their
+    parameters in the order the schedule first runs them (``align_param_gather``)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        align_param_gather=overlap_param_gather and len(chunks) > 1,
+        bucket_size=bucket_size,
         use_distributed_optimizer=use_distributed_optimizer,
         fp8_param_gather=fp8_param_gather,
     )
@@ -80,7 +90,36 @@ def install_schedule_hooks(
         )
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    ddp_config = model[0].ddp_config
+    if (
+        ddp_config.overlap_grad_reduce
+        and parallel_state.get_pipeline_model_parallel_world_size() > 1
+    ):
+        # Pipeline stages start each chunk's reduction when its last backward is done.
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+        if len(model) == 1:
+            config.grad_sync_func = config.grad_sync_func[0]
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        config.param_sync_func = [chunk.start_param_sync for chunk in model]
+        if len(model) == 1:
+            config.param_sync_func = config.param_sync_func[0]
     return optimizer
+
+
+@contextlib.contextmanager
+def synced_parameters(model: list[DistributedDataParallel]) -> Iterator[None]:
+    """Context for reading the weights outside a training step (validation, checkpoints).
+
+    Under --overlap-param-gather the weights an optimizer step updated reach each rank only in
+    the next forward pass; this gathers them now, and keeps the gather hooks off meanwhile."""
+    chunks = [chunk for chunk in model if chunk.use_forward_hook]
+    for chunk in chunks:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            chunk.enable_forward_pre_hook()
 
 
 def _loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
