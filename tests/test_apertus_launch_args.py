@@ -203,17 +203,11 @@ APERTUS_70B = """
 
 NOT_YET = "not implemented yet"
 REFUSED_8B = [
-    "--num-workers 64: batches are read in the training process; data loader workers are "
-    + NOT_YET,
-    f"--num-dataset-builder-threads 4: building dataset indices in threads is {NOT_YET}",
     f"--async-save: saving checkpoints in the background is {NOT_YET}",
     "--ckpt-fully-parallel-load: reading a checkpoint once and exchanging it between "
     f"data-parallel ranks is {NOT_YET}",
 ]
 REFUSED_70B = [
-    "--num-workers 32: batches are read in the training process; data loader workers are "
-    + NOT_YET,
-    f"--num-dataset-builder-threads 4: building dataset indices in threads is {NOT_YET}",
     f"--async-save: saving checkpoints in the background is {NOT_YET}",
     "--ckpt-fully-parallel-load: reading a checkpoint once and exchanging it between "
     f"data-parallel ranks is {NOT_YET}",

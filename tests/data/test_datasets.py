@@ -1,4 +1,5 @@
-"""Training datasets through megatron-core's builder: blends, splits, layout-independent order."""
+"""Training datasets through megatron-core's builder: blends, splits, layout-independent order,
+and the same batches whatever the number of reader processes and index-builder threads."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import numpy as np
 import pytest
 
 from megatron.apertus import parallel
-from megatron.apertus.data.batches import BatchConfig, step_micro_batches
+from megatron.apertus.data.batches import BatchConfig, MicroBatchReader, step_micro_batches
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
+from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.model import ParallelConfig
@@ -87,3 +89,50 @@ def test_sample_order_does_not_depend_on_data_parallel_size(corpora):
         return [r.tolist() for b in rows for r in b.tokens]
 
     assert step_tokens(1) == step_tokens(2) == step_tokens(4)
+
+
+def _batch_tensors(batches) -> list[list]:
+    """Everything a micro-batch carries, as plain lists."""
+    out = []
+    for b in batches:
+        fields = [b.tokens, b.labels, b.loss_mask, b.position_ids]
+        if b.packed_seq_params is not None:
+            fields.append(b.packed_seq_params.cu_seqlens_q)
+        out.append([t.tolist() for t in fields] + [b.goldfish_dropped, b.loss_positions])
+    return out
+
+
+def test_worker_processes_read_the_same_batches(corpora):
+    """--num-workers: prefetched steps, a step read without prefetch and a prefetch for another
+    batch size (a ramp-up) all give the batches of the training process's own reading."""
+    root, (first, second), tokenizer = corpora
+    config = DatasetConfig(data_path=["0.5", first, "0.5", second], split="100,0,0",
+                           data_cache_path=str(root / "cache"))  # fmt: skip
+    train, _, _ = build_datasets(config, tokenizer, seq_length=48, seed=3, num_samples=(96, 0, 0))
+    batch = BatchConfig(eod=tokenizer.eod, pack_documents=True,
+                        goldfish=GoldfishConfig(k=4, h=8))  # fmt: skip
+    layout = dict(micro_batch_size=2, dp_rank=1, dp_size=2)
+    reader = MicroBatchReader(train, batch, num_workers=2, **layout)
+    steps = [(0, 8), (8, 8), (16, 16), (32, 16), (48, 8)]
+    reader.prefetch(*steps[0])
+    for (consumed, size), following in zip(steps, steps[1:] + [(56, 8)]):
+        got = reader.read(consumed, size)
+        reader.prefetch(following[0], size)  # the ramp-up step is prefetched at the old size
+        expected = step_micro_batches(train, batch, consumed_samples=consumed,
+                                      global_batch_size=size, **layout)  # fmt: skip
+        assert _batch_tensors(got) == _batch_tensors(expected)
+
+
+def test_dataset_builder_threads_build_the_same_indices(corpora):
+    root, (first, second), tokenizer = corpora
+
+    def indices(threads: int, cache: str) -> list[np.ndarray]:
+        config = DatasetConfig(data_path=["0.3", first, "0.7", second], split="90,10,0",
+                               data_cache_path=str(root / cache),
+                               num_dataset_builder_threads=threads)  # fmt: skip
+        train, valid, _ = build_datasets(config, tokenizer, seq_length=40, seed=9,
+                                         num_samples=(200, 30, 0))  # fmt: skip
+        return [train.dataset_index, train.dataset_sample_index, valid.dataset_index]
+
+    for one, four in zip(indices(1, "cache-1"), indices(4, "cache-4")):
+        np.testing.assert_array_equal(one, four)

@@ -1,4 +1,5 @@
 """Megatron-LM's run flags: --finetune, --no-load-optim, --no-load-rng, --manual-gc,
+--num-workers, --num-dataset-builder-threads,
 --log-params-norm (and the Apertus fork's per-parameter norms), --log-memory-to-tensorboard,
 --decrease-batch-size-if-needed; each checked by its effect on a tiny run."""
 
@@ -112,6 +113,15 @@ def test_a_training_checkpoint_records_its_run(trained):
     assert info["consumed_tokens"] == 20 * checkpoint.load_model_config(root / "ckpt").seq_length
     assert info["command"][0].endswith("pretrain_gpt.py") and "--save" in info["command"]
     assert info["version"] == importlib.metadata.version("megatron-apertus")
+
+
+def test_reader_workers_and_builder_threads_change_no_loss(trained, tmp_path):
+    """--num-workers 2 and --num-dataset-builder-threads 2 train on the same batches."""
+    _, _, (steps, losses) = trained
+    log = tmp_path / "workers.json"
+    run_entry(PRETRAIN, BASE + ["--train-iters", "5", "--num-workers", "2",
+                                "--num-dataset-builder-threads", "2", "--log-json", str(log)])  # fmt: skip
+    assert series(read_json(log), "train/loss") == (steps, losses)
 
 
 def test_no_load_optim_keeps_the_iteration_and_restarts_the_optimizer(trained):

@@ -11,15 +11,20 @@ sequence ``[1, b*s]`` whose segments are the documents (a new one starts after e
 and at every sample start). megatron-core's ``thd`` format carries the segment boundaries
 (``cu_seqlens``) to attention and RoPE, so attention never crosses a document and positions
 restart at each one, without a dense [s, s] mask.
+
+Reading (``--num-workers``): :class:`MicroBatchReader` reads and collates a step's micro-batches
+in torch ``DataLoader`` worker processes while the previous step computes; the batches are the
+same, bitwise, as those read in the training process.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
-from megatron.core import parallel_state
+import torch.utils.data
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.apertus.data.goldfish import GoldfishConfig, goldfish_drop_mask
@@ -80,7 +85,6 @@ def pack(tokens, labels, loss_mask, eod: int) -> Batch:
         cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=max(lengths),
         max_seqlen_kv=max(lengths),
-        cp_group=parallel_state.get_context_parallel_group(),
     )
     flat = lambda t: t.reshape(1, -1)  # noqa: E731
     positions = restarted_positions(lengths).unsqueeze(0)
@@ -101,17 +105,23 @@ def collate(
         loss_mask = loss_mask.masked_fill(drop, 0.0)  # a new tensor: samples stay untouched
     if config.pack_documents:
         batch = pack(tokens, labels, loss_mask, config.eod)
-        if teacher is not None:
-            k = teacher.ids.shape[-1]
-            teacher = teacher._replace(
-                ids=teacher.ids.reshape(1, -1, k), probs=teacher.probs.reshape(1, -1, k)
-            )
     else:
         positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
         batch = Batch(tokens, labels, loss_mask, positions)
     batch.goldfish_dropped, batch.loss_positions = dropped, eligible
-    batch.teacher = teacher
+    if teacher is not None:
+        attach_teacher(batch, teacher, config)
     return batch
+
+
+def attach_teacher(batch: Batch, teacher: TeacherTargets, config: BatchConfig) -> None:
+    """Give ``batch`` its teacher targets, in the batch's layout (packed: one row)."""
+    if config.pack_documents:
+        k = teacher.ids.shape[-1]
+        teacher = teacher._replace(
+            ids=teacher.ids.reshape(1, -1, k), probs=teacher.probs.reshape(1, -1, k)
+        )
+    batch.teacher = teacher
 
 
 def rank_positions(
@@ -140,12 +150,109 @@ def step_micro_batches(
     """
     if len(dataset) == 0:
         raise ValueError("the dataset holds no samples")
-    positions = rank_positions(consumed_samples, global_batch_size, dp_rank=dp_rank,
-                               dp_size=dp_size, length=len(dataset))  # fmt: skip
     batches = []
-    for m in range(0, len(positions), micro_batch_size):
-        ids = positions[m : m + micro_batch_size]
+    for ids in micro_batch_positions(consumed_samples, global_batch_size, micro_batch_size,
+                                     dp_rank=dp_rank, dp_size=dp_size, length=len(dataset)):  # fmt: skip
         samples = [dataset[i] for i in ids]
-        targets = None if teacher is None else teacher(ids, samples)
-        batches.append(collate(samples, config, targets))
+        batches.append(collate(samples, config, None if teacher is None else teacher(ids, samples)))
     return batches
+
+
+def micro_batch_positions(
+    consumed_samples: int, global_batch_size: int, micro_batch_size: int, *, dp_rank: int,
+    dp_size: int, length: int,
+) -> list[list[int]]:  # fmt: skip
+    """Dataset positions of each of this rank's micro-batches in the step."""
+    positions = rank_positions(consumed_samples, global_batch_size, dp_rank=dp_rank,
+                               dp_size=dp_size, length=length)  # fmt: skip
+    return [positions[m : m + micro_batch_size] for m in range(0, len(positions), micro_batch_size)]
+
+
+class _StepSampler:
+    """The micro-batch position lists of the step being read; a DataLoader's batch sampler that
+    is pointed at a new step before each iteration."""
+
+    def __init__(self) -> None:
+        self.micro_batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.micro_batches)
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+
+class _Positions(torch.utils.data.Dataset):
+    """The dataset as a DataLoader sees it: one sample per position."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, position: int) -> dict:
+        return self.dataset[position]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _read_in_worker(config: BatchConfig, samples: list[dict]) -> tuple[list[dict], Batch]:
+    """A worker's share: the samples (the teacher checks them in the training process) and their
+    collated micro-batch."""
+    return samples, collate(samples, config)
+
+
+class MicroBatchReader:
+    """A rank's training micro-batches, read ahead in ``num_workers`` worker processes.
+
+    :meth:`prefetch` starts reading a step's micro-batches in the workers; :meth:`read` returns
+    them (reading them now if they were not prefetched, or were prefetched for another step:
+    a batch-size ramp-up can change the step's size). Without workers it reads in the calling
+    process, exactly as :func:`step_micro_batches` does.
+    """
+
+    def __init__(self, dataset, config: BatchConfig, *, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, num_workers: int) -> None:  # fmt: skip
+        if len(dataset) == 0:
+            raise ValueError("the dataset holds no samples")
+        self.dataset, self.config = dataset, config
+        self.layout = dict(dp_rank=dp_rank, dp_size=dp_size, length=len(dataset))
+        self.micro_batch_size = micro_batch_size
+        self.loader = None
+        if num_workers > 0:
+            self.sampler = _StepSampler()
+            self.loader = torch.utils.data.DataLoader(
+                _Positions(dataset), batch_sampler=self.sampler, num_workers=num_workers,
+                collate_fn=partial(_read_in_worker, config), persistent_workers=True,
+            )  # fmt: skip
+        self.pending: tuple[tuple[int, int], Iterator] | None = None
+
+    def _positions(self, consumed_samples: int, global_batch_size: int) -> list[list[int]]:
+        return micro_batch_positions(consumed_samples, global_batch_size, self.micro_batch_size,
+                                     **self.layout)  # fmt: skip
+
+    def prefetch(self, consumed_samples: int, global_batch_size: int) -> None:
+        """Start reading the step that starts at ``consumed_samples`` in the workers."""
+        if self.loader is None:
+            return
+        self.sampler.micro_batches = self._positions(consumed_samples, global_batch_size)
+        self.pending = ((consumed_samples, global_batch_size), iter(self.loader))
+
+    def read(
+        self, consumed_samples: int, global_batch_size: int, teacher: TeacherSource | None = None
+    ) -> list[Batch]:
+        """The step's micro-batches, with their teacher targets when ``teacher`` is given."""
+        step = (consumed_samples, global_batch_size)
+        if self.pending is None or self.pending[0] != step:
+            self.prefetch(consumed_samples, global_batch_size)
+        if self.pending is None:  # no workers
+            return step_micro_batches(self.dataset, self.config, consumed_samples=consumed_samples,
+                                      global_batch_size=global_batch_size,
+                                      micro_batch_size=self.micro_batch_size, teacher=teacher,
+                                      dp_rank=self.layout["dp_rank"],
+                                      dp_size=self.layout["dp_size"])  # fmt: skip
+        read = [(ids, *done) for ids, done in zip(self.sampler.micro_batches, self.pending[1])]
+        self.pending = None
+        for ids, samples, batch in read:
+            if teacher is not None:
+                attach_teacher(batch, teacher(ids, samples), self.config)
+        return [batch for _, _, batch in read]

@@ -48,8 +48,15 @@ class DatasetConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    num_dataset_builder_threads: int = field(default=1, metadata={"help": (
+        "threads that build the sample indices of a blend's datasets (megatron-core's); the "
+        "indices are the same for any number")})  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.num_dataset_builder_threads < 1:
+            raise ValueError(
+                f"--num-dataset-builder-threads must be >= 1, got {self.num_dataset_builder_threads}"
+            )
         if self.per_split and (self.data_path or self.split):
             raise ValueError(
                 "--train-data-path/--valid-data-path/--test-data-path give each part its own "
@@ -142,6 +149,7 @@ def build_datasets(
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=False,
         mmap_bin_files=True,
+        num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
     datasets = BlendedMegatronDatasetBuilder(
         GPTDataset, list(num_samples), lambda: True, gpt_config

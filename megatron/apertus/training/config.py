@@ -244,6 +244,16 @@ class DataConfig:
         None,
     )
     goldfish_loss: bool = _help("drop a deterministic 1/k of label positions from the loss", False)
+    num_workers: int = _help(
+        "data loader worker processes that read and collate the next step's micro-batches while "
+        "this one computes (0: read in the training process; Megatron-LM's default is 2); the "
+        "batches are the same for any number",
+        0,
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -34,7 +34,12 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import parallel
-from megatron.apertus.data.batches import BatchConfig, rank_positions, step_micro_batches
+from megatron.apertus.data.batches import (
+    BatchConfig,
+    MicroBatchReader,
+    rank_positions,
+    step_micro_batches,
+)
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
@@ -229,6 +234,11 @@ class Trainer:
             goldfish=cfg.goldfish if cfg.data.goldfish_loss else None,
         )
         self.train_data, self.valid_data = self._datasets()
+        self.reader = MicroBatchReader(
+            self.train_data, self.batch, micro_batch_size=t.micro_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=self.dp,
+            num_workers=cfg.data.num_workers,
+        )  # fmt: skip
         self.model = self._build_model()
         self.gemm_monitor = self._gemm_monitor()
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(
@@ -428,7 +438,7 @@ class Trainer:
             micro_batch_size=1 if packed else mbs,
         )
 
-    def _iterators(self, dataset, consumed: int, global_batch: int, teacher=None) -> list:
+    def _iterators(self, dataset, consumed: int, global_batch: int) -> list:
         batches = step_micro_batches(
             dataset,
             self.batch,
@@ -437,17 +447,20 @@ class Trainer:
             micro_batch_size=self.cfg.training.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=self.dp,
-            teacher=teacher,
         )
         return [iter(batches) for _ in self.model]
 
     def step(self) -> StepResult:
         global_batch = get_current_running_global_batch_size()
         teacher = self.teacher.targets if self.teacher is not None else None
-        iterators = self._iterators(self.train_data, self.state.consumed_samples, global_batch,
-                                    teacher)  # fmt: skip
-        if self.teacher is not None:  # this step's targets are taken: decode the next step's now
-            self._prefetch_teacher(self.teacher, self.state.consumed_samples + global_batch)
+        consumed = self.state.consumed_samples
+        batches = self.reader.read(consumed, global_batch, teacher)
+        # This step's data is taken: read (and decode the teacher targets of) the next step's
+        # now, taking its global batch to be this one's.
+        self.reader.prefetch(consumed + global_batch, global_batch)
+        if self.teacher is not None:
+            self._prefetch_teacher(self.teacher, consumed + global_batch)
+        iterators = [iter(batches) for _ in self.model]
         iteration = self.state.iteration + 1
         measure = self._measures_gemm_inputs(iteration)
         if measure:

@@ -98,10 +98,6 @@ FLAGS: tuple[MegatronFlag, ...] = (
                  "over the data-parallel ranks (Megatron-LM's single sampler)",
                  "only single is implemented", takes=str, accepts=("single",),
                  choices=("single", "cyclic", "external")),
-    MegatronFlag("--num-workers", refusal="batches are read in the training process; data "
-                 "loader workers are " + NOT_YET, takes=int),
-    MegatronFlag("--num-dataset-builder-threads", refusal="building dataset indices in threads "
-                 "is " + NOT_YET, takes=int),
     # -- checkpoints ---------------------------------------------------------------------------
     MegatronFlag("--ckpt-format", "megatron-core torch_dist checkpoints (always)",
                  "only torch_dist is implemented", takes=str, accepts=("torch_dist",)),

@@ -163,7 +163,8 @@ def packed_seq_params_to(
     if params is None:
         return None
     cu = params.cu_seqlens_q.to(device)
-    return dataclasses.replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    return dataclasses.replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               cp_group=parallel_state.get_context_parallel_group())  # fmt: skip
 
 
 def _reduce(losses: list[dict], key: str) -> torch.Tensor | None:
