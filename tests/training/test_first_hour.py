@@ -160,3 +160,9 @@ def test_a_ramp_up_that_does_not_split_into_micro_batches_is_refused():
     assert message.startswith(
         "--rampup-batch-size START (3) is not divisible by --micro-batch-size"
     )
+
+
+def test_log_progress_without_save_is_refused():
+    assert refused(["--log-progress"]) == (
+        "--log-progress writes progress.txt beside the checkpoints: it needs --save"
+    )

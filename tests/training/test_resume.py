@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume (1 process, TP=2, PP=2), other layouts, signals, interrupted saves."""
+"""Checkpoints: exact resume (1 process, TP=2, PP=2, background saves, DP=2 fully parallel
+loads), other layouts, signals, interrupted saves."""
 
 from __future__ import annotations
 
@@ -68,7 +69,12 @@ def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tupl
     "name, extra, nproc",
     [("one-process", [], 1),
      ("tp2", ["--tensor-model-parallel-size", "2"], 2),
-     ("pp2", ["--pipeline-model-parallel-size", "2"], 2)],
+     ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+     # Background saves at every step, the one the stop asks for too.
+     ("async-save", ["--async-save", "--save-interval", "1"], 1),
+     ("dp2-async-fully-parallel", ["--async-save", "--save-interval", "2",
+                                   "--ckpt-fully-parallel-load", "--use-distributed-optimizer",
+                                   "--optimizer", "ademamix"], 2)],
 )  # fmt: skip
 def test_stop_and_resume_is_bitwise_identical(uninterrupted, name, extra, nproc):
     root, (ref_steps, ref_losses), ref_weights = uninterrupted
@@ -114,16 +120,21 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, lines: list[str]) -> Non
     raise AssertionError(f"process ended before printing {needle!r}:\n{''.join(lines[-30:])}")
 
 
-def test_sigusr2_saves_exits_zero_and_resumes_on_the_same_trajectory(uninterrupted):
+@pytest.mark.parametrize("extra", [[], ["--async-save"]], ids=["sync", "async"])
+def test_sigusr2_saves_exits_zero_and_resumes_on_the_same_trajectory(uninterrupted, extra):
     root, (ref_steps, ref_losses), _ = uninterrupted
-    save = root / "signal"
-    slow = COMMON + [
-        "--save",
-        str(save),
-        "--exit-signal-handler",
-        "--log-json",
-        str(root / "signal-a.json"),
-    ]
+    save = root / f"signal{'-'.join(extra)}"
+    slow = (
+        COMMON
+        + extra
+        + [
+            "--save",
+            str(save),
+            "--exit-signal-handler",
+            "--log-json",
+            str(save) + "-a.json",
+        ]
+    )
     proc = _start(slow)
     lines: list[str] = []
     _wait_for_line(proc, "iteration      2 |", lines)
@@ -135,10 +146,9 @@ def test_sigusr2_saves_exits_zero_and_resumes_on_the_same_trajectory(uninterrupt
     assert "exit requested by signal SIGUSR2" in "".join(lines)
     run_entry(
         PRETRAIN,
-        COMMON
-        + ["--save", str(save), "--load", str(save), "--log-json", str(root / "signal-b.json")],
+        COMMON + ["--save", str(save), "--load", str(save), "--log-json", str(save) + "-b.json"],
     )
-    steps, losses = series(read_json(root / "signal-b.json"), "train/loss")
+    steps, losses = series(read_json(Path(str(save) + "-b.json")), "train/loss")
     assert steps == ref_steps
     assert losses == ref_losses
 

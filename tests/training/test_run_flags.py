@@ -1,5 +1,5 @@
 """Megatron-LM's run flags: --finetune, --no-load-optim, --no-load-rng, --manual-gc,
---num-workers, --num-dataset-builder-threads,
+--num-workers, --num-dataset-builder-threads, --log-progress,
 --log-params-norm (and the Apertus fork's per-parameter norms), --log-memory-to-tensorboard,
 --decrease-batch-size-if-needed; each checked by its effect on a tiny run."""
 
@@ -9,6 +9,8 @@ import contextlib
 import gc
 import importlib.metadata
 import logging
+import re
+from datetime import datetime
 from typing import Iterator
 
 import numpy as np
@@ -22,6 +24,7 @@ from megatron.apertus.model.builder import build_model
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.checkpoint_files import read_run_info
 from megatron.apertus.training.loop import Trainer, train
+from megatron.apertus.training.metrics import flops_per_token
 from tests.conftest import PRETRAIN, read_json, run_entry, series
 from tests.training.test_first_hour import refused
 
@@ -122,6 +125,32 @@ def test_reader_workers_and_builder_threads_change_no_loss(trained, tmp_path):
     run_entry(PRETRAIN, BASE + ["--train-iters", "5", "--num-workers", "2",
                                 "--num-dataset-builder-threads", "2", "--log-json", str(log)])  # fmt: skip
     assert series(read_json(log), "train/loss") == (steps, losses)
+
+
+def _progress_lines(path) -> list[list[str]]:
+    return [line.split("\t") for line in path.read_text().splitlines()]
+
+
+def test_log_progress_writes_megatron_progress_file(tmp_path):
+    """Two jobs of one run: Megatron-LM's progress.txt lines, FLOPs and tokens of the samples
+    consumed so far."""
+    save = tmp_path / "ckpt"
+    flags = BASE + ["--train-iters", "4", "--save", str(save), "--load", str(save),
+                    "--save-interval", "2", "--log-progress"]  # fmt: skip
+    run_entry(PRETRAIN, flags + ["--exit-interval", "2"])
+    run_entry(PRETRAIN, flags)
+    lines = _progress_lines(save / "progress.txt")
+    assert [line[3] for line in lines] == ["Starting job", "Saved checkpoint"] * 2
+    model = checkpoint.load_model_config(save)
+    for line, iteration in zip(lines[1::2], (2, 4)):
+        datetime.strptime(line[0], "%Y-%m-%d %H:%M:%S")
+        assert line[1:3] == ["Job ID: ", "# GPUs: 1"]
+        tokens = iteration * 4 * model.seq_length
+        assert line[4] == f"Iteration: {iteration}"
+        assert re.fullmatch(r"Job throughput: \d+\.\d TFLOP/s/GPU", line[5])
+        assert re.fullmatch(r"Cumulative throughput: \d+\.\d TFLOP/s/GPU", line[6])
+        assert line[7] == f"Floating-point operations: {tokens * flops_per_token(model):.2e}"
+        assert line[8] == f"Tokens (in billions): {tokens / 1e9:.2f}"
 
 
 def test_no_load_optim_keeps_the_iteration_and_restarts_the_optimizer(trained):

@@ -34,7 +34,9 @@ import random
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -42,6 +44,15 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
 
@@ -200,6 +211,32 @@ def _training_state_dict(
 # -- save / load -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save is written (Megatron-LM's --async-save, --ckpt-fully-parallel-save,
+    --ckpt-assume-constant-structure); what is saved does not change."""
+
+    async_queue: AsyncCallsQueue | None = None
+    """Write in a background process; the checkpoint is published (renamed, tracker advanced)
+    when the queue finalizes the write on every rank."""
+    fully_parallel: bool = False
+    """Data-parallel replicas share the writing of replicated tensors instead of rank 0's
+    replica writing them all."""
+    cache_distribution: bool = False
+    """Keep the fully parallel save's distribution of tensors between saves."""
+
+
+def _save_strategy(options: SaveOptions):
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if options.fully_parallel and parallel_state.get_data_parallel_world_size() > 1:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy,
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
+            do_cache_distribution=options.cache_distribution,
+        )
+    return strategy
+
+
 def save(
     save_dir: str | os.PathLike,
     chunks,
@@ -209,11 +246,18 @@ def save(
     optimizer=None,
     scheduler=None,
     run_info: dict | None = None,
+    options: SaveOptions = SaveOptions(),
+    on_published: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save a complete checkpoint (a collective: every rank calls it) and advance the tracker.
 
     ``run_info`` (JSON-serialisable) is recorded as ``apertus_run.json``: exports read the
-    tokenizer and the training data from it."""
+    tokenizer and the training data from it. With ``options.async_queue`` the write happens in
+    the background and the checkpoint counts only once published; ``on_published(path)`` runs
+    on every rank then (at once for a synchronous save)."""
+    if options.async_queue is not None:
+        # The previous save is published before this one clears unpublished directories.
+        options.async_queue.maybe_finalize_async_calls(blocking=True)
     final = iteration_dir(save_dir, state.iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
@@ -224,17 +268,32 @@ def save(
         tmp.mkdir(parents=True)
     dist.barrier()
     sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=optimizer is not None)
-    dist_checkpointing.save(sharded, str(tmp))
-    dist.barrier()
+    request = dist_checkpointing.save(sharded, str(tmp), _save_strategy(options),
+                                      async_sharded_save=options.async_queue is not None)  # fmt: skip
     if rank0:
         (tmp / MODEL_CONFIG).write_text(model.to_json())
         if run_info is not None:
             (tmp / RUN_INFO).write_text(json.dumps(run_info, indent=2) + "\n")
+    publish = partial(_publish, Path(save_dir), tmp, final, state.iteration, on_published)
+    if request is None:
+        publish()
+    else:
+        request.add_finalize_fn(publish)
+        options.async_queue.schedule_async_request(request)
+    return final
+
+
+def _publish(save_dir: Path, tmp: Path, final: Path, iteration: int,
+             on_published: Callable[[Path], None] | None) -> None:  # fmt: skip
+    """Every rank has written its part: rename the directory, then advance the tracker."""
+    dist.barrier()
+    if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _atomic_write(Path(save_dir) / TRACKER, f"{state.iteration}\n")
+        _atomic_write(save_dir / TRACKER, f"{iteration}\n")
     dist.barrier()
-    return final
+    if on_published is not None:
+        on_published(final)
 
 
 def save_model(save_dir: str | os.PathLike, iteration: int, chunks, model: ApertusConfig) -> Path:
@@ -250,14 +309,16 @@ def load(
     scheduler=None,
     model: ApertusConfig | None = None,
     rng: bool = False,
+    fully_parallel: bool = False,
 ) -> tuple[TrainingState, bool]:
     """Load a checkpoint into this rank's chunks (and optimizer, scheduler when given; with
     ``rng`` each rank's RNG states, when the checkpoint was saved in this layout).
 
     Weights reshard from whatever layout saved them. A weights-only checkpoint (converted or
     initial) restores the model and leaves the rest fresh. ``model``, the configuration the
-    chunks were built from, lets a refusal name the flags that differ. Returns the training
-    state and whether the optimizer state was restored.
+    chunks were built from, lets a refusal name the flags that differ. With ``fully_parallel``
+    (--ckpt-fully-parallel-load) the data-parallel replicas each read a share of the checkpoint
+    and exchange it. Returns the training state and whether the optimizer state was restored.
     """
     directory = resolve_checkpoint(path)
     _check_shapes(chunks, directory, model)
@@ -271,8 +332,9 @@ def load(
         rng=rng and trained and same_layout, loading=True,
     )  # fmt: skip
     loaded, _, absent = dist_checkpointing.load(
-        template, str(directory), strict=StrictHandling.RETURN_UNEXPECTED
-    )
+        template, str(directory), _load_strategy(directory, fully_parallel),
+        strict=StrictHandling.RETURN_UNEXPECTED,
+    )  # fmt: skip
     _check_only_extra_state(absent, directory)
     for i, chunk in enumerate(chunks):
         try:
@@ -291,6 +353,16 @@ def load(
         iteration=saved.get("iteration", 0), consumed_samples=saved.get("consumed_samples", 0)
     )
     return state, full
+
+
+def _load_strategy(directory: Path, fully_parallel: bool):
+    """megatron-core's default reader, shared out over the data-parallel replicas if asked."""
+    if not fully_parallel or parallel_state.get_data_parallel_world_size() == 1:
+        return None
+    return FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(str(directory)),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
 
 
 def _check_shapes(chunks, directory: Path, model: ApertusConfig | None) -> None:

@@ -227,6 +227,23 @@ class CheckpointConfig:
         "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
     )
     no_load_rng: bool = _switch("keep this run's seeded RNG states instead of the checkpoint's")
+    async_save: bool = _switch(
+        "write checkpoints in a background process while training goes on (megatron-core's "
+        "asynchronous torch_dist save); a checkpoint counts once every rank has written it, and "
+        "the run waits for the last one before it exits"
+    )
+    ckpt_fully_parallel_save: bool = _help(
+        "data-parallel replicas share the writing of the checkpoint (megatron-core's fully "
+        "parallel save; Megatron-LM's default)",
+        True,
+    )
+    ckpt_fully_parallel_load: bool = _switch(
+        "data-parallel replicas each read a share of the checkpoint and exchange it"
+    )
+    ckpt_assume_constant_structure: bool = _switch(
+        "with the fully parallel save: keep the distribution of tensors between the replicas "
+        "from the first save instead of computing it again (the state's structure must not change)"
+    )
 
     def loads_optimizer(self) -> bool:
         return not (self.finetune or self.no_load_optim)
@@ -273,6 +290,10 @@ class LoggingConfig:
     log_params_norm_per_param: bool = _switch(
         "log each parameter's L2 norm (params-norm/NAME) to TensorBoard, wandb and --log-json "
         "every --log-interval; Apertus-fork flag"
+    )
+    log_progress: bool = _switch(
+        "append Megatron-LM's progress lines (job starts, checkpoints with job and cumulative "
+        "TFLOP/s per device, FLOPs and tokens so far) to SAVE/progress.txt"
     )
     log_memory_to_tensorboard: bool = _switch(
         "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
     get_current_running_global_batch_size,
@@ -77,6 +78,7 @@ from megatron.apertus.training.metrics import (
     perplexity,
 )
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
+from megatron.apertus.training.progress import ProgressLog
 from megatron.apertus.training.signals import StopRequests
 from megatron.apertus.training.step import (
     StepResult,
@@ -197,6 +199,9 @@ class Trainer:
         self.hooks = hooks or {}
         if cfg.checkpoint.save:
             checkpoint.check_save_dir(cfg.checkpoint.save)
+        elif cfg.logging.log_progress:
+            raise ConfigError("--log-progress writes progress.txt beside the checkpoints: it "
+                              "needs --save")  # fmt: skip
         self.device_name = parallel.resolve_device(cfg.training.device)
         self.transformer_impl = validate_engine(
             cfg.engine,
@@ -262,6 +267,8 @@ class Trainer:
             self.metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, self.state.iteration)
         self.skipped_in_a_row = 0
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
+        self.save_options = self._save_options()
+        self.progress = self._progress_log()
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -390,7 +397,8 @@ class Trainer:
             _check_resumable(self.cfg.optimizer)
         state, full = checkpoint.load(found, self._chunks(), optimizer=optimizer,
                                       scheduler=self.scheduler if optimizer else None,
-                                      model=self.cfg.model, rng=ck.loads_rng())  # fmt: skip
+                                      model=self.cfg.model, rng=ck.loads_rng(),
+                                      fully_parallel=ck.ckpt_fully_parallel_load)  # fmt: skip
         if not full:  # weights only: the optimizer's fp32 main params must follow the new weights
             self.optimizer.reload_model_params()
         if ck.finetune:
@@ -589,11 +597,46 @@ class Trainer:
         with synced_parameters(self.model):
             path = checkpoint.save(self.cfg.checkpoint.save, self._chunks(), self.cfg.model,
                                    self.state, optimizer=self.optimizer, scheduler=self.scheduler,
-                                   run_info=self._run_info())  # fmt: skip
+                                   run_info=self._run_info(), options=self.save_options,
+                                   on_published=self._log_saved)  # fmt: skip
         self.gc.boundary()
         if _is_reporting_rank():
             self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)
+            if self.save_options.async_queue is not None:
+                log.info(f"saving checkpoint {path} in the background")
+        if self.progress is not None:
+            self.progress.saved(self.state.iteration, self.state.consumed_samples,
+                                background=self.save_options.async_queue is not None)  # fmt: skip
+
+    def _progress_log(self) -> ProgressLog | None:
+        """Megatron-LM's progress file, written by global rank 0 as Megatron-LM does."""
+        if not self.cfg.logging.log_progress or torch.distributed.get_rank() != 0:
+            return None
+        seq = self.cfg.model.seq_length
+        progress = ProgressLog(self.cfg.checkpoint.save,
+                               world_size=torch.distributed.get_world_size(),
+                               flops_per_sample=seq * flops_per_token(self.cfg.model),
+                               tokens_per_sample=seq, consumed_samples=self.state.consumed_samples)  # fmt: skip
+        progress.start()
+        return progress
+
+    def _log_saved(self, path: Path) -> None:
+        if _is_reporting_rank():
             log.info(f"saved checkpoint {path}")
+
+    def _save_options(self) -> checkpoint.SaveOptions:
+        ck = self.cfg.checkpoint
+        return checkpoint.SaveOptions(
+            async_queue=AsyncCallsQueue() if ck.async_save else None,
+            fully_parallel=ck.ckpt_fully_parallel_save,
+            cache_distribution=ck.ckpt_assume_constant_structure,
+        )
+
+    def finish_saves(self) -> None:
+        """Wait until every background save is written and published (all ranks)."""
+        queue = self.save_options.async_queue
+        if queue is not None:
+            queue.maybe_finalize_async_calls(blocking=True)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -636,6 +679,8 @@ class Trainer:
             self.gc.step(it)
             if t.eval_interval and it % t.eval_interval == 0:
                 self.validate()
+            if self.save_options.async_queue is not None:
+                self.save_options.async_queue.maybe_finalize_async_calls(blocking=False)
             requests = self.stop.poll(self.device)
             interval = self.cfg.checkpoint.save_interval
             exit_now = requests.exit or bool(t.exit_interval and it % t.exit_interval == 0)
@@ -653,6 +698,7 @@ class Trainer:
         return self._close(completed=True)
 
     def _close(self, *, completed: bool) -> dict:
+        self.finish_saves()
         plot = self.cfg.logging.loss_plot
         if plot is None and self.cfg.checkpoint.save:
             plot = str(Path(self.cfg.checkpoint.save) / "loss.png")
@@ -662,6 +708,7 @@ class Trainer:
         return self.metrics.history
 
     def shutdown(self) -> None:
+        self.finish_saves()
         self.gc.close()
         if self.teacher is not None:
             self.teacher.close()

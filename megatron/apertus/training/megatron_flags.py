@@ -106,17 +106,11 @@ FLAGS: tuple[MegatronFlag, ...] = (
                  "tensors the model does not use (always)",
                  "loads always fail on missing tensors and ignore extra ones", takes=str,
                  accepts=("assume_ok_unexpected", "raise_unexpected"), choices=STRICTNESS),
-    MegatronFlag("--ckpt-assume-constant-structure", "a permission to cache the save plan; "
-                 "saves here take no shortcut from it (same files)", accepts=SWITCH),
-    MegatronFlag("--async-save", refusal="saving checkpoints in the background is " + NOT_YET),
-    MegatronFlag("--ckpt-fully-parallel-load", refusal="reading a checkpoint once and "
-                 "exchanging it between data-parallel ranks is " + NOT_YET),
     # -- logging -------------------------------------------------------------------------------
     MegatronFlag("--log-throughput", "tokens/s/device is always logged, TFLOP/s/device and MFU "
                  "on GPUs of known peak", accepts=SWITCH),
     MegatronFlag("--no-log-loss-scale-to-tensorboard", "the loss scale is never logged",
                  accepts=SWITCH),
-    MegatronFlag("--log-progress", refusal="writing progress.txt is " + NOT_YET),
 )  # fmt: skip
 
 
