@@ -166,3 +166,10 @@ def test_log_progress_without_save_is_refused():
     assert refused(["--log-progress"]) == (
         "--log-progress writes progress.txt beside the checkpoints: it needs --save"
     )
+
+
+def test_a_hub_tokenizer_name_says_to_pass_a_local_copy():
+    line = refused(["--tokenizer-type", "HuggingFaceTokenizer",
+                    "--tokenizer-model", "swiss-ai/Apertus-8B-2509"])  # fmt: skip
+    assert line.startswith("--tokenizer-model swiss-ai/Apertus-8B-2509: no such file or directory")
+    assert "huggingface-cli download swiss-ai/Apertus-8B-2509 --local-dir DIR" in line

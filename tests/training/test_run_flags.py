@@ -184,7 +184,9 @@ def test_no_load_rng_keeps_the_seeded_rng_states(trained, flags, restored):
     assert torch.equal(state, saved_rng if restored else seeded)
 
 
-def test_manual_gc_disables_the_collector_and_collects_at_the_interval():
+@pytest.mark.parametrize("eval_flag, final_collections", [([], 2), (["--no-manual-gc-eval"], 0)])
+def test_manual_gc_disables_the_collector_and_collects_at_the_interval(eval_flag,
+                                                                      final_collections):  # fmt: skip
     events = []
 
     def on_gc(phase: str, info: dict) -> None:
@@ -195,7 +197,7 @@ def test_manual_gc_disables_the_collector_and_collects_at_the_interval():
         events.append(f"it{iteration}" + ("" if gc.isenabled() else " (gc off)"))
 
     cfg = pretrain_gpt.parse_args(
-        BASE + ["--train-iters", "5", "--manual-gc", "--manual-gc-interval", "2"]
+        BASE + ["--train-iters", "5", "--manual-gc", "--manual-gc-interval", "2"] + eval_flag
     )
     gc.callbacks.append(on_gc)
     try:
@@ -206,7 +208,7 @@ def test_manual_gc_disables_the_collector_and_collects_at_the_interval():
     assert events[first - 1] == "gc", "a collection at the start"
     expected = "it1 (gc off)|it2 (gc off)|gc|it3 (gc off)|it4 (gc off)|gc|it5 (gc off)"
     assert events[first : last + 1] == expected.split("|")
-    assert events[last + 1 :].count("gc") == 2, "before and after the final validation"
+    assert events[last + 1 :].count("gc") == final_collections, "around the final validation"
     assert gc.isenabled()
 
 

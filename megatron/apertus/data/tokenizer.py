@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence
 
+from megatron.apertus.model.config import ConfigError
+
 DEFAULT_TEKKEN = "tekken_240718.json"
 TOKENIZER_TYPES = ("TekkenTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
 
@@ -91,9 +93,15 @@ class HuggingFaceTokenizer(Tokenizer):
         from tokenizers import Tokenizer as FastTokenizer
 
         path = Path(path)
+        if not path.exists():
+            raise ConfigError(
+                f"--tokenizer-model {path}: no such file or directory; a Hugging Face hub name is "
+                f"not downloaded here (compute nodes are usually offline): fetch a local copy, "
+                f"e.g. `huggingface-cli download {path} --local-dir DIR`, and pass DIR"
+            )
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
-            raise FileNotFoundError(f"{file}: no tokenizer.json")
+            raise ConfigError(f"--tokenizer-model {path}: no tokenizer.json in it")
         self.path = file
         self._tok = FastTokenizer.from_file(str(file))
         # Special-token strings inside the text are encoded as text, never as their ids.

@@ -76,6 +76,11 @@ class TrainingConfig:
         "with --manual-gc: iterations between collections (0: only at start, validation, saves)",
         0,
     )
+    manual_gc_eval: bool = _help(
+        "with --manual-gc: also collect right before and after each validation pass "
+        "(--no-manual-gc-eval: not there)",
+        True,
+    )
     decrease_batch_size_if_needed: bool = _switch(
         "a --global-batch-size that does not split into --micro-batch-size x data-parallel size "
         "runs as the largest multiple of that below it (megatron-core's calculator) instead of "

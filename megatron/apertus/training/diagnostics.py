@@ -96,11 +96,13 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 class ManualGC:
     """Megatron-LM's ``--manual-gc``: no automatic collection; a full one at start, every
-    ``interval`` iterations (0: never) and around validation and checkpoint saves."""
+    ``interval`` iterations (0: never), around checkpoint saves and (unless ``around_eval`` is
+    off) around validation."""
 
-    def __init__(self, enabled: bool, interval: int) -> None:
+    def __init__(self, enabled: bool, interval: int, *, around_eval: bool = True) -> None:
         self.enabled = enabled
         self.interval = interval
+        self.around_eval = around_eval
         self.was_enabled = gc.isenabled()
         if enabled:
             gc.disable()
@@ -114,6 +116,11 @@ class ManualGC:
         """Before and after a validation pass or a save."""
         if self.enabled:
             gc.collect()
+
+    def eval_boundary(self) -> None:
+        """Before and after a validation pass (Megatron-LM's --manual-gc-eval)."""
+        if self.around_eval:
+            self.boundary()
 
     def close(self) -> None:
         """Give the process its automatic collector back (runs in one process, tests)."""

@@ -266,7 +266,7 @@ class Trainer:
         if cfg.checkpoint.load and self.state.iteration > 0:
             self.metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, self.state.iteration)
         self.skipped_in_a_row = 0
-        self.gc = ManualGC(t.manual_gc, t.manual_gc_interval)
+        self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         self.save_options = self._save_options()
         self.progress = self._progress_log()
 
@@ -562,9 +562,9 @@ class Trainer:
         return (total[0] / total[1]).item()
 
     def validate(self) -> None:
-        self.gc.boundary()
+        self.gc.eval_boundary()
         loss = self.evaluate()
-        self.gc.boundary()
+        self.gc.eval_boundary()
         if loss is None:
             return
         self.metrics.record("valid/loss", self.state.iteration, loss)
