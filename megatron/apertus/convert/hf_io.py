@@ -93,7 +93,8 @@ def export_checkpoint(
             source, tmp, model_max_length=model.max_position_embeddings, vocab_size=model.vocab_size
         )
         _write_model(checkpoint, model, dtype, tmp)
-        _write_json(tmp / "config.json", hf_config(model, dtype, token_ids))
+        config = hf_config(model, dtype, token_ids)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         GenerationConfig(
             bos_token_id=token_ids.bos, eos_token_id=token_ids.eos, pad_token_id=token_ids.pad
         ).save_pretrained(str(tmp))
@@ -120,10 +121,6 @@ def _write_model(checkpoint: Path, model: ApertusConfig, dtype: torch.dtype, des
     finally:
         parallel.shutdown()
     save_file(tensors, str(dest / SAFETENSORS), metadata={"format": "pt"})
-
-
-def _write_json(path: Path, value: dict) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
 
 
 def _make_world_readable(root: Path) -> None:
