@@ -82,9 +82,8 @@ def run_script(script: Path, *args: str, umask: int | None = None) -> subprocess
 
 
 def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert (
-        proc.returncode == 0
-    ), f"{shlex.join(proc.args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    if proc.returncode != 0:
+        pytest.fail(f"{shlex.join(proc.args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
@@ -104,12 +103,6 @@ def exported(tmp_path_factory) -> Exported:
     succeeded(run_script(REPO / "pretrain_gpt.py", *TRAIN, "--save", str(ckpt)))
     succeeded(run_script(EXPORT, "--load", str(ckpt), "--output", str(hf_dir), umask=0o077))
     return Exported(root, checkpoint.resolve_checkpoint(ckpt), hf_dir, build_tokenizer())
-
-
-def hf_tokenizer(hf_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(hf_dir))
 
 
 def test_export_is_complete_and_world_readable(exported):
@@ -132,8 +125,10 @@ def pipeline_documents(tmp_path: Path, documents: list[str]) -> list[list[int]]:
 def test_transformers_tokenizer_gives_the_pipeline_ids(exported, tmp_path):
     """Real documents (both sources of the embedded corpus) and special-token strings as text:
     the export's tokenizer gives what the pipeline wrote, up to the end-of-document ``</s>``."""
+    from transformers import AutoTokenizer
+
     documents = [*corpus()[:24], SPECIAL_LITERALS]
-    tokenizer = hf_tokenizer(exported.hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(exported.hf_dir))
     for text, ids in zip(documents, pipeline_documents(tmp_path, documents), strict=True):
         assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
         assert tokenizer(text)["input_ids"] == ids[:-1]
