@@ -1,4 +1,4 @@
-"""Export an Apertus checkpoint (any TP/PP) as a Hugging Face ``ApertusForCausalLM`` directory.
+r"""Export an Apertus checkpoint (any TP/PP) as a Hugging Face ``ApertusForCausalLM`` directory.
 
     python tools/checkpoint/export_hf.py --load SAVE_DIR --output HF_DIR \
         [--tokenizer tekken.json|tokenizer.json|HF_TOKENIZER_DIR|spm.model] [--dtype fp32|bf16]
@@ -6,7 +6,8 @@
 HF_DIR gets config.json, generation_config.json, model.safetensors, the tokenizer of the
 training run (recorded in the checkpoint; --tokenizer overrides it, and is required for a
 checkpoint that records no run) and a README.md model card. The tokenizer puts <s> first, as
-training did, so lm-evaluation-harness and vLLM score the model on what it was trained on.
+training did, so a scorer that tokenizes with its defaults (lm-evaluation-harness, vLLM) gives
+the model the inputs it was trained on.
 """
 
 from __future__ import annotations
