@@ -99,6 +99,6 @@ setup(
     ],
     extras_require={
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-timeout", "black", "isort"],
+        "test": ["pytest", "pytest-timeout", "black", "isort", "lm-eval[hf]"],
     },
 )

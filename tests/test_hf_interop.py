@@ -41,13 +41,15 @@ IMPORT = REPO / "tools" / "checkpoint" / "import_hf.py"
 SEED = 1234
 LOGIT_TOLERANCE = 1e-4
 SUBPROCESS_TIMEOUT = 900
+TOKENIZER = ("--tokenizer", str(bundled_tekken_path()))
+"""The helper's and the import's checkpoints record no training run, so export needs it."""
 
 
 def run(script: Path, *args: str, nproc: int = 1) -> None:
     """Run a script with this interpreter (under torchrun when ``nproc`` > 1); fail with its output."""
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd = [sys.executable, *(torchrun if nproc > 1 else []), str(script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # this tree's package
     proc = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT
     )
@@ -86,8 +88,7 @@ def exported(tmp_path_factory) -> Callable[[bool], Exported]:
             tmp = tmp_path_factory.mktemp("tied" if tied else "untied")
             ckpt, hf_dir = tmp / "ckpt", tmp / "hf"
             run(HELPER, "save", "--save", str(ckpt), "--seed", str(SEED), *(["--tied"] * tied))
-            run(EXPORT, "--load", str(ckpt), "--output", str(hf_dir),
-                "--tokenizer", str(bundled_tekken_path()))  # fmt: skip
+            run(EXPORT, "--load", str(ckpt), "--output", str(hf_dir), *TOKENIZER)
             tokens = load_tokenizer().encode_document(sample_text())
             (tmp / "tokens.json").write_text(json.dumps(tokens))
             logits = tmp / "logits.safetensors"
@@ -155,7 +156,7 @@ def test_exported_tokenizer_encodes_like_ours(exported) -> None:
     hf_tok = AutoTokenizer.from_pretrained(str(exported(False).hf_dir))
     ours = load_tokenizer()
     text = sample_text()
-    assert hf_tok.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert hf_tok(text)["input_ids"] == [ours.bos, *ours.encode(text)]
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (ours.bos, ours.eod)
 
 
@@ -164,21 +165,21 @@ def test_import_then_export_is_bit_exact(exported, tied: bool, tmp_path: Path) -
     e = exported(tied)
     run(IMPORT, "--hf-dir", str(e.hf_dir), "--save", str(tmp_path / "ckpt"), "--iteration", "5")
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
-    run(EXPORT, "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"))
+    run(EXPORT, "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), *TOKENIZER)
     assert_same_tensors(e.hf_dir, tmp_path / "hf")
     assert read_config(e.hf_dir) == read_config(tmp_path / "hf")
 
 
 def test_bf16_export_round_trips(exported, tmp_path: Path) -> None:
     e = exported(False)
-    run(EXPORT, "--load", str(e.checkpoint), "--output", str(tmp_path / "a"), "--dtype", "bf16")
+    run(EXPORT, "--load", str(e.checkpoint), "--output", str(tmp_path / "a"), "--dtype", "bf16",
+        *TOKENIZER)  # fmt: skip
     tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert read_config(tmp_path / "a")["dtype"] == "bfloat16"
     run(IMPORT, "--hf-dir", str(tmp_path / "a"), "--save", str(tmp_path / "ckpt"))
-    run(
-        EXPORT, "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"), "--dtype", "bf16"
-    )
+    run(EXPORT, "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"),
+        "--dtype", "bf16", *TOKENIZER)  # fmt: skip
     assert_same_tensors(tmp_path / "a", tmp_path / "b")
 
 
@@ -187,7 +188,7 @@ def test_tp2_checkpoint_exports_like_tp1(exported, tmp_path: Path) -> None:
     e = exported(False)
     ckpt = tmp_path / "ckpt_tp2"
     run(HELPER, "save", "--save", str(ckpt), "--seed", str(SEED), "--tp", "2", nproc=2)
-    run(EXPORT, "--load", str(ckpt), "--output", str(tmp_path / "hf"))
+    run(EXPORT, "--load", str(ckpt), "--output", str(tmp_path / "hf"), *TOKENIZER)
     assert_same_tensors(e.hf_dir, tmp_path / "hf")
 
 

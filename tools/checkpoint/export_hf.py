@@ -1,12 +1,19 @@
-"""Export an Apertus checkpoint (any TP/PP) as a Hugging Face ``ApertusForCausalLM`` directory.
+r"""Export an Apertus checkpoint (any TP/PP) as a Hugging Face ``ApertusForCausalLM`` directory.
 
     python tools/checkpoint/export_hf.py --load SAVE_DIR --output HF_DIR \
-        [--tokenizer tekken.json|HF_TOKENIZER_DIR] [--dtype fp32|bf16]
+        [--tokenizer tekken.json|tokenizer.json|HF_TOKENIZER_DIR|spm.model] [--dtype fp32|bf16]
+
+HF_DIR gets config.json, generation_config.json, model.safetensors, the tokenizer of the
+training run (recorded in the checkpoint; --tokenizer overrides it, and is required for a
+checkpoint that records no run) and a README.md model card. The tokenizer puts <s> first, as
+training did, so a scorer that tokenizes with its defaults (lm-evaluation-harness, vLLM) gives
+the model the inputs it was trained on.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -18,23 +25,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", required=True, help="HF directory to create (must not exist)")
     parser.add_argument(
-        "--tokenizer", help="tekken JSON (converted) or HF tokenizer dir (tokenizer files copied)"
+        "--tokenizer",
+        help="the tokenizer to write instead of the one the training run recorded: a tekken "
+        "JSON, a tokenizer.json or a directory holding one, or a SentencePiece .model",
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported here so that --help answers without the multi-second megatron-core import.
     from megatron.apertus.convert.hf_io import export_checkpoint
     from megatron.apertus.model.config import dtype_from_name
 
-    out = export_checkpoint(
-        args.load, args.output, tokenizer=args.tokenizer, dtype=dtype_from_name(args.dtype)
-    )
+    command = list(sys.argv) if argv is None else [__file__, *argv]  # as training records its own
+    try:
+        out = export_checkpoint(
+            args.load,
+            args.output,
+            tokenizer=args.tokenizer,
+            dtype=dtype_from_name(args.dtype),
+            command=command,
+        )
+    except (FileExistsError, FileNotFoundError, ValueError) as err:
+        print(f"export_hf.py: error: {err}", file=sys.stderr)
+        return 2
     print(f"exported {args.load} -> {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

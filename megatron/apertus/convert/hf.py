@@ -17,6 +17,7 @@ Two layouts differ beyond renaming:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -32,10 +33,18 @@ LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
 LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
 
-# Token ids of the Apertus tokenizer (REFERENCE section 1).
-BOS_TOKEN_ID = 1
-EOS_TOKEN_ID = 2
-PAD_TOKEN_ID = 3
+
+@dataclass(frozen=True)
+class SpecialTokenIds:
+    """The ids ``config.json`` and ``generation_config.json`` name: those of the tokenizer."""
+
+    bos: int
+    eos: int
+    pad: int
+
+
+APERTUS_TOKEN_IDS = SpecialTokenIds(bos=1, eos=2, pad=3)
+"""Those of the published Apertus tokenizer (REFERENCE section 1)."""
 
 # Per-layer tensors that only change name: ours (under decoder.layers.{i}.) -> HF (under model.layers.{i}.).
 _LAYER_RENAMES = {
@@ -244,7 +253,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def hf_config(model: ApertusConfig, torch_dtype: torch.dtype) -> dict[str, Any]:
+def hf_config(
+    model: ApertusConfig,
+    torch_dtype: torch.dtype,
+    token_ids: SpecialTokenIds = APERTUS_TOKEN_IDS,
+) -> dict[str, Any]:
     """config.json of an ``ApertusForCausalLM`` equivalent to ``model``.
 
     ``rope_parameters`` is explicit because HF ApertusConfig's default theta (12,000,000, the
@@ -270,9 +283,9 @@ def hf_config(model: ApertusConfig, torch_dtype: torch.dtype) -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "pad_token_id": PAD_TOKEN_ID,
+        "bos_token_id": token_ids.bos,
+        "eos_token_id": token_ids.eos,
+        "pad_token_id": token_ids.pad,
         "use_cache": True,
         "dtype": dtype_name(torch_dtype),
     }
@@ -382,7 +395,9 @@ def apertus_config_from_hf(config: Mapping[str, Any]) -> ApertusConfig:
 
 
 __all__ = [
+    "APERTUS_TOKEN_IDS",
     "ConversionError",
+    "SpecialTokenIds",
     "apertus_config_from_hf",
     "dtype_name",
     "from_hf_state_dict",

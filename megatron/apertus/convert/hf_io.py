@@ -11,26 +11,37 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import GenerationConfig
 
 from megatron.apertus import parallel
 from megatron.apertus.convert.hf import (
     ConversionError,
     apertus_config_from_hf,
+    dtype_name,
     from_hf_state_dict,
     hf_config,
     to_hf_state_dict,
 )
+from megatron.apertus.convert.hf_tokenizer import tokenizer_source, write_hf_tokenizer
+from megatron.apertus.convert.model_card import model_card
 from megatron.apertus.model.builder import build_model, transformer_config
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
-from megatron.apertus.training.checkpoint import load_model, load_model_config, save_model
+from megatron.apertus.training.checkpoint import (
+    load_model,
+    load_model_config,
+    resolve_checkpoint,
+    save_model,
+)
+from megatron.apertus.training.checkpoint_files import read_run_info
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _single_process_model(model: ApertusConfig):
@@ -51,54 +62,73 @@ def _parameters(chunk) -> dict[str, torch.Tensor]:
     return {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def copy_tokenizer(source: str | os.PathLike, dest: Path) -> None:
-    """Write HF tokenizer files: convert a tekken JSON, or copy them from an HF tokenizer dir."""
-    source = Path(source)
-    if source.is_file():
-        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
-
-        convert_tekken_tokenizer(str(source)).save_pretrained(str(dest))
-        return
-    present = [name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
-    if "tokenizer.json" not in present:
-        raise FileNotFoundError(
-            f"--tokenizer {source}: expected a tekken JSON file or a directory with tokenizer.json"
-        )
-    for name in present:
-        shutil.copy2(source / name, dest / name)
-
-
 def export_checkpoint(
     load: str | os.PathLike,
     output: str | os.PathLike,
     *,
     tokenizer: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
+    command: Sequence[str] | None = None,
 ) -> Path:
-    """Write ``output`` (config.json, model.safetensors, tokenizer files) from checkpoint ``load``.
+    """Write the Hugging Face directory ``output`` from checkpoint ``load``.
 
-    Everything goes to ``output.tmp`` first and is renamed when complete, so a crash never
-    leaves a directory that looks like a finished export.
+    It holds config.json, generation_config.json, model.safetensors, the tokenizer (the one
+    the training run recorded, or ``tokenizer`` when given) and a README.md model card naming
+    ``command``. Everything is written to a fresh temporary directory beside ``output``, made
+    world-readable as a Hugging Face download is (files 0644, directories 0755, whatever the
+    umask), and renamed when complete: a crash never leaves a directory that looks finished.
+    Every refusal (no tokenizer known, an existing ``output``) comes before the model loads.
     """
     output = Path(output)
     if output.exists():
         raise FileExistsError(f"--output {output} already exists; refusing to overwrite it")
-    model = load_model_config(load)
+    checkpoint = resolve_checkpoint(load)
+    run_info = read_run_info(checkpoint)
+    source = tokenizer_source(checkpoint, run_info, None if tokenizer is None else str(tokenizer))
+    model = load_model_config(checkpoint)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{output.name}.tmp.", dir=output.parent))
+    try:
+        token_ids = write_hf_tokenizer(
+            source, tmp, model_max_length=model.max_position_embeddings, vocab_size=model.vocab_size
+        )
+        _write_model(checkpoint, model, dtype, tmp)
+        config = hf_config(model, dtype, token_ids)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        GenerationConfig(
+            bos_token_id=token_ids.bos, eos_token_id=token_ids.eos, pad_token_id=token_ids.pad
+        ).save_pretrained(str(tmp))
+        card = model_card(
+            name=output.name, model=model, checkpoint=checkpoint.resolve(), run_info=run_info,
+            tokenizer=f"{source.describe()}, from {source.origin}", dtype=dtype_name(dtype),
+            export_command=command,
+        )  # fmt: skip
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        _make_world_readable(tmp)
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def _write_model(checkpoint: Path, model: ApertusConfig, dtype: torch.dtype, dest: Path) -> None:
+    """model.safetensors: the checkpoint resharded into one TP=1/PP=1 model, HF names."""
     chunk = _single_process_model(model)
     try:
-        load_model(load, [chunk])
+        load_model(checkpoint, [chunk])
         tensors = to_hf_state_dict(_parameters(chunk), model, dtype)
     finally:
         parallel.shutdown()
-    tmp = output.with_name(output.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2) + "\n")
-    save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})
-    if tokenizer is not None:
-        copy_tokenizer(tokenizer, tmp)
-    os.replace(tmp, output)
-    return output
+    save_file(tensors, str(dest / SAFETENSORS), metadata={"format": "pt"})
+
+
+def _make_world_readable(root: Path) -> None:
+    """0755 directories and 0644 files under ``root`` (safetensors writes 0600, mkdtemp 0700)."""
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, 0o755)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o644)
 
 
 def read_hf_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
