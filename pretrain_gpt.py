@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from typing import NoReturn
+
+import torch
 
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreError
+from megatron.apertus.launch.planner import Cluster, format_plan, plan, run_from_args
 from megatron.apertus.model.config import ConfigError
 from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
@@ -48,6 +53,14 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, C.LoggingConfig, title="logging")
     C.add_arguments(parser, DistillConfig, title="distillation (sparse top-k teacher logits)")
     add_megatron_flags(parser)
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="check the flags, print the layout plan (memory and FLOPs per step) for the "
+             "processes this command runs as (torchrun's WORLD_SIZE, else Slurm's SLURM_NTASKS, "
+             "else 1) and exit without reading data or building the model; exit 1 when the "
+             "layout cannot run" + C.ADDITION_MARK,
+    )  # fmt: skip
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     refused = refusals(args)
     if len(refused) > 1:
@@ -86,7 +99,34 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         parser.error(str(err))
     except RuntimeError as err:  # --device cuda without a GPU
         parser.error(str(err))
+    if args.dry_run:
+        _dry_run(argv, config)
     return config
+
+
+def _processes() -> tuple[int, int]:
+    """(processes, processes per node) this command runs as: torchrun's, else Slurm's, else 1."""
+    env = os.environ
+    if "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return world, int(env.get("LOCAL_WORLD_SIZE", world))
+    if "SLURM_NTASKS" in env:
+        world = int(env["SLURM_NTASKS"])
+        per_node = env.get("SLURM_NTASKS_PER_NODE", str(world)).split("(")[0]
+        return world, int(per_node)
+    return 1, 1
+
+
+def _dry_run(argv: list[str], config: RunConfig) -> NoReturn:
+    """Print the planner's view of this run and exit (rank 0 prints under torchrun)."""
+    gpus, per_node = _processes()
+    on_gpu = resolve_device(config.training.device) == "cuda"
+    memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else None
+    result = plan(run_from_args(argv), Cluster(gpus=gpus, gpus_per_node=per_node,
+                                               gpu_memory_gib=memory))  # fmt: skip
+    if os.environ.get("RANK", "0") == "0":
+        print(format_plan(result, name="dry run"))
+    sys.exit(0 if result.ok else 1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -423,3 +423,24 @@ def test_distributed_timeout_reaches_every_process_group():
             assert backend.options._timeout.total_seconds() == 7 * 60
     finally:
         parallel.shutdown()
+
+
+@pytest.mark.parametrize("script, tasks, plan_line", [
+    # 512 GPUs: DP 256 x micro-batch 4 divides the ramp-up's first global batch (1024).
+    ("8b", "512", "TP 2 x PP 1 (virtual stages 1) x DP 256"),
+    ("70b", "4096", "TP 4 x PP 8 (virtual stages 5) x DP 128"),
+])  # fmt: skip
+def test_dry_run_plans_the_apertus_layout_without_data(script, tasks, plan_line, tmp_path,
+                                                       tokenizer_dir, capsys, monkeypatch):  # fmt: skip
+    """--dry-run prints the planner's layout for Slurm's task count; --data-path names nothing
+    that exists, and nothing is read or written."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", tasks)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x128)")
+    argv = sum(launch_args(script, tmp_path, tokenizer_dir), [])
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.parse_args(argv + ["--transformer-impl", "local", "--dry-run"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0, out
+    assert plan_line in out and "OK: the layout is valid" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

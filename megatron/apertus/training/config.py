@@ -99,6 +99,12 @@ class TrainingConfig:
             raise ConfigError("--rampup-batch-size takes three numbers: START INCREMENT SAMPLES")
         if self.rampup_batch_size is not None and self.train_iters is not None:
             raise ConfigError("--rampup-batch-size needs --train-samples (the step count varies)")
+        if (
+            self.rampup_batch_size is not None
+            and self.rampup_batch_size[0] == self.global_batch_size
+        ):
+            # Nothing to ramp: megatron-core's calculator would divide by zero increments.
+            object.__setattr__(self, "rampup_batch_size", None)
         if self.manual_gc_interval < 0:
             raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
 
