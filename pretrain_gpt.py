@@ -7,7 +7,6 @@ torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 ...
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import NoReturn
@@ -25,6 +24,7 @@ from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.parallel import resolve_device
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
+from megatron.apertus.training.run_log import configure_logging
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
 
 
@@ -130,8 +130,8 @@ def _dry_run(argv: list[str], config: RunConfig) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     config = parse_args(argv)
+    configure_logging(config.checkpoint.save)
     try:
         train(config)
     except (ConfigError, LogitStoreError) as err:

@@ -136,6 +136,8 @@ def run_child(argv: list[str], warmup: int, steps: int) -> dict:
 
 def loss_run(model: str, config: str, steps: int, out: Path) -> dict:
     """A full ``pretrain_gpt.py`` run; its validation loss at the end (same data and seed)."""
+    from megatron.apertus.training.metrics import read_history
+
     log_json = out / f"loss_{model}_{config}.json"
     schedule = ["--lr", "6e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "30",
                 "--eval-iters", "8", "--log-interval", "50", "--log-json", str(log_json)]  # fmt: skip
@@ -147,7 +149,7 @@ def loss_run(model: str, config: str, steps: int, out: Path) -> dict:
     print(proc.stdout[-2500:], proc.stderr[-1500:] if proc.returncode else "", flush=True)
     if proc.returncode:
         return {"config": config, "error": f"exit {proc.returncode}"}
-    history = json.loads(log_json.read_text())
+    history = read_history(log_json)
     return {
         "model": model,
         "config": config,

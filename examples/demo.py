@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.apertus.training.metrics import read_history
+
 REPO = Path(__file__).resolve().parents[1]
 SEED = 1234
 GLOBAL_BATCH = 16
@@ -143,8 +145,8 @@ def pretrain_teacher(out: Path, data: dict[str, str], iters: int) -> dict:
         "--log-json", str(out / "teacher-part1.json"))  # fmt: skip
     run("pretrain_gpt.py", *args, "--load", str(out / "teacher"),
         "--log-json", str(out / "teacher.json"))  # fmt: skip
-    first = json.loads((out / "teacher-part1.json").read_text())
-    history = json.loads((out / "teacher.json").read_text())  # the resumed run continues it
+    first = read_history(out / "teacher-part1.json")
+    history = read_history(out / "teacher.json")  # the resumed run continues it
     history["resumed_at_iteration"] = first["train/loss"][-1][0]
     return history
 
@@ -154,7 +156,7 @@ def train_student(out: Path, data: dict[str, str], iters: int, name: str, extra:
             *recipe_args(iters, lr=5e-3), "--save", str(out / name),
             "--log-json", str(out / f"{name}.json"), *extra]  # fmt: skip
     run("pretrain_gpt.py", *args)
-    return json.loads((out / f"{name}.json").read_text())
+    return read_history(out / f"{name}.json")
 
 
 def median_step_seconds(history: dict) -> float:

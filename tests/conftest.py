@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron.apertus.training.metrics import read_history
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain_gpt.py"
@@ -35,7 +36,8 @@ def run_entry(
 
 
 def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
+    """A ``--log-json`` file as ``{name: [[iteration, value], ...]}``."""
+    return read_history(path)
 
 
 def series(history: dict, name: str) -> tuple[list[int], list[float]]:

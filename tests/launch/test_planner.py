@@ -10,7 +10,6 @@ from megatron.apertus.launch.planner import (
     format_plan,
     plan,
     run_from_args,
-    train_iterations,
 )
 from tools.plan_layout import main as plan_layout
 
@@ -89,7 +88,7 @@ def test_sample_based_length_follows_megatron_cores_ramp_up():
     """tests/training/test_loop.py observes 7 steps (batches 2, 2, 2, 2, 4, 4, 4) for this run."""
     run = run_from_args(["--rampup-batch-size", "2", "2", "8", "--train-samples", "20",
                          "--global-batch-size", "4", "--micro-batch-size", "1"])  # fmt: skip
-    assert train_iterations(run.training, dp=1) == 7
+    assert run.training.total_iterations(dp=1) == 7
 
 
 def test_cli_prints_the_plan_and_exits_1_on_refusal(capsys):

@@ -10,6 +10,7 @@ so 20 steps stay within 1e-6 absolute. Resumed runs must be bitwise equal.
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -20,7 +21,7 @@ from megatron.apertus.model import ParallelConfig, preset, transformer_config
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.optim import AdEMAMix, AdEMAMixSettings
 from megatron.apertus.optim.ademamix import STATE_KEYS, alpha_at, beta3_at
-from tests.conftest import REPO, read_json, run_entry
+from tests.conftest import REPO, run_entry
 
 WORKER = REPO / "tests" / "optim" / "megatron_worker.py"
 ATOL = 1e-6
@@ -202,7 +203,8 @@ def megatron_reports(tmp_path_factory):
     run_entry(
         WORKER, ["--distributed-optimizer", "--formats", *FORMATS, "--out", str(sharded)], nproc=2
     )
-    return {"single": read_json(single), "distributed": read_json(sharded)}
+    return {key: json.loads(path.read_text()) for key, path in (("single", single),
+                                                                ("distributed", sharded))}  # fmt: skip
 
 
 @pytest.mark.parametrize("run", ["single", "distributed"])

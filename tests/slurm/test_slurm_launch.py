@@ -5,7 +5,6 @@ before anything is queued."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron.apertus.training.checkpoint_files import MODEL_CONFIG, iteration_dir, latest_iteration
+from megatron.apertus.training.metrics import read_history
 from tests.conftest import REPO
 
 ITERS = 10
@@ -42,7 +42,7 @@ def job_log(run_dir: Path, job_id: str) -> str:
 
 
 def losses(run_dir: Path, job_id: str) -> list[list[float]]:
-    return json.loads((run_dir / f"history-{job_id}.json").read_text())["train/loss"]
+    return read_history(run_dir / f"history-{job_id}.json")["train/loss"]
 
 
 def assert_completed(slurm, job_id: str, run_dir: Path) -> str:
@@ -107,7 +107,7 @@ def test_preempted_job_saves_resubmits_and_resumes_on_the_same_trajectory(
     reference_dir, reference_job, _, _ = uninterrupted
     name = "tiny-preempt"
     first = submitted_job(submit(slurm, tmp_path, name))
-    _wait_for(tmp_path, first, "iteration      3 |", slurm)
+    _wait_for(tmp_path, first, "iteration        3/", slurm)
     slurm.run("scancel", "--signal=USR2", first)
     log = assert_completed(slurm, first, tmp_path)
     assert "exit requested by signal SIGUSR2" in log

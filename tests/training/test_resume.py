@@ -137,7 +137,7 @@ def test_sigusr2_saves_exits_zero_and_resumes_on_the_same_trajectory(uninterrupt
     )
     proc = _start(slow)
     lines: list[str] = []
-    _wait_for_line(proc, "iteration      2 |", lines)
+    _wait_for_line(proc, "iteration        2/", lines)
     proc.send_signal(signal.SIGUSR2)
     lines += proc.stdout.readlines()
     assert proc.wait(timeout=300) == 0, "".join(lines[-30:])

@@ -22,8 +22,6 @@ import argparse
 import math
 from dataclasses import dataclass, field, replace
 
-from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
-
 from megatron.apertus.launch import memory
 from megatron.apertus.launch.memory import Recompute, Shape, StageMemory, Workload
 from megatron.apertus.model.config import (
@@ -215,25 +213,6 @@ def _memory_problem(plan: Plan) -> list[str]:
 # -- the plan --------------------------------------------------------------------------------
 
 
-def train_iterations(training: C.TrainingConfig, dp: int) -> int:
-    """Optimizer steps of the run, following megatron-core's batch-size ramp-up."""
-    if training.train_iters is not None:
-        return training.train_iters
-    gbs, samples = training.global_batch_size, training.train_samples
-    if not training.rampup_batch_size:
-        return math.ceil(samples / gbs)
-    start, increment, ramp = training.rampup_batch_size
-    calculator = RampupBatchsizeNumMicroBatchesCalculator(
-        gbs, training.micro_batch_size, dp, False, 1, start, increment, ramp
-    )  # rank 1: no log lines
-    consumed = steps = 0
-    while consumed < samples and consumed <= ramp:
-        calculator.update(consumed, consistency_check=False)
-        consumed += calculator.get_current_global_batch_size()
-        steps += 1
-    return steps + max(0, math.ceil((samples - consumed) / gbs))
-
-
 def _shape(run: Run) -> Shape:
     return Shape(
         seq_length=run.model.seq_length,
@@ -305,7 +284,7 @@ def plan(run: Run, cluster: Cluster) -> Plan:
             for choice in alternatives
         },
         flops_per_step=flops_per_token(run.model) * t.global_batch_size * run.model.seq_length,
-        train_iters=train_iterations(t, dp) if not problems else None,
+        train_iters=t.total_iterations(dp) if not problems else None,
     )
     return replace(result, problems=problems + _memory_problem(result))
 

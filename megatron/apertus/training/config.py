@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.model.config import (
@@ -107,6 +110,24 @@ class TrainingConfig:
             object.__setattr__(self, "rampup_batch_size", None)
         if self.manual_gc_interval < 0:
             raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
+
+    def total_iterations(self, dp: int) -> int:
+        """Optimizer steps of the run, following megatron-core's batch-size ramp-up."""
+        if self.train_iters is not None:
+            return self.train_iters
+        gbs, samples = self.global_batch_size, self.train_samples
+        if not self.rampup_batch_size:
+            return math.ceil(samples / gbs)
+        start, increment, ramp = self.rampup_batch_size
+        calculator = RampupBatchsizeNumMicroBatchesCalculator(
+            gbs, self.micro_batch_size, dp, False, 1, start, increment, ramp
+        )  # rank 1: no log lines
+        consumed = steps = 0
+        while consumed < samples and consumed <= ramp:
+            calculator.update(consumed, consistency_check=False)
+            consumed += calculator.get_current_global_batch_size()
+            steps += 1
+        return steps + max(0, math.ceil((samples - consumed) / gbs))
 
     def _resolve_precision(self) -> None:
         """``precision`` from --precision, --bf16 or --fp16, which must not disagree; always set
@@ -291,9 +312,16 @@ class LoggingConfig:
         "log to this wandb project (WANDB_MODE=offline works)", None
     )
     wandb_exp_name: Optional[str] = _help("wandb run name", None)
-    loss_plot: Optional[str] = _help("PNG of the loss curves (default: SAVE/loss.png)", None)
     log_json: Optional[str] = _help(
-        "write every logged iteration's loss and grad norm to this JSON file", None
+        "append every recorded scalar to this JSON-lines file (one object per iteration), "
+        "flushed at every log line so a killed run keeps each logged interval; a resumed run "
+        "starts it over from its checkpoint's history",
+        None,
+    )
+    loss_plot: Optional[str] = _help(
+        "PNG of the loss curves, redrawn at every checkpoint and at the end (default: "
+        "SAVE/loss.png)",
+        None,
     )
     log_params_norm: bool = _switch(
         "log the L2 norm of all parameters (the whole model, each shard once) every --log-interval"

@@ -94,6 +94,13 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"memory/rss_bytes": psutil.Process().memory_info().rss}
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """The log line's memory: the allocator's peak on a GPU, the resident memory on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return psutil.Process().memory_info().rss / 2**30
+
+
 class ManualGC:
     """Megatron-LM's ``--manual-gc``: no automatic collection; a full one at start, every
     ``interval`` iterations (0: never), around checkpoint saves and (unless ``around_eval`` is

@@ -69,9 +69,15 @@ from megatron.apertus.training.config import (
     OptimizerSettings,
     TrainingConfig,
 )
-from megatron.apertus.training.diagnostics import ManualGC, memory_stats, params_norms
+from megatron.apertus.training.diagnostics import (
+    ManualGC,
+    memory_stats,
+    params_norms,
+    peak_memory_gib,
+)
 from megatron.apertus.training.gemm_metrics import GemmInputMonitor
 from megatron.apertus.training.metrics import (
+    IntervalThroughput,
     Metrics,
     device_peak_tflops,
     flops_per_token,
@@ -265,6 +271,10 @@ class Trainer:
         )
         if cfg.checkpoint.load and self.state.iteration > 0:
             self.metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, self.state.iteration)
+        if cfg.logging.log_json and _is_reporting_rank():
+            self.metrics.open_json_log(cfg.logging.log_json)
+        self.total_iterations = t.total_iterations(self.dp)
+        self.interval = IntervalThroughput()
         self.skipped_in_a_row = 0
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         self.save_options = self._save_options()
@@ -498,27 +508,37 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.record("train/lr", it, lr)
         self.metrics.record("train/step_seconds", it, seconds)
+        self.interval.add(seconds, global_batch * self.cfg.model.seq_length)
         if not (it % self.cfg.training.log_interval == 0 or it == 1):
             return
         diagnostics = self._record_diagnostics(it)
-        if not _is_reporting_rank():
-            return
-        tokens_s = (
-            global_batch * self.cfg.model.seq_length / seconds / torch.distributed.get_world_size()
-        )
-        norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.4f}"
-        loss = "n/a" if result.loss is None else f"{result.loss:.5f}"
+        ms_per_iteration, tokens_s = self.interval.take(torch.distributed.get_world_size())
+        self.metrics.flush()  # on disk before the line says so
+        if _is_reporting_rank():
+            log.info(self._iteration_line(result, lr, global_batch, ms_per_iteration, tokens_s)
+                     + diagnostics)  # fmt: skip
+
+    def _iteration_line(self, result: StepResult, lr: float, global_batch: int,
+                        ms_per_iteration: float, tokens_s: float) -> str:  # fmt: skip
+        """Megatron-LM's iteration line, with tokens/s averaged over the log interval."""
+        norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.3f}"
+        loss = "n/a" if result.loss is None else f"{result.loss:.6E}"
         objective = "lm loss" if self.teacher is None else "kd loss"
-        line = (f"iteration {it:6d} | consumed samples {self.state.consumed_samples} | lr {lr:.3e} | "
-                f"global batch {global_batch} | {objective} {loss} | grad norm {norm} | "
-                f"skipped {self.skipped_in_a_row} | tokens/s/device {tokens_s:.0f}")  # fmt: skip
+        line = (f"iteration {self.state.iteration:8d}/{self.total_iterations:8d} | "
+                f"consumed samples: {self.state.consumed_samples:12d} | "
+                f"elapsed time per iteration (ms): {ms_per_iteration:.1f} | "
+                f"learning rate: {lr:.6E} | global batch size: {global_batch:5d} | "
+                f"{objective}: {loss} | grad norm: {norm} | "
+                f"number of skipped iterations: {self.skipped_in_a_row:3d} | "
+                f"tokens per second per device: {tokens_s:.0f}")  # fmt: skip
         peak = device_peak_tflops()
         if peak is not None:
             tflops = tokens_s * flops_per_token(self.cfg.model) / 1e12
-            line += f" | TFLOP/s/device {tflops:.1f} | MFU {100 * tflops / peak:.1f}%"
+            line += f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f} | MFU: {100 * tflops / peak:.1f}%"
+        line += f" | memory (GiB): {peak_memory_gib(self.device):.2f}"
         if result.goldfish_fraction is not None:
-            line += f" | goldfish dropped {100 * result.goldfish_fraction:.2f}%"
-        log.info(line + diagnostics)
+            line += f" | goldfish dropped: {100 * result.goldfish_fraction:.2f}%"
+        return line
 
     def _record_diagnostics(self, it: int) -> str:
         """Parameter norms (a collective: every rank computes them) and memory use, as asked
@@ -569,8 +589,9 @@ class Trainer:
             return
         self.metrics.record("valid/loss", self.state.iteration, loss)
         if _is_reporting_rank():
-            log.info(f"validation at iteration {self.state.iteration} | lm loss {loss:.5f} | "
-                     f"ppl {perplexity(loss):.2f}")  # fmt: skip
+            log.info(f"validation loss at iteration {self.state.iteration} | lm loss value: "
+                     f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E}")  # fmt: skip
+        self.metrics.flush()
 
     def _run_info(self) -> dict:
         """What a checkpoint records of the run that made it (``apertus_run.json``): exports
@@ -602,6 +623,8 @@ class Trainer:
         self.gc.boundary()
         if _is_reporting_rank():
             self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)
+            self.metrics.plot(self._plot_path())
+            self.metrics.flush()
             if self.save_options.async_queue is not None:
                 log.info(f"saving checkpoint {path} in the background")
         if self.progress is not None:
@@ -697,13 +720,17 @@ class Trainer:
             self.save()
         return self._close(completed=True)
 
-    def _close(self, *, completed: bool) -> dict:
-        self.finish_saves()
+    def _plot_path(self) -> str | None:
+        """--loss-plot, by default SAVE/loss.png."""
         plot = self.cfg.logging.loss_plot
         if plot is None and self.cfg.checkpoint.save:
             plot = str(Path(self.cfg.checkpoint.save) / "loss.png")
+        return plot
+
+    def _close(self, *, completed: bool) -> dict:
+        self.finish_saves()
         if _is_reporting_rank():
-            self.metrics.close(self.cfg.logging.log_json, plot)
+            self.metrics.close(self._plot_path())
         self.metrics.history["completed"] = completed
         return self.metrics.history
 

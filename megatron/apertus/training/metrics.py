@@ -1,4 +1,4 @@
-"""Where training numbers go: the log line, TensorBoard, wandb, a JSON history and a loss plot.
+"""Where training numbers go: the log line, TensorBoard, wandb, a JSON-lines log and a loss plot.
 
 Throughput: tokens per second per device on every backend; on GPU also model TFLOP/s and MFU
 against the device's dense bf16 peak. Model FLOPs per token follow the usual count:
@@ -38,14 +38,44 @@ def device_peak_tflops() -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
+class IntervalThroughput:
+    """Time and tokens of the steps since the last log line: the line reports their average, as
+    Megatron-LM's does, not the last step's."""
+
+    def __init__(self) -> None:
+        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+        self.steps += 1
+
+    def take(self, world_size: int) -> tuple[float, float]:
+        """(ms per iteration, tokens/s per device) of the interval; starts the next one."""
+        seconds = max(self.seconds, 1e-9)
+        result = 1000 * seconds / max(self.steps, 1), self.tokens / seconds / world_size
+        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+        return result
+
+
 class Metrics:
-    """Fan-out of scalar metrics to TensorBoard/wandb (when configured) and a JSON history."""
+    """Fan-out of scalar metrics to TensorBoard/wandb (when configured), the in-memory history
+    and the ``--log-json`` file.
+
+    ``--log-json`` is JSON Lines, one object per iteration and flush (``{"iteration": 12,
+    "train/loss": 2.31, ...}``; :func:`read_history` reads it back), appended and flushed at
+    every log line, so a run killed at any moment leaves every logged interval on disk. A run
+    that resumes starts the file over from its restored history: entries a killed job logged
+    after its last checkpoint are replaced by the ones the resumed run makes.
+    """
 
     def __init__(self, *, tensorboard_dir: str | None, wandb_project: str | None,
                  wandb_exp_name: str | None, config: dict) -> None:  # fmt: skip
         self.history: dict[str, list] = {}
         self.tensorboard = None
         self.wandb = None
+        self.json_log = None
+        self.pending: dict[int, dict[str, float]] = {}
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -65,6 +95,19 @@ class Metrics:
             saved = json.loads(path.read_text())
             self.history = {k: [e for e in v if e[0] <= up_to_iteration] for k, v in saved.items()}
 
+    def open_json_log(self, path: str | Path) -> None:
+        """Start ``path`` with the history so far (atomically), then append to it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        by_iteration: dict[int, dict[str, float]] = {}
+        for name, entries in self.history.items():
+            for iteration, value in entries:
+                by_iteration.setdefault(iteration, {})[name] = value
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(_json_line(it, by_iteration[it]) for it in sorted(by_iteration)))
+        tmp.replace(path)
+        self.json_log = path.open("a")
+
     def snapshot(self, path: Path) -> None:
         """Write the history next to a checkpoint, atomically."""
         tmp = path.with_name(path.name + ".tmp")
@@ -73,20 +116,57 @@ class Metrics:
 
     def record(self, name: str, iteration: int, value: float) -> None:
         self.history.setdefault(name, []).append([iteration, value])
+        if self.json_log is not None:
+            self.pending.setdefault(iteration, {})[name] = value
         if self.tensorboard is not None:
             self.tensorboard.add_scalar(name, value, iteration)
         if self.wandb is not None:
             self.wandb.log({name: value}, step=iteration)
 
-    def close(self, json_path: str | None, plot_path: str | None) -> None:
+    def flush(self) -> None:
+        """Append what was recorded since the last flush to the JSON log, and flush every sink."""
+        if self.json_log is not None and self.pending:
+            self.json_log.write(
+                "".join(_json_line(it, self.pending[it]) for it in sorted(self.pending))
+            )
+            self.json_log.flush()
+            self.pending = {}
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+
+    def plot(self, path: str | Path | None) -> None:
+        if path and "train/loss" in self.history:
+            plot_losses(self.history, Path(path))
+
+    def close(self, plot_path: str | None) -> None:
+        self.flush()
+        if self.json_log is not None:
+            self.json_log.close()
+            self.json_log = None
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
-        if json_path:
-            Path(json_path).write_text(json.dumps(self.history, indent=1))
-        if plot_path and "train/loss" in self.history:
-            plot_losses(self.history, Path(plot_path))
+        self.plot(plot_path)
+
+
+def _json_line(iteration: int, values: dict[str, float]) -> str:
+    return json.dumps({"iteration": iteration, **values}) + "\n"
+
+
+def read_history(path: str | Path) -> dict[str, list]:
+    """A ``--log-json`` file as ``{name: [[iteration, value], ...]}``; a last line cut short by
+    a kill is ignored."""
+    history: dict[str, list] = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        iteration = entry.pop("iteration")
+        for name, value in entry.items():
+            history.setdefault(name, []).append([iteration, value])
+    return history
 
 
 def plot_losses(history: dict[str, list], path: Path) -> None:

@@ -1,0 +1,43 @@
+"""What a run prints, and where the rest goes.
+
+The console gets this package's lines (the ``apertus`` loggers, INFO and up) and anyone's
+warnings, so the first iteration line comes within a few lines of the start. Everything else
+megatron-core and the tokenizers log at INFO (the DDP bucket's parameter list, the optimizer's
+config, dataset index building) goes to ``SAVE/debug.log``, written by global rank 0, when the
+run has a --save directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEBUG_LOG = "debug.log"
+OURS = "apertus"
+
+
+class _OursOrWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        ours = record.name == OURS or record.name.startswith(OURS + ".")
+        return ours or record.levelno >= logging.WARNING
+
+
+def configure_logging(save_dir: str | None) -> None:
+    """Console and debug-log handlers on the root logger (call once, in an entry point)."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    console.addFilter(_OursOrWarnings())
+    root.addHandler(console)
+    if not save_dir or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        debug = logging.FileHandler(Path(save_dir) / DEBUG_LOG)
+    except OSError:
+        return  # an unwritable --save is refused, in one line, when the run starts
+    debug.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root.addHandler(debug)

@@ -1,0 +1,73 @@
+"""What a run leaves while it runs: the README's smallest run prints its first iteration line
+early, in Megatron-LM's form; a run killed with SIGKILL keeps its JSON log up to the kill and
+its loss plot as of its last checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+
+from megatron.apertus.training.metrics import read_history
+from tests.conftest import PRETRAIN, REPO
+
+ITERATION_LINE = re.compile(
+    r"iteration +(\d+)/ +(\d+) \| consumed samples: +\d+ \| elapsed time per iteration \(ms\): "
+    r"[\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +\d+ \| lm loss: [\d.E+-]+ \| "
+    r"grad norm: [\d.]+ \| number of skipped iterations: +\d+ \| tokens per second per device: "
+    r"\d+ \| memory \(GiB\): [\d.]+"
+)
+
+
+def _readme_smallest_run() -> list[str]:
+    """The README's smallest ``pretrain_gpt.py`` command, as words."""
+    text = (REPO / "README.md").read_text()
+    command = re.search(r"\.venv/bin/python (pretrain_gpt\.py --model-preset tiny .*?)\n```",
+                        text, re.S).group(1)  # fmt: skip
+    return shlex.split(command.replace("\\\n", " "))[1:]
+
+
+def _start(args: list[str], cwd) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, str(PRETRAIN), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def test_first_iteration_line_of_the_smallest_run_comes_within_15_lines(tmp_path):
+    """Only our lines and warnings reach the console; megatron-core's parameter lists and
+    configs go to SAVE/debug.log."""
+    proc = _start(_readme_smallest_run(), cwd=tmp_path)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if ITERATION_LINE.search(line):
+            break
+    proc.kill()
+    proc.wait()
+    assert ITERATION_LINE.search(lines[-1]) and len(lines) <= 15, "".join(lines[-40:])
+    assert re.search(r"iteration +1/ +20 \|", lines[-1])
+    assert "Params for bucket" in (tmp_path / "runs" / "tiny" / "debug.log").read_text()
+
+
+def test_a_killed_run_keeps_its_json_log_and_plot(tmp_path):
+    save, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    proc = _start(["--model-preset", "tiny", "--train-iters", "200", "--global-batch-size", "2",
+                   "--log-interval", "2", "--save", str(save), "--save-interval", "2",
+                   "--log-json", str(log)], cwd=REPO)  # fmt: skip
+    logged = []
+    for line in proc.stdout:
+        match = ITERATION_LINE.search(line)
+        if match:
+            logged.append(int(match.group(1)))
+        if len(logged) == 3:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert logged == [1, 2, 4]
+    steps = [iteration for iteration, _ in read_history(log)["train/loss"]]
+    assert steps[: logged[-1]] == list(range(1, logged[-1] + 1)), "every step up to the kill"
+    assert (save / "loss.png").stat().st_size > 0, "the plot is drawn at each checkpoint"
