@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -57,10 +58,9 @@ def test_batch_size_ramp_up_and_sample_based_length(tmp_path):
     log = tmp_path / "history.json"
     proc = run_entry(PRETRAIN, BASE + ["--rampup-batch-size", "2", "2", "8", "--train-samples", "20",
                                        "--micro-batch-size", "1", "--log-json", str(log)])  # fmt: skip
-    batches = [int(line.split("| global batch ")[1].split(" ")[0]) for line in proc.stdout.splitlines()
-               if "| global batch " in line]  # fmt: skip
+    batches = [int(size) for size in re.findall(r"\| global batch size: +(\d+) \|", proc.stdout)]
     assert batches == [2, 2, 2, 2, 4, 4, 4], batches
-    assert "consumed samples 20" in proc.stdout
+    assert re.search(r"iteration +7/ +7 \| consumed samples: +20 \|", proc.stdout)
 
 
 def test_tensorboard_plot_and_json(tmp_path):

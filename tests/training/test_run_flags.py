@@ -100,7 +100,7 @@ def test_finetune_starts_at_iteration_1_from_the_weights_only(trained, tmp_path)
         ).stdout
         runs[name] = series(read_json(tmp_path / f"{name}.json"), "train/loss")
     assert "--finetune: weights loaded from" in logs["finetune"]
-    assert "consumed samples 4 |" in logs["finetune"]
+    assert re.search(r"iteration +1/ +2 \| consumed samples: +4 \|", logs["finetune"])
     assert runs["finetune"][0] == [1, 2]
     assert runs["finetune"] == runs["weights"]
     assert runs["finetune"][1][0] < scratch[0]
@@ -275,4 +275,4 @@ def test_decrease_batch_size_if_needed(caplog):
     with caplog.at_level(logging.INFO, logger="apertus"):
         train(pretrain_gpt.parse_args(flags + ["--decrease-batch-size-if-needed"]))
     assert "--decrease-batch-size-if-needed: global batch 4 instead of 5" in caplog.text
-    assert "consumed samples 8 | lr 3.000e-03 | global batch 4 |" in caplog.text
+    assert re.search(r"consumed samples: +8 \| .* \| global batch size: +4 \|", caplog.text)
