@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, GoldfishConfig, title="goldfish loss", prefix="goldfish_")
     C.add_arguments(parser, C.LoggingConfig, title="logging")
     C.add_arguments(parser, DistillConfig, title="distillation (sparse top-k teacher logits)")
+    C.add_arguments(parser, AlignConfig, title="alignment (DPO, QRPO)")
     add_megatron_flags(parser)
     args = parser.parse_args(argv)
     refused = refusals(args)
@@ -68,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             goldfish=C.from_arguments(GoldfishConfig, args, prefix="goldfish_"),
             logging=C.from_arguments(C.LoggingConfig, args),
             distill=C.from_arguments(DistillConfig, args),
+            align=C.from_arguments(AlignConfig, args),
             engine=C.from_arguments(EngineConfig, args),
         )
         validate_engine(

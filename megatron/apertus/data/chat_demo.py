@@ -81,3 +81,31 @@ def docstring_preferences(seed: int = 1234) -> list[dict]:
         ]
         records.append({"prompt": prompt, "chosen": answer, "rejected": other})
     return records
+
+
+def overlap_reward(answer: str, truth: str) -> float:
+    """A deterministic scorer: the share of the true docstring's distinct words that the
+    answer contains (1.0 for the true docstring itself)."""
+    words = set(truth.lower().split())
+    return len(words & set(answer.lower().split())) / max(len(words), 1)
+
+
+def docstring_rewards(seed: int = 1234, references: int = 8) -> list[dict]:
+    """QRPO records: per callable, its right and one wrong answer, each with its reward, and
+    the rewards of ``references`` other docstrings standing for the reference policy's own
+    completions (an untrained policy answers with unrelated text)."""
+    answers = docstring_answers()
+    rng = random.Random(seed)
+    records = []
+    for i, (name, truth) in enumerate(answers):
+        prompt = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question(name)},
+        ]
+        others = [answers[(i + 1 + rng.randrange(len(answers) - 1)) % len(answers)][1]
+                  for _ in range(references + 1)]  # fmt: skip
+        ref_rewards = [overlap_reward(text, truth) for text in others[1:]]
+        for completion in (truth, others[0]):
+            records.append({"prompt": prompt, "completion": completion,
+                            "reward": overlap_reward(completion, truth), "ref_rewards": ref_rewards})  # fmt: skip
+    return records

@@ -144,7 +144,8 @@ def _encode(tokenizer: Tokenizer, text: str, config: PreprocessConfig) -> np.nda
 class LineEncoder(Protocol):
     """One input line -> one document per output; ``ValueError`` rejects the line."""
 
-    def __call__(self, raw: bytes) -> dict[str, np.ndarray]: ...
+    def __call__(self, raw: bytes) -> dict[str, np.ndarray | list[np.ndarray]]:
+        """The line's document per output (a list: one document of several sequences)."""
 
     def outputs(self, prefix: str) -> dict[str, tuple[str, type]]:
         """Per output name: its dataset prefix (under ``--output-prefix``) and index dtype."""
@@ -226,7 +227,7 @@ def preprocess(
         name: IndexedDatasetBuilder(f"{prefix}.tmp.bin", dtype=dtype)
         for name, (prefix, dtype) in outputs.items()
     }
-    counted = [name for name, (_, dtype) in outputs.items() if dtype != np.uint8]  # not masks
+    counted = [name for name, (_, dtype) in outputs.items() if dtype in (np.int32, np.uint16)]
     summary = Summary()
     chunks = _chunks(iter_lines(config.inputs), config.lines_per_task)
     start = time.perf_counter()
@@ -239,10 +240,13 @@ def preprocess(
                 if ids is None:
                     _report(summary, config.inputs[file_index], number, reason, config)
                     continue
-                for key, array in ids.items():
-                    builders[key].add_document(array, [array.size])
+                parts = {key: a if isinstance(a, list) else [a] for key, a in ids.items()}
+                for key, sequences in parts.items():  # one document of one or more sequences
+                    builders[key].add_document(
+                        np.concatenate(sequences), [a.size for a in sequences]
+                    )
                 summary.documents += 1
-                summary.tokens += sum(ids[name].size for name in counted)
+                summary.tokens += sum(a.size for name in counted for a in parts[name])
             bar.update(len(batch))
             rate = summary.tokens / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)

@@ -31,6 +31,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import parallel
+from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.data.batches import BatchConfig, rank_positions, step_micro_batches
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.goldfish import GoldfishConfig
@@ -51,6 +52,7 @@ from megatron.apertus.model.engine import (
 )
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.training import checkpoint
+from megatron.apertus.training.align import AlignRun
 from megatron.apertus.training.checkpoint import TrainingState
 from megatron.apertus.training.config import (
     CheckpointConfig,
@@ -96,6 +98,7 @@ class RunConfig:
     goldfish: GoldfishConfig
     logging: LoggingConfig
     distill: DistillConfig = field(default_factory=DistillConfig)
+    align: AlignConfig = field(default_factory=AlignConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -224,6 +227,9 @@ class Trainer:
             precision=t.precision,
         )
         self.state = self._resume()
+        if self.align is not None:
+            self.align.prepare(self.model, t.micro_batch_size, reference_name=str(self.resume_from),
+                               fresh=self.state.iteration == 0, reporting=_is_reporting_rank())  # fmt: skip
         self.teacher = self._teacher_logits()
         self.stop = StopRequests(handle_signals=t.exit_signal_handler, trigger_path=t.trigger_path)
         self.metrics = Metrics(
@@ -259,6 +265,11 @@ class Trainer:
 
     def _datasets(self):
         t = self.cfg.training
+        self.align = None
+        if self.cfg.align.enabled:
+            self.align = AlignRun(self.cfg.align, self.cfg.dataset, seq_length=self.cfg.model.seq_length,
+                                  pad=self.tokenizer.pad, seed=t.seed)  # fmt: skip
+            return self.align.train_data, self.align.valid_data
         train, valid, _ = build_datasets(self.cfg.dataset, self.tokenizer, seq_length=self.cfg.model.seq_length,
                                          seed=t.seed, num_samples=t.dataset_sizes())  # fmt: skip
         return train, valid
@@ -399,6 +410,8 @@ class Trainer:
 
     def _shape(self) -> StepShape:
         mbs, seq = self.cfg.training.micro_batch_size, self.cfg.model.seq_length
+        if self.align is not None:
+            return self.align.shape(get_num_microbatches(), seq, mbs)
         packed = self.batch.pack_documents
         return StepShape(
             num_microbatches=get_num_microbatches(),
@@ -407,6 +420,11 @@ class Trainer:
         )
 
     def _iterators(self, dataset, consumed: int, global_batch: int, teacher=None) -> list:
+        if self.align is not None:
+            part = "train" if dataset is self.train_data else "valid"
+            batches = self.align.micro_batches(part, consumed, global_batch,
+                                               self.cfg.training.micro_batch_size, self.dp)  # fmt: skip
+            return [iter(batches) for _ in self.model]
         batches = step_micro_batches(
             dataset,
             self.batch,
