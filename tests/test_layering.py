@@ -137,7 +137,7 @@ def test_imports_point_down_only():
         (  # a function-level import of the layer above
             "megatron.apertus.distill.targets",
             "def f():\n    from megatron.apertus.training import checkpoint\n",
-            ["megatron.apertus.distill.targets:2: distill (layer 4) imports training (layer 5)"],
+            ["megatron.apertus.distill.targets:2: distill (layer 4) imports training (layer 6)"],
         ),
         (  # relative, and a module of the package named in ``from megatron.apertus import``
             "megatron.apertus.model.spec",
@@ -168,7 +168,7 @@ def test_checker_reports_imports_against_the_layering(module, source, expected):
 def test_package_inits_resolve_relative_imports_from_the_package():
     source = "from .teacher_logits import generate\nfrom ..launch import planner\n"
     assert violations(source, "megatron.apertus.training", is_package=True) == [
-        "megatron.apertus.training:2: training (layer 5) imports launch (layer 6)"
+        "megatron.apertus.training:2: training (layer 6) imports launch (layer 7)"
     ]
     # The package's own __init__ runs before every module: it may import none of them.
     assert violations("from . import ops\n", PACKAGE, is_package=True) == [

@@ -5,12 +5,13 @@ Every public function and class of a fixed list of standard-library modules that
 docstring gives one conversation: the user asks what ``module.name`` does, the assistant
 answers with the first paragraph of its docstring. The text is real (CPython's own
 documentation), ships with every Python, and is the same for a given Python version.
-Preference pairs (:func:`docstring_preferences`) pair the right answer with the docstring of
-another function of the same list.
+Preference pairs (:func:`docstring_preferences`) pair the right answer with the same words
+scrambled; QRPO records (:func:`docstring_rewards`) score completions with a deterministic
+word-order reward.
 
 What it can show: that fine-tuning teaches a small model the chat format and to answer with
 text of the kind the assistant turns hold (the held-out assistant-token loss falls), and that
-an alignment objective raises the margin of right over wrong answers. What it cannot show:
+an alignment objective raises the held-out margin of fluent over scrambled answers. What it cannot show:
 instruction following, helpfulness or any benchmark figure: the answers are short, the model
 tiny, and held-out questions ask about functions it never saw.
 """
@@ -67,45 +68,53 @@ def docstring_conversations() -> list[dict]:
     ]
 
 
+def scramble(text: str, share: float, rng: random.Random) -> str:
+    """``text`` with a ``share`` of its words moved to random places (the rest keep order)."""
+    words = text.split()
+    moved = rng.sample(range(len(words)), round(share * len(words)))
+    kept = [w for i, w in enumerate(words) if i not in set(moved)]
+    for i in moved:
+        kept.insert(rng.randrange(len(kept) + 1), words[i])
+    return " ".join(kept)
+
+
+def order_reward(answer: str, truth: str) -> float:
+    """A deterministic scorer: the share of the true answer's adjacent word pairs that the
+    answer keeps in order (1.0 for the true answer, near 0 for a full scramble)."""
+    pairs = list(zip(truth.split(), truth.split()[1:]))
+    kept = set(zip(answer.split(), answer.split()[1:]))
+    return sum(p in kept for p in pairs) / max(len(pairs), 1)
+
+
 def docstring_preferences(seed: int = 1234) -> list[dict]:
-    """``{"prompt": messages, "chosen": right answer, "rejected": another's}`` per callable."""
-    answers = docstring_answers()
+    """``{"prompt", "chosen", "rejected"}`` per callable: its answer against the same words
+    scrambled (a fluency preference that a small model can learn and carry to new prompts)."""
     rng = random.Random(seed)
     records = []
-    for i, (name, answer) in enumerate(answers):
-        j = rng.randrange(len(answers) - 1)
-        other = answers[j + (j >= i)][1]
+    for name, answer in docstring_answers():
         prompt = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": question(name)},
         ]
-        records.append({"prompt": prompt, "chosen": answer, "rejected": other})
+        records.append({"prompt": prompt, "chosen": answer, "rejected": scramble(answer, 1.0, rng)})
     return records
 
 
-def overlap_reward(answer: str, truth: str) -> float:
-    """A deterministic scorer: the share of the true docstring's distinct words that the
-    answer contains (1.0 for the true docstring itself)."""
-    words = set(truth.lower().split())
-    return len(words & set(answer.lower().split())) / max(len(words), 1)
-
-
 def docstring_rewards(seed: int = 1234, references: int = 8) -> list[dict]:
-    """QRPO records: per callable, its right and one wrong answer, each with its reward, and
-    the rewards of ``references`` other docstrings standing for the reference policy's own
-    completions (an untrained policy answers with unrelated text)."""
-    answers = docstring_answers()
+    """QRPO records: per callable, two completions (its answer with none and all of its words
+    scrambled) with their :func:`order_reward`, and the rewards of ``references`` answers
+    scrambled by a random share, standing for the reference policy's own samples."""
     rng = random.Random(seed)
     records = []
-    for i, (name, truth) in enumerate(answers):
+    for name, answer in docstring_answers():
         prompt = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": question(name)},
         ]
-        others = [answers[(i + 1 + rng.randrange(len(answers) - 1)) % len(answers)][1]
-                  for _ in range(references + 1)]  # fmt: skip
-        ref_rewards = [overlap_reward(text, truth) for text in others[1:]]
-        for completion in (truth, others[0]):
+        ref_rewards = [order_reward(scramble(answer, rng.random(), rng), answer)
+                       for _ in range(references)]  # fmt: skip
+        for share in (0.0, 1.0):
+            completion = scramble(answer, share, rng)
             records.append({"prompt": prompt, "completion": completion,
-                            "reward": overlap_reward(completion, truth), "ref_rewards": ref_rewards})  # fmt: skip
+                            "reward": order_reward(completion, answer), "ref_rewards": ref_rewards})  # fmt: skip
     return records

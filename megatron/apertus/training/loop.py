@@ -519,19 +519,26 @@ class Trainer:
             return None
         for chunk in self.model:
             chunk.eval()
-        sums = []
+        sums, margins = [], []
         global_batch = get_current_running_global_batch_size()
         with torch.no_grad():
             for i in range(t.eval_iters):
                 iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
                 losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
                 sums.extend(entry["lm loss"] for entry in losses)
+                margins.extend(entry["margin"] for entry in losses if "margin" in entry)
         for chunk in self.model:
             chunk.train()
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
         total = torch.stack(sums).double().sum(0)
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        if margins:  # alignment: the mean held-out log-ratio margin
+            margin = torch.stack(margins).double().sum(0)
+            torch.distributed.all_reduce(margin, group=parallel_state.get_data_parallel_group())
+            self.metrics.record(
+                "valid/margin", self.state.iteration, (margin[0] / margin[1]).item()
+            )
         return (total[0] / total[1]).item()
 
     def validate(self) -> None:
