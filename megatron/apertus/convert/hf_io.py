@@ -24,6 +24,7 @@ from megatron.apertus.convert.hf import (
     hf_config,
     to_hf_state_dict,
 )
+from megatron.apertus.data.chat import CHAT_TEMPLATE, CONTROL_TOKENS
 from megatron.apertus.model.builder import build_model, transformer_config
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.training.checkpoint import load_model, load_model_config, save_model
@@ -58,6 +59,7 @@ def copy_tokenizer(source: str | os.PathLike, dest: Path) -> None:
         from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
 
         convert_tekken_tokenizer(str(source)).save_pretrained(str(dest))
+        add_apertus_chat_format(dest)
         return
     present = [name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
     if "tokenizer.json" not in present:
@@ -66,6 +68,23 @@ def copy_tokenizer(source: str | os.PathLike, dest: Path) -> None:
         )
     for name in present:
         shutil.copy2(source / name, dest / name)
+
+
+def add_apertus_chat_format(directory: Path) -> None:
+    """Name the reserved slots 61..72 of a converted tekken tokenizer with the Apertus control
+    tokens and install the Apertus chat template (:mod:`megatron.apertus.data.chat`), so that
+    ``apply_chat_template`` gives the ids training used."""
+    path = directory / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    names = {f"<SPECIAL_{token_id}>": name for name, token_id in CONTROL_TOKENS.items()}
+    for token in spec["added_tokens"]:
+        token["content"] = names.get(token["content"], token["content"])
+    vocab = spec["model"]["vocab"]
+    for old, new in names.items():
+        if old in vocab:
+            vocab[new] = vocab.pop(old)
+    path.write_text(json.dumps(spec, ensure_ascii=False))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 def export_checkpoint(

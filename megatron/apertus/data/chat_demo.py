@@ -5,13 +5,13 @@ Every public function and class of a fixed list of standard-library modules that
 docstring gives one conversation: the user asks what ``module.name`` does, the assistant
 answers with the first paragraph of its docstring. The text is real (CPython's own
 documentation), ships with every Python, and is the same for a given Python version.
-Preference pairs (:func:`docstring_preferences`) pair the right answer with the same words
-scrambled; QRPO records (:func:`docstring_rewards`) score completions with a deterministic
-word-order reward.
+Preference pairs (:func:`docstring_preferences`) pair the right answer with the same answer
+in capitals; QRPO records (:func:`docstring_rewards`) score completions with a deterministic
+reward, the share of words written as in the true answer.
 
 What it can show: that fine-tuning teaches a small model the chat format and to answer with
 text of the kind the assistant turns hold (the held-out assistant-token loss falls), and that
-an alignment objective raises the held-out margin of fluent over scrambled answers. What it cannot show:
+an alignment objective raises the held-out margin of the plain over the shouted answer. What it cannot show:
 instruction following, helpfulness or any benchmark figure: the answers are short, the model
 tiny, and held-out questions ask about functions it never saw.
 """
@@ -68,27 +68,24 @@ def docstring_conversations() -> list[dict]:
     ]
 
 
-def scramble(text: str, share: float, rng: random.Random) -> str:
-    """``text`` with a ``share`` of its words moved to random places (the rest keep order)."""
+def shout(text: str, share: float, rng: random.Random) -> str:
+    """``text`` with a ``share`` of its words, chosen at random, in capitals."""
     words = text.split()
-    moved = rng.sample(range(len(words)), round(share * len(words)))
-    kept = [w for i, w in enumerate(words) if i not in set(moved)]
-    for i in moved:
-        kept.insert(rng.randrange(len(kept) + 1), words[i])
-    return " ".join(kept)
+    loud = set(rng.sample(range(len(words)), round(share * len(words))))
+    return " ".join(w.upper() if i in loud else w for i, w in enumerate(words))
 
 
-def order_reward(answer: str, truth: str) -> float:
-    """A deterministic scorer: the share of the true answer's adjacent word pairs that the
-    answer keeps in order (1.0 for the true answer, near 0 for a full scramble)."""
-    pairs = list(zip(truth.split(), truth.split()[1:]))
-    kept = set(zip(answer.split(), answer.split()[1:]))
-    return sum(p in kept for p in pairs) / max(len(pairs), 1)
+def case_reward(answer: str, truth: str) -> float:
+    """A deterministic scorer: the share of the true answer's words that the answer writes
+    exactly as the truth does (1.0 for the true answer, near 0 for one in capitals)."""
+    words = truth.split()
+    return sum(a == t for a, t in zip(answer.split(), words)) / max(len(words), 1)
 
 
 def docstring_preferences(seed: int = 1234) -> list[dict]:
-    """``{"prompt", "chosen", "rejected"}`` per callable: its answer against the same words
-    scrambled (a fluency preference that a small model can learn and carry to new prompts)."""
+    """``{"prompt", "chosen", "rejected"}`` per callable: its answer against the same answer in
+    capitals (a style preference, "do not shout", that a small model can learn and carry over
+    to prompts it never saw)."""
     rng = random.Random(seed)
     records = []
     for name, answer in docstring_answers():
@@ -96,14 +93,14 @@ def docstring_preferences(seed: int = 1234) -> list[dict]:
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": question(name)},
         ]
-        records.append({"prompt": prompt, "chosen": answer, "rejected": scramble(answer, 1.0, rng)})
+        records.append({"prompt": prompt, "chosen": answer, "rejected": shout(answer, 1.0, rng)})
     return records
 
 
 def docstring_rewards(seed: int = 1234, references: int = 8) -> list[dict]:
     """QRPO records: per callable, two completions (its answer with none and all of its words
-    scrambled) with their :func:`order_reward`, and the rewards of ``references`` answers
-    scrambled by a random share, standing for the reference policy's own samples."""
+    in capitals) with their :func:`case_reward`, and the rewards of ``references`` answers
+    with a random share of capitals, standing for the reference policy's own samples."""
     rng = random.Random(seed)
     records = []
     for name, answer in docstring_answers():
@@ -111,10 +108,10 @@ def docstring_rewards(seed: int = 1234, references: int = 8) -> list[dict]:
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": question(name)},
         ]
-        ref_rewards = [order_reward(scramble(answer, rng.random(), rng), answer)
+        ref_rewards = [case_reward(shout(answer, rng.random(), rng), answer)
                        for _ in range(references)]  # fmt: skip
         for share in (0.0, 1.0):
-            completion = scramble(answer, share, rng)
+            completion = shout(answer, share, rng)
             records.append({"prompt": prompt, "completion": completion,
-                            "reward": order_reward(completion, answer), "ref_rewards": ref_rewards})  # fmt: skip
+                            "reward": case_reward(completion, answer), "ref_rewards": ref_rewards})  # fmt: skip
     return records
