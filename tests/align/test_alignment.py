@@ -107,6 +107,7 @@ def align_args(data, tmp_path, objective: str, iters: int, *extra: str) -> list[
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_dpo_starts_at_log_2_and_resumes_exactly(data, tmp_path):
     straight = train(pretrain_gpt.parse_args(align_args(data, tmp_path, "dpo", 4)))
     losses = [v for _, v in straight["train/loss"]]

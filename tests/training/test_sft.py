@@ -59,6 +59,7 @@ def test_samples_carry_the_stored_mask_of_their_labels(chats, tmp_path):
     assert 0 < float(sum(dataset[i]["loss_mask"].sum() for i in range(40))) < 40 * 64
 
 
+@pytest.mark.slow
 def test_sft_lowers_the_held_out_assistant_loss(chats, tmp_path):
     run_entry(PRETRAIN, BASE + ["--train-iters", "4", "--lr", "3e-3", "--eval-iters", "0",
                                 "--save", str(tmp_path / "base")])  # fmt: skip
