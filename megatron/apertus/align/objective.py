@@ -36,8 +36,10 @@ def alignment_loss(
     loss_mask: torch.Tensor,
     output: torch.Tensor,
 ):
-    """(loss sum, examples, reported) of one micro-batch; ``reported["margin"]`` is DPO's
-    chosen-minus-rejected log-ratio (QRPO: the log-ratio) summed over the examples."""
+    """(loss sum, examples, reported) of one micro-batch. ``reported["margin"]`` sums DPO's
+    chosen-minus-rejected log-ratio, or QRPO's quantile-signed log-ratio ``(2q - 1) * ratio``
+    (positive when completions above the reference's median reward gain probability and those
+    below lose it), over the examples."""
     logps = sequence_logps(output, loss_mask)
     ref = ref_logps.to(logps.device)
     lengths = loss_mask.double().sum(-1) if config.align_length_normalization else None
@@ -49,8 +51,9 @@ def alignment_loss(
             sequence_log_ratio(logps[1::2], ref[1::2], pair.get("rejected_lengths"))
         )
     else:
-        losses = qrpo_loss(logps, ref, quantiles.to(logps.device), beta, lengths=lengths)
-        margin = sequence_log_ratio(logps, ref, lengths)
+        quantiles = quantiles.to(logps.device)
+        losses = qrpo_loss(logps, ref, quantiles, beta, lengths=lengths)
+        margin = (2.0 * quantiles - 1.0) * sequence_log_ratio(logps, ref, lengths)
     count = torch.tensor(float(losses.numel()), device=logps.device)
     reported = {
         "lm loss": torch.stack([losses.sum().detach().float(), count]),
