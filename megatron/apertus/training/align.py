@@ -44,8 +44,11 @@ class AlignRun:
     """Datasets, reference log-probabilities and micro-batches of one alignment run."""
 
     def __init__(self, config: AlignConfig, dataset: DatasetConfig, *, seq_length: int,
-                 pad: int, seed: int) -> None:  # fmt: skip
+                 pad: int, seed: int, fused_output_loss: bool) -> None:  # fmt: skip
         self.config = config
+        if fused_output_loss:
+            raise ConfigError("--align-objective needs each token's log-probability: add "
+                              "--no-fused-output-loss")  # fmt: skip
         train = _single_prefix("--train-data-path", dataset.train_data_path)
         if train is None or dataset.data_path:
             raise ConfigError("--align-objective reads --train-data-path PREFIX (and optionally "

@@ -268,7 +268,8 @@ class Trainer:
         self.align = None
         if self.cfg.align.enabled:
             self.align = AlignRun(self.cfg.align, self.cfg.dataset, seq_length=self.cfg.model.seq_length,
-                                  pad=self.tokenizer.pad, seed=t.seed)  # fmt: skip
+                                  pad=self.tokenizer.pad, seed=t.seed,
+                                  fused_output_loss=t.fused_output_loss)  # fmt: skip
             return self.align.train_data, self.align.valid_data
         train, valid, _ = build_datasets(self.cfg.dataset, self.tokenizer, seq_length=self.cfg.model.seq_length,
                                          seed=t.seed, num_samples=t.dataset_sizes())  # fmt: skip
