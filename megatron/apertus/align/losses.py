@@ -2,8 +2,8 @@
 
 Both compare the policy's log-probability of a completion, ``logp`` (the sum over its
 assistant tokens), with the frozen reference policy's, ``ref_logp``, computed once before
-training. With length normalisation (the Apertus tech report found it helped both) each sequence log-ratio
-``logp - ref_logp`` enters divided by the completion's length in tokens.
+training. With length normalisation (the Apertus tech report found it helped both) each
+sequence log-ratio ``logp - ref_logp`` enters divided by the completion's length in tokens.
 
 DPO (Rafailov et al. 2023, the sigmoid loss)::
 
