@@ -45,7 +45,9 @@ def alignment_loss(
     lengths = loss_mask.double().sum(-1) if config.align_length_normalization else None
     beta = config.align_beta
     if config.align_objective == "dpo":
-        pair = dict(chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2]) if lengths is not None else {}  # fmt: skip
+        pair = {}
+        if lengths is not None:
+            pair = dict(chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])
         losses = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta, **pair)
         margin = sequence_log_ratio(logps[0::2], ref[0::2], pair.get("chosen_lengths")) - (
             sequence_log_ratio(logps[1::2], ref[1::2], pair.get("rejected_lengths"))

@@ -11,9 +11,9 @@ reward, the share of words written as in the true answer.
 
 What it can show: that fine-tuning teaches a small model the chat format and to answer with
 text of the kind the assistant turns hold (the held-out assistant-token loss falls), and that
-an alignment objective raises the held-out margin of the plain over the shouted answer. What it cannot show:
-instruction following, helpfulness or any benchmark figure: the answers are short, the model
-tiny, and held-out questions ask about functions it never saw.
+an alignment objective raises the held-out margin of the plain over the shouted answer. What
+it cannot show: instruction following, helpfulness or any benchmark figure: the answers are
+short, the model tiny, and held-out questions ask about functions it never saw.
 """
 
 from __future__ import annotations
