@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import torch
 
+from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
@@ -24,8 +25,8 @@ from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.parallel import resolve_device
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
-from megatron.apertus.training.run_log import configure_logging
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
+from megatron.apertus.training.run_log import configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, GoldfishConfig, title="goldfish loss", prefix="goldfish_")
     C.add_arguments(parser, C.LoggingConfig, title="logging")
     C.add_arguments(parser, DistillConfig, title="distillation (sparse top-k teacher logits)")
+    C.add_arguments(parser, AlignConfig, title="alignment (DPO, QRPO)")
     add_megatron_flags(parser)
     parser.add_argument(
         "--dry-run", action="store_true",
@@ -82,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             goldfish=C.from_arguments(GoldfishConfig, args, prefix="goldfish_"),
             logging=C.from_arguments(C.LoggingConfig, args),
             distill=C.from_arguments(DistillConfig, args),
+            align=C.from_arguments(AlignConfig, args),
             engine=C.from_arguments(EngineConfig, args),
             communication=C.from_arguments(C.CommunicationConfig, args),
         )

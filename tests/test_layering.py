@@ -31,6 +31,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     # What training consumes; ``parallel`` (process groups and seeds) needs the model's layout
     # checks and ``cpu_compat``, and only training, the runners and tools call it.
     frozenset({"data", "distill", "optim", "parallel"}),
+    frozenset({"align"}),  # alignment objectives; reference log-probs live in distill's store
     frozenset({"training"}),  # the loop and the teacher-logit runner
     frozenset({"convert", "launch"}),  # library halves of tools/ and the Slurm launcher
 )
@@ -136,7 +137,7 @@ def test_imports_point_down_only():
         (  # a function-level import of the layer above
             "megatron.apertus.distill.targets",
             "def f():\n    from megatron.apertus.training import checkpoint\n",
-            ["megatron.apertus.distill.targets:2: distill (layer 4) imports training (layer 5)"],
+            ["megatron.apertus.distill.targets:2: distill (layer 4) imports training (layer 6)"],
         ),
         (  # relative, and a module of the package named in ``from megatron.apertus import``
             "megatron.apertus.model.spec",
@@ -167,7 +168,7 @@ def test_checker_reports_imports_against_the_layering(module, source, expected):
 def test_package_inits_resolve_relative_imports_from_the_package():
     source = "from .teacher_logits import generate\nfrom ..launch import planner\n"
     assert violations(source, "megatron.apertus.training", is_package=True) == [
-        "megatron.apertus.training:2: training (layer 5) imports launch (layer 6)"
+        "megatron.apertus.training:2: training (layer 6) imports launch (layer 7)"
     ]
     # The package's own __init__ runs before every module: it may import none of them.
     assert violations("from . import ops\n", PACKAGE, is_package=True) == [

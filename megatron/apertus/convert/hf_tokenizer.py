@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron.apertus.convert.hf import ConversionError, SpecialTokenIds
+from megatron.apertus.data.chat import CHAT_TEMPLATE, CONTROL_TOKENS
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer, bundled_tekken_path
 
@@ -168,9 +169,28 @@ def write_hf_tokenizer(
         model_max_length=model_max_length,
     )
     hf.save_pretrained(str(dest))
+    if source.type == "TekkenTokenizer":
+        add_apertus_chat_format(dest)
     config_path = dest / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     check_hf_tokenizer(dest, ours, _check_texts(sorted({bos, eos, pad})))
     return SpecialTokenIds(bos=ours.bos, eos=ours.eod, pad=ours.pad)
+
+
+def add_apertus_chat_format(directory: Path) -> None:
+    """Name the reserved slots 61..72 of a converted tekken tokenizer with the Apertus control
+    tokens and install the Apertus chat template (:mod:`megatron.apertus.data.chat`), so that
+    ``apply_chat_template`` gives the ids training used."""
+    path = directory / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    names = {f"<SPECIAL_{token_id}>": name for name, token_id in CONTROL_TOKENS.items()}
+    for token in spec["added_tokens"]:
+        token["content"] = names.get(token["content"], token["content"])
+    vocab = spec["model"]["vocab"]
+    for old, new in names.items():
+        if old in vocab:
+            vocab[new] = vocab.pop(old)
+    path.write_text(json.dumps(spec, ensure_ascii=False))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)

@@ -48,6 +48,9 @@ class Batch:
     loss_positions: int = 0
     teacher: TeacherTargets | None = None
     """A teacher's top-k per token (distillation), in the same [b, s] or packed layout."""
+    sequence_loss: Callable | None = None
+    """``f(batch, loss_mask, per_token_losses) -> (loss, count, reported)`` of an objective
+    over whole sequences (alignment); None: the masked per-token loss."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -25,6 +25,7 @@ from megatron.core.datasets.object_storage_utils import is_object_storage_path
 from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron.apertus.data.corpus import embedded_corpus_prefix
+from megatron.apertus.data.sft import ChatGPTDataset, check_mask_pair
 from megatron.apertus.data.tokenizer import Tokenizer
 from megatron.apertus.model.config import ConfigError
 
@@ -51,6 +52,11 @@ class DatasetConfig:
     num_dataset_builder_threads: int = field(default=1, metadata={"help": (
         "threads that build the sample indices of a blend's datasets (megatron-core's); the "
         "indices are the same for any number")})  # fmt: skip
+    sft: bool = field(
+        default=False,
+        metadata={"switch": True, "help": "supervised fine-tuning on chat datasets from "
+                  "tools/preprocess_chat.py: the loss counts only the assistant's tokens"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.num_dataset_builder_threads < 1:
@@ -64,6 +70,11 @@ class DatasetConfig:
             )
         if self.per_split and not self.train_data_path:
             raise ValueError("--valid-data-path/--test-data-path need --train-data-path")
+        if self.sft and not (self.data_path or self.train_data_path):
+            raise ValueError(
+                "--sft needs --data-path (or --train-data-path): a chat dataset written by "
+                "tools/preprocess_chat.py, e.g. PREFIX_chat_document"
+            )
         if self.reset_position_ids != self.reset_attention_mask:
             raise ValueError(
                 "--reset-position-ids and --reset-attention-mask go together: documents are "
@@ -90,13 +101,16 @@ def resolve_blend(config: DatasetConfig, tokenizer: Tokenizer) -> list[str]:
     return [str(embedded_corpus_prefix(cache, tokenizer, build=False))]
 
 
-def check_prefixes(flag: str, blend: list[str]) -> None:
+def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
     """Refuse a prefix of ``blend`` (Megatron's ``[WEIGHT] PREFIX ...`` list, given as ``flag``)
-    whose ``.bin`` or ``.idx`` is missing, or whose ``.idx`` is not a Megatron index."""
+    whose ``.bin`` or ``.idx`` is missing, or whose ``.idx`` is not a Megatron index (with
+    ``sft``, the same for its loss mask)."""
     prefixes, _ = get_blend_from_list(blend)
     for prefix in prefixes:
         if not is_object_storage_path(prefix):
             _check_pair(flag, prefix)
+            if sft:
+                check_mask_pair(flag, prefix)
 
 
 def _check_pair(flag: str, prefix: str) -> None:
@@ -129,11 +143,11 @@ def build_datasets(
         parts = (config.train_data_path, config.valid_data_path, config.test_data_path)
         for name, part in zip(("train", "valid", "test"), parts):
             if part:
-                check_prefixes(f"--{name}-data-path", part)
+                check_prefixes(f"--{name}-data-path", part, sft=config.sft)
         blends = dict(blend_per_split=[get_blend_from_list(p) if p else None for p in parts])
     else:
         if config.data_path:
-            check_prefixes("--data-path", config.data_path)
+            check_prefixes("--data-path", config.data_path, sft=config.sft)
         blends = dict(
             blend=get_blend_from_list(resolve_blend(config, tokenizer)),
             split=config.split or ("969,30,1" if config.data_path else "90,10,0"),
@@ -151,7 +165,8 @@ def build_datasets(
         mmap_bin_files=True,
         num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
+    dataset_class = ChatGPTDataset if config.sft else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(
-        GPTDataset, list(num_samples), lambda: True, gpt_config
+        dataset_class, list(num_samples), lambda: True, gpt_config
     ).build()
     return [d if n > 0 else None for d, n in zip(datasets, num_samples)]

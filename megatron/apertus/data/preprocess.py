@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -96,17 +96,23 @@ def _chunks(lines: Iterator[Line], size: int) -> Iterator[list[Line]]:
 # -- worker side -------------------------------------------------------------------------------
 
 _worker: dict = {}
-"""The config and tokenizer of this process; forked workers inherit them."""
+"""The line encoder of this process; forked workers inherit it."""
 
 
-def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
-    """The texts of ``keys`` in one JSON line; ``ValueError`` says why the line is rejected."""
+def decode_line(raw: bytes) -> str:
+    """One input line as text; ``ValueError`` when it is not UTF-8 or blank."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"not UTF-8 (byte {err.start})") from None
     if not text.strip():
         raise ValueError("blank line")
+    return text
+
+
+def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
+    """The texts of ``keys`` in one JSON line; ``ValueError`` says why the line is rejected."""
+    text = decode_line(raw)
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
@@ -135,18 +141,42 @@ def _encode(tokenizer: Tokenizer, text: str, config: PreprocessConfig) -> np.nda
     return np.asarray(ids, dtype=np.int32)
 
 
+class LineEncoder(Protocol):
+    """One input line -> one document per output; ``ValueError`` rejects the line."""
+
+    def __call__(self, raw: bytes) -> dict[str, np.ndarray | list[np.ndarray]]:
+        """The line's document per output (a list: one document of several sequences)."""
+
+    def outputs(self, prefix: str) -> dict[str, tuple[str, type]]:
+        """Per output name: its dataset prefix (under ``--output-prefix``) and index dtype."""
+
+
+class TextEncoder:
+    """The pretraining encoder: ``<s> text </s>`` of every ``--json-keys`` key of a line."""
+
+    def __init__(self, config: PreprocessConfig, tokenizer: Tokenizer) -> None:
+        self.config, self.tokenizer = config, tokenizer
+
+    def __call__(self, raw: bytes) -> dict[str, np.ndarray]:
+        texts = parse_line(raw, self.config.json_keys)
+        return {key: _encode(self.tokenizer, text, self.config) for key, text in texts.items()}
+
+    def outputs(self, prefix: str) -> dict[str, tuple[str, type]]:
+        dtype = _index_dtype(self.tokenizer.vocab_size)
+        return {key: (output_prefix(prefix, key), dtype) for key in self.config.json_keys}
+
+
 def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | None]]:
-    """(file, line, {key: ids} or None, rejection reason or None) for every line of the chunk."""
-    config, tokenizer = _worker["config"], _worker["tokenizer"]
+    """(file, line, {output: ids} or None, rejection reason or None) for every line of the chunk."""
+    encoder = _worker["encoder"]
     results = []
     for file_index, number, raw in chunk:
         try:
-            texts = parse_line(raw, config.json_keys)
+            arrays = encoder(raw)
         except ValueError as err:
             results.append((file_index, number, None, str(err)))
             continue
-        ids = {key: _encode(tokenizer, text, config) for key, text in texts.items()}
-        results.append((file_index, number, ids, None))
+        results.append((file_index, number, arrays, None))
     return results
 
 
@@ -181,21 +211,27 @@ def _report(summary: Summary, path: Path, number: int, reason: str, config: Prep
         summary.reported += 1
 
 
-def preprocess(config: PreprocessConfig) -> Summary:
-    """Tokenize every input line into one indexed dataset per JSON key."""
+def preprocess(
+    config: PreprocessConfig, encoder: Callable[[Tokenizer], LineEncoder] | None = None
+) -> Summary:
+    """Tokenize every input line into one indexed dataset per output of the encoder that
+    ``encoder(tokenizer)`` builds (default: one per JSON key, :class:`TextEncoder`)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tqdm import tqdm
 
     tokenizer = check_inputs(config)
-    dtype = _index_dtype(tokenizer.vocab_size)
-    prefixes = {key: output_prefix(config.output_prefix, key) for key in config.json_keys}
+    line_encoder = encoder(tokenizer) if encoder else TextEncoder(config, tokenizer)
+    outputs = line_encoder.outputs(config.output_prefix)
+    prefixes = {name: prefix for name, (prefix, _) in outputs.items()}
     builders = {
-        key: IndexedDatasetBuilder(f"{p}.tmp.bin", dtype=dtype) for key, p in prefixes.items()
+        name: IndexedDatasetBuilder(f"{prefix}.tmp.bin", dtype=dtype)
+        for name, (prefix, dtype) in outputs.items()
     }
+    counted = [name for name, (_, dtype) in outputs.items() if dtype in (np.int32, np.uint16)]
     summary = Summary()
     chunks = _chunks(iter_lines(config.inputs), config.lines_per_task)
     start = time.perf_counter()
-    with _pool(config, tokenizer) as pool, tqdm(
+    with _pool(config, line_encoder) as pool, tqdm(
         unit=" docs", desc="preprocess", mininterval=1.0
     ) as bar:
         results = pool.imap(encode_chunk, chunks) if pool else map(encode_chunk, chunks)
@@ -204,10 +240,13 @@ def preprocess(config: PreprocessConfig) -> Summary:
                 if ids is None:
                     _report(summary, config.inputs[file_index], number, reason, config)
                     continue
-                for key, array in ids.items():
-                    builders[key].add_document(array, [array.size])
+                parts = {key: a if isinstance(a, list) else [a] for key, a in ids.items()}
+                for key, sequences in parts.items():  # one document of one or more sequences
+                    builders[key].add_document(
+                        np.concatenate(sequences), [a.size for a in sequences]
+                    )
                 summary.documents += 1
-                summary.tokens += sum(a.size for a in ids.values())
+                summary.tokens += sum(a.size for name in counted for a in parts[name])
             bar.update(len(batch))
             rate = summary.tokens / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
@@ -226,13 +265,13 @@ class _NoPool:
         return False
 
 
-def _pool(config: PreprocessConfig, tokenizer: Tokenizer):
+def _pool(config: PreprocessConfig, encoder: LineEncoder):
     """Worker processes, or none (tokenize in this process) for ``--workers 1``.
 
-    Workers are forked so that they inherit the loaded tokenizer instead of each loading its
-    own (about a second for tekken) and re-importing the entry point.
+    Workers are forked so that they inherit the encoder and its loaded tokenizer instead of
+    each loading its own (about a second for tekken) and re-importing the entry point.
     """
-    _worker.update(config=config, tokenizer=tokenizer)
+    _worker.update(encoder=encoder)
     if config.workers <= 1:
         return _NoPool()
     return multiprocessing.get_context("fork").Pool(config.workers)

@@ -53,6 +53,10 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    @abstractmethod
+    def special_piece(self, token_id: int) -> str:
+        """The vocabulary's string for ``token_id`` (control tokens included)."""
+
     def encode_document(self, text: str) -> list[int]:
         """``<s> text </s>``: every document carries its begin and end tokens."""
         return [self.bos, *self.encode(text), self.eod]
@@ -84,6 +88,9 @@ class TekkenTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
+
+    def special_piece(self, token_id: int) -> str:
+        return self._tok.id_to_piece(token_id)
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -133,6 +140,9 @@ class HuggingFaceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def special_piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
 
 class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: str | os.PathLike) -> None:
@@ -154,6 +164,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
+
+    def special_piece(self, token_id: int) -> str:
+        return self._tok.id_to_piece(token_id)
 
 
 def build_tokenizer(tokenizer_type: str = "TekkenTokenizer", model: str | None = None) -> Tokenizer:

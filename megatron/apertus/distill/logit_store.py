@@ -102,7 +102,8 @@ def default_samples_per_block(seq_length: int, tokens: int = BLOCK_TOKENS) -> in
     return max(1, round(tokens / seq_length))
 
 
-def _digest(*parts: bytes) -> bytes:
+def store_digest(*parts: bytes) -> bytes:
+    """blake2b digest (16 bytes) of the concatenated parts: every checksum of the store."""
     h = hashlib.blake2b(digest_size=DIGEST_SIZE)
     for part in parts:
         h.update(part)
@@ -203,7 +204,7 @@ def _read_header(directory: Path) -> StoreHeader:
     return StoreHeader.from_json(path.read_text(), str(path))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as out:
         out.write(data)
@@ -282,7 +283,7 @@ def parse_meta(
         )
     meta_size = len(positions) * _DIRECTORY.itemsize + head["tables_bytes"]
     rest = _read_exact(read, _BLOCK_HEAD.size, meta_size + DIGEST_SIZE, path, block, file_size)
-    digest = _digest(head_bytes, rest[:meta_size])
+    digest = store_digest(head_bytes, rest[:meta_size])
     if digest != rest[meta_size:]:
         raise LogitStoreError(f"{path} (block {block}): checksum mismatch in the block metadata")
     if file_size != head["file_size"]:
@@ -326,7 +327,7 @@ def block_bytes(block: int, header: StoreHeader, keys: np.ndarray, encoded) -> b
                             header.seq_length, header.k, header.vocab_size, encoded.table_size,
                             len(encoded.tables), meta_size + int(lengths.sum()))  # fmt: skip
     meta = head + directory.tobytes() + encoded.tables
-    return b"".join([meta, _digest(meta), *encoded.payloads])
+    return b"".join([meta, store_digest(meta), *encoded.payloads])
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -371,7 +372,7 @@ class LogitStoreWriter:
         if (self.directory / HEADER_FILE).exists():
             self._check_existing()
         else:
-            _atomic_write(self.directory / HEADER_FILE, self.header.to_json().encode())
+            atomic_write(self.directory / HEADER_FILE, self.header.to_json().encode())
 
     def _wait_for_header(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
@@ -457,7 +458,7 @@ class LogitStoreWriter:
             raise LogitStoreError(
                 f"block {block}, sample at position {position}, token {err.row % shape[1]}: {err}"
             ) from None
-        _atomic_write(
+        atomic_write(
             block_path(self.directory, block),
             block_bytes(block, self.header, sample_keys, encoded),
         )
@@ -482,11 +483,11 @@ class LogitStoreWriter:
         records["size"] = [m.file_size for m in metas]
         records["digest"] = [m.digest for m in metas]
         keys = np.concatenate([m.directory["key"] for m in metas]).astype("<u8")
-        header_digest = _digest((self.directory / HEADER_FILE).read_bytes())
+        header_digest = store_digest((self.directory / HEADER_FILE).read_bytes())
         head = _INDEX_HEAD.pack(INDEX_MAGIC, FORMAT_VERSION, 0, len(metas),
                                 self.header.num_samples, header_digest)  # fmt: skip
         body = head + records.tobytes() + keys.tobytes()
-        _atomic_write(self.directory / INDEX_FILE, body + _digest(body))
+        atomic_write(self.directory / INDEX_FILE, body + store_digest(body))
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -544,7 +545,7 @@ class LogitStoreReader:
         if (blocks, samples) != (header.num_blocks, header.num_samples):
             raise LogitStoreError(f"{path}: {blocks} blocks / {samples} samples, header says "
                                   f"{header.num_blocks} / {header.num_samples}")  # fmt: skip
-        if header_digest != _digest((self.directory / HEADER_FILE).read_bytes()):
+        if header_digest != store_digest((self.directory / HEADER_FILE).read_bytes()):
             raise LogitStoreError(f"{path} was written for another {HEADER_FILE}")
         records = np.memmap(path, _INDEX_BLOCK, "r", _INDEX_HEAD.size, (blocks,))
         keys = np.memmap(path, "<u8", "r", _INDEX_HEAD.size + records_size, (samples,))

@@ -35,6 +35,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import parallel
+from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.data.batches import (
     BatchConfig,
     MicroBatchReader,
@@ -60,6 +61,7 @@ from megatron.apertus.model.engine import (
 )
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.training import checkpoint
+from megatron.apertus.training.align import AlignRun
 from megatron.apertus.training.checkpoint import TrainingState
 from megatron.apertus.training.config import (
     CheckpointConfig,
@@ -114,6 +116,7 @@ class RunConfig:
     goldfish: GoldfishConfig
     logging: LoggingConfig
     distill: DistillConfig = field(default_factory=DistillConfig)
+    align: AlignConfig = field(default_factory=AlignConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
 
@@ -245,7 +248,7 @@ class Trainer:
             goldfish=cfg.goldfish if cfg.data.goldfish_loss else None,
         )
         self.train_data, self.valid_data = self._datasets()
-        self.reader = MicroBatchReader(
+        self.reader = None if self.align is not None else MicroBatchReader(
             self.train_data, self.batch, micro_batch_size=t.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=self.dp,
             num_workers=cfg.data.num_workers,
@@ -261,6 +264,9 @@ class Trainer:
             precision=t.precision,
         )
         self.state = self._resume()
+        if self.align is not None:
+            self.align.prepare(self.model, t.micro_batch_size, reference_name=str(self.resume_from),
+                               fresh=self.state.iteration == 0, reporting=_is_reporting_rank())  # fmt: skip
         self.teacher = self._teacher_logits()
         self.stop = StopRequests(handle_signals=t.exit_signal_handler, trigger_path=t.trigger_path)
         self.metrics = Metrics(
@@ -302,6 +308,12 @@ class Trainer:
 
     def _datasets(self):
         t = self.cfg.training
+        self.align = None
+        if self.cfg.align.enabled:
+            self.align = AlignRun(self.cfg.align, self.cfg.dataset, seq_length=self.cfg.model.seq_length,
+                                  pad=self.tokenizer.pad, seed=t.seed,
+                                  fused_output_loss=t.fused_output_loss)  # fmt: skip
+            return self.align.train_data, self.align.valid_data
         train, valid, _ = build_datasets(self.cfg.dataset, self.tokenizer, seq_length=self.cfg.model.seq_length,
                                          seed=t.seed, num_samples=t.dataset_sizes())  # fmt: skip
         return train, valid
@@ -449,6 +461,8 @@ class Trainer:
 
     def _shape(self) -> StepShape:
         mbs, seq = self.cfg.training.micro_batch_size, self.cfg.model.seq_length
+        if self.align is not None:
+            return self.align.shape(get_num_microbatches(), seq, mbs)
         packed = self.batch.pack_documents
         return StepShape(
             num_microbatches=get_num_microbatches(),
@@ -457,6 +471,11 @@ class Trainer:
         )
 
     def _iterators(self, dataset, consumed: int, global_batch: int) -> list:
+        if self.align is not None:
+            part = "train" if dataset is self.train_data else "valid"
+            batches = self.align.micro_batches(part, consumed, global_batch,
+                                               self.cfg.training.micro_batch_size, self.dp)  # fmt: skip
+            return [iter(batches) for _ in self.model]
         batches = step_micro_batches(
             dataset,
             self.batch,
@@ -472,13 +491,16 @@ class Trainer:
         global_batch = get_current_running_global_batch_size()
         teacher = self.teacher.targets if self.teacher is not None else None
         consumed = self.state.consumed_samples
-        batches = self.reader.read(consumed, global_batch, teacher)
-        # This step's data is taken: read (and decode the teacher targets of) the next step's
-        # now, taking its global batch to be this one's.
-        self.reader.prefetch(consumed + global_batch, global_batch)
+        if self.align is not None:  # preference pairs or groups, read by the alignment run
+            iterators = self._iterators(self.train_data, consumed, global_batch)
+        else:
+            batches = self.reader.read(consumed, global_batch, teacher)
+            # This step's data is taken: read (and decode the teacher targets of) the next
+            # step's now, taking its global batch to be this one's.
+            self.reader.prefetch(consumed + global_batch, global_batch)
+            iterators = [iter(batches) for _ in self.model]
         if self.teacher is not None:
             self._prefetch_teacher(self.teacher, consumed + global_batch)
-        iterators = [iter(batches) for _ in self.model]
         iteration = self.state.iteration + 1
         measure = self._measures_gemm_inputs(iteration)
         if measure:
@@ -566,19 +588,26 @@ class Trainer:
             return None
         for chunk in self.model:
             chunk.eval()
-        sums = []
+        sums, margins = [], []
         global_batch = get_current_running_global_batch_size()
         with torch.no_grad(), synced_parameters(self.model):
             for i in range(t.eval_iters):
                 iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
                 losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
                 sums.extend(entry["lm loss"] for entry in losses)
+                margins.extend(entry["margin"] for entry in losses if "margin" in entry)
         for chunk in self.model:
             chunk.train()
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
         total = torch.stack(sums).double().sum(0)
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        if margins:  # alignment: the mean held-out log-ratio margin
+            margin = torch.stack(margins).double().sum(0)
+            torch.distributed.all_reduce(margin, group=parallel_state.get_data_parallel_group())
+            self.metrics.record(
+                "valid/margin", self.state.iteration, (margin[0] / margin[1]).item()
+            )
         return (total[0] / total[1]).item()
 
     def validate(self) -> None:

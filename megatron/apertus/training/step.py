@@ -154,7 +154,8 @@ def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
         packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
         **teacher,
     )
-    return output, partial(_loss, batch, batch.loss_mask.to(device))
+    reduce = _loss if batch.sequence_loss is None else batch.sequence_loss
+    return output, partial(reduce, batch, batch.loss_mask.to(device))
 
 
 def packed_seq_params_to(

@@ -1,0 +1,1 @@
+"""Post-training alignment: preference and reward objectives over stored reference log-probs."""

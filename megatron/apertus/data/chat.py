@@ -1,0 +1,179 @@
+"""The Apertus chat format: conversations -> token ids and an assistant-only loss mask.
+
+The format (Apertus tech report, arXiv 2509.14233, section 4.2.1; specification in
+github swiss-ai/apertus-format, ``docs/format.md``; the plain-text path of the chat template of
+``swiss-ai/Apertus-8B-Instruct-2509``) wraps every message in start and end control tokens and
+adds a *developer* message that states the model's capabilities::
+
+    <s><|system_start|>SYSTEM<|system_end|>
+    <|developer_start|>Deliberation: disabled\\nTool Capabilities: disabled<|developer_end|>
+    <|user_start|>USER<|user_end|><|assistant_start|>ASSISTANT<|assistant_end|> ...
+
+(no newlines between the blocks; they are drawn here for reading). The twelve control tokens
+have ids 61..72 in the Apertus tokenizer; the Mistral tekken vocabulary that Apertus derives from
+(the one bundled with mistral-common) keeps exactly these ids as unused reserved slots
+``<SPECIAL_61>`` .. ``<SPECIAL_72>``, so the ids are the same in both.
+
+Two deliberate differences from the released template, both so that the same data always
+gives the same tokens: a conversation without a system message gets no system block (the
+released template inserts a default one that contains the current date), and every
+conversation ends with ``</s>``, the end-of-document token pretraining uses, so that packed
+conversations never attend to each other. ``</s>`` is outside the loss mask.
+
+The loss mask is 1 exactly on the tokens the model must learn to produce: the content of every
+assistant message and its ``<|assistant_end|>``. ``<|assistant_start|>`` is not in it: at
+inference it is given (the generation prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from megatron.apertus.data.preprocess import decode_line
+from megatron.apertus.data.tokenizer import Tokenizer
+
+CONTROL_TOKENS = {
+    "<|system_start|>": 61, "<|system_end|>": 62,
+    "<|developer_start|>": 63, "<|developer_end|>": 64,
+    "<|user_start|>": 65, "<|user_end|>": 66,
+    "<|assistant_start|>": 67, "<|assistant_end|>": 68,
+    "<|inner_prefix|>": 69, "<|inner_suffix|>": 70,
+    "<|tools_prefix|>": 71, "<|tools_suffix|>": 72,
+}  # fmt: skip
+"""Apertus control tokens and their ids (the Apertus tokenizer's ``added_tokens``)."""
+ROLES = ("system", "user", "assistant")
+DEVELOPER_MESSAGE = "Deliberation: disabled\nTool Capabilities: disabled"
+"""What the released template states for a plain conversation (no reasoning, no tools)."""
+
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- '<|system_start|>' + messages[0]['content'] + '<|system_end|>' -}}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{{- '<|developer_start|>" + DEVELOPER_MESSAGE.replace("\n", "\\n") + "<|developer_end|>' -}}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{- '<|user_start|>' + message['content'] + '<|user_end|>' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- '<|assistant_start|>' + message['content'] + '<|assistant_end|>' -}}"
+    "{%- else -%}{{- raise_exception('unknown role: ' + message['role']) -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant_start|>' -}}{%- endif -%}"
+)
+"""The same format as a Hugging Face (Jinja) chat template, for exported tokenizers.
+``apply_chat_template`` gives the ids of :func:`encode_conversation` without the final ``</s>``."""
+
+
+class ConversationError(ValueError):
+    """A conversation that cannot be rendered; the message says why."""
+
+
+def control_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """The control-token ids of ``tokenizer``; refuses one whose ids 61..72 are other tokens.
+
+    Accepted: a vocabulary that names these ids with the Apertus names, or leaves them as the
+    reserved ``<SPECIAL_n>`` slots of the Mistral tekken family.
+    """
+    for name, token_id in CONTROL_TOKENS.items():
+        piece = tokenizer.special_piece(token_id)
+        if piece not in (name, f"<SPECIAL_{token_id}>"):
+            raise ValueError(
+                f"the tokenizer's id {token_id} is {piece!r}, not the Apertus control token "
+                f"{name} (nor a reserved <SPECIAL_{token_id}> slot): not an Apertus-family "
+                "tokenizer"
+            )
+    return dict(CONTROL_TOKENS)
+
+
+def parse_messages(record: object) -> list[dict[str, str]]:
+    """The ``messages`` of one JSON record, checked; :class:`ConversationError` says why not."""
+    if not isinstance(record, dict):
+        raise ConversationError(f"not a JSON object but {type(record).__name__}")
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ConversationError("no 'messages' list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ConversationError(f"message {i} is not an object")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ConversationError(f"unknown role {role!r} in message {i}")
+        if role == "system" and i > 0:
+            raise ConversationError(f"system message at position {i} (only the first may be)")
+        if not isinstance(content, str) or not content.strip():
+            raise ConversationError(f"empty content in message {i} ({role})")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConversationError("no assistant message (nothing to learn)")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def encode_conversation(
+    tokenizer: Tokenizer, messages: Sequence[dict[str, str]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids int32, loss mask uint8) of one conversation, ending with ``</s>``.
+
+    Message contents are tokenized as text: a literal ``<|user_end|>`` in a message stays
+    characters and can never close a turn.
+    """
+    ids, mask = [tokenizer.bos], [0]
+
+    def add(tokens: list[int], learn: bool) -> None:
+        ids.extend(tokens)
+        mask.extend([int(learn)] * len(tokens))
+
+    c = CONTROL_TOKENS
+    turns = list(messages)
+    if turns and turns[0]["role"] == "system":
+        add([c["<|system_start|>"], *tokenizer.encode(turns.pop(0)["content"]),
+             c["<|system_end|>"]], False)  # fmt: skip
+    add([c["<|developer_start|>"], *tokenizer.encode(DEVELOPER_MESSAGE),
+         c["<|developer_end|>"]], False)  # fmt: skip
+    for message in turns:
+        role = message["role"]
+        if role == "user":
+            add([c["<|user_start|>"], *tokenizer.encode(message["content"]), c["<|user_end|>"]],
+                False)  # fmt: skip
+        elif role == "assistant":
+            add([c["<|assistant_start|>"]], False)
+            add([*tokenizer.encode(message["content"]), c["<|assistant_end|>"]], True)
+        else:
+            raise ConversationError(f"unknown role {role!r}")
+    add([tokenizer.eod], False)
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+def loss_mask_prefix(prefix: str) -> str:
+    """Where the loss mask of the chat dataset at ``prefix`` lives (same document lengths)."""
+    return f"{prefix}_loss_mask"
+
+
+class ChatEncoder:
+    """One JSON line -> its conversation's ids and loss mask, for :func:`preprocess`.
+
+    Writes ``PREFIX_chat_document.bin/.idx`` (token ids, an ordinary Megatron dataset) and
+    ``PREFIX_chat_document_loss_mask.bin/.idx`` (uint8, one value per token).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int | None = None) -> None:
+        control_token_ids(tokenizer)
+        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+
+    def outputs(self, prefix: str) -> dict[str, tuple[str, type]]:
+        tokens = f"{prefix}_chat_document"
+        return {"tokens": (tokens, np.int32), "loss_mask": (loss_mask_prefix(tokens), np.uint8)}
+
+    def __call__(self, raw: bytes) -> dict[str, np.ndarray]:
+        try:
+            record = json.loads(decode_line(raw))
+        except json.JSONDecodeError as err:
+            raise ConversationError(f"invalid JSON ({err.msg} at column {err.colno})") from None
+        ids, mask = encode_conversation(self.tokenizer, parse_messages(record))
+        if self.max_tokens is not None and ids.size > self.max_tokens:
+            raise ConversationError(
+                f"over-long ({ids.size} tokens > --max-tokens {self.max_tokens})"
+            )
+        return {"tokens": ids, "loss_mask": mask}

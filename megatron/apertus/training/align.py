@@ -1,0 +1,161 @@
+"""Offline alignment (DPO, QRPO) inside the training loop.
+
+The run starts from the SFT model (``--finetune --load``), whose weights are also the frozen
+reference policy: before the first step, if ``--ref-logps-path`` holds no values yet, one
+forward pass over the training and validation examples computes the reference sequence
+log-probabilities, data-parallel ranks each taking a contiguous share, and they are stored
+(:mod:`megatron.apertus.align.reference`). Every later start, resumes included, reads them and
+checks them against the data. Examples are visited in a seeded permutation; a step's global
+batch holds examples ``[consumed, consumed + B)`` of it, split over data-parallel ranks exactly
+as pretraining samples are (:func:`megatron.apertus.data.batches.rank_positions`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+
+from megatron.apertus.align import reference
+from megatron.apertus.align.config import AlignConfig
+from megatron.apertus.align.data import PreferenceDataset
+from megatron.apertus.align.objective import collate
+from megatron.apertus.data.batches import Batch, rank_positions
+from megatron.apertus.data.datasets import DatasetConfig
+from megatron.apertus.distill.logit_store import LogitStoreError
+from megatron.apertus.model.config import ConfigError
+from megatron.apertus.training.step import StepShape, run_microbatches
+
+log = logging.getLogger("apertus")
+
+
+def _single_prefix(flag: str, blend: list[str]) -> str | None:
+    if not blend:
+        return None
+    if len(blend) != 1:
+        raise ConfigError(f"{flag}: alignment reads one dataset prefix, got {len(blend)} values")
+    return blend[0]
+
+
+class AlignRun:
+    """Datasets, reference log-probabilities and micro-batches of one alignment run."""
+
+    def __init__(self, config: AlignConfig, dataset: DatasetConfig, *, seq_length: int,
+                 pad: int, seed: int, fused_output_loss: bool) -> None:  # fmt: skip
+        self.config = config
+        if fused_output_loss:
+            raise ConfigError("--align-objective needs each token's log-probability: add "
+                              "--no-fused-output-loss")  # fmt: skip
+        train = _single_prefix("--train-data-path", dataset.train_data_path)
+        if train is None or dataset.data_path:
+            raise ConfigError("--align-objective reads --train-data-path PREFIX (and optionally "
+                              "--valid-data-path) from tools/preprocess_preferences.py")  # fmt: skip
+        valid = _single_prefix("--valid-data-path", dataset.valid_data_path)
+        objective = config.align_objective
+        self.parts = {"train": PreferenceDataset(train, objective, seq_length, pad)}
+        if valid is not None:
+            self.parts["valid"] = PreferenceDataset(valid, objective, seq_length, pad)
+        self.order = np.random.default_rng(seed).permutation(len(self.parts["train"]))
+        self.ref: dict[str, torch.Tensor] = {}
+        self._stored: dict[str, tuple[Path, reference.ReferenceLogps]] = {}
+
+    @property
+    def train_data(self) -> PreferenceDataset:
+        return self.parts["train"]
+
+    @property
+    def valid_data(self) -> PreferenceDataset | None:
+        return self.parts.get("valid")
+
+    # -- reference log-probabilities -------------------------------------------------------------
+
+    def prepare(self, model, micro_batch_size: int, *, reference_name: str, fresh: bool,
+                reporting: bool) -> None:  # fmt: skip
+        """Read the stored reference log-probabilities, computing and storing them first when
+        ``--ref-logps-path`` holds none yet and the weights are the reference (``fresh``: no
+        alignment step taken); every rank takes part."""
+        directory = Path(self.config.ref_logps_path)
+        for name, data in self.parts.items():
+            path = directory / f"{name}.bin"
+            data_hash = reference.dataset_hash(data.prefix)
+            if not path.exists() and not fresh:
+                raise ConfigError(f"--ref-logps-path: {path} is missing and the loaded weights "
+                                  "are no longer the reference (training has started)")  # fmt: skip
+            if not path.exists():
+                values = self._compute(model, data, micro_batch_size)
+                if reporting:
+                    directory.mkdir(parents=True, exist_ok=True)
+                    reference.write(path, values, data_hash=data_hash, reference=reference_name)
+                    log.info(f"reference log-probabilities of {len(values.keys)} {name} sequences "
+                             f"stored in {path}")  # fmt: skip
+                torch.distributed.barrier()
+            try:
+                stored, _ = reference.read(path, data_hash=data_hash)
+            except LogitStoreError as err:
+                raise ConfigError(f"--ref-logps-path: {err}") from err
+            if len(stored.keys) != data.group * len(data):
+                raise ConfigError(f"--ref-logps-path {path}: {len(stored.keys)} sequences, the "
+                                  f"data has {data.group * len(data)}")  # fmt: skip
+            self.ref[name] = torch.from_numpy(stored.logps.copy())
+            self._stored[name] = (path, stored)
+
+    def _compute(self, model, data: PreferenceDataset, micro_batch_size: int):
+        """Reference values of every sequence of ``data`` from the current weights."""
+        dp, rank = (
+            parallel_state.get_data_parallel_world_size(),
+            parallel_state.get_data_parallel_rank(),
+        )
+        share = -(-len(data) // dp)
+        examples = [min(i, len(data) - 1) for i in range(rank * share, (rank + 1) * share)]
+        zero = torch.zeros(data.group * len(data), dtype=torch.float64)
+        batches = [self._batch(data, examples[i : i + micro_batch_size], zero)
+                   for i in range(0, len(examples), micro_batch_size)]  # fmt: skip
+        for chunk in model:
+            chunk.eval()
+        with torch.no_grad():
+            shape = StepShape(num_microbatches=len(batches), seq_length=data.seq_length,
+                              micro_batch_size=micro_batch_size * data.group)  # fmt: skip
+            reported = run_microbatches(model, [iter(batches) for _ in model], shape,
+                                        forward_only=True)  # fmt: skip
+        for chunk in model:
+            chunk.train()
+        logps = torch.zeros(share * data.group, dtype=torch.float64)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            logps = torch.cat([entry["sequence logp"].cpu() for entry in reported])
+        gathered = [torch.zeros_like(logps) for _ in range(dp)]
+        torch.distributed.all_gather(
+            gathered, logps, group=parallel_state.get_data_parallel_group()
+        )
+        values = torch.cat(gathered)[: data.group * len(data)].numpy()
+        sequences = [data.sequence(i) for i in range(data.group * len(data))]
+        return reference.ReferenceLogps(
+            keys=np.array([reference.sequence_key(ids) for ids, _ in sequences], dtype=np.uint64),
+            logps=values.astype(np.float64),
+            lengths=np.array([int(mask[1:].sum()) for _, mask in sequences], dtype=np.int32),
+        )
+
+    # -- micro-batches ---------------------------------------------------------------------------
+
+    def _batch(self, data: PreferenceDataset, examples: list[int], ref: torch.Tensor) -> Batch:
+        rows = [data.group * e + j for e in examples for j in range(data.group)]
+        return collate([data[e] for e in examples], self.config, ref[rows])
+
+    def micro_batches(self, name: str, consumed: int, global_batch: int, micro_batch_size: int,
+                      dp_size: int) -> list[Batch]:  # fmt: skip
+        """This rank's micro-batches of the step that starts at example ``consumed``."""
+        data = self.parts[name]
+        positions = rank_positions(consumed, global_batch, dp_rank=parallel_state.get_data_parallel_rank(),
+                                   dp_size=dp_size, length=len(data))  # fmt: skip
+        examples = [int(self.order[p]) if name == "train" else p for p in positions]
+        path, stored = self._stored[name]
+        rows = np.array([data.group * e + j for e in examples for j in range(data.group)])
+        reference.check_keys(path, stored, rows, [data.sequence(r)[0] for r in rows])
+        return [self._batch(data, examples[i : i + micro_batch_size], self.ref[name])
+                for i in range(0, len(examples), micro_batch_size)]  # fmt: skip
+
+    def shape(self, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepShape:
+        return StepShape(num_microbatches=num_microbatches, seq_length=seq_length,
+                         micro_batch_size=micro_batch_size * self.train_data.group)  # fmt: skip

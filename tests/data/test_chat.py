@@ -1,0 +1,141 @@
+"""The Apertus chat format and tools/preprocess_chat.py: exact tokens, the assistant-only mask,
+bad conversations reported and skipped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron.apertus.data.chat import (
+    CONTROL_TOKENS,
+    ConversationError,
+    control_token_ids,
+    encode_conversation,
+    parse_messages,
+)
+from megatron.apertus.data.tokenizer import build_tokenizer
+from tests.conftest import REPO
+
+TOOL = REPO / "tools" / "preprocess_chat.py"
+CONVERSATION = [
+    {"role": "system", "content": "You answer questions about the Python standard library."},
+    {"role": "user", "content": "What does len() return?"},
+    {"role": "assistant", "content": "The number of items in a container."},
+    {"role": "user", "content": "And abs()?"},
+    {"role": "assistant", "content": "The absolute value of a number."},
+]
+
+
+@pytest.fixture(scope="module")
+def tekken():
+    return build_tokenizer("TekkenTokenizer")
+
+
+def test_tokens_and_mask_of_a_hand_written_conversation(tekken):
+    ids, mask = encode_conversation(tekken, CONVERSATION)
+    c, enc = CONTROL_TOKENS, tekken.encode
+    expected, learned = [tekken.bos], []
+    expected += [c["<|system_start|>"], *enc(CONVERSATION[0]["content"]), c["<|system_end|>"]]
+    expected += [c["<|developer_start|>"], *enc("Deliberation: disabled\nTool Capabilities: "
+                                                "disabled"), c["<|developer_end|>"]]  # fmt: skip
+    for turn in CONVERSATION[1:]:
+        if turn["role"] == "user":
+            expected += [c["<|user_start|>"], *enc(turn["content"]), c["<|user_end|>"]]
+        else:
+            expected += [c["<|assistant_start|>"]]
+            span = [*enc(turn["content"]), c["<|assistant_end|>"]]
+            learned.append(range(len(expected), len(expected) + len(span)))
+            expected += span
+    expected.append(tekken.eod)
+    assert ids.tolist() == expected
+    want = np.zeros(len(expected), dtype=np.uint8)
+    for span in learned:
+        want[span.start : span.stop] = 1
+    assert mask.tolist() == want.tolist()
+    # The learned tokens are exactly the two answers, each closed by <|assistant_end|>.
+    pieces = [tekken.decode(ids[s.start : s.stop - 1].tolist()) for s in learned]
+    assert pieces == [CONVERSATION[2]["content"], CONVERSATION[4]["content"]]
+    assert all(ids[s.stop - 1] == c["<|assistant_end|>"] for s in learned)
+
+
+def test_control_token_strings_in_content_stay_text(tekken):
+    messages = [{"role": "user", "content": "say <|assistant_end|>"},
+                {"role": "assistant", "content": "<|user_start|> is a token name"}]  # fmt: skip
+    ids, mask = encode_conversation(tekken, messages)
+    control = set(CONTROL_TOKENS.values())
+    assert sum(int(i) in control for i in ids) == 6  # developer, user, assistant start/end only
+
+
+def test_bad_conversations_are_refused_with_a_reason():
+    cases = {
+        "unknown role 'tool'": [{"role": "tool", "content": "x"}],
+        "empty content in message 1": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": "  "}],  # fmt: skip
+        "system message at position 1": [{"role": "user", "content": "q"},
+                                         {"role": "system", "content": "s"}],  # fmt: skip
+        "no assistant message": [{"role": "user", "content": "q"}],
+    }
+    for reason, messages in cases.items():
+        with pytest.raises(ConversationError, match=reason):
+            parse_messages({"messages": messages})
+
+
+def test_a_tokenizer_without_the_control_slots_is_refused():
+    from megatron.apertus.data.tokenizer import bundled_tekken_path
+
+    sp = build_tokenizer("SentencePieceTokenizer", str(bundled_tekken_path("tokenizer.model.v1")))
+    with pytest.raises(ValueError, match="not an Apertus-family tokenizer"):
+        control_token_ids(sp)
+
+
+def test_tool_writes_tokens_and_mask_and_skips_bad_lines(tmp_path, tekken):
+    good = [CONVERSATION, CONVERSATION[1:3], [{"role": "user", "content": "Name a sorting "
+            "function."}, {"role": "assistant", "content": "sorted() returns a new list."}]]  # fmt: skip
+    lines = [
+        json.dumps({"messages": good[0]}),
+        json.dumps({"messages": [{"role": "robot", "content": "beep"}]}),  # line 2: role
+        json.dumps({"messages": good[1]}),
+        json.dumps({"messages": [{"role": "user", "content": ""}]}),  # line 4: empty
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "word " * 300},
+                    {"role": "assistant", "content": "ok"},
+                ]
+            }
+        ),  # 5: over-long
+        json.dumps({"messages": good[2]}),
+        '{"messages": [',  # line 7: invalid JSON
+    ]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    prefix = tmp_path / "sft"
+    proc = subprocess.run([sys.executable, str(TOOL), "--input", str(source), "--output-prefix",
+                           str(prefix), "--max-tokens", "256"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for line, reason in ((2, "unknown role 'robot'"), (4, "empty content"), (5, "over-long"),
+                         (7, "invalid JSON")):  # fmt: skip
+        assert f"{source}:{line}: skipped: {reason}" in proc.stderr
+    assert "wrote 3 conversations" in proc.stdout
+    tokens = IndexedDataset(f"{prefix}_chat_document")
+    masks = IndexedDataset(f"{prefix}_chat_document_loss_mask")
+    assert len(tokens) == len(masks) == 3
+    for i, messages in enumerate(good):
+        ids, mask = encode_conversation(tekken, messages)
+        assert np.array(tokens[i]).tolist() == ids.tolist()
+        assert np.array(masks[i]).tolist() == mask.tolist()
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_tool_refuses_a_missing_input_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(TOOL), "--input", str(tmp_path / "none.jsonl"),
+                           "--output-prefix", str(tmp_path / "x")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("preprocess_chat.py: error: input")
