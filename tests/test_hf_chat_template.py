@@ -9,6 +9,8 @@ from megatron.apertus.data.chat import CONTROL_TOKENS, encode_conversation
 from megatron.apertus.data.chat_demo import docstring_conversations
 from megatron.apertus.data.tokenizer import build_tokenizer
 
+TEMPLATE_KWARGS = {"split_special_tokens": False}
+"""The rendered template's control tokens are tokens, not text (plain documents keep them text)."""
 TRICKY = [
     {"role": "user", "content": "Is <b> a tag?\n  Answer in two lines."},
     {"role": "assistant", "content": " Yes:\nit ends a turn. Ünïcödé, 数字 and emoji 🙂 too."},
@@ -32,10 +34,13 @@ def test_apply_chat_template_gives_the_training_tokens(exported):
     conversations = [c["messages"] for c in docstring_conversations()[:20]] + [TRICKY]
     for messages in conversations:
         ids, _ = encode_conversation(tekken, messages)
-        rendered = exported.apply_chat_template(messages, tokenize=True, return_dict=False)
+        rendered = exported.apply_chat_template(
+            messages, tokenize=True, return_dict=False, tokenizer_kwargs=TEMPLATE_KWARGS
+        )
         assert list(rendered) == ids[:-1].tolist()  # training adds the end-of-document </s>
         prompt = exported.apply_chat_template(messages[:-1], tokenize=True, return_dict=False,
-                                              add_generation_prompt=True)  # fmt: skip
+                                              add_generation_prompt=True,
+                                              tokenizer_kwargs=TEMPLATE_KWARGS)  # fmt: skip
         start = len(prompt)
         assert list(prompt) == ids[:start].tolist()
         assert prompt[-1] == CONTROL_TOKENS["<|assistant_start|>"]

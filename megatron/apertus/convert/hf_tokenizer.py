@@ -182,7 +182,9 @@ def write_hf_tokenizer(
 def add_apertus_chat_format(directory: Path) -> None:
     """Name the reserved slots 61..72 of a converted tekken tokenizer with the Apertus control
     tokens and install the Apertus chat template (:mod:`megatron.apertus.data.chat`), so that
-    ``apply_chat_template`` gives the ids training used."""
+    ``apply_chat_template(..., tokenizer_kwargs={"split_special_tokens": False})`` gives the ids
+    training used. The keyword is needed because the tokenizer keeps special-token text in plain
+    documents as text, as our data pipeline does, while a rendered template must map it."""
     path = directory / "tokenizer.json"
     spec = json.loads(path.read_text())
     names = {f"<SPECIAL_{token_id}>": name for name, token_id in CONTROL_TOKENS.items()}
