@@ -18,6 +18,7 @@ from megatron.apertus.model.config import ConfigError
 from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.parallel import resolve_device
+from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, GoldfishConfig, title="goldfish loss", prefix="goldfish_")
     C.add_arguments(parser, C.LoggingConfig, title="logging")
     C.add_arguments(parser, DistillConfig, title="distillation (sparse top-k teacher logits)")
+    C.add_arguments(parser, QuantConfig, title="quantization-aware training")
     add_megatron_flags(parser)
     args = parser.parse_args(argv)
     refused = refusals(args)
@@ -69,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             logging=C.from_arguments(C.LoggingConfig, args),
             distill=C.from_arguments(DistillConfig, args),
             engine=C.from_arguments(EngineConfig, args),
+            quant=C.from_arguments(QuantConfig, args),
         )
         validate_engine(
             config.engine,

@@ -275,6 +275,7 @@ ADDITIONS = {
     "device", "precision", "xielu_impl", "fused_output_loss", "max_skipped_steps", "log_json",
     "loss_plot", "rope_scaling", "xielu_beta", "xielu_eps", "goldfish_hash",
     "distill_logits_path", "kd_alpha", "kd_tail",
+    "quant_format", "quant_group_size", "quant_symmetric", "quant_fp8_scaling",
 }  # fmt: skip
 """Flags of this fork that neither Megatron-LM nor the Apertus fork has; their help says so."""
 ADDITION_MARK = " [megatron-apertus addition]"

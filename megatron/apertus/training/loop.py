@@ -50,6 +50,8 @@ from megatron.apertus.model.engine import (
     validate_engine,
 )
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
+from megatron.apertus.quant.config import QuantConfig
+from megatron.apertus.quant.layers import apply_fake_quant
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.checkpoint import TrainingState
 from megatron.apertus.training.config import (
@@ -97,6 +99,7 @@ class RunConfig:
     logging: LoggingConfig
     distill: DistillConfig = field(default_factory=DistillConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def _describe_engine(impl: str, engine: EngineConfig) -> str:
@@ -278,6 +281,7 @@ class Trainer:
             log.info(_describe_engine(self.transformer_impl, cfg.engine))
         chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl,
                              fused_loss=cfg.training.fused_output_loss)  # fmt: skip
+        apply_fake_quant(chunks, cfg.quant)
         if tconfig.bf16 or tconfig.fp16:
             # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
             chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
