@@ -81,24 +81,38 @@ def _groups(x: Tensor, group_size: int) -> Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
 
 
+def int_params(
+    g: Tensor, bits: int, *, symmetric: bool = True, reduce: Reduce = _same
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Scale and (asymmetric) zero point of each group (last dimension) of fp32 ``g``."""
+    if symmetric:
+        amax = reduce(g.abs().amax(-1, keepdim=True))
+        return _safe(amax / (2 ** (bits - 1) - 1)), None
+    high = reduce(g.amax(-1, keepdim=True).clamp(min=0))
+    low = -reduce(-g.amin(-1, keepdim=True).clamp(max=0))
+    scale = _safe((high - low) / (2**bits - 1))
+    return scale, torch.round(-low / scale)
+
+
+def int_codes(g: Tensor, scale: Tensor, zero: Optional[Tensor], bits: int) -> Tensor:
+    """Integer codes of ``g`` under ``scale`` and ``zero`` (None: symmetric), saturating."""
+    if zero is None:
+        return torch.clamp(torch.round(g / scale), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    return torch.clamp(torch.round(g / scale) + zero, 0, 2**bits - 1)
+
+
+def int_dequantize(codes: Tensor, scale: Tensor, zero: Optional[Tensor]) -> Tensor:
+    return (codes if zero is None else codes - zero) * scale
+
+
 def int_quantize(
     x: Tensor, bits: int, group_size: int, *, symmetric: bool = True, reduce: Reduce = _same
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """Integer codes, scales and (asymmetric) zero points of ``x``, groupwise along the last
     dimension: ``codes`` has ``x``'s shape split into groups, ``scale`` one entry per group."""
     g = _groups(x.detach().float(), group_size)
-    levels = 2**bits - 1
-    if symmetric:
-        amax = reduce(g.abs().amax(-1, keepdim=True))
-        scale = _safe(amax / (2 ** (bits - 1) - 1))
-        codes = torch.clamp(torch.round(g / scale), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-        return codes, scale, None
-    high = reduce(g.amax(-1, keepdim=True).clamp(min=0))
-    low = -reduce(-g.amin(-1, keepdim=True).clamp(max=0))
-    scale = _safe((high - low) / levels)
-    zero = torch.round(-low / scale)
-    codes = torch.clamp(torch.round(g / scale) + zero, 0, levels)
-    return codes, scale, zero
+    scale, zero = int_params(g, bits, symmetric=symmetric, reduce=reduce)
+    return int_codes(g, scale, zero, bits), scale, zero
 
 
 def fake_int(
@@ -106,8 +120,7 @@ def fake_int(
 ) -> Tensor:
     """Groupwise integer fake quantization (see the module docstring), straight-through."""
     codes, scale, zero = int_quantize(x, bits, group_size, symmetric=symmetric, reduce=reduce)
-    values = codes if zero is None else codes - zero
-    return straight_through(x, (values * scale).reshape(x.shape))
+    return straight_through(x, int_dequantize(codes, scale, zero).reshape(x.shape))
 
 
 def fp8_scale(x: Tensor, *, per_row: bool, reduce: Reduce = _same) -> Tensor:
