@@ -148,5 +148,7 @@ def test_bad_input_is_one_line_and_exit_2(trained, tmp_path):
                            "--load", str(trained), "--last", "9", "--save", str(tmp_path / "x")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("average_checkpoints.py: error: --last 9")
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("average_checkpoints.py: error: --last 9")
+    )
     assert "Traceback" not in proc.stderr
