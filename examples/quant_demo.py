@@ -1,7 +1,7 @@
 """Quantization of a tiny model on the embedded corpus: bf16 against RTN, GPTQ and QAD, each with
 and without norm fusion, on the held-out documents (docs/quantization.md has a measured table).
 
-    python examples/quant_demo.py [--out runs/quant-demo] [--formats int4 int3 fp8 nvfp4]
+    python examples/quant_demo.py [--out runs/quant-demo] [--formats int4 int3 int2 fp8 nvfp4]
 
 1. ``pretrain_gpt.py`` trains the base model (tiny preset, ``BASE_ITERS`` steps); it is also
    the teacher, as in seed 003's QAD of a model from its own unquantized logits.
@@ -11,7 +11,7 @@ and without norm fusion, on the held-out documents (docs/quantization.md has a m
    ``--quant-format`` (fake quantization is round-to-nearest); GPTQ (int formats) is
    ``tools/quantize.py --method gptq`` calibrated on the store's samples; QAD is
    ``pretrain_gpt.py --load BASE --finetune --distill-logits-path LOGITS --quant-format F``
-   for ``QAD_ITERS`` steps (AdamW, cosine), evaluated with ``--quant-format F``. A control
+   for ``QAD_ITERS`` steps (Adam without weight decay, cosine), evaluated with ``--quant-format F``. A control
    run does the same distillation without quantization, so the table separates what the
    extra steps on the teacher's logits give from what quantization-aware training gives.
 5. ``OUT/summary.json`` and a Markdown table on stdout: validation loss of each, and the gap
@@ -75,7 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "quant-demo")
-    parser.add_argument("--formats", nargs="+", default=["int4", "int3", "fp8", "nvfp4"])
+    parser.add_argument("--formats", nargs="+", default=["int4", "int3", "int2", "fp8", "nvfp4"])
     parser.add_argument("--base", type=Path, help="reuse this base checkpoint instead of step 1")
     args = parser.parse_args()
     out: Path = args.out
