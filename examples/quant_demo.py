@@ -11,9 +11,10 @@ and without norm fusion, on the held-out documents (docs/quantization.md has a m
    ``--quant-format`` (fake quantization is round-to-nearest); GPTQ (int formats) is
    ``tools/quantize.py --method gptq`` calibrated on the store's samples; QAD is
    ``pretrain_gpt.py --load BASE --finetune --distill-logits-path LOGITS --quant-format F``
-   for ``QAD_ITERS`` steps (Adam without weight decay, cosine), evaluated with ``--quant-format F``. A control
-   run does the same distillation without quantization, so the table separates what the
-   extra steps on the teacher's logits give from what quantization-aware training gives.
+   for ``QAD_ITERS`` steps (Adam without weight decay, cosine), evaluated with
+   ``--quant-format F``. A control run does the same distillation without quantization, so
+   the table separates what the extra steps on the teacher's logits give from what
+   quantization-aware training gives.
 5. ``OUT/summary.json`` and a Markdown table on stdout: validation loss of each, and the gap
    closed by QAD, ``(RTN - QAD) / (RTN - bf16)``.
 """
@@ -72,8 +73,9 @@ def qad(out: Path, base: Path, logits: Path, fmt: str | None, name: str) -> Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "quant-demo")
     parser.add_argument("--formats", nargs="+", default=["int4", "int3", "int2", "fp8", "nvfp4"])
     parser.add_argument("--base", type=Path, help="reuse this base checkpoint instead of step 1")
@@ -83,7 +85,8 @@ def main() -> None:
     base = args.base or out / "base"
     if args.base is None and not (base / "latest_checkpointed_iteration.txt").exists():
         run("pretrain_gpt.py", *MODEL, *BASE_RUN, "--lr", "3e-3", "--lr-decay-style", "cosine",
-            "--lr-warmup-iters", "10", "--train-iters", str(BASE_ITERS), "--save", str(base))  # fmt: skip
+            "--lr-warmup-iters", "10", "--train-iters", str(BASE_ITERS),
+            "--save", str(base))  # fmt: skip
     logits = out / "logits"
     if not logits.exists():
         run("tools/generate_teacher_logits.py", "--load", str(base), "--logits-dir", str(logits),

@@ -31,8 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--save", required=True, help="save dir of the quantized checkpoint")
     parser.add_argument("--method", choices=("rtn", "gptq"), required=True)
-    parser.add_argument("--damp", type=float, default=0.01,
-                        help="gptq: damping, a fraction of the Hessian's mean diagonal")  # fmt: skip
+    parser.add_argument(
+        "--damp", type=float, default=0.01, help="gptq: damping, a fraction of H's mean diagonal"
+    )
     parser.add_argument("--calibration-samples", type=int, default=128,
                         help="gptq: samples of the store's run to calibrate on")  # fmt: skip
     parser.add_argument("--distill-logits-path",

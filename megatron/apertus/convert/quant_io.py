@@ -154,8 +154,10 @@ def calibration_samples(
     student's training dataset, built from the same flags), checked against the store's keys."""
     reader = LogitStoreReader(store)
     if reader.header.seq_length != seq_length:
-        raise ConfigError(f"--distill-logits-path {store} holds samples of "
-                          f"{reader.header.seq_length} tokens, the model takes {seq_length}")  # fmt: skip
+        raise ConfigError(
+            f"--distill-logits-path {store} holds samples of {reader.header.seq_length} tokens, "
+            f"the model takes {seq_length}"
+        )
     if count > reader.header.num_samples:
         raise ConfigError(f"--calibration-samples {count}: {store} holds "
                           f"{reader.header.num_samples} samples")  # fmt: skip
