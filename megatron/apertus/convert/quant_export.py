@@ -7,7 +7,8 @@ Weight-only integer formats (``pack-quantized``): each decoder projection holds
 ``weight_scale`` (one per group) and ``weight_shape``; symmetric formats only. The codes and
 scales are those of the fake quantizer (:func:`megatron.apertus.quant.formats.int_quantize`),
 so the loaded model computes what our fake-quantized model computes. The dense part
-(embeddings, norms, xIELU, output layer) is the ordinary HF export of :func:`megatron.apertus.convert.hf_io.export_checkpoint`.
+(embeddings, norms, xIELU, output layer) is the ordinary HF export of
+:func:`megatron.apertus.convert.hf_io.export_checkpoint`.
 """
 
 from __future__ import annotations
