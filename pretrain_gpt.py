@@ -23,6 +23,7 @@ from megatron.apertus.model.config import ConfigError
 from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.parallel import resolve_device
+from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     C.add_arguments(parser, C.LoggingConfig, title="logging")
     C.add_arguments(parser, DistillConfig, title="distillation (sparse top-k teacher logits)")
     C.add_arguments(parser, AlignConfig, title="alignment (DPO, QRPO)")
+    C.add_arguments(parser, QuantConfig, title="quantization-aware training")
     add_megatron_flags(parser)
     parser.add_argument(
         "--dry-run", action="store_true",
@@ -87,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             align=C.from_arguments(AlignConfig, args),
             engine=C.from_arguments(EngineConfig, args),
             communication=C.from_arguments(C.CommunicationConfig, args),
+            quant=C.from_arguments(QuantConfig, args),
         )
         config.communication.check(
             distributed_optimizer=config.optimizer.use_distributed_optimizer,

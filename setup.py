@@ -96,6 +96,7 @@ setup(
         "einops",
         "zstandard",  # .zst inputs of tools/preprocess_data.py
         "matplotlib",  # the loss plot
+        "compressed-tensors>=0.20",  # tools/checkpoint/export_quantized_hf.py
     ],
     extras_require={
         "wandb": ["wandb"],

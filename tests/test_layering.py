@@ -30,7 +30,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"model"}),
     # What training consumes; ``parallel`` (process groups and seeds) needs the model's layout
     # checks and ``cpu_compat``, and only training, the runners and tools call it.
-    frozenset({"data", "distill", "optim", "parallel"}),
+    frozenset({"data", "distill", "optim", "parallel", "quant"}),
     frozenset({"align"}),  # alignment objectives; reference log-probs live in distill's store
     frozenset({"training"}),  # the loop and the teacher-logit runner
     frozenset({"convert", "launch"}),  # library halves of tools/ and the Slurm launcher

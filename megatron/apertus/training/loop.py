@@ -60,6 +60,8 @@ from megatron.apertus.model.engine import (
     validate_engine,
 )
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
+from megatron.apertus.quant.config import QuantConfig
+from megatron.apertus.quant.layers import apply_fake_quant
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.align import AlignRun
 from megatron.apertus.training.checkpoint import TrainingState
@@ -119,6 +121,7 @@ class RunConfig:
     align: AlignConfig = field(default_factory=AlignConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def _describe_engine(impl: str, engine: EngineConfig) -> str:
@@ -336,6 +339,7 @@ class Trainer:
             log.info(_describe_engine(self.transformer_impl, cfg.engine))
         chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl,
                              fused_loss=cfg.training.fused_output_loss)  # fmt: skip
+        apply_fake_quant(chunks, cfg.quant)
         if tconfig.bf16 or tconfig.fp16:
             # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
             chunks = [Float16Module(tconfig, chunk) for chunk in chunks]

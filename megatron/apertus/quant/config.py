@@ -1,0 +1,62 @@
+"""Flags of quantization-aware training (``pretrain_gpt.py --quant-format FORMAT``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron.apertus.model.config import ConfigError
+from megatron.apertus.quant.formats import FORMATS, INT_BITS
+
+FP8_SCALINGS = ("tensor", "channel")
+
+
+@dataclass(kw_only=True, frozen=True)
+class QuantConfig:
+    quant_format: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": f"fake-quantize the decoder's linear layers on every forward pass "
+            f"(straight-through gradient): {', '.join(FORMATS)}; int* are weight-only, fp8 and "
+            "nvfp4 quantize weights and activations"
+        },
+    )
+    quant_group_size: int = field(
+        default=128,
+        metadata={"help": "int* formats: elements per scale along the input dimension; -1: one "
+                  "scale per output channel"},  # fmt: skip
+    )
+    quant_symmetric: bool = field(
+        default=True,
+        metadata={"help": "int* formats: symmetric (no zero point); --no-quant-symmetric adds "
+                  "a zero point per group"},  # fmt: skip
+    )
+    quant_fp8_scaling: str = field(
+        default="tensor",
+        metadata={"help": "fp8: one scale per tensor, or per channel (weights: per output "
+                  "channel, activations: per token)"},  # fmt: skip
+    )
+
+    def __post_init__(self) -> None:
+        if self.quant_format is not None and self.quant_format not in FORMATS:
+            raise ConfigError(
+                f"--quant-format must be one of {', '.join(FORMATS)}, got {self.quant_format!r}"
+            )
+        if self.quant_group_size == 0 or self.quant_group_size < -1:
+            raise ConfigError(
+                f"--quant-group-size must be positive or -1, got {self.quant_group_size}"
+            )
+        if self.quant_fp8_scaling not in FP8_SCALINGS:
+            raise ConfigError(
+                f"--quant-fp8-scaling must be one of {', '.join(FP8_SCALINGS)}, "
+                f"got {self.quant_fp8_scaling!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.quant_format is not None
+
+    @property
+    def int_bits(self) -> Optional[int]:
+        """Bits of an integer format; None for fp8 and nvfp4."""
+        return INT_BITS.get(self.quant_format)
