@@ -18,6 +18,7 @@ Inputs may be plain, gzip (``.gz``) or zstd (``.zst``, ``.zstd``) JSON lines.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import logging
@@ -28,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
@@ -113,6 +114,11 @@ def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
         raise ValueError(f"invalid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict):
         raise ValueError(f"not a JSON object but {type(record).__name__}")
+    return parse_record(record, keys)
+
+
+def parse_record(record: dict, keys: list[str]) -> dict[str, str]:
+    """The texts of ``keys`` in one parsed record (a JSON object or a Parquet row)."""
     texts = {}
     for key in keys:
         if key not in record:
@@ -126,11 +132,12 @@ def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
     return texts
 
 
-def _encode(tokenizer: Tokenizer, text: str, config: PreprocessConfig) -> np.ndarray:
+def encode_document(tokenizer: Tokenizer, text: str, add_bos: bool, add_eod: bool) -> np.ndarray:
+    """The ids of one document: ``[<s>] text [</s>]``."""
     ids = tokenizer.encode(text)
-    if config.add_bos:
+    if add_bos:
         ids = [tokenizer.bos, *ids]
-    if config.add_eod:
+    if add_eod:
         ids.append(tokenizer.eod)
     return np.asarray(ids, dtype=np.int32)
 
@@ -145,7 +152,10 @@ def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | N
         except ValueError as err:
             results.append((file_index, number, None, str(err)))
             continue
-        ids = {key: _encode(tokenizer, text, config) for key, text in texts.items()}
+        ids = {
+            key: encode_document(tokenizer, text, config.add_bos, config.add_eod)
+            for key, text in texts.items()
+        }
         results.append((file_index, number, ids, None))
     return results
 
@@ -166,18 +176,21 @@ def check_inputs(config: PreprocessConfig) -> Tokenizer:
     return build_tokenizer(config.tokenizer_type, config.tokenizer_model)
 
 
-def _index_dtype(vocab_size: int) -> type:
+def index_dtype(vocab_size: int) -> type:
     # megatron-core's rule (DType.optimal_dtype): uint16 below 65500 ids, else int32.
     return np.uint16 if vocab_size < 65500 else np.int32
 
 
-def _report(summary: Summary, path: Path, number: int, reason: str, config: PreprocessConfig):
+def report_rejected(
+    summary: Summary, where: str, reason: str, max_reported: int, warn: Callable = log.warning
+) -> None:
+    """Count a rejected line by reason; show the first ``max_reported`` as ``FILE:LINE: ...``."""
     summary.rejected[reason.split(" (")[0]] += 1
-    if summary.reported < config.max_reported:
-        log.warning(f"{path}:{number}: skipped: {reason}")
+    if summary.reported < max_reported:
+        warn(f"{where}: skipped: {reason}")
         summary.reported += 1
-    elif summary.reported == config.max_reported:
-        log.warning("further rejected lines are counted but not shown")
+    elif summary.reported == max_reported:
+        warn("further rejected lines are counted but not shown")
         summary.reported += 1
 
 
@@ -187,12 +200,13 @@ def preprocess(config: PreprocessConfig) -> Summary:
     from tqdm import tqdm
 
     tokenizer = check_inputs(config)
-    dtype = _index_dtype(tokenizer.vocab_size)
+    dtype = index_dtype(tokenizer.vocab_size)
     prefixes = {key: output_prefix(config.output_prefix, key) for key in config.json_keys}
     builders = {
         key: IndexedDatasetBuilder(f"{p}.tmp.bin", dtype=dtype) for key, p in prefixes.items()
     }
     summary = Summary()
+    key_tokens = Counter()
     chunks = _chunks(iter_lines(config.inputs), config.lines_per_task)
     start = time.perf_counter()
     with _pool(config, tokenizer) as pool, tqdm(
@@ -202,19 +216,24 @@ def preprocess(config: PreprocessConfig) -> Summary:
         for batch in results:
             for file_index, number, ids, reason in batch:
                 if ids is None:
-                    _report(summary, config.inputs[file_index], number, reason, config)
+                    where = f"{config.inputs[file_index]}:{number}"
+                    report_rejected(summary, where, reason, config.max_reported)
                     continue
                 for key, array in ids.items():
                     builders[key].add_document(array, [array.size])
+                    key_tokens[key] += array.size
                 summary.documents += 1
                 summary.tokens += sum(a.size for a in ids.values())
             bar.update(len(batch))
             rate = summary.tokens / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+    record = tokenizer_record(config.tokenizer_type, tokenizer)
     for key, prefix in prefixes.items():
         builders[key].finalize(f"{prefix}.tmp.idx")
         for suffix in (".bin", ".idx"):
             os.replace(f"{prefix}.tmp{suffix}", f"{prefix}{suffix}")
+        per_key = Summary(documents=summary.documents, tokens=key_tokens[key])
+        write_dataset_record(prefix, dataset_record(record, config.add_bos, config.add_eod, per_key))
     return summary
 
 
@@ -236,6 +255,49 @@ def _pool(config: PreprocessConfig, tokenizer: Tokenizer):
     if config.workers <= 1:
         return _NoPool()
     return multiprocessing.get_context("fork").Pool(config.workers)
+
+
+RECORD_SUFFIX = ".meta.json"
+"""``PREFIX.meta.json`` sits beside ``PREFIX.bin/.idx``: which tokenizer and document rules made
+the dataset, so that merges and mixtures can refuse parts that do not belong together."""
+
+
+def tokenizer_record(tokenizer_type: str, tokenizer: Tokenizer) -> dict:
+    """What identifies a tokenizer: its type, file name, content hash and special ids."""
+    path = Path(tokenizer.path)
+    return {
+        "type": tokenizer_type,
+        "file": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "vocab_size": tokenizer.vocab_size,
+        "bos": tokenizer.bos,
+        "eod": tokenizer.eod,
+    }
+
+
+def dataset_record(tokenizer: dict, add_bos: bool, add_eod: bool, summary: Summary) -> dict:
+    return {
+        "tokenizer": tokenizer,
+        "add_bos": add_bos,
+        "add_eod": add_eod,
+        "dtype": np.dtype(index_dtype(tokenizer["vocab_size"])).name,
+        "documents": summary.documents,
+        "tokens": summary.tokens,
+    }
+
+
+def write_dataset_record(prefix: str, record: dict) -> None:
+    """Write ``PREFIX.meta.json`` under a temporary name, then rename it."""
+    path = prefix + RECORD_SUFFIX
+    with open(path + ".tmp", "w", encoding="utf-8") as out:
+        json.dump(record, out, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def read_dataset_record(prefix: str) -> dict | None:
+    """The record of ``prefix``, or None for a dataset written without one."""
+    path = Path(prefix + RECORD_SUFFIX)
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def format_summary(summary: Summary, elapsed: float) -> str:
