@@ -12,7 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron.apertus.data.preprocess import RECORD_SUFFIX, read_dataset_record, write_dataset_record
+from megatron.apertus.data.preprocess import (
+    RECORD_SUFFIX,
+    read_dataset_record,
+    write_dataset_record,
+)
 
 
 class MergeError(ValueError):
@@ -77,7 +81,9 @@ def merge(prefixes: list[str], output_prefix: str, *, require_records: bool = Tr
     record = check_compatible(prefixes, require_records=require_records)
     if not Path(output_prefix).parent.is_dir():
         raise MergeError(f"--output-prefix directory {Path(output_prefix).parent} does not exist")
-    builder = IndexedDatasetBuilder(f"{output_prefix}.tmp.bin", dtype=index_dtype_of(prefixes[0]).type)
+    builder = IndexedDatasetBuilder(
+        f"{output_prefix}.tmp.bin", dtype=index_dtype_of(prefixes[0]).type
+    )
     for prefix in prefixes:
         builder.add_index(prefix)
     builder.finalize(f"{output_prefix}.tmp.idx")

@@ -233,7 +233,9 @@ def preprocess(config: PreprocessConfig) -> Summary:
         for suffix in (".bin", ".idx"):
             os.replace(f"{prefix}.tmp{suffix}", f"{prefix}{suffix}")
         per_key = Summary(documents=summary.documents, tokens=key_tokens[key])
-        write_dataset_record(prefix, dataset_record(record, config.add_bos, config.add_eod, per_key))
+        write_dataset_record(
+            prefix, dataset_record(record, config.add_bos, config.add_eod, per_key)
+        )
     return summary
 
 

@@ -21,6 +21,7 @@ the whole job neither duplicates nor drops a document.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import time
@@ -105,7 +106,9 @@ class ShardReader(PipelineStep):
         from fsspec import open as fs_open
 
         compression = COMPRESSION.get(os.path.splitext(path)[1])
-        with fs_open(path, "rb", compression=compression) as stream:
+        with fs_open(path, "rb", compression=compression) as opened:
+            # zstandard's reader is not line-iterable; a buffer over it is
+            stream = io.BufferedReader(opened) if compression == "zstd" else opened
             for number, raw in enumerate(stream, start=1):
                 try:
                     yield Line(f"{path}:{number}", parse_line(raw, self.json_keys), None)
@@ -155,7 +158,9 @@ class IndexedDatasetWriter(PipelineStep):
         tokenizer = cached_tokenizer(self.tokenizer_type, self.tokenizer_model)
         dtype = index_dtype(tokenizer.vocab_size)
         prefixes = {key: task_prefix(self.output_dir, rank, key) for key in self.json_keys}
-        builders = {k: IndexedDatasetBuilder(f"{p}.tmp.bin", dtype=dtype) for k, p in prefixes.items()}
+        builders = {
+            k: IndexedDatasetBuilder(f"{p}.tmp.bin", dtype=dtype) for k, p in prefixes.items()
+        }
         summary, key_tokens = Summary(), dict.fromkeys(self.json_keys, 0)
         progress = _Progress(rank)
         for document in data or []:
