@@ -95,6 +95,8 @@ setup(
         "tqdm",
         "einops",
         "zstandard",  # .zst inputs of tools/preprocess_data.py
+        "datatrove",  # tools/tokenize_corpus.py: local and Slurm executors, completion markers
+        "pyarrow",  # Parquet inputs of tools/tokenize_corpus.py
         "matplotlib",  # the loss plot
     ],
     extras_require={
