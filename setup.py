@@ -101,6 +101,6 @@ setup(
     ],
     extras_require={
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-timeout", "black", "isort"],
+        "test": ["pytest", "pytest-timeout", "black", "isort", "nltk"],  # nltk: --split-sentences
     },
 )

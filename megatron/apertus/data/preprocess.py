@@ -53,6 +53,15 @@ class PreprocessConfig:
     lines_per_task: int = 64
     max_reported: int = 10
     """Rejected lines reported in full; the rest are only counted."""
+    split_sentences: bool = False
+    """Megatron-LM's sentence-level datasets (``PREFIX_KEY_sentence``) with nltk's Punkt."""
+    lang: str = "english"
+    """The Punkt model of ``split_sentences``."""
+    keep_newlines: bool = False
+    """With ``split_sentences``: the whitespace between sentences (newlines included) stays
+    with the sentence before it, so the sentences concatenate to the text."""
+    log_interval: int = 1000
+    """Log documents and tokens per second every this many documents."""
 
 
 @dataclass
@@ -67,8 +76,30 @@ class Summary:
         return sum(self.rejected.values())
 
 
-def output_prefix(prefix: str, key: str) -> str:
-    return f"{prefix}_{key}_document"
+def output_prefix(prefix: str, key: str, level: str = "document") -> str:
+    return f"{prefix}_{key}_{level}"
+
+
+def sentence_splitter(lang: str, keep_newlines: bool) -> Callable[[str], list[str]]:
+    """nltk's Punkt model for ``lang`` (``punkt_tab``: plain-text parameters, no pickle) as a
+    text -> sentences function; ``ValueError`` saying what to install when it is missing."""
+    try:
+        from nltk.tokenize.punkt import PunktTokenizer
+    except ImportError:
+        raise ValueError("--split-sentences needs nltk: pip install nltk") from None
+    try:
+        punkt = PunktTokenizer(lang)
+    except LookupError:
+        raise ValueError("--split-sentences needs nltk's punkt_tab data: "
+                         "python -m nltk.downloader punkt_tab") from None  # fmt: skip
+    if not keep_newlines:
+        return punkt.tokenize
+
+    def split_keeping_whitespace(text: str) -> list[str]:
+        starts = [start for start, _ in punkt.span_tokenize(text)]
+        return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
+
+    return split_keeping_whitespace
 
 
 def open_lines(path: Path) -> BinaryIO:
@@ -142,9 +173,33 @@ def encode_document(tokenizer: Tokenizer, text: str, add_bos: bool, add_eod: boo
     return np.asarray(ids, dtype=np.int32)
 
 
-def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | None]]:
-    """(file, line, {key: ids} or None, rejection reason or None) for every line of the chunk."""
+def encode_sentences(
+    tokenizer: Tokenizer, sentences: list[str], add_bos: bool, add_eod: bool
+) -> tuple[np.ndarray, list[int]]:
+    """The ids of a document split into sentences (``<s>`` before the first, ``</s>`` after
+    the last) and the length of each sentence, as Megatron-LM's sentence-level datasets hold."""
+    pieces = [tokenizer.encode(s) for s in sentences]
+    if add_bos:
+        pieces[0] = [tokenizer.bos, *pieces[0]]
+    if add_eod:
+        pieces[-1] = [*pieces[-1], tokenizer.eod]
+    ids = np.asarray([i for piece in pieces for i in piece], dtype=np.int32)
+    return ids, [len(piece) for piece in pieces]
+
+
+def _encode_text(text: str) -> tuple[np.ndarray, list[int]]:
     config, tokenizer = _worker["config"], _worker["tokenizer"]
+    if config.split_sentences:
+        return encode_sentences(tokenizer, _worker["splitter"](text), config.add_bos,
+                                config.add_eod)  # fmt: skip
+    ids = encode_document(tokenizer, text, config.add_bos, config.add_eod)
+    return ids, [ids.size]
+
+
+def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | None]]:
+    """(file, line, {key: (ids, sentence lengths)} or None, rejection reason or None) for every
+    line of the chunk."""
+    config = _worker["config"]
     results = []
     for file_index, number, raw in chunk:
         try:
@@ -152,10 +207,7 @@ def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | N
         except ValueError as err:
             results.append((file_index, number, None, str(err)))
             continue
-        ids = {
-            key: encode_document(tokenizer, text, config.add_bos, config.add_eod)
-            for key, text in texts.items()
-        }
+        ids = {key: _encode_text(text) for key, text in texts.items()}
         results.append((file_index, number, ids, None))
     return results
 
@@ -173,6 +225,12 @@ def check_inputs(config: PreprocessConfig) -> Tokenizer:
     out_dir = Path(config.output_prefix).parent
     if not out_dir.is_dir():
         raise FileNotFoundError(f"--output-prefix directory {out_dir} does not exist")
+    if config.keep_newlines and not config.split_sentences:
+        raise ValueError("--keep-newlines only applies with --split-sentences")
+    if config.split_sentences:
+        sentence_splitter(
+            config.lang, config.keep_newlines
+        )  # fails here, before any work, when missing
     return build_tokenizer(config.tokenizer_type, config.tokenizer_model)
 
 
@@ -201,7 +259,8 @@ def preprocess(config: PreprocessConfig) -> Summary:
 
     tokenizer = check_inputs(config)
     dtype = index_dtype(tokenizer.vocab_size)
-    prefixes = {key: output_prefix(config.output_prefix, key) for key in config.json_keys}
+    level = "sentence" if config.split_sentences else "document"
+    prefixes = {k: output_prefix(config.output_prefix, k, level) for k in config.json_keys}
     builders = {
         key: IndexedDatasetBuilder(f"{p}.tmp.bin", dtype=dtype) for key, p in prefixes.items()
     }
@@ -219,11 +278,13 @@ def preprocess(config: PreprocessConfig) -> Summary:
                     where = f"{config.inputs[file_index]}:{number}"
                     report_rejected(summary, where, reason, config.max_reported)
                     continue
-                for key, array in ids.items():
-                    builders[key].add_document(array, [array.size])
+                for key, (array, lengths) in ids.items():
+                    builders[key].add_document(array, lengths)
                     key_tokens[key] += array.size
                 summary.documents += 1
-                summary.tokens += sum(a.size for a in ids.values())
+                summary.tokens += sum(a.size for a, _ in ids.values())
+                if summary.documents % config.log_interval == 0:
+                    _log_progress(summary, time.perf_counter() - start)
             bar.update(len(batch))
             rate = summary.tokens / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
@@ -237,6 +298,11 @@ def preprocess(config: PreprocessConfig) -> Summary:
             prefix, dataset_record(record, config.add_bos, config.add_eod, per_key)
         )
     return summary
+
+
+def _log_progress(summary: Summary, elapsed: float) -> None:
+    log.info(f"processed {summary.documents} documents ({summary.documents / elapsed:,.0f} docs/s, "
+             f"{summary.tokens / elapsed:,.0f} tokens/s)")  # fmt: skip
 
 
 class _NoPool:
@@ -254,6 +320,8 @@ def _pool(config: PreprocessConfig, tokenizer: Tokenizer):
     own (about a second for tekken) and re-importing the entry point.
     """
     _worker.update(config=config, tokenizer=tokenizer)
+    if config.split_sentences:
+        _worker["splitter"] = sentence_splitter(config.lang, config.keep_newlines)
     if config.workers <= 1:
         return _NoPool()
     return multiprocessing.get_context("fork").Pool(config.workers)
