@@ -60,7 +60,7 @@ class DatasetConfig:
         if self.per_split and (self.data_path or self.data_args_path or self.split):
             raise ValueError(
                 "--train-data-path/--valid-data-path/--test-data-path give each part its own "
-                "data: drop --data-path, --data-args-path and --split"
+                "data: drop --data-path and --split (and --data-args-path)"
             )
         if self.data_path and self.data_args_path:
             raise ValueError("give the blend with --data-path or --data-args-path, not both")
