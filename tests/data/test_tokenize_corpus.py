@@ -187,3 +187,20 @@ def test_merge_refuses_parts_of_another_tokenizer_setting(corpus, tmp_path):
                          "--no-tokenizer-check")  # fmt: skip
     assert unchecked.returncode == 0, unchecked.stderr
     assert not list(tmp_path.glob("m.tmp*"))
+
+
+def test_empty_and_unreadable_shards_are_named_and_the_rest_is_kept(corpus, tmp_path):
+    _, inputs, *_ = corpus
+    empty, broken = tmp_path / "e.jsonl", tmp_path / "f.jsonl.gz"
+    empty.write_bytes(b"")
+    broken.write_bytes(gzip.compress(json_line(DOCS[0]))[:-12])  # truncated: no gzip trailer
+    out = tmp_path / "out"
+    proc = run_tool(TOKENIZE, "--input", inputs[0], str(empty), str(broken), "--output-dir",
+                    str(out))  # fmt: skip
+    assert proc.returncode == 1
+    assert "tasks [2] failed" in proc.stderr
+    assert f"{empty}: empty shard (no lines)" in proc.stderr
+    log = (out / ".datatrove" / "logs" / "task_00002.log").read_text()
+    assert str(broken) in log and "EOFError" in log
+    assert len(documents(task_prefixes(out, 2))) == len(DOCS) // 4
+    assert not (out / "00002_text_document.bin").exists()

@@ -95,12 +95,17 @@ class ShardReader(PipelineStep):
             logger.info(f"reading {path} ({index + 1}/{len(shard)})")
             self.stat_update("input_files")
             lines = self._parquet_rows(path) if is_parquet(path) else self._json_lines(path)
+            empty = True
             for line in lines:
+                empty = False
                 yield Document(
                     text=next(iter(line.texts.values())) if line.texts else "",
                     id=line.where,
                     metadata={"line": line, "files": (index, len(shard))},
                 )
+            if empty:
+                logger.warning(f"{path}: empty shard (no lines)")
+                self.stat_update("empty_shards")
 
     def _json_lines(self, path: str) -> Iterator[Line]:
         from fsspec import open as fs_open
