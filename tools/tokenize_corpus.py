@@ -204,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     executor = build_executor(args, files, tasks)
     to_run = executor.get_incomplete_ranks()
     start = time.perf_counter()
-    executor.run()
+    try:
+        executor.run()
+    except Exception as err:  # a task failed; datatrove logged its traceback in the task's log
+        print(f"tokenize_corpus.py: a task failed ({type(err).__name__}: {err}); see "
+              f"{executor.logging_dir.path}/logs; run the same command again to redo the "
+              "unfinished tasks", file=sys.stderr)  # fmt: skip
+        return 1
     if args.executor == "slurm":
         if executor.job_id == -1:
             print(f"all {tasks} tasks are complete; nothing submitted")

@@ -18,6 +18,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus.data.corpus import embedded_documents
+from megatron.apertus.data.merge import dataset_prefixes
 from tests.conftest import REPO
 
 TOKENIZE = REPO / "tools" / "tokenize_corpus.py"
@@ -197,10 +198,14 @@ def test_empty_and_unreadable_shards_are_named_and_the_rest_is_kept(corpus, tmp_
     out = tmp_path / "out"
     proc = run_tool(TOKENIZE, "--input", inputs[0], str(empty), str(broken), "--output-dir",
                     str(out))  # fmt: skip
-    assert proc.returncode == 1
-    assert "tasks [2] failed" in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{empty}: empty shard (no lines)" in proc.stderr
-    log = (out / ".datatrove" / "logs" / "task_00002.log").read_text()
-    assert str(broken) in log and "EOFError" in log
-    assert len(documents(task_prefixes(out, 2))) == len(DOCS) // 4
-    assert not (out / "00002_text_document.bin").exists()
+    assert f"{broken}:1: skipped: unreadable shard (EOFError: Compressed file ended" in proc.stderr
+    assert "rejected 1 lines (1 unreadable shard)" in proc.stdout
+    # tasks with no document (the empty shard, the unreadable one) write a record, no dataset:
+    # megatron-core cannot map an empty .bin
+    assert [Path(p).name for p in dataset_prefixes(out)] == ["00000_text_document"]
+    for rank in (1, 2):
+        record = json.loads((out / f"{rank:05d}_text_document.meta.json").read_text())
+        assert record["documents"] == 0
+    assert len(documents(dataset_prefixes(out))) == len(DOCS) // 4

@@ -78,6 +78,14 @@ class Line:
     reason: str | None
 
 
+def _document(line: Line, file_index: int, files: int) -> Document:
+    return Document(
+        text=next(iter(line.texts.values())) if line.texts else "",
+        id=line.where,
+        metadata={"line": line, "files": (file_index, files)},
+    )
+
+
 class ShardReader(PipelineStep):
     """Task ``rank``'s block of input files as documents, bad lines included (flagged)."""
 
@@ -95,15 +103,15 @@ class ShardReader(PipelineStep):
             logger.info(f"reading {path} ({index + 1}/{len(shard)})")
             self.stat_update("input_files")
             lines = self._parquet_rows(path) if is_parquet(path) else self._json_lines(path)
-            empty = True
-            for line in lines:
-                empty = False
-                yield Document(
-                    text=next(iter(line.texts.values())) if line.texts else "",
-                    id=line.where,
-                    metadata={"line": line, "files": (index, len(shard))},
-                )
-            if empty:
+            read = 0
+            try:
+                for line in lines:
+                    read += 1
+                    yield _document(line, index, len(shard))
+            except (OSError, EOFError, ValueError) as err:  # corrupt compression or Parquet
+                reason = f"unreadable shard ({type(err).__name__}: {err}); rest of file skipped"
+                yield _document(Line(f"{path}:{read + 1}", None, reason), index, len(shard))
+            if not read:
                 logger.warning(f"{path}: empty shard (no lines)")
                 self.stat_update("empty_shards")
 
@@ -187,7 +195,10 @@ class IndexedDatasetWriter(PipelineStep):
         for key, prefix in prefixes.items():
             builders[key].finalize(f"{prefix}.tmp.idx")
             for suffix in (".bin", ".idx"):
-                os.replace(f"{prefix}.tmp{suffix}", f"{prefix}{suffix}")
+                if summary.documents:
+                    os.replace(f"{prefix}.tmp{suffix}", f"{prefix}{suffix}")
+                else:  # megatron-core cannot map an empty .bin: no dataset, only the record
+                    os.remove(f"{prefix}.tmp{suffix}")
             per_key = Summary(documents=summary.documents, tokens=key_tokens[key])
             write_dataset_record(prefix, dataset_record(record, self.add_bos, self.add_eod, per_key)
                                  | {"rejected": dict(summary.rejected)})  # fmt: skip
