@@ -12,6 +12,11 @@ Guarantees:
 * Every document is ``<s> text </s>`` by default (``--no-bos`` drops ``<s>``, ``--no-eod``
   drops ``</s>``); special-token strings inside the text are tokenized as text.
 
+* Beside each ``PREFIX.bin/.idx`` goes ``PREFIX.meta.json``: the tokenizer (type, file, hash,
+  special ids), the ``<s>``/``</s>`` rules, dtype, documents and tokens, which merges and
+  mixtures check.
+* ``split_sentences`` writes Megatron-LM's sentence-level datasets (``PREFIX_KEY_sentence``).
+
 Inputs may be plain, gzip (``.gz``) or zstd (``.zst``, ``.zstd``) JSON lines.
 """
 
