@@ -95,11 +95,13 @@ setup(
         "tqdm",
         "einops",
         "zstandard",  # .zst inputs of tools/preprocess_data.py
+        "datatrove",  # tools/tokenize_corpus.py: local and Slurm executors, completion markers
+        "pyarrow",  # Parquet inputs of tools/tokenize_corpus.py
         "matplotlib",  # the loss plot
         "compressed-tensors>=0.20",  # tools/checkpoint/export_quantized_hf.py
     ],
     extras_require={
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-timeout", "black", "isort", "lm-eval[hf]"],
+        "test": ["pytest", "pytest-timeout", "black", "isort", "lm-eval[hf]", "nltk"],  # nltk: --split-sentences
     },
 )

@@ -20,7 +20,7 @@ from megatron.apertus.data.preprocess import PreprocessConfig, format_summary, p
 from megatron.apertus.data.tokenizer import TOKENIZER_TYPES
 
 
-def parse_args(argv: list[str] | None = None) -> PreprocessConfig:
+def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, bool]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -50,7 +50,25 @@ def parse_args(argv: list[str] | None = None) -> PreprocessConfig:
     parser.add_argument(
         "--no-bos", dest="add_bos", action="store_false", default=True, help="do not prepend <s>"
     )
+    parser.add_argument("--split-sentences", action="store_true",
+                        help="one index entry per sentence (nltk Punkt, punkt_tab data); writes "
+                        "PREFIX_KEY_sentence.bin/.idx")  # fmt: skip
+    parser.add_argument("--lang", default="english", help="Punkt model of --split-sentences")
+    parser.add_argument("--keep-newlines", action="store_true",
+                        help="with --split-sentences: keep the whitespace (newlines included) "
+                        "between sentences")  # fmt: skip
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--partitions", type=int, default=1,
+                        help="accepted for Megatron-LM compatibility: --workers already "
+                        "tokenizes in parallel, and the output is in input order whatever its "
+                        "value")  # fmt: skip
+    parser.add_argument("--keep-sequential-samples", action="store_true",
+                        help="accepted for Megatron-LM compatibility: documents always keep "
+                        "their input order")  # fmt: skip
+    parser.add_argument("--log-interval", type=int, default=1000,
+                        help="log progress every this many documents")  # fmt: skip
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when any line was rejected [megatron-apertus addition]")  # fmt: skip
     parser.add_argument("--max-reported", type=int, default=10, help="bad lines reported in full")
     args = parser.parse_args(argv)
     inputs = []
@@ -62,13 +80,14 @@ def parse_args(argv: list[str] | None = None) -> PreprocessConfig:
         inputs=[Path(p) for p in inputs], json_keys=args.json_keys, output_prefix=args.output_prefix,
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         add_bos=args.add_bos, add_eod=args.append_eod, workers=args.workers,
-        max_reported=args.max_reported,
-    )  # fmt: skip
+        max_reported=args.max_reported, split_sentences=args.split_sentences, lang=args.lang,
+        keep_newlines=args.keep_newlines, log_interval=args.log_interval,
+    ), args.strict  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    config = parse_args(argv)
+    config, strict = parse_args(argv)
     start = time.perf_counter()
     try:
         summary = preprocess(config)
@@ -76,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preprocess_data.py: error: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary, time.perf_counter() - start))
-    return 0
+    return 1 if strict and summary.rejected_lines else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Training data through megatron-core's dataset builder: blends, splits, cached sample indices.
 
 ``--data-path`` takes Megatron's forms (``PREFIX ...`` or ``WEIGHT PREFIX WEIGHT PREFIX ...``),
+or ``--data-args-path`` names a file holding that list (as in Megatron-LM, for long blends),
 ``--split`` the train/valid/test proportions by document; or, as in Megatron-LM, each part gets
 its own blend (``--train-data-path``, ``--valid-data-path``, ``--test-data-path``), all of its
 documents, with no split. Samples are megatron-core
@@ -36,6 +37,12 @@ log = logging.getLogger("apertus.data")
 class DatasetConfig:
     data_path: list[str] = field(default_factory=list)
     """Megatron blend; empty means the embedded corpus (preprocessed on first use)."""
+    data_args_path: str | None = field(
+        default=None,
+        metadata={"help": "file holding the --data-path list (whitespace-separated weights and "
+                  "prefixes), for blends too long for a command line"},
+    )  # fmt: skip
+    """Megatron-LM's --data-args-path: the --data-path list read from a file."""
     split: str | None = None
     """Train/valid/test proportions by document; default 969,30,1 (90,10,0 on the embedded corpus)."""
     train_data_path: list[str] = field(default_factory=list)
@@ -63,11 +70,15 @@ class DatasetConfig:
             raise ValueError(
                 f"--num-dataset-builder-threads must be >= 1, got {self.num_dataset_builder_threads}"
             )
-        if self.per_split and (self.data_path or self.split):
+        if self.per_split and (self.data_path or self.data_args_path or self.split):
             raise ValueError(
                 "--train-data-path/--valid-data-path/--test-data-path give each part its own "
-                "data: drop --data-path and --split"
+                "data: drop --data-path and --split (and --data-args-path)"
             )
+        if self.data_path and self.data_args_path:
+            raise ValueError("give the blend with --data-path or --data-args-path, not both")
+        if self.data_args_path and not Path(self.data_args_path).is_file():
+            raise ValueError(f"--data-args-path {self.data_args_path}: no such file")
         if self.per_split and not self.train_data_path:
             raise ValueError("--valid-data-path/--test-data-path need --train-data-path")
         if self.sft and not (self.data_path or self.train_data_path):
@@ -90,10 +101,17 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "megatron-apertus"
 
 
+def data_path_of(config: DatasetConfig) -> list[str]:
+    """The --data-path list, or the one in the --data-args-path file (empty when neither)."""
+    if config.data_args_path:
+        return Path(config.data_args_path).read_text(encoding="utf-8").split()
+    return list(config.data_path)
+
+
 def resolve_blend(config: DatasetConfig, tokenizer: Tokenizer) -> list[str]:
     """The data path to train on; the embedded corpus is preprocessed once by rank 0."""
-    if config.data_path:
-        return list(config.data_path)
+    if data_path := data_path_of(config):
+        return data_path
     cache = Path(config.data_cache_path) if config.data_cache_path else default_cache_dir()
     if dist.get_rank() == 0:
         embedded_corpus_prefix(cache, tokenizer)
@@ -146,11 +164,13 @@ def build_datasets(
                 check_prefixes(f"--{name}-data-path", part, sft=config.sft)
         blends = dict(blend_per_split=[get_blend_from_list(p) if p else None for p in parts])
     else:
-        if config.data_path:
-            check_prefixes("--data-path", config.data_path, sft=config.sft)
+        data_path = data_path_of(config)
+        if data_path:
+            flag = "--data-args-path" if config.data_args_path else "--data-path"
+            check_prefixes(flag, data_path, sft=config.sft)
         blends = dict(
             blend=get_blend_from_list(resolve_blend(config, tokenizer)),
-            split=config.split or ("969,30,1" if config.data_path else "90,10,0"),
+            split=config.split or ("969,30,1" if data_path else "90,10,0"),
         )
     gpt_config = GPTDatasetConfig(
         random_seed=seed,

@@ -12,12 +12,18 @@ Guarantees:
 * Every document is ``<s> text </s>`` by default (``--no-bos`` drops ``<s>``, ``--no-eod``
   drops ``</s>``); special-token strings inside the text are tokenized as text.
 
+* Beside each ``PREFIX.bin/.idx`` goes ``PREFIX.meta.json``: the tokenizer (type, file, hash,
+  special ids), the ``<s>``/``</s>`` rules, dtype, documents and tokens, which merges and
+  mixtures check.
+* ``split_sentences`` writes Megatron-LM's sentence-level datasets (``PREFIX_KEY_sentence``).
+
 Inputs may be plain, gzip (``.gz``) or zstd (``.zst``, ``.zstd``) JSON lines.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import logging
@@ -52,6 +58,15 @@ class PreprocessConfig:
     lines_per_task: int = 64
     max_reported: int = 10
     """Rejected lines reported in full; the rest are only counted."""
+    split_sentences: bool = False
+    """Megatron-LM's sentence-level datasets (``PREFIX_KEY_sentence``) with nltk's Punkt."""
+    lang: str = "english"
+    """The Punkt model of ``split_sentences``."""
+    keep_newlines: bool = False
+    """With ``split_sentences``: the whitespace between sentences (newlines included) stays
+    with the sentence before it, so the sentences concatenate to the text."""
+    log_interval: int = 1000
+    """Log documents and tokens per second every this many documents."""
 
 
 @dataclass
@@ -66,8 +81,30 @@ class Summary:
         return sum(self.rejected.values())
 
 
-def output_prefix(prefix: str, key: str) -> str:
-    return f"{prefix}_{key}_document"
+def output_prefix(prefix: str, key: str, level: str = "document") -> str:
+    return f"{prefix}_{key}_{level}"
+
+
+def sentence_splitter(lang: str, keep_newlines: bool) -> Callable[[str], list[str]]:
+    """nltk's Punkt model for ``lang`` (``punkt_tab``: plain-text parameters, no pickle) as a
+    text -> sentences function; ``ValueError`` saying what to install when it is missing."""
+    try:
+        from nltk.tokenize.punkt import PunktTokenizer
+    except ImportError:
+        raise ValueError("--split-sentences needs nltk: pip install nltk") from None
+    try:
+        punkt = PunktTokenizer(lang)
+    except LookupError:
+        raise ValueError("--split-sentences needs nltk's punkt_tab data: "
+                         "python -m nltk.downloader punkt_tab") from None  # fmt: skip
+    if not keep_newlines:
+        return punkt.tokenize
+
+    def split_keeping_whitespace(text: str) -> list[str]:
+        starts = [start for start, _ in punkt.span_tokenize(text)]
+        return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
+
+    return split_keeping_whitespace
 
 
 def open_lines(path: Path) -> BinaryIO:
@@ -119,6 +156,11 @@ def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
         raise ValueError(f"invalid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict):
         raise ValueError(f"not a JSON object but {type(record).__name__}")
+    return parse_record(record, keys)
+
+
+def parse_record(record: dict, keys: list[str]) -> dict[str, str]:
+    """The texts of ``keys`` in one parsed record (a JSON object or a Parquet row)."""
     texts = {}
     for key in keys:
         if key not in record:
@@ -132,13 +174,27 @@ def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:
     return texts
 
 
-def _encode(tokenizer: Tokenizer, text: str, config: PreprocessConfig) -> np.ndarray:
+def encode_document(tokenizer: Tokenizer, text: str, add_bos: bool, add_eod: bool) -> np.ndarray:
+    """The ids of one document: ``[<s>] text [</s>]``."""
     ids = tokenizer.encode(text)
-    if config.add_bos:
+    if add_bos:
         ids = [tokenizer.bos, *ids]
-    if config.add_eod:
+    if add_eod:
         ids.append(tokenizer.eod)
     return np.asarray(ids, dtype=np.int32)
+
+
+def encode_sentences(
+    tokenizer: Tokenizer, sentences: list[str], add_bos: bool, add_eod: bool
+) -> list[np.ndarray]:
+    """A document split into sentences, one array each (``<s>`` before the first, ``</s>``
+    after the last), as Megatron-LM's sentence-level datasets hold them."""
+    pieces = [tokenizer.encode(s) for s in sentences]
+    if add_bos:
+        pieces[0] = [tokenizer.bos, *pieces[0]]
+    if add_eod:
+        pieces[-1] = [*pieces[-1], tokenizer.eod]
+    return [np.asarray(piece, dtype=np.int32) for piece in pieces]
 
 
 class LineEncoder(Protocol):
@@ -152,18 +208,30 @@ class LineEncoder(Protocol):
 
 
 class TextEncoder:
-    """The pretraining encoder: ``<s> text </s>`` of every ``--json-keys`` key of a line."""
+    """The pretraining encoder: ``<s> text </s>`` of every ``--json-keys`` key of a line (with
+    --split-sentences, one sequence per sentence)."""
 
     def __init__(self, config: PreprocessConfig, tokenizer: Tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer
+        self.splitter = None
+        if config.split_sentences:
+            self.splitter = sentence_splitter(config.lang, config.keep_newlines)
 
-    def __call__(self, raw: bytes) -> dict[str, np.ndarray]:
+    def __call__(self, raw: bytes) -> dict[str, np.ndarray | list[np.ndarray]]:
         texts = parse_line(raw, self.config.json_keys)
-        return {key: _encode(self.tokenizer, text, self.config) for key, text in texts.items()}
+        return {key: self._encode(text) for key, text in texts.items()}
+
+    def _encode(self, text: str) -> np.ndarray | list[np.ndarray]:
+        config = self.config
+        if self.splitter is not None:
+            return encode_sentences(self.tokenizer, self.splitter(text), config.add_bos,
+                                    config.add_eod)  # fmt: skip
+        return encode_document(self.tokenizer, text, config.add_bos, config.add_eod)
 
     def outputs(self, prefix: str) -> dict[str, tuple[str, type]]:
-        dtype = _index_dtype(self.tokenizer.vocab_size)
-        return {key: (output_prefix(prefix, key), dtype) for key in self.config.json_keys}
+        level = "sentence" if self.config.split_sentences else "document"
+        dtype = index_dtype(self.tokenizer.vocab_size)
+        return {key: (output_prefix(prefix, key, level), dtype) for key in self.config.json_keys}
 
 
 def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | None]]:
@@ -193,21 +261,30 @@ def check_inputs(config: PreprocessConfig) -> Tokenizer:
     out_dir = Path(config.output_prefix).parent
     if not out_dir.is_dir():
         raise FileNotFoundError(f"--output-prefix directory {out_dir} does not exist")
+    if config.keep_newlines and not config.split_sentences:
+        raise ValueError("--keep-newlines only applies with --split-sentences")
+    if config.split_sentences:
+        sentence_splitter(
+            config.lang, config.keep_newlines
+        )  # fails here, before any work, when missing
     return build_tokenizer(config.tokenizer_type, config.tokenizer_model)
 
 
-def _index_dtype(vocab_size: int) -> type:
+def index_dtype(vocab_size: int) -> type:
     # megatron-core's rule (DType.optimal_dtype): uint16 below 65500 ids, else int32.
     return np.uint16 if vocab_size < 65500 else np.int32
 
 
-def _report(summary: Summary, path: Path, number: int, reason: str, config: PreprocessConfig):
+def report_rejected(
+    summary: Summary, where: str, reason: str, max_reported: int, warn: Callable = log.warning
+) -> None:
+    """Count a rejected line by reason; show the first ``max_reported`` as ``FILE:LINE: ...``."""
     summary.rejected[reason.split(" (")[0]] += 1
-    if summary.reported < config.max_reported:
-        log.warning(f"{path}:{number}: skipped: {reason}")
+    if summary.reported < max_reported:
+        warn(f"{where}: skipped: {reason}")
         summary.reported += 1
-    elif summary.reported == config.max_reported:
-        log.warning("further rejected lines are counted but not shown")
+    elif summary.reported == max_reported:
+        warn("further rejected lines are counted but not shown")
         summary.reported += 1
 
 
@@ -229,6 +306,7 @@ def preprocess(
     }
     counted = [name for name, (_, dtype) in outputs.items() if dtype in (np.int32, np.uint16)]
     summary = Summary()
+    key_tokens = Counter()
     chunks = _chunks(iter_lines(config.inputs), config.lines_per_task)
     start = time.perf_counter()
     with _pool(config, line_encoder) as pool, tqdm(
@@ -238,23 +316,38 @@ def preprocess(
         for batch in results:
             for file_index, number, ids, reason in batch:
                 if ids is None:
-                    _report(summary, config.inputs[file_index], number, reason, config)
+                    where = f"{config.inputs[file_index]}:{number}"
+                    report_rejected(summary, where, reason, config.max_reported)
                     continue
                 parts = {key: a if isinstance(a, list) else [a] for key, a in ids.items()}
                 for key, sequences in parts.items():  # one document of one or more sequences
                     builders[key].add_document(
                         np.concatenate(sequences), [a.size for a in sequences]
                     )
+                    key_tokens[key] += sum(a.size for a in sequences)
                 summary.documents += 1
                 summary.tokens += sum(a.size for name in counted for a in parts[name])
+                if summary.documents % config.log_interval == 0:
+                    _log_progress(summary, time.perf_counter() - start)
             bar.update(len(batch))
             rate = summary.tokens / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+    record = tokenizer_record(config.tokenizer_type, tokenizer)
     for key, prefix in prefixes.items():
         builders[key].finalize(f"{prefix}.tmp.idx")
         for suffix in (".bin", ".idx"):
             os.replace(f"{prefix}.tmp{suffix}", f"{prefix}{suffix}")
+        if key in counted:
+            per_key = Summary(documents=summary.documents, tokens=key_tokens[key])
+            write_dataset_record(
+                prefix, dataset_record(record, config.add_bos, config.add_eod, per_key)
+            )
     return summary
+
+
+def _log_progress(summary: Summary, elapsed: float) -> None:
+    log.info(f"processed {summary.documents} documents ({summary.documents / elapsed:,.0f} docs/s, "
+             f"{summary.tokens / elapsed:,.0f} tokens/s)")  # fmt: skip
 
 
 class _NoPool:
@@ -275,6 +368,49 @@ def _pool(config: PreprocessConfig, encoder: LineEncoder):
     if config.workers <= 1:
         return _NoPool()
     return multiprocessing.get_context("fork").Pool(config.workers)
+
+
+RECORD_SUFFIX = ".meta.json"
+"""``PREFIX.meta.json`` sits beside ``PREFIX.bin/.idx``: which tokenizer and document rules made
+the dataset, so that merges and mixtures can refuse parts that do not belong together."""
+
+
+def tokenizer_record(tokenizer_type: str, tokenizer: Tokenizer) -> dict:
+    """What identifies a tokenizer: its type, file name, content hash and special ids."""
+    path = Path(tokenizer.path)
+    return {
+        "type": tokenizer_type,
+        "file": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "vocab_size": tokenizer.vocab_size,
+        "bos": tokenizer.bos,
+        "eod": tokenizer.eod,
+    }
+
+
+def dataset_record(tokenizer: dict, add_bos: bool, add_eod: bool, summary: Summary) -> dict:
+    return {
+        "tokenizer": tokenizer,
+        "add_bos": add_bos,
+        "add_eod": add_eod,
+        "dtype": np.dtype(index_dtype(tokenizer["vocab_size"])).name,
+        "documents": summary.documents,
+        "tokens": summary.tokens,
+    }
+
+
+def write_dataset_record(prefix: str, record: dict) -> None:
+    """Write ``PREFIX.meta.json`` under a temporary name, then rename it."""
+    path = prefix + RECORD_SUFFIX
+    with open(path + ".tmp", "w", encoding="utf-8") as out:
+        json.dump(record, out, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def read_dataset_record(prefix: str) -> dict | None:
+    """The record of ``prefix``, or None for a dataset written without one."""
+    path = Path(prefix + RECORD_SUFFIX)
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def format_summary(summary: Summary, elapsed: float) -> str:

@@ -1,0 +1,94 @@
+"""Merge indexed datasets into one, refusing parts made with different tokenizers or dtypes.
+
+The merged ``.bin/.idx`` are megatron-core's ``IndexedDatasetBuilder.add_index`` of the parts in
+order, so merging the per-task outputs of ``tools/tokenize_corpus.py`` gives, byte for byte,
+what one ``tools/preprocess_data.py`` run over all inputs writes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from megatron.apertus.data.preprocess import (
+    RECORD_SUFFIX,
+    read_dataset_record,
+    write_dataset_record,
+)
+
+
+class MergeError(ValueError):
+    """Parts that cannot be merged; the message names the part."""
+
+
+def dataset_prefixes(folder: str | os.PathLike) -> list[str]:
+    """The prefixes of the ``.bin/.idx`` pairs directly in ``folder``, sorted by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MergeError(f"{folder} is not a directory")
+    prefixes = []
+    for idx in sorted(folder.glob("*.idx")):
+        if idx.name.endswith(".tmp.idx"):
+            continue
+        prefix = str(idx.with_suffix(""))
+        if not Path(prefix + ".bin").is_file():
+            raise MergeError(f"{idx} has no {Path(prefix).name}.bin")
+        prefixes.append(prefix)
+    return prefixes
+
+
+def index_dtype_of(prefix: str) -> np.dtype:
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    return np.dtype(_IndexReader(prefix + ".idx", multimodal=False).dtype)
+
+
+def check_compatible(prefixes: list[str], *, require_records: bool = True) -> dict | None:
+    """The shared record of ``prefixes`` (None when unchecked); refuse any mismatch."""
+    if not prefixes:
+        raise MergeError("nothing to merge: no .bin/.idx pairs")
+    dtypes = {p: index_dtype_of(p) for p in prefixes}
+    first = prefixes[0]
+    for prefix, dtype in dtypes.items():
+        if dtype != dtypes[first]:
+            raise MergeError(f"{prefix}: dtype {dtype} differs from {first}'s {dtypes[first]}")
+    if not require_records:
+        return None
+    records = {}
+    for prefix in prefixes:
+        records[prefix] = read_dataset_record(prefix)
+        if records[prefix] is None:
+            raise MergeError(f"{prefix}{RECORD_SUFFIX} is missing: the tokenizer of {prefix} is "
+                             "unknown (--no-tokenizer-check merges anyway)")  # fmt: skip
+    keys = ("tokenizer", "add_bos", "add_eod")
+    for prefix, record in records.items():
+        for key in keys:
+            if record[key] != records[first][key]:
+                raise MergeError(f"{prefix}: {key} {record[key]} differs from {first}'s "
+                                 f"{records[first][key]}")  # fmt: skip
+    return records[first] | {
+        "documents": sum(r["documents"] for r in records.values()),
+        "tokens": sum(r["tokens"] for r in records.values()),
+    }
+
+
+def merge(prefixes: list[str], output_prefix: str, *, require_records: bool = True) -> int:
+    """Write the concatenation of ``prefixes`` to ``output_prefix``; its number of documents."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    record = check_compatible(prefixes, require_records=require_records)
+    if not Path(output_prefix).parent.is_dir():
+        raise MergeError(f"--output-prefix directory {Path(output_prefix).parent} does not exist")
+    builder = IndexedDatasetBuilder(
+        f"{output_prefix}.tmp.bin", dtype=index_dtype_of(prefixes[0]).type
+    )
+    for prefix in prefixes:
+        builder.add_index(prefix)
+    builder.finalize(f"{output_prefix}.tmp.idx")
+    for suffix in (".bin", ".idx"):
+        os.replace(f"{output_prefix}.tmp{suffix}", f"{output_prefix}{suffix}")
+    if record is not None:
+        write_dataset_record(output_prefix, {k: v for k, v in record.items() if k != "rejected"})
+    return len(IndexedDataset(output_prefix))

@@ -1,0 +1,228 @@
+"""Tokenization as a datatrove pipeline: one megatron-core indexed dataset per task.
+
+Two pipeline steps, run by datatrove's local or Slurm executor:
+
+* :class:`ShardReader` reads task ``r``'s share of the inputs, a contiguous block of the
+  ordered file list (datatrove's own readers deal files round-robin and give up on a file at its
+  first undecodable line; contiguous blocks make the task outputs, taken in task order, the
+  input in its order, so merging them equals preprocessing everything at once). JSON lines
+  (plain, ``.gz``, ``.zst``) and Parquet, local or any fsspec URL.
+* :class:`IndexedDatasetWriter` tokenizes every document exactly as ``tools/preprocess_data.py``
+  does (same functions: :func:`~megatron.apertus.data.preprocess.parse_record`,
+  :func:`~megatron.apertus.data.preprocess.encode_document`), rejects the same lines for the same
+  reasons, and writes ``OUTPUT/NNNNN_KEY_document.bin/.idx`` (+ ``.meta.json``) through
+  megatron-core's ``IndexedDatasetBuilder`` under temporary names, renamed when complete.
+
+A task is marked complete by datatrove only after its outputs are renamed, and a rerun task
+starts its files from the beginning, so a killed task rerun gives the same bytes and a rerun of
+the whole job neither duplicates nor drops a document.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+from datatrove.utils.logging import logger
+
+from megatron.apertus.data.preprocess import (
+    Summary,
+    dataset_record,
+    encode_document,
+    index_dtype,
+    output_prefix,
+    parse_line,
+    parse_record,
+    report_rejected,
+    tokenizer_record,
+    write_dataset_record,
+)
+from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
+
+COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+PROGRESS_SECONDS = 30.0
+
+
+@functools.lru_cache(maxsize=None)
+def cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None) -> Tokenizer:
+    """One tokenizer per process; tasks forked by the local executor inherit the parent's."""
+    return build_tokenizer(tokenizer_type, tokenizer_model)
+
+
+def task_files(files: list[str], rank: int, world_size: int) -> list[str]:
+    """Task ``rank``'s contiguous block of ``files`` (sizes differ by at most one)."""
+    return files[rank * len(files) // world_size : (rank + 1) * len(files) // world_size]
+
+
+def task_prefix(output_dir: str, rank: int, key: str) -> str:
+    return output_prefix(os.path.join(output_dir, f"{rank:05d}"), key)
+
+
+def is_parquet(path: str) -> bool:
+    return path.endswith(".parquet")
+
+
+@dataclass(frozen=True)
+class Line:
+    """A line (or Parquet row) that the writer either tokenizes or reports."""
+
+    where: str
+    texts: dict[str, str] | None
+    reason: str | None
+
+
+def _document(line: Line, file_index: int, files: int) -> Document:
+    return Document(
+        text=next(iter(line.texts.values())) if line.texts else "",
+        id=line.where,
+        metadata={"line": line, "files": (file_index, files)},
+    )
+
+
+class ShardReader(PipelineStep):
+    """Task ``rank``'s block of input files as documents, bad lines included (flagged)."""
+
+    name = "shard reader"
+    type = "📖 - READER"
+
+    def __init__(self, files: list[str], json_keys: list[str]):
+        super().__init__()
+        self.files = files
+        self.json_keys = json_keys
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1):
+        shard = task_files(self.files, rank, world_size)
+        for index, path in enumerate(shard):
+            logger.info(f"reading {path} ({index + 1}/{len(shard)})")
+            self.stat_update("input_files")
+            lines = self._parquet_rows(path) if is_parquet(path) else self._json_lines(path)
+            read = 0
+            try:
+                for line in lines:
+                    read += 1
+                    yield _document(line, index, len(shard))
+            except (OSError, EOFError, ValueError) as err:  # corrupt compression or Parquet
+                reason = f"unreadable shard ({type(err).__name__}: {err}); rest of file skipped"
+                yield _document(Line(f"{path}:{read + 1}", None, reason), index, len(shard))
+            if not read:
+                logger.warning(f"{path}: empty shard (no lines)")
+                self.stat_update("empty_shards")
+
+    def _json_lines(self, path: str) -> Iterator[Line]:
+        from fsspec import open as fs_open
+
+        compression = COMPRESSION.get(os.path.splitext(path)[1])
+        with fs_open(path, "rb", compression=compression) as opened:
+            # zstandard's reader is not line-iterable; a buffer over it is
+            stream = io.BufferedReader(opened) if compression == "zstd" else opened
+            for number, raw in enumerate(stream, start=1):
+                try:
+                    yield Line(f"{path}:{number}", parse_line(raw, self.json_keys), None)
+                except ValueError as err:
+                    yield Line(f"{path}:{number}", None, str(err))
+
+    def _parquet_rows(self, path: str) -> Iterator[Line]:
+        import pyarrow.parquet as pq
+        from fsspec import open as fs_open
+
+        with fs_open(path, "rb") as stream:
+            table = pq.ParquetFile(stream)
+            columns = [k for k in self.json_keys if k in table.schema_arrow.names]
+            number = 0
+            for batch in table.iter_batches(columns=columns or None):
+                for row in batch.to_pylist():
+                    number += 1
+                    record = {k: row[k] for k in columns}
+                    try:
+                        yield Line(f"{path}:{number}", parse_record(record, self.json_keys), None)
+                    except ValueError as err:
+                        yield Line(f"{path}:{number}", None, str(err))
+
+
+class IndexedDatasetWriter(PipelineStep):
+    """Tokenize the task's documents into one megatron-core indexed dataset per JSON key."""
+
+    name = "indexed dataset writer"
+    type = "💽 - WRITER"
+
+    def __init__(self, output_dir: str, json_keys: list[str], tokenizer_type: str,
+                 tokenizer_model: str | None, add_bos: bool, add_eod: bool,
+                 max_reported: int):  # fmt: skip
+        super().__init__()
+        self.output_dir = output_dir
+        self.json_keys = json_keys
+        self.tokenizer_type = tokenizer_type
+        self.tokenizer_model = tokenizer_model
+        self.add_bos = add_bos
+        self.add_eod = add_eod
+        self.max_reported = max_reported
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
+        """Consume the documents (the last step: it yields nothing further)."""
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        tokenizer = cached_tokenizer(self.tokenizer_type, self.tokenizer_model)
+        dtype = index_dtype(tokenizer.vocab_size)
+        prefixes = {key: task_prefix(self.output_dir, rank, key) for key in self.json_keys}
+        builders = {
+            k: IndexedDatasetBuilder(f"{p}.tmp.bin", dtype=dtype) for k, p in prefixes.items()
+        }
+        summary, key_tokens = Summary(), dict.fromkeys(self.json_keys, 0)
+        progress = _Progress(rank)
+        for document in data or []:
+            line: Line = document.metadata["line"]
+            if line.texts is None:
+                report_rejected(summary, line.where, line.reason, self.max_reported,
+                                warn=logger.warning)  # fmt: skip
+                self.stat_update("rejected")
+                continue
+            for key, text in line.texts.items():
+                ids = encode_document(tokenizer, text, self.add_bos, self.add_eod)
+                builders[key].add_document(ids, [ids.size])
+                key_tokens[key] += ids.size
+                summary.tokens += ids.size
+            summary.documents += 1
+            self.stat_update("documents")
+            progress.update(summary, *document.metadata["files"])
+        record = tokenizer_record(self.tokenizer_type, tokenizer)
+        for key, prefix in prefixes.items():
+            builders[key].finalize(f"{prefix}.tmp.idx")
+            for suffix in (".bin", ".idx"):
+                if summary.documents:
+                    os.replace(f"{prefix}.tmp{suffix}", f"{prefix}{suffix}")
+                else:  # megatron-core cannot map an empty .bin: no dataset, only the record
+                    os.remove(f"{prefix}.tmp{suffix}")
+            per_key = Summary(documents=summary.documents, tokens=key_tokens[key])
+            write_dataset_record(prefix, dataset_record(record, self.add_bos, self.add_eod, per_key)
+                                 | {"rejected": dict(summary.rejected)})  # fmt: skip
+        logger.info(
+            f"task {rank}: wrote {summary.documents} documents, {summary.tokens} tokens; "
+            f"rejected {summary.rejected_lines} lines {json.dumps(dict(summary.rejected))}"
+        )
+
+
+class _Progress:
+    """Documents/s, tokens/s and an ETA (from the share of files done) every 30 s."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.start = self.last = time.monotonic()
+
+    def update(self, summary: Summary, file_index: int, files: int) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_SECONDS:
+            return
+        self.last, elapsed = now, now - self.start
+        eta = elapsed * (files / file_index - 1) if file_index else float("nan")
+        logger.info(
+            f"task {self.rank}: file {file_index + 1}/{files}, {summary.documents:,} documents "
+            f"({summary.documents / elapsed:,.0f}/s), {summary.tokens / elapsed:,.0f} tokens/s, "
+            f"ETA {eta:,.0f} s (by files done)"
+        )

@@ -1,0 +1,42 @@
+"""Print the ``--data-path`` list (``WEIGHT PREFIX ...``) of tokenized folders or mixtures.
+
+    python tools/data_config.py mixtures/phase2 --output phase2.args
+    python pretrain_gpt.py --data-args-path phase2.args ...
+
+Each dataset is weighted by its tokens, so the blend draws from every dataset (and every source
+of a mixture) in proportion to its size. ``--output`` writes the same list to a file for
+``pretrain_gpt.py --data-args-path`` (written under a temporary name, then renamed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron.apertus.data.mixture import MixtureError, data_path_list
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("folders", nargs="+", help="tokenized folders or mixtures")
+    parser.add_argument("--output", default=None, help="file for --data-args-path")
+    args = parser.parse_args(argv)
+    try:
+        data_path = data_path_list(args.folders)
+    except MixtureError as err:
+        print(f"data_config.py: error: {err}", file=sys.stderr)
+        return 2
+    text = "\n".join(f"{w} {p}" for w, p in zip(data_path[::2], data_path[1::2])) + "\n"
+    if args.output:
+        with open(args.output + ".tmp", "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(args.output + ".tmp", args.output)
+    print(" ".join(data_path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Tokenize a corpus on one machine or a Slurm cluster with datatrove: one indexed dataset per task.
+
+    python tools/tokenize_corpus.py --input 'corpus/*.jsonl.zst' --output-dir data/tokens \\
+        --executor local --workers 8
+    python tools/tokenize_corpus.py --input 'corpus/*.parquet' --output-dir data/tokens \\
+        --executor slurm --tasks 512 --partition normal --time 04:00:00
+
+Task ``r`` tokenizes a contiguous block of the sorted input files into
+``OUTPUT_DIR/r_KEY_document.bin/.idx`` (``r`` as 5 digits) exactly as tools/preprocess_data.py
+would (same ``<s>``/``</s>`` rules and rejected lines), so that the tasks' outputs in order equal
+one preprocess_data.py run over all inputs. Rerunning the same command skips completed tasks
+(datatrove's completion markers under ``--logging-dir``) and redoes the others from scratch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from megatron.apertus.data.preprocess import RECORD_SUFFIX, tokenizer_record
+from megatron.apertus.data.tokenize_pipeline import (
+    IndexedDatasetWriter,
+    ShardReader,
+    cached_tokenizer,
+    task_prefix,
+)
+from megatron.apertus.data.tokenizer import TOKENIZER_TYPES
+
+ADDITION = " [megatron-apertus addition]"
+PLAN_FILE = "tokenize_corpus.json"
+
+
+class InputError(Exception):
+    """Bad flags or inputs, reported in one line with exit status 2."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    data = parser.add_argument_group("data (as tools/preprocess_data.py)")
+    data.add_argument("--input", nargs="+", required=True,
+                      help="JSON-lines (.jsonl, .gz, .zst) or .parquet files; globs and fsspec "
+                      "URLs allowed; sorted per pattern, in the order given")  # fmt: skip
+    data.add_argument("--json-keys", nargs="+", default=["text"])
+    data.add_argument("--output-dir", required=True, help="where the tasks' datasets go" + ADDITION)
+    data.add_argument("--tokenizer-type", default="TekkenTokenizer", choices=TOKENIZER_TYPES)
+    data.add_argument("--tokenizer-model", default=None,
+                      help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)")  # fmt: skip
+    data.add_argument("--append-eod", action="store_true", default=True,
+                      help="end every document with </s> (the default)")  # fmt: skip
+    data.add_argument("--no-eod", dest="append_eod", action="store_false",
+                      help="do not append </s>" + ADDITION)  # fmt: skip
+    data.add_argument("--no-bos", dest="add_bos", action="store_false", default=True,
+                      help="do not prepend <s>" + ADDITION)  # fmt: skip
+    data.add_argument("--max-reported", type=int, default=10,
+                      help="bad lines reported in full, per task" + ADDITION)  # fmt: skip
+    data.add_argument("--strict", action="store_true",
+                      help="exit 1 when any line was rejected (local executor)" + ADDITION)  # fmt: skip
+    run = parser.add_argument_group("execution" + ADDITION)
+    run.add_argument("--executor", choices=("local", "slurm"), default="local")
+    run.add_argument("--tasks", type=int, default=None,
+                     help="datasets to write (default: one per input file)")  # fmt: skip
+    run.add_argument("--workers", type=int, default=None,
+                     help="tasks running at once (local default 1; slurm default: no limit)")  # fmt: skip
+    run.add_argument("--logging-dir", default=None,
+                     help="datatrove logs, stats and completion markers (default: "
+                     "OUTPUT_DIR/.datatrove)")  # fmt: skip
+    slurm = parser.add_argument_group("Slurm executor" + ADDITION)
+    slurm.add_argument("--partition", default=None)
+    slurm.add_argument("--time", default="24:00:00", help="time limit per task")
+    slurm.add_argument("--cpus-per-task", type=int, default=1)
+    slurm.add_argument("--mem-per-cpu-gb", type=int, default=4)
+    slurm.add_argument("--job-name", default="tokenize")
+    slurm.add_argument("--qos", default=None)
+    slurm.add_argument("--sbatch-args", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="further #SBATCH options, e.g. account=a01")  # fmt: skip
+    slurm.add_argument("--env-command", default=None,
+                       help="shell line run before each task (default: put this Python's bin "
+                       "directory first on PATH)")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Every input file, each pattern's matches sorted; a pattern matching nothing is an error."""
+    files = []
+    for pattern in patterns:
+        if "://" in pattern:
+            from fsspec.core import url_to_fs
+
+            fs, path = url_to_fs(pattern)
+            matches = sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
+        else:
+            matches = sorted(glob.glob(pattern))
+        if not matches:
+            raise InputError(f"--input {pattern}: no such file")
+        files.extend(matches)
+    return files
+
+
+def check(args: argparse.Namespace, files: list[str]) -> tuple[int, dict]:
+    """The number of tasks and the tokenizer's record; refuse what would fail later, on a
+    compute node."""
+    tasks = args.tasks or len(files)
+    if tasks < 1 or tasks > len(files):
+        raise InputError(f"--tasks {tasks}: give between 1 and the {len(files)} input files "
+                         "(a task tokenizes whole files)")  # fmt: skip
+    if args.executor == "slurm" and not args.partition:
+        raise InputError("--executor slurm needs --partition")
+    if not Path(args.output_dir).parent.is_dir():
+        raise InputError(f"--output-dir: {Path(args.output_dir).parent} does not exist")
+    try:
+        tokenizer = cached_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    except (FileNotFoundError, ValueError) as err:
+        raise InputError(f"--tokenizer-model: {err}") from None
+    for item in args.sbatch_args:
+        if "=" not in item:
+            raise InputError(f"--sbatch-args {item}: expected KEY=VALUE")
+    return tasks, tokenizer_record(args.tokenizer_type, tokenizer)
+
+
+def check_same_run(logging_dir: str, plan: dict) -> None:
+    """Record what the tasks are; refuse a rerun that would make them something else.
+
+    Completed tasks are skipped on a rerun, so a rerun with other inputs, tasks, keys, tokenizer
+    or ``<s>``/``</s>`` rules would mix two datasets (or drop and duplicate documents).
+    """
+    path = Path(logging_dir) / PLAN_FILE
+    if path.is_file():
+        if json.loads(path.read_text()) != plan:
+            raise InputError(f"{path.parent} holds the tasks of another command (other "
+                             f"inputs, --tasks, keys or tokenizer; see {path}): use a new "
+                             "--output-dir or --logging-dir")  # fmt: skip
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(plan, indent=1))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def logging_dir_of(args: argparse.Namespace) -> str:
+    return os.path.abspath(args.logging_dir or os.path.join(args.output_dir, ".datatrove"))
+
+
+def build_executor(args: argparse.Namespace, files: list[str], tasks: int):
+    output_dir = os.path.abspath(args.output_dir)
+    pipeline = [
+        ShardReader(files, args.json_keys),
+        IndexedDatasetWriter(output_dir, args.json_keys, args.tokenizer_type,
+                             args.tokenizer_model, args.add_bos, args.append_eod,
+                             args.max_reported),  # fmt: skip
+    ]
+    logging_dir = logging_dir_of(args)
+    if args.executor == "local":
+        from datatrove.executor import LocalPipelineExecutor
+
+        return LocalPipelineExecutor(pipeline, tasks=tasks, workers=args.workers or 1,
+                                     logging_dir=logging_dir, start_method="fork")  # fmt: skip
+    from datatrove.executor import SlurmPipelineExecutor
+
+    env_command = args.env_command or f'export PATH="{os.path.dirname(sys.executable)}:$PATH"'
+    return SlurmPipelineExecutor(
+        pipeline, tasks=tasks, time=args.time, partition=args.partition,
+        cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb,
+        workers=args.workers or -1, job_name=args.job_name, qos=args.qos,
+        env_command=env_command, logging_dir=logging_dir,
+        sbatch_args=dict(item.split("=", 1) for item in args.sbatch_args),
+    )  # fmt: skip
+
+
+def summarize(output_dir: str, tasks: int, key: str, elapsed: float) -> tuple[str, int]:
+    """One line over every task's record, and the number of rejected lines."""
+    documents = tokens = 0
+    rejected = Counter()
+    for rank in range(tasks):
+        record = json.loads(Path(task_prefix(output_dir, rank, key) + RECORD_SUFFIX).read_text())
+        documents += record["documents"]
+        tokens += record["tokens"]
+        rejected.update(record["rejected"])
+    reasons = ", ".join(f"{count} {reason}" for reason, count in rejected.most_common())
+    line = (f"wrote {tasks} datasets, {documents} documents, {tokens} tokens ({key}) in "
+            f"{elapsed:.1f} s ({tokens / max(elapsed, 1e-9):,.0f} tokens/s); rejected "
+            f"{sum(rejected.values())} lines" + (f" ({reasons})" if reasons else ""))  # fmt: skip
+    return line, sum(rejected.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        files = expand_inputs(args.input)
+        tasks, tokenizer = check(args, files)
+        os.makedirs(args.output_dir, exist_ok=True)
+        plan = dict(inputs=files, tasks=tasks, json_keys=args.json_keys, tokenizer=tokenizer,
+                    add_bos=args.add_bos, add_eod=args.append_eod)  # fmt: skip
+        check_same_run(logging_dir_of(args), plan)
+    except InputError as err:
+        print(f"tokenize_corpus.py: error: {err}", file=sys.stderr)
+        return 2
+    executor = build_executor(args, files, tasks)
+    to_run = executor.get_incomplete_ranks()
+    start = time.perf_counter()
+    try:
+        executor.run()
+    except Exception as err:  # a task failed; datatrove logged its traceback in the task's log
+        print(f"tokenize_corpus.py: a task failed ({type(err).__name__}: {err}); see "
+              f"{executor.logging_dir.path}/logs; run the same command again to redo the "
+              "unfinished tasks", file=sys.stderr)  # fmt: skip
+        return 1
+    if args.executor == "slurm":
+        if executor.job_id == -1:
+            print(f"all {tasks} tasks are complete; nothing submitted")
+        else:
+            print(f"submitted Slurm job {executor.job_id} ({tasks} tasks); run the same command "
+                  "again after it ends to redo any failed task")  # fmt: skip
+        return 0
+    incomplete = executor.get_incomplete_ranks(skip_completed=True)
+    if incomplete:
+        print(f"tokenize_corpus.py: tasks {incomplete} failed; see {executor.logging_dir.path}/logs",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if not to_run:
+        print(f"nothing to do: all {tasks} tasks were complete")
+        return 0
+    line, rejected = summarize(os.path.abspath(args.output_dir), tasks, args.json_keys[0],
+                               time.perf_counter() - start)  # fmt: skip
+    print(line)
+    return 1 if args.strict and rejected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
