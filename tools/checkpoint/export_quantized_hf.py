@@ -2,7 +2,7 @@
 Face directory with its decoder projections quantized as ``--quant-format`` fake-quantizes them.
 
     python tools/checkpoint/export_quantized_hf.py --load QAD_DIR --output HF_DIR \
-        --quant-format int4 --quant-group-size 128 [--tokenizer tekken.json|HF_TOKENIZER_DIR]
+        --quant-format int4 --quant-group-size 128 [--tokenizer TOKENIZER]
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", required=True, help="HF directory to create (must not exist)")
     parser.add_argument(
-        "--tokenizer", help="tekken JSON (converted) or HF tokenizer dir (tokenizer files copied)"
+        "--tokenizer",
+        help="default: the tokenizer the training run recorded; else "
+        "a tekken JSON, a tokenizer.json or its directory, or a SentencePiece model",
     )
     C.add_arguments(parser, QuantConfig, title="format")
     args = parser.parse_args(argv)
