@@ -105,3 +105,20 @@ def test_bad_goldfish_settings_are_refused():
         GoldfishConfig(k=1)
     with pytest.raises(ValueError, match="--goldfish-hash"):
         GoldfishConfig(hash="md5")
+
+
+@pytest.mark.parametrize("rule", ["mix64", "apertus"])
+def test_exempting_special_tokens_keeps_them_and_changes_nothing_else(stream, rule):
+    """--goldfish-exempt-special: no control-token label is dropped; every other decision is the
+    default's, and the default drops special labels like any other (Apertus-1 behaviour)."""
+    tokenizer = build_tokenizer()
+    labels = samples(stream, 256)
+    special = torch.tensor(tokenizer.special_ids())
+    default = goldfish_drop_mask(labels, GoldfishConfig(k=4, h=3, hash=rule), special)
+    exempt = goldfish_drop_mask(labels, GoldfishConfig(k=4, h=3, hash=rule, exempt_special=True),
+                                special)  # fmt: skip
+    is_special = torch.isin(labels, special)
+    assert is_special.sum() > 100 and (default & is_special).sum() > 10
+    assert not (exempt & is_special).any()
+    assert torch.equal(exempt, default & ~is_special)
+    assert set(tokenizer.special_ids()) == set(range(1000))  # tekken's reserved control ids

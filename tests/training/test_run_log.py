@@ -18,7 +18,7 @@ ITERATION_LINE = re.compile(
     r"iteration +(\d+)/ +(\d+) \| consumed samples: +\d+ \| elapsed time per iteration \(ms\): "
     r"[\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +\d+ \| lm loss: [\d.E+-]+ \| "
     r"grad norm: [\d.]+ \| number of skipped iterations: +\d+ \| tokens per second per device: "
-    r"\d+ \| memory \(GiB\): [\d.]+"
+    r"\d+ \| throughput per GPU \(TFLOP/s/GPU\): [\d.e+-]+ \| memory \(GiB\): [\d.]+"
 )
 
 

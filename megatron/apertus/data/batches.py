@@ -58,6 +58,8 @@ class BatchConfig:
     eod: int
     pack_documents: bool = False
     goldfish: GoldfishConfig | None = None
+    special_ids: tuple[int, ...] = ()
+    """The tokenizer's control-token ids (Goldfish never drops them with ``exempt_special``)."""
 
 
 def document_lengths(tokens: torch.Tensor, eod: int) -> list[int]:
@@ -103,7 +105,8 @@ def collate(
     loss_mask = torch.stack([s["loss_mask"] for s in samples]).float()
     dropped = eligible = 0
     if config.goldfish is not None:
-        drop = goldfish_drop_mask(labels, config.goldfish) & (loss_mask > 0)
+        special = torch.tensor(config.special_ids, dtype=torch.int64)
+        drop = goldfish_drop_mask(labels, config.goldfish, special) & (loss_mask > 0)
         eligible, dropped = int((loss_mask > 0).sum()), int(drop.sum())
         loss_mask = loss_mask.masked_fill(drop, 0.0)  # a new tensor: samples stay untouched
     if config.pack_documents:

@@ -26,7 +26,7 @@ Masks are new tensors; cached dataset arrays are never modified.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ class GoldfishConfig:
     h: int = 50
     """Context width of the hash: the labels ending at the position, inclusive."""
     hash: str = "mix64"
+    exempt_special: bool = field(default=False, metadata={"switch": True, "help": (
+        "never drop the loss of control tokens (begin/end of document, chat tokens), as the "
+        "Apertus-2 recipe does; off: every label is a candidate, as in Apertus-1")})  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.k < 2:
@@ -86,8 +89,11 @@ def _mix64_drop(windows: torch.Tensor, k: int) -> torch.Tensor:
     return torch.from_numpy(fraction < 1.0 / k)
 
 
-def goldfish_drop_mask(labels: torch.Tensor, config: GoldfishConfig) -> torch.Tensor:
-    """Boolean [..., s] mask of the label positions to drop from the loss."""
+def goldfish_drop_mask(
+    labels: torch.Tensor, config: GoldfishConfig, special_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Boolean [..., s] mask of the label positions to drop from the loss; with
+    ``config.exempt_special``, positions whose label is one of ``special_ids`` are kept."""
     labels = labels.detach().to("cpu", torch.int64)
     drop = torch.zeros(labels.shape, dtype=torch.bool)
     if labels.shape[-1] < config.h:
@@ -95,4 +101,6 @@ def goldfish_drop_mask(labels: torch.Tensor, config: GoldfishConfig) -> torch.Te
     windows = labels.unfold(-1, config.h, 1)  # [..., s - h + 1, h], window ending at i
     rule = _apertus_drop if config.hash == "apertus" else _mix64_drop
     drop[..., config.h - 1 :] = rule(windows, config.k)
+    if config.exempt_special and special_ids is not None:
+        drop &= ~torch.isin(labels, special_ids)
     return drop

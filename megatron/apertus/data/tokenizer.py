@@ -57,6 +57,10 @@ class Tokenizer(ABC):
     def special_piece(self, token_id: int) -> str:
         """The vocabulary's string for ``token_id`` (control tokens included)."""
 
+    def special_ids(self) -> list[int]:
+        """The ids of control tokens (begin and end of document, padding, chat tokens, ...)."""
+        return sorted({self.bos, self.eod, self.pad})
+
     def encode_document(self, text: str) -> list[int]:
         """``<s> text </s>``: every document carries its begin and end tokens."""
         return [self.bos, *self.encode(text), self.eod]
@@ -91,6 +95,10 @@ class TekkenTokenizer(Tokenizer):
 
     def special_piece(self, token_id: int) -> str:
         return self._tok.id_to_piece(token_id)
+
+    def special_ids(self) -> list[int]:
+        """Tekken reserves its first ids for control tokens (1000 in the Apertus vocabulary)."""
+        return list(range(self._tok.num_special_tokens))
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -137,6 +145,12 @@ class HuggingFaceTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def special_ids(self) -> list[int]:
+        added = self._tok.get_added_tokens_decoder()
+        return sorted(
+            {i for i, token in added.items() if token.special} | set(super().special_ids())
+        )
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
@@ -161,6 +175,10 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         # encode() of sentencepiece never maps control-symbol strings in text to their ids.
         return self._tok.encode(text)
+
+    def special_ids(self) -> list[int]:
+        controls = (i for i in range(self.vocab_size) if self._tok.is_control(i))
+        return sorted(set(controls) | set(super().special_ids()))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))

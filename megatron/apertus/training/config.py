@@ -392,7 +392,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 ADDITIONS = {
     "device", "precision", "xielu_impl", "fused_output_loss", "max_skipped_steps", "log_json",
-    "loss_plot", "rope_scaling", "xielu_beta", "xielu_eps", "goldfish_hash",
+    "loss_plot", "rope_scaling", "xielu_beta", "xielu_eps", "goldfish_hash", "goldfish_exempt_special",
     "distill_logits_path", "kd_alpha", "kd_tail",
     "align_objective", "align_beta", "align_length_normalization", "ref_logps_path",
     "quant_format", "quant_group_size", "quant_symmetric", "quant_fp8_scaling",

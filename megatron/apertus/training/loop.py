@@ -249,6 +249,7 @@ class Trainer:
             eod=self.tokenizer.eod,
             pack_documents=cfg.dataset.reset_attention_mask,
             goldfish=cfg.goldfish if cfg.data.goldfish_loss else None,
+            special_ids=tuple(self.tokenizer.special_ids()) if cfg.goldfish.exempt_special else (),
         )
         self.train_data, self.valid_data = self._datasets()
         self.reader = None if self.align is not None else MicroBatchReader(
@@ -557,10 +558,11 @@ class Trainer:
                 f"{objective}: {loss} | grad norm: {norm} | "
                 f"number of skipped iterations: {self.skipped_in_a_row:3d} | "
                 f"tokens per second per device: {tokens_s:.0f}")  # fmt: skip
+        tflops = tokens_s * flops_per_token(self.cfg.model) / 1e12
+        line += f" | throughput per GPU (TFLOP/s/GPU): {tflops:.3g}"
         peak = device_peak_tflops()
         if peak is not None:
-            tflops = tokens_s * flops_per_token(self.cfg.model) / 1e12
-            line += f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f} | MFU: {100 * tflops / peak:.1f}%"
+            line += f" | MFU: {100 * tflops / peak:.1f}%"
         line += f" | memory (GiB): {peak_memory_gib(self.device):.2f}"
         if result.goldfish_fraction is not None:
             line += f" | goldfish dropped: {100 * result.goldfish_fraction:.2f}%"

@@ -107,8 +107,9 @@ FLAGS: tuple[MegatronFlag, ...] = (
                  "loads always fail on missing tensors and ignore extra ones", takes=str,
                  accepts=("assume_ok_unexpected", "raise_unexpected"), choices=STRICTNESS),
     # -- logging -------------------------------------------------------------------------------
-    MegatronFlag("--log-throughput", "tokens/s/device is always logged, TFLOP/s/device and MFU "
-                 "on GPUs of known peak", accepts=SWITCH),
+    MegatronFlag("--log-throughput", "the iteration line always has tokens/s and TFLOP/s per "
+                 "device (Megatron-LM's 'throughput per GPU'), and MFU on GPUs of known peak",
+                 accepts=SWITCH),
     MegatronFlag("--no-log-loss-scale-to-tensorboard", "the loss scale is never logged",
                  accepts=SWITCH),
 )  # fmt: skip
