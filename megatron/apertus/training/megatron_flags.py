@@ -1,17 +1,18 @@
 """Megatron-LM flags that no config of ours has a field for: accepted where they restate what
 this code always does, refused where they ask for something it does not implement.
 
-Megatron-LM launch scripts (the Apertus 8B and 70B ones among them) carry three kinds of such
-flags: restatements of the architecture (``--xielu``, ``--normalization RMSNorm``), choices
-that name our only behaviour (``--ckpt-format torch_dist``, ``--dataloader-type single``), and
-behaviours we do not have yet (``--async-save``). The first two are
-accepted, so such scripts run unmodified; any other value, and the third kind, is refused, all
-of them at once, one line each naming the flag, so a script learns in one try what to drop.
+Megatron-LM launch scripts (the Apertus 8B and 70B ones among them) carry two kinds of such
+flags: restatements of the architecture (``--xielu``, ``--normalization RMSNorm``) and choices
+that name our only behaviour (``--ckpt-format torch_dist``, ``--dataloader-type single``). They
+are accepted, so such scripts run unmodified; any other value (``--normalization LayerNorm``,
+``--swiglu``, dropout) is refused, all of them at once, one line each naming the flag, so a
+script learns in one try what to drop.
 
 Nothing here changes a run. Megatron-LM flags that do change one are fields of the run's configs
 (``--bf16``, ``--use-rope-scaling``, ``--make-vocab-size-divisible-by``,
 ``--num-layers-per-virtual-pipeline-stage``, ``--distributed-timeout-minutes``, ``--finetune``,
-``--manual-gc``, ``--log-params-norm`` ...).
+``--manual-gc``, ``--log-params-norm``, ``--overlap-grad-reduce``, ``--async-save``,
+``--num-workers``, ``--log-progress`` ...).
 """
 
 from __future__ import annotations
