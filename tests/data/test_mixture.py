@@ -128,7 +128,7 @@ def test_blend_of_the_data_args_file_realises_the_mixture(folders, first_mixture
                                "2", "--micro-batch-size", "1", "--eval-iters", "0",
                                "--data-args-path", str(args_file), "--split", "100,0,0", "--log-interval", "1",
                                "--data-cache-path", str(tmp_path / "run-cache")])  # fmt: skip
-    assert "iteration      2 |" in run.stdout
+    assert "iteration        2/" in run.stdout
     descriptions = "".join(
         p.read_text() for p in (tmp_path / "run-cache").rglob("*description.txt")
     )

@@ -252,7 +252,8 @@ class Trainer:
             special_ids=tuple(self.tokenizer.special_ids()) if cfg.goldfish.exempt_special else (),
         )
         self.train_data, self.valid_data = self._datasets()
-        self.reader = None if self.align is not None else MicroBatchReader(
+        no_reader = self.align is not None or self.train_data is None  # --train-iters 0
+        self.reader = None if no_reader else MicroBatchReader(
             self.train_data, self.batch, micro_batch_size=t.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=self.dp,
             num_workers=cfg.data.num_workers,
