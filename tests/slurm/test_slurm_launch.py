@@ -71,7 +71,7 @@ def test_tiny_example_runs_two_tasks_to_the_end(slurm, uninterrupted):
     assert slurm.job(job)["NumTasks"] == "2"
     for path in stale:
         assert f"removing unfinished checkpoint {path}" in log and not path.exists()
-    assert f"iteration {ITERS:6d} |" in log
+    assert f"iteration {ITERS:8d}/{ITERS:8d} |" in log
     assert f"not resubmitting: the run is finished (iteration {ITERS})" in log
     save = run_dir / "checkpoints"
     assert latest_iteration(save) == ITERS
