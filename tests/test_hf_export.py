@@ -52,6 +52,7 @@ TRAIN = (
 ).split()
 EXPORT_FILES = {
     "README.md",
+    "chat_template.jinja",  # the Apertus chat format (tekken tokenizers)
     "config.json",
     "generation_config.json",
     "model.safetensors",

@@ -34,7 +34,8 @@ def qad(teacher, logits, fmt: str, *extra: str, group: str = "16") -> list[str]:
                       "--quant-format", fmt, *group_flags, *extra]  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["int4", pytest.param("fp8", marks=pytest.mark.slow),
+                                 pytest.param("nvfp4", marks=pytest.mark.slow)])  # fmt: skip
 def test_qad_resumes_bitwise(teacher, logits, tmp_path, fmt):  # noqa: F811
     run_entry(PRETRAIN, qad(teacher, logits, fmt, "--log-json", str(tmp_path / "full.json")))
     save = tmp_path / "ckpt"
@@ -53,7 +54,7 @@ def test_qad_resumes_bitwise(teacher, logits, tmp_path, fmt):  # noqa: F811
     assert series(read_json(plain), "train/loss")[1][0] != full[1][0]  # quantization is on
 
 
-@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["int4", pytest.param("nvfp4", marks=pytest.mark.slow)])
 def test_qad_with_tp2_gives_the_single_process_losses(teacher, logits, tmp_path, fmt):  # noqa: F811
     one, two = tmp_path / "tp1.json", tmp_path / "tp2.json"
     run_entry(PRETRAIN, qad(teacher, logits, fmt, "--log-json", str(one)))
