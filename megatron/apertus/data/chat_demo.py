@@ -82,6 +82,11 @@ def case_reward(answer: str, truth: str) -> float:
     return sum(a == t for a, t in zip(answer.split(), words)) / max(len(words), 1)
 
 
+def _prompt(name: str) -> list[dict]:
+    """The system message and the question about callable ``name``."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(name)}]
+
+
 def docstring_preferences(seed: int = 1234) -> list[dict]:
     """``{"prompt", "chosen", "rejected"}`` per callable: its answer against the same answer in
     capitals (a style preference, "do not shout", that a small model can learn and carry over
@@ -89,10 +94,7 @@ def docstring_preferences(seed: int = 1234) -> list[dict]:
     rng = random.Random(seed)
     records = []
     for name, answer in docstring_answers():
-        prompt = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": question(name)},
-        ]
+        prompt = _prompt(name)
         records.append({"prompt": prompt, "chosen": answer, "rejected": shout(answer, 1.0, rng)})
     return records
 
@@ -104,10 +106,7 @@ def docstring_rewards(seed: int = 1234, references: int = 8) -> list[dict]:
     rng = random.Random(seed)
     records = []
     for name, answer in docstring_answers():
-        prompt = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": question(name)},
-        ]
+        prompt = _prompt(name)
         ref_rewards = [case_reward(shout(answer, rng.random(), rng), answer)
                        for _ in range(references)]  # fmt: skip
         for share in (0.0, 1.0):
