@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 KERNEL_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 
-.PHONY: demo test install
+.PHONY: demo quant-demo test install
 
 $(STAMP): setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,5 +24,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py --out runs/demo
 
+# Quantization of the demo's teacher (examples/quant_demo.py): RTN, GPTQ and QAD for INT4, INT3,
+# FP8 and NVFP4, with and without norm fusion, and RTN after weight averaging. Runs `demo` first
+# if runs/demo has no teacher.
+quant-demo: $(STAMP)
+	$(PY) examples/quant_demo.py --demo runs/demo --out runs/quant-demo
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25

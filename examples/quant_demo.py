@@ -1,42 +1,55 @@
-"""Quantization of a tiny model on the embedded corpus: bf16 against RTN, GPTQ and QAD, each with
-and without norm fusion, on the held-out documents (docs/quantization.md has a measured table).
+"""Quantization of the distillation demo's teacher: unquantized against RTN, GPTQ and QAD, each
+with and without norm fusion, and RTN after weight averaging, on the held-out documents
+(docs/quantization.md has a measured table).
 
-    python examples/quant_demo.py [--out runs/quant-demo] [--formats int4 int3 int2 fp8 nvfp4]
+    python examples/quant_demo.py [--demo runs/demo] [--out runs/quant-demo]
+                                  [--formats int4 int3 fp8 nvfp4]
 
-1. ``pretrain_gpt.py`` trains the base model (tiny preset, ``BASE_ITERS`` steps); it is also
-   the teacher, as in seed 003's QAD of a model from its own unquantized logits.
-2. ``tools/generate_teacher_logits.py`` stores the base model's top-k over the QAD samples.
-3. ``tools/fuse_norms.py`` writes the norm-fused base model.
-4. For each format and each of the two base models: RTN is the base model evaluated with
-   ``--quant-format`` (fake quantization is round-to-nearest); GPTQ (int formats) is
+0. The model is ``examples/demo.py``'s teacher (hidden 128, 4 layers, one pass over the
+   embedded corpus); the demo runs first if ``DEMO/teacher`` does not exist.
+1. ``tools/generate_teacher_logits.py`` stores the teacher's top-k over the QAD samples (the
+   teacher's documents in another order): seed 003's QAD of a model from its own unquantized
+   logits.
+2. ``tools/fuse_norms.py`` writes the norm-fused teacher.
+3. A control run distils the unquantized teacher from the store for the QAD steps, saving
+   every ``AVERAGE_EVERY`` steps; ``tools/average_checkpoints.py`` averages its last
+   ``AVERAGE_LAST`` checkpoints. The control separates what the extra steps on the teacher's
+   logits give from what quantization-aware training gives, and its final checkpoint is the
+   reference of the averaged one.
+4. For each format and each of the two models (plain, norm-fused): RTN is the model evaluated
+   with ``--quant-format`` (fake quantization is round-to-nearest); GPTQ is
    ``tools/quantize.py --method gptq`` calibrated on the store's samples; QAD is
-   ``pretrain_gpt.py --load BASE --finetune --distill-logits-path LOGITS --quant-format F``
-   for ``QAD_ITERS`` steps (Adam without weight decay, cosine), evaluated with
-   ``--quant-format F``. A control run does the same distillation without quantization, so
-   the table separates what the extra steps on the teacher's logits give from what
-   quantization-aware training gives.
+   ``pretrain_gpt.py --load MODEL --finetune --distill-logits-path LOGITS --quant-format F``
+   for ``QAD_ITERS`` steps (Adam without weight decay, cosine), evaluated under the format.
+   RTN also quantizes the control's final and averaged checkpoints.
 5. ``OUT/summary.json`` and a Markdown table on stdout: validation loss of each, and the gap
-   closed by QAD, ``(RTN - QAD) / (RTN - bf16)``.
+   closed by QAD, ``(RTN - QAD) / (RTN - unquantized)``. Every step's result is kept in
+   ``OUT``, so a rerun (say with more formats) only does what is missing.
+
+Everything runs in bf16 with fp32 losses and optimizer states, as the demo does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = ["--model-preset", "tiny"]
-BASE_ITERS = 200
-QAD_ITERS = 30
-EVAL = ["--eval-iters", "8"]
-BASE_RUN = ["--seed", "3", "--global-batch-size", "8", "--micro-batch-size", "4"]
-QAD_DATA = ["--seed", "11", "--global-batch-size", "8", "--micro-batch-size", "4"]
+PRECISION = ["--precision", "bf16"]
+MODEL = ["--model-preset", "tiny", "--hidden-size", "128", "--ffn-hidden-size", "384", *PRECISION]
+"""The demo's teacher (``examples/demo.py``: TEACHER, PRECISION); the tools read the shape from
+the checkpoint."""
+QAD_ITERS = 40
+AVERAGE_EVERY, AVERAGE_LAST = 10, 4
+TOPK = 64
+BATCH = ["--global-batch-size", "16", "--micro-batch-size", "8", "--eval-iters", "8",
+         "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]  # fmt: skip
 QAD_OPT = ["--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
            "--lr-warmup-iters", "4", "--weight-decay", "0.0"]  # fmt: skip
+ACTIVATION_FORMATS = ("fp8", "nvfp4")
 
 
 def run(script: str, *args: str) -> None:
@@ -45,78 +58,152 @@ def run(script: str, *args: str) -> None:
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
 
 
-GROUP = ["--quant-group-size", "-1"]
-"""Per-output-channel integer scales: on a model this small, groups of 32 lose almost nothing."""
+def complete(save: Path) -> bool:
+    return (save / "latest_checkpointed_iteration.txt").exists()
 
 
-def quant_flags(fmt: str | None) -> list[str]:
-    if fmt is None:
-        return []
-    return ["--quant-format", fmt, *(GROUP if fmt.startswith("int") else [])]
+class QuantDemo:
+    """The demo's steps over one teacher and one data set; each skips what ``out`` holds."""
+
+    def __init__(self, demo: Path, out: Path):
+        self.out = out
+        self.base = demo / "teacher"
+        self.logits = out / "logits"
+        self.data = [
+            "--train-data-path", str(demo / "data" / "teacher_text_document"),
+            "--valid-data-path", str(demo / "data" / "valid_text_document"),
+            "--data-cache-path", str(demo / "cache"),
+            "--seed", "11", "--train-iters", str(QAD_ITERS), *BATCH,
+        ]  # fmt: skip
+        """The QAD samples: the teacher's documents in another order than its training's."""
+
+    def evaluate(self, ckpt: Path, quant: list[str], name: str) -> float:
+        log = self.out / "eval" / f"{name.replace(' ', '_')}.jsonl"
+        if not log.exists():
+            log.parent.mkdir(parents=True, exist_ok=True)
+            partial = log.with_suffix(".partial")
+            partial.unlink(missing_ok=True)
+            run("pretrain_gpt.py", *MODEL, *self.data, "--train-iters", "0", "--load", str(ckpt),
+                "--finetune", "--log-json", str(partial), *quant)  # fmt: skip
+            partial.rename(log)
+        from megatron.apertus.training.metrics import read_history
+
+        return float(read_history(log)["valid/loss"][-1][1])
+
+    def store_logits(self) -> None:
+        if not self.logits.exists():
+            run("tools/generate_teacher_logits.py", *PRECISION, "--load", str(self.base),
+                "--logits-dir", str(self.logits), "--topk", str(TOPK), *self.data)  # fmt: skip
+
+    def fuse(self) -> Path:
+        fused = self.out / "fused"
+        if not complete(fused):
+            run("tools/fuse_norms.py", "--load", str(self.base), "--save", str(fused))
+        return fused
+
+    def distil(self, model: Path, quant: list[str], name: str, *extra: str) -> Path:
+        save = self.out / "qad" / name.replace(" ", "_")
+        if not complete(save):
+            run("pretrain_gpt.py", *MODEL, *self.data, *QAD_OPT, "--load", str(model),
+                "--finetune", "--distill-logits-path", str(self.logits), "--save", str(save),
+                *quant, *extra)  # fmt: skip
+        return save
+
+    def average(self, control: Path) -> Path:
+        averaged = self.out / "averaged"
+        if not complete(averaged):
+            run("tools/average_checkpoints.py", "--load", str(control), "--last",
+                str(AVERAGE_LAST), "--save", str(averaged))  # fmt: skip
+        return averaged
+
+    def gptq(self, model: Path, quant: list[str], name: str) -> Path:
+        save = self.out / "gptq" / name.replace(" ", "_")
+        if not complete(save):
+            run("tools/quantize.py", "--load", str(model), "--save", str(save), "--method", "gptq",
+                *quant, "--distill-logits-path", str(self.logits), "--calibration-samples", "64",
+                *self.data)  # fmt: skip
+        return save
 
 
-def evaluate(out: Path, ckpt: Path, fmt: str | None, name: str) -> float:
-    log = out / "eval" / f"{name}.json"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    run("pretrain_gpt.py", *MODEL, *BASE_RUN, *EVAL, "--load", str(ckpt), "--finetune",
-        "--train-iters", "0", "--log-json", str(log), *quant_flags(fmt))  # fmt: skip
-    return float(json.loads(log.read_text())["valid/loss"][-1][1])
+def after_gptq(fmt: str) -> list[str]:
+    """Flags that evaluate a GPTQ checkpoint: its weights are already quantized; the
+    weight-and-activation formats still quantize the layer inputs."""
+    if fmt in ACTIVATION_FORMATS:
+        return ["--quant-format", fmt, "--quant-activations-only"]
+    return []
 
 
-def qad(out: Path, base: Path, logits: Path, fmt: str | None, name: str) -> Path:
-    save = out / "qad" / name
-    if not (save / "latest_checkpointed_iteration.txt").exists():
-        run("pretrain_gpt.py", *MODEL, *QAD_DATA, *QAD_OPT, "--train-iters", str(QAD_ITERS),
-            "--load", str(base), "--finetune", "--distill-logits-path", str(logits),
-            "--save", str(save), *EVAL, *quant_flags(fmt))  # fmt: skip
-    return save
+def gap_closed(rtn: float, qad: float, unquantized: float) -> float | None:
+    """``(RTN - QAD) / (RTN - unquantized)``; None where RTN opens no gap to close."""
+    return (rtn - qad) / (rtn - unquantized) if rtn - unquantized > 1e-3 else None
+
+
+def table(results: dict[str, float], formats: list[str]) -> str:
+    """The Markdown table of docs/quantization.md."""
+    bf16, control = results["unquantized"], results["control"]
+    lines = [
+        f"Unquantized: {bf16:.4f}; after the same {QAD_ITERS} distillation steps unquantized "
+        f"(control): {control:.4f}.",
+        "",
+        "| format | norm fusion | RTN (gap) | GPTQ | QAD | gap closed by QAD |",
+        "|---|---|---|---|---|---|",
+    ]
+    for fmt in formats:
+        for fused in ("no", "yes"):
+            key = f"{fmt}{' + norm fusion' if fused == 'yes' else ''}"
+            rtn, qad = results[f"{key} RTN"], results[f"{key} QAD"]
+            closed = gap_closed(rtn, qad, bf16)
+            share = "n/a (RTN gap < 0.001)" if closed is None else f"{closed:.0%}"
+            lines.append(f"| {fmt} | {fused} | {rtn:.4f} ({rtn - bf16:+.4f}) | "
+                         f"{results[f'{key} GPTQ']:.4f} | {qad:.4f} | {share} |")  # fmt: skip
+    lines += ["", f"| format | RTN of the control | RTN of the mean of its last {AVERAGE_LAST} "
+              "checkpoints |", "|---|---|---|"]  # fmt: skip
+    for fmt in formats:
+        lines.append(f"| {fmt} | {results[f'{fmt} control RTN']:.4f} | "
+                     f"{results[f'{fmt} averaged RTN']:.4f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def quant_flags(fmt: str) -> list[str]:
+    return ["--quant-format", fmt]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--demo", type=Path, default=REPO / "runs" / "demo",
+                        help="examples/demo.py's output (run into it if it has no teacher)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "quant-demo")
-    parser.add_argument("--formats", nargs="+", default=["int4", "int3", "int2", "fp8", "nvfp4"])
-    parser.add_argument("--base", type=Path, help="reuse this base checkpoint instead of step 1")
+    parser.add_argument("--formats", nargs="+", default=["int4", "int3", "fp8", "nvfp4"],
+                        choices=["int2", "int3", "int4", "int6", "fp8", "nvfp4"])  # fmt: skip
     args = parser.parse_args()
-    out: Path = args.out
+    demo, out = args.demo.resolve(), args.out.resolve()
+    if not complete(demo / "teacher"):
+        run("examples/demo.py", "--out", str(demo))
     out.mkdir(parents=True, exist_ok=True)
-    base = args.base or out / "base"
-    if args.base is None and not (base / "latest_checkpointed_iteration.txt").exists():
-        run("pretrain_gpt.py", *MODEL, *BASE_RUN, "--lr", "3e-3", "--lr-decay-style", "cosine",
-            "--lr-warmup-iters", "10", "--train-iters", str(BASE_ITERS),
-            "--save", str(base))  # fmt: skip
-    logits = out / "logits"
-    if not logits.exists():
-        run("tools/generate_teacher_logits.py", "--load", str(base), "--logits-dir", str(logits),
-            "--topk", "64", *QAD_DATA, "--train-iters", str(QAD_ITERS), *EVAL)  # fmt: skip
-    fused = out / "fused"
-    if not fused.exists():
-        run("tools/fuse_norms.py", "--load", str(base), "--save", str(fused))
-    results: dict[str, float] = {"bf16": evaluate(out, base, None, "bf16")}
-    control = qad(out, base, logits, None, "control")
-    results["bf16 + distillation steps (control)"] = evaluate(out, control, None, "control")
+    steps = QuantDemo(demo, out)
+    steps.store_logits()
+    fused = steps.fuse()
+    control = steps.distil(steps.base, [], "control", "--save-interval", str(AVERAGE_EVERY))
+    averaged = steps.average(control)
+    results = {
+        "unquantized": steps.evaluate(steps.base, [], "unquantized"),
+        "control": steps.evaluate(control, [], "control"),
+    }
     for fmt in args.formats:
-        for tag, model in (("", base), (" + norm fusion", fused)):
+        quant = quant_flags(fmt)
+        for tag, model in (("", steps.base), (" + norm fusion", fused)):
             key = f"{fmt}{tag}"
-            results[f"{key} RTN"] = evaluate(out, model, fmt, f"{key} RTN")
-            if fmt.startswith("int"):
-                gptq = out / "gptq" / key.replace(" ", "_")
-                if not gptq.exists():
-                    run("tools/quantize.py", "--load", str(model), "--save", str(gptq),
-                        "--method", "gptq", "--quant-format", fmt, *GROUP,
-                        "--distill-logits-path", str(logits), "--calibration-samples", "64",
-                        *QAD_DATA, "--train-iters", str(QAD_ITERS), *EVAL)  # fmt: skip
-                results[f"{key} GPTQ"] = evaluate(out, gptq, None, f"{key} GPTQ")
-            trained = qad(out, model, logits, fmt, key.replace(" ", "_"))
-            results[f"{key} QAD"] = evaluate(out, trained, fmt, f"{key} QAD")
-            rtn, done, bf16 = results[f"{key} RTN"], results[f"{key} QAD"], results["bf16"]
-            results[f"{key} gap closed"] = (rtn - done) / (rtn - bf16) if rtn != bf16 else 0.0
-            (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
-    print("| model | validation loss |\n|---|---|")
-    for name, value in results.items():
-        print(f"| {name} | {value:.4f} |")
+            results[f"{key} RTN"] = steps.evaluate(model, quant, f"{key} RTN")
+            gptq = steps.gptq(model, quant, key)
+            results[f"{key} GPTQ"] = steps.evaluate(gptq, after_gptq(fmt), f"{key} GPTQ")
+            qad = steps.distil(model, quant, key)
+            results[f"{key} QAD"] = steps.evaluate(qad, quant, f"{key} QAD")
+        results[f"{fmt} control RTN"] = steps.evaluate(control, quant, f"{fmt} control RTN")
+        results[f"{fmt} averaged RTN"] = steps.evaluate(averaged, quant, f"{fmt} averaged RTN")
+        (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results, args.formats))
 
 
 if __name__ == "__main__":
