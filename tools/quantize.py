@@ -1,7 +1,7 @@
 """Post-training quantization baselines (docs/quantization.md): round-to-nearest (RTN) or GPTQ
 of the decoder's linear weights. The output checkpoint holds the quantized values in the
 checkpoint's dtype; evaluate it like any checkpoint (fp8 and nvfp4 also quantize activations:
-evaluate those with ``pretrain_gpt.py --quant-format``).
+evaluate those with ``pretrain_gpt.py --quant-format F --quant-activations-only``).
 
     python tools/quantize.py --load SAVE_DIR --save RTN_DIR --method rtn --quant-format int4
     python tools/quantize.py --load SAVE_DIR --save GPTQ_DIR --method gptq --quant-format int4 \\

@@ -24,7 +24,7 @@ from megatron.apertus.distill.targets import sample_tokens
 from megatron.apertus.model.config import ApertusConfig, ConfigError
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import fake_fp8, fake_nvfp4
-from megatron.apertus.quant.gptq import gptq, hessian, rtn
+from megatron.apertus.quant.gptq import column_grid, gptq_grid, hessian, rtn
 from megatron.apertus.quant.layers import decoder_linears
 from megatron.apertus.quant.transforms import average_states, fuse_norms
 from megatron.apertus.training.checkpoint import (
@@ -173,13 +173,14 @@ def quantize_checkpoint(
     samples: Optional[Callable[[], Sequence[torch.Tensor]]] = None,
 ) -> Path:
     """PTQ of the decoder linears of checkpoint ``load``: their weights are replaced by their
-    quantized values (still stored in the checkpoint's dtype); everything else is kept.
+    quantized values (still stored in the checkpoint's dtype); everything else is kept. fp8 and
+    nvfp4 checkpoints are evaluated with ``--quant-format F --quant-activations-only``.
     ``samples`` gives GPTQ's calibration samples; it is called once the process group exists
     (megatron-core's dataset builder needs one)."""
     quant = settings.quant
-    if settings.method == "gptq" and quant.int_bits is None:
-        raise ConfigError("--method gptq supports the int* formats; use --method rtn for "
-                          f"{quant.quant_format}")  # fmt: skip
+    if quant.quant_activations_only:
+        raise ConfigError("--quant-activations-only is for evaluating a quantized checkpoint "
+                          "(pretrain_gpt.py); tools/quantize.py quantizes weights")  # fmt: skip
     model = load_model_config(load)
     with single_process(model) as chunk:
         state = read_state(chunk, load)
@@ -189,7 +190,6 @@ def quantize_checkpoint(
             if settings.method == "rtn":
                 state[key] = rtn_weight(state[key], quant)
             else:
-                state[key] = gptq(state[key], hessians[name], quant.int_bits,
-                                  quant.quant_group_size, symmetric=quant.quant_symmetric,
-                                  damp=settings.damp)  # fmt: skip
+                grid = column_grid(state[key], quant)
+                state[key] = gptq_grid(state[key], hessians[name], grid, damp=settings.damp)
         return write_state(chunk, state, save, iteration_of(load), model)

@@ -36,6 +36,16 @@ class QuantConfig:
         metadata={"help": "fp8: one scale per tensor, or per channel (weights: per output "
                   "channel, activations: per token)"},  # fmt: skip
     )
+    quant_activations_only: bool = field(
+        default=False,
+        metadata={
+            "switch": True,
+            "help": "fp8 and nvfp4: fake-quantize the layer inputs only and use the weights as "
+            "loaded, for a checkpoint whose weights tools/quantize.py already quantized (GPTQ's "
+            "values lie on the grid of the original weights' scales, which quantizing them "
+            "again would recompute)",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.quant_format is not None and self.quant_format not in FORMATS:
@@ -50,6 +60,11 @@ class QuantConfig:
             raise ConfigError(
                 f"--quant-fp8-scaling must be one of {', '.join(FP8_SCALINGS)}, "
                 f"got {self.quant_fp8_scaling!r}"
+            )
+        if self.quant_activations_only and self.quant_format not in ("fp8", "nvfp4"):
+            raise ConfigError(
+                "--quant-activations-only needs --quant-format fp8 or nvfp4 (the int* formats "
+                f"quantize weights only), got {self.quant_format or 'no --quant-format'}"
             )
 
     @property

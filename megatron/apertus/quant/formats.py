@@ -130,21 +130,41 @@ def fp8_scale(x: Tensor, *, per_row: bool, reduce: Reduce = _same) -> Tensor:
     return _safe(reduce(amax) / E4M3_MAX)
 
 
+def fp8_round(x: Tensor, scale: Tensor) -> Tensor:
+    """The nearest values of the e4m3 grid scaled by ``scale``: ``e4m3(x / s) s``."""
+    return round_e4m3(x / scale) * scale
+
+
 def fake_fp8(x: Tensor, *, per_row: bool, reduce: Reduce = _same) -> Tensor:
     """e4m3 fake quantization with a per-tensor or per-row scale, straight-through."""
     scale = fp8_scale(x, per_row=per_row, reduce=reduce)
-    return straight_through(x, round_e4m3(x.detach().float() / scale) * scale)
+    return straight_through(x, fp8_round(x.detach().float(), scale))
+
+
+def nvfp4_tensor_scale(x: Tensor, *, reduce: Reduce = _same) -> Tensor:
+    """The fp32 tensor scale ``amax_tensor / (6 * 448)`` of ``x``, shape ``[1]``."""
+    amax = x.detach().float().abs().amax().reshape(1)
+    return _safe(reduce(amax) / (E2M1_MAX * E4M3_MAX))
+
+
+def nvfp4_block_scale(block: Tensor, tensor_scale: Tensor) -> Tensor:
+    """The e4m3 scale ``e4m3(amax_block / (6 s_t))`` of each block (last dimension)."""
+    return round_e4m3(block.abs().amax(-1, keepdim=True) / (E2M1_MAX * tensor_scale))
+
+
+def nvfp4_values(x: Tensor, block_scale: Tensor, tensor_scale: Tensor) -> Tensor:
+    """The e2m1 values of ``x`` under ``block_scale * tensor_scale`` (0 where that is 0)."""
+    scale = block_scale * tensor_scale
+    return torch.where(scale > 0, round_e2m1(x / _safe(scale)), torch.zeros_like(x))
 
 
 def nvfp4_quantize(x: Tensor, *, reduce_tensor: Reduce = _same) -> tuple[Tensor, Tensor, Tensor]:
     """e2m1 values, e4m3 block scales (one per 16 elements of the last dimension) and the fp32
     tensor scale of ``x``: ``x' = values * block_scale * tensor_scale``."""
     g = _groups(x.detach().float(), NVFP4_BLOCK)
-    tensor_scale = _safe(reduce_tensor(g.abs().amax().reshape(1)) / (E2M1_MAX * E4M3_MAX))
-    block_scale = round_e4m3(g.abs().amax(-1, keepdim=True) / (E2M1_MAX * tensor_scale))
-    scale = block_scale * tensor_scale
-    values = torch.where(scale > 0, round_e2m1(g / _safe(scale)), torch.zeros_like(g))
-    return values, block_scale, tensor_scale
+    tensor_scale = nvfp4_tensor_scale(g, reduce=reduce_tensor)
+    block_scale = nvfp4_block_scale(g, tensor_scale)
+    return nvfp4_values(g, block_scale, tensor_scale), block_scale, tensor_scale
 
 
 def fake_nvfp4(x: Tensor, *, reduce_tensor: Reduce = _same) -> Tensor:

@@ -2,10 +2,11 @@
 
 :func:`apply_fake_quant` binds a quantizing ``_forward_impl`` to every ``linear_qkv``,
 ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` of the decoder: the weight (and, for fp8
-and nvfp4, the layer's input) is fake-quantized just before megatron-core's matmul, after the
-layer has done its own tensor-parallel communication of the input. Parameters, state-dict keys
-and checkpoints are untouched: training keeps full-precision master weights, as QAT does, and a
-QAD checkpoint loads into any model. The embedding and the output layer stay unquantized.
+and nvfp4, the layer's input; with ``--quant-activations-only`` the input alone) is
+fake-quantized just before megatron-core's matmul, after the layer has done its own
+tensor-parallel communication of the input. Parameters, state-dict keys and checkpoints are
+untouched: training keeps full-precision master weights, as QAT does, and a QAD checkpoint
+loads into any model. The embedding and the output layer stay unquantized.
 
 Maxima that span tensor-parallel ranks (a whole tensor's; a row of a row-parallel weight; a
 token of a row-parallel input) are max-reduced over the layer's tensor-parallel group, so
@@ -64,6 +65,8 @@ class LinearQuantizers:
 
     def weight(self, w: Tensor) -> Tensor:
         cfg = self.cfg
+        if cfg.quant_activations_only:
+            return w  # already quantized by tools/quantize.py
         if cfg.int_bits is not None:
             per_row = cfg.quant_group_size == -1
             return fake_int(w, cfg.int_bits, cfg.quant_group_size, symmetric=cfg.quant_symmetric,

@@ -396,6 +396,7 @@ ADDITIONS = {
     "distill_logits_path", "kd_alpha", "kd_tail",
     "align_objective", "align_beta", "align_length_normalization", "ref_logps_path",
     "quant_format", "quant_group_size", "quant_symmetric", "quant_fp8_scaling",
+    "quant_activations_only",
 }  # fmt: skip
 """Flags of this fork that neither Megatron-LM nor the Apertus fork has; their help says so."""
 ADDITION_MARK = " [megatron-apertus addition]"
