@@ -116,7 +116,9 @@ def export(base: Path, out: Path, *args: str) -> dict:
     return json.loads((out / "config.json").read_text())["quantization_config"]
 
 
-@pytest.mark.parametrize("fmt,group", [("int4", "16"), ("int3", "-1")])
+@pytest.mark.parametrize(
+    "fmt,group", [("int4", "16"), pytest.param("int3", "-1", marks=pytest.mark.slow)]
+)
 def test_transformers_loads_the_export_and_matches_fake_quant(base, tmp_path, fmt, group):
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +133,7 @@ def test_transformers_loads_the_export_and_matches_fake_quant(base, tmp_path, fm
     assert (ours - unquantized).abs().max() > 100 * (theirs - ours).abs().max()
 
 
-@pytest.mark.parametrize("scaling", ["tensor", "channel"])
+@pytest.mark.parametrize("scaling", ["tensor", pytest.param("channel", marks=pytest.mark.slow)])
 def test_fp8_export_quantizes_weights_and_inputs_as_we_do(base, tmp_path, scaling):
     """transformers runs compressed-tensors' forward: dense e4m3 weights times their scales
     (equal to ours bit for bit) and dynamically fake-quantized inputs."""

@@ -603,6 +603,11 @@ class Trainer:
                 losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
                 sums.extend(entry["lm loss"] for entry in losses)
                 margins.extend(entry["margin"] for entry in losses if "margin" in entry)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            # The interleaved schedule's forward-only pass with overlapped p2p returns on an
+            # earlier stage before its last sends are delivered; a stage that then exits (the
+            # run's final validation, no save after it) closes the pipe its next stage reads.
+            torch.distributed.barrier(group=parallel_state.get_pipeline_model_parallel_group())
         for chunk in self.model:
             chunk.train()
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
