@@ -134,7 +134,7 @@ def after_gptq(fmt: str) -> list[str]:
     """Flags that evaluate a GPTQ checkpoint: its weights are already quantized; the
     weight-and-activation formats still quantize the layer inputs."""
     if fmt in ACTIVATION_FORMATS:
-        return ["--quant-format", fmt, "--quant-activations-only"]
+        return [*quant_flags(fmt), "--quant-activations-only"]
     return []
 
 
