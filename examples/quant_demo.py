@@ -37,6 +37,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron.apertus.quant.formats import ACTIVATION_FORMATS, FORMATS
+
 REPO = Path(__file__).resolve().parents[1]
 PRECISION = ["--precision", "bf16"]
 MODEL = ["--model-preset", "tiny", "--hidden-size", "128", "--ffn-hidden-size", "384", *PRECISION]
@@ -52,7 +54,6 @@ steps of 16 closed 32% (measured at learning rates 3e-5 to 2e-3: larger ones do 
 EVAL_BATCH = ["--global-batch-size", "16", "--micro-batch-size", "8", "--eval-iters", "8"]
 QAD_OPT = ["--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
            "--lr-warmup-iters", "4", "--weight-decay", "0.0"]  # fmt: skip
-ACTIVATION_FORMATS = ("fp8", "nvfp4")
 
 
 def run(script: str, *args: str) -> None:
@@ -181,7 +182,7 @@ def main() -> None:
                         help="examples/demo.py's output (made if it has no teacher)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "quant-demo")
     parser.add_argument("--formats", nargs="+", default=["int4", "int3", "fp8", "nvfp4"],
-                        choices=["int2", "int3", "int4", "int6", "fp8", "nvfp4"])  # fmt: skip
+                        choices=FORMATS)  # fmt: skip
     args = parser.parse_args()
     demo, out = args.demo.resolve(), args.out.resolve()
     if not complete(demo / "teacher"):

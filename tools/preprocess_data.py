@@ -10,34 +10,25 @@ Every document is ``<s> ... </s>``; bad lines are reported with file:line and sk
 from __future__ import annotations
 
 import argparse
-import glob
 import logging
 import sys
 import time
-from pathlib import Path
 
-from megatron.apertus.data.preprocess import PreprocessConfig, format_summary, preprocess
-from megatron.apertus.data.tokenizer import TOKENIZER_TYPES
+from megatron.apertus.data.preprocess import (
+    PreprocessConfig,
+    add_corpus_arguments,
+    corpus_config,
+    format_summary,
+    preprocess,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, bool]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        help="JSON-lines files (.jsonl, .gz, .zst); shell-style globs allowed",
-    )
+    add_corpus_arguments(parser)
     parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--output-prefix", required=True)
-    parser.add_argument("--tokenizer-type", default="TekkenTokenizer", choices=TOKENIZER_TYPES)
-    parser.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)",
-    )
     parser.add_argument(
         "--append-eod",
         action="store_true",
@@ -57,7 +48,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, bool]:
     parser.add_argument("--keep-newlines", action="store_true",
                         help="with --split-sentences: keep the whitespace (newlines included) "
                         "between sentences")  # fmt: skip
-    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--partitions", type=int, default=1,
                         help="accepted for Megatron-LM compatibility: --workers already "
                         "tokenizes in parallel, and the output is in input order whatever its "
@@ -69,19 +59,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, bool]:
                         help="log progress every this many documents")  # fmt: skip
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when any line was rejected [megatron-apertus addition]")  # fmt: skip
-    parser.add_argument("--max-reported", type=int, default=10, help="bad lines reported in full")
     args = parser.parse_args(argv)
-    inputs = []
-    for pattern in args.input:
-        inputs.extend(
-            sorted(glob.glob(pattern)) or [pattern]
-        )  # a non-matching name stays, to be reported
-    return PreprocessConfig(
-        inputs=[Path(p) for p in inputs], json_keys=args.json_keys, output_prefix=args.output_prefix,
-        tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-        add_bos=args.add_bos, add_eod=args.append_eod, workers=args.workers,
-        max_reported=args.max_reported, split_sentences=args.split_sentences, lang=args.lang,
-        keep_newlines=args.keep_newlines, log_interval=args.log_interval,
+    return corpus_config(
+        args, json_keys=args.json_keys, add_bos=args.add_bos, add_eod=args.append_eod,
+        split_sentences=args.split_sentences, lang=args.lang, keep_newlines=args.keep_newlines,
+        log_interval=args.log_interval,
     ), args.strict  # fmt: skip
 
 

@@ -22,6 +22,8 @@ Inputs may be plain, gzip (``.gz``) or zstd (``.zst``, ``.zstd``) JSON lines.
 
 from __future__ import annotations
 
+import argparse
+import glob
 import gzip
 import hashlib
 import io
@@ -38,7 +40,7 @@ from typing import BinaryIO, Callable, Iterator, Protocol
 
 import numpy as np
 
-from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
+from megatron.apertus.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 log = logging.getLogger("apertus.preprocess")
 
@@ -67,6 +69,30 @@ class PreprocessConfig:
     with the sentence before it, so the sentences concatenate to the text."""
     log_interval: int = 1000
     """Log documents and tokens per second every this many documents."""
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every JSON-lines tokenizing tool shares, with Megatron-LM's names."""
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="JSON-lines files (.jsonl, .gz, .zst); shell-style globs allowed")  # fmt: skip
+    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--tokenizer-type", default="TekkenTokenizer", choices=TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--max-reported", type=int, default=10, help="bad lines reported in full")
+
+
+def corpus_config(args: argparse.Namespace, **options) -> PreprocessConfig:
+    """The config of :func:`add_corpus_arguments`' flags plus a tool's own ``options``. Globs
+    expand in sorted order; a name that matches nothing stays, for :func:`preprocess` to
+    report as missing."""
+    inputs = [Path(p) for pattern in args.input for p in (sorted(glob.glob(pattern)) or [pattern])]
+    return PreprocessConfig(
+        inputs=inputs, output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model, workers=args.workers,
+        max_reported=args.max_reported, **options,
+    )  # fmt: skip
 
 
 @dataclass

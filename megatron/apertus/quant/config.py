@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.apertus.model.config import ConfigError
-from megatron.apertus.quant.formats import FORMATS, INT_BITS
+from megatron.apertus.quant.formats import ACTIVATION_FORMATS, FORMATS, INT_BITS
 
 FP8_SCALINGS = ("tensor", "channel")
 
@@ -61,7 +61,7 @@ class QuantConfig:
                 f"--quant-fp8-scaling must be one of {', '.join(FP8_SCALINGS)}, "
                 f"got {self.quant_fp8_scaling!r}"
             )
-        if self.quant_activations_only and self.quant_format not in ("fp8", "nvfp4"):
+        if self.quant_activations_only and self.quant_format not in ACTIVATION_FORMATS:
             raise ConfigError(
                 "--quant-activations-only needs --quant-format fp8 or nvfp4 (the int* formats "
                 f"quantize weights only), got {self.quant_format or 'no --quant-format'}"
