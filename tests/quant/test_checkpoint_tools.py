@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron.apertus import parallel
-from megatron.apertus.convert.hf_io import _parameters
+from megatron.apertus.convert.hf_io import model_tensors
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.model import ParallelConfig, transformer_config
@@ -59,7 +59,7 @@ def loaded(save: Path) -> Iterator[torch.nn.Module]:
 
 def tensors(save: Path) -> dict[str, torch.Tensor]:
     with loaded(save) as chunk:
-        return {k: v.detach().clone() for k, v in _parameters(chunk).items()}
+        return {k: v.detach().clone() for k, v in model_tensors(chunk).items()}
 
 
 def text_logits(save: Path) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch
 
 from megatron.apertus import parallel
 from megatron.apertus.convert.hf import split_qkv, to_hf_state_dict
-from megatron.apertus.convert.quant_io import read_state, rtn_weight, single_process
+from megatron.apertus.convert.hf_io import single_process
+from megatron.apertus.convert.quant_io import read_state, rtn_weight
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import build_tokenizer

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.apertus.convert.hf_io import single_process
 from megatron.apertus.convert.quant_io import (
     calibration_hessians,
     calibration_samples,
     read_state,
     rtn_weight,
-    single_process,
 )
 from megatron.apertus.model.config import ConfigError
 from megatron.apertus.quant.config import QuantConfig

@@ -8,12 +8,13 @@ because checkpoint saving spawns helpers that re-import the main script.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,20 +45,25 @@ SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def _single_process_model(model: ApertusConfig):
-    """A fp32 TP=1/PP=1 model on CPU; its random init is skipped since every weight is replaced."""
+@contextlib.contextmanager
+def single_process(model: ApertusConfig) -> Iterator[torch.nn.Module]:
+    """A fp32 TP=1/PP=1 CPU model of ``model``, torn down on exit. Its random init is skipped:
+    every weight is to be replaced (loaded from a checkpoint or copied in)."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConversionError("HF conversion runs in one process; do not start it with torchrun")
     layout = ParallelConfig()
     parallel.initialize(layout, device="cpu", seed=0, model=model)
-    config = transformer_config(
-        model, layout, use_cpu_initialization=True, perform_initialization=False
-    )
-    (chunk,) = build_model(model, config)
-    return chunk
+    try:
+        config = transformer_config(
+            model, layout, use_cpu_initialization=True, perform_initialization=False
+        )
+        (chunk,) = build_model(model, config)
+        yield chunk
+    finally:
+        parallel.shutdown()
 
 
-def _parameters(chunk) -> dict[str, torch.Tensor]:
+def model_tensors(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors by name without megatron-core's ``_extra_state`` placeholders."""
     return {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
 
@@ -114,12 +120,9 @@ def export_checkpoint(
 
 def _write_model(checkpoint: Path, model: ApertusConfig, dtype: torch.dtype, dest: Path) -> None:
     """model.safetensors: the checkpoint resharded into one TP=1/PP=1 model, HF names."""
-    chunk = _single_process_model(model)
-    try:
+    with single_process(model) as chunk:
         load_model(checkpoint, [chunk])
-        tensors = to_hf_state_dict(_parameters(chunk), model, dtype)
-    finally:
-        parallel.shutdown()
+        tensors = to_hf_state_dict(model_tensors(chunk), model, dtype)
     save_file(tensors, str(dest / SAFETENSORS), metadata={"format": "pt"})
 
 
@@ -156,8 +159,7 @@ def import_hf(hf_dir: str | os.PathLike, save: str | os.PathLike, *, iteration: 
     hf_dir = Path(hf_dir)
     model = apertus_config_from_hf(json.loads((hf_dir / "config.json").read_text()))
     state = from_hf_state_dict(read_hf_tensors(hf_dir), model)
-    chunk = _single_process_model(model)
-    try:
+    with single_process(model) as chunk:
         params = dict(chunk.named_parameters())
         if set(params) != set(state):
             raise ConversionError(
@@ -167,5 +169,3 @@ def import_hf(hf_dir: str | os.PathLike, save: str | os.PathLike, *, iteration: 
             for name, param in params.items():
                 param.copy_(state[name])  # shapes were checked against the config
         return save_model(save, iteration, [chunk], model)
-    finally:
-        parallel.shutdown()

@@ -45,8 +45,12 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from megatron.apertus.convert.hf import ConversionError
-from megatron.apertus.convert.hf_io import SAFETENSORS, export_checkpoint, read_hf_tensors
-from megatron.apertus.convert.quant_io import single_process
+from megatron.apertus.convert.hf_io import (
+    SAFETENSORS,
+    export_checkpoint,
+    read_hf_tensors,
+    single_process,
+)
 from megatron.apertus.data.datasets import check_prefixes
 from megatron.apertus.model.config import ConfigError
 from megatron.apertus.quant.config import QuantConfig

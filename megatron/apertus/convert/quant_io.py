@@ -8,7 +8,6 @@ that loads into any layout. Entry points must sit behind ``if __name__ == "__mai
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from megatron.apertus import parallel
-from megatron.apertus.convert.hf_io import _parameters, _single_process_model
+from megatron.apertus.convert.hf_io import model_tensors, single_process
 from megatron.apertus.distill.logit_store import LogitStoreReader, sample_key
 from megatron.apertus.distill.targets import sample_tokens
 from megatron.apertus.model.config import ApertusConfig, ConfigError
@@ -37,20 +36,10 @@ from megatron.apertus.training.checkpoint import (
 ITERATION_DIR = re.compile(r"iter_(\d{7})$")
 
 
-@contextlib.contextmanager
-def single_process(model: ApertusConfig) -> Iterator[torch.nn.Module]:
-    """A fp32 TP=1/PP=1 CPU model of ``model`` (weights to be loaded), torn down on exit."""
-    chunk = _single_process_model(model)
-    try:
-        yield chunk
-    finally:
-        parallel.shutdown()
-
-
 def read_state(chunk: torch.nn.Module, path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The whole tensors of checkpoint ``path`` (any layout), loaded through ``chunk``."""
     load_model(path, [chunk])
-    return {k: v.detach().clone() for k, v in _parameters(chunk).items()}
+    return {k: v.detach().clone() for k, v in model_tensors(chunk).items()}
 
 
 def write_state(
@@ -62,7 +51,7 @@ def write_state(
 ) -> Path:
     """Save ``state`` as iteration ``iteration`` of ``save`` (a weights-only checkpoint)."""
     with torch.no_grad():
-        for name, tensor in _parameters(chunk).items():
+        for name, tensor in model_tensors(chunk).items():
             tensor.copy_(state[name])
     return save_model(save, iteration, [chunk], model)
 
