@@ -1,5 +1,6 @@
-"""DPO on 2 CPU processes (TP=2, PP=2, DP=2) reproduces the single-process run: the stored
-reference log-probabilities, the losses of 3 steps and the held-out loss and margin.
+"""DPO on 2 CPU processes (TP=2, PP=2 plain and interleaved, DP=2) reproduces the
+single-process run: the stored reference log-probabilities, the losses of 3 steps and the
+held-out loss and margin.
 
 Tolerances as for pretraining (tests/parallel/test_layout_parity.py): splitting sums over
 ranks changes the order of floating-point additions, so equality is to 2e-6 relative on the
@@ -27,6 +28,8 @@ COMMON = [
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
+    "pp2-interleaved": ["--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2": [],
 }  # fmt: skip
 
