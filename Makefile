@@ -24,9 +24,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py --out runs/demo
 
-# Quantization of the demo's teacher (examples/quant_demo.py): RTN, GPTQ and QAD for INT4, INT3,
-# FP8 and NVFP4, with and without norm fusion, and RTN after weight averaging. Runs `demo` first
-# if runs/demo has no teacher.
+# Quantization of the demo's teacher (examples/quant_demo.py): RTN, GPTQ, QAD and GPTQ then QAD
+# for INT4, INT3, FP8 and NVFP4, with and without norm fusion, and RTN after weight averaging.
+# Runs `demo` first if runs/demo has no teacher.
 quant-demo: $(STAMP)
 	$(PY) examples/quant_demo.py --demo runs/demo --out runs/quant-demo
 

@@ -1,6 +1,6 @@
-"""Quantization of the distillation demo's teacher: unquantized against RTN, GPTQ and QAD, each
-with and without norm fusion, and RTN after weight averaging, on the held-out documents
-(docs/quantization.md has a measured table).
+"""Quantization of the distillation demo's teacher: unquantized against RTN, GPTQ, QAD and GPTQ
+followed by QAD, each with and without norm fusion, and RTN after weight averaging, on the
+held-out documents (docs/quantization.md has a measured table).
 
     python examples/quant_demo.py [--demo runs/demo] [--out runs/quant-demo]
                                   [--formats int4 int3 fp8 nvfp4]
@@ -8,7 +8,7 @@ with and without norm fusion, and RTN after weight averaging, on the held-out do
 0. The model is ``examples/demo.py``'s teacher (hidden 128, 4 layers, one pass over the
    embedded corpus); the demo runs first if ``DEMO/teacher`` does not exist.
 1. ``tools/generate_teacher_logits.py`` stores the teacher's top-k over the QAD samples (the
-   teacher's documents in another order): seed 003's QAD of a model from its own unquantized
+   teacher's documents in another order): the recipe's QAD of a model from its own unquantized
    logits.
 2. ``tools/fuse_norms.py`` writes the norm-fused teacher.
 3. A control run distils the unquantized teacher from the store for the QAD steps, saving
@@ -20,7 +20,8 @@ with and without norm fusion, and RTN after weight averaging, on the held-out do
    with ``--quant-format`` (fake quantization is round-to-nearest); GPTQ is
    ``tools/quantize.py --method gptq`` calibrated on the store's samples; QAD is
    ``pretrain_gpt.py --load MODEL --finetune --distill-logits-path LOGITS --quant-format F``
-   for ``QAD_ITERS`` steps (Adam without weight decay, cosine), evaluated under the format.
+   for ``QAD_ITERS`` steps (Adam without weight decay, cosine), evaluated under the format;
+   "GPTQ, then QAD" is the same QAD started from GPTQ's weights instead of the model's.
    RTN also quantizes the control's final and averaged checkpoints. FP8 and NVFP4 are also
    evaluated with the layer inputs quantized and the weights not, which separates what their
    activations cost from what their weights cost.
@@ -156,8 +157,8 @@ def table(results: dict[str, float], formats: list[str]) -> str:
         f"Unquantized: {bf16:.4f}; after the same {QAD_ITERS} distillation steps unquantized "
         f"(control): {control:.4f}.",
         "",
-        "| format | norm fusion | RTN (gap) | GPTQ | QAD | gap closed by QAD |",
-        "|---|---|---|---|---|---|",
+        "| format | norm fusion | RTN (gap) | GPTQ | QAD | gap closed by QAD | GPTQ, then QAD |",
+        "|---|---|---|---|---|---|---|",
     ]
     for fmt in formats:
         for fused in ("no", "yes"):
@@ -168,7 +169,8 @@ def table(results: dict[str, float], formats: list[str]) -> str:
                 f"n/a (RTN gap < {abs(control - bf16):.4f})" if closed is None else f"{closed:.0%}"
             )
             lines.append(f"| {fmt} | {fused} | {rtn:.4f} ({rtn - bf16:+.4f}) | "
-                         f"{results[f'{key} GPTQ']:.4f} | {qad:.4f} | {share} |")  # fmt: skip
+                         f"{results[f'{key} GPTQ']:.4f} | {qad:.4f} | {share} | "
+                         f"{results[f'{key} GPTQ + QAD']:.4f} |")  # fmt: skip
     lines += ["", f"| format | RTN of the control | RTN of the mean of its last {AVERAGE_LAST} "
               "checkpoints |", "|---|---|---|"]  # fmt: skip
     for fmt in formats:
@@ -217,6 +219,8 @@ def main() -> None:
             results[f"{key} GPTQ"] = steps.evaluate(gptq, after_gptq(fmt), f"{key} GPTQ")
             qad = steps.distil(model, quant, key)
             results[f"{key} QAD"] = steps.evaluate(qad, quant, f"{key} QAD")
+            both = steps.distil(gptq, quant, f"{key} GPTQ + QAD")
+            results[f"{key} GPTQ + QAD"] = steps.evaluate(both, quant, f"{key} GPTQ + QAD")
         results[f"{fmt} control RTN"] = steps.evaluate(control, quant, f"{fmt} control RTN")
         results[f"{fmt} averaged RTN"] = steps.evaluate(averaged, quant, f"{fmt} averaged RTN")
         if fmt in ACTIVATION_FORMATS:

@@ -1,4 +1,5 @@
-"""Fake quantization of the formats of quantization-aware distillation (seed 003, section 3).
+"""Fake quantization of the formats of quantization-aware distillation (Apertus family
+expansion, section 3).
 
 Every function returns ``dequantize(quantize(x))`` in ``x``'s dtype, computed in fp32, with the
 straight-through estimator: the forward value is the quantized one, the gradient with respect

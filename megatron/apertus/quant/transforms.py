@@ -1,5 +1,6 @@
-"""Function-preserving checkpoint transforms of seed 003's recipe: norm fusion and weight
-averaging. Both act on a whole (TP=1) state dict of ``megatron-core`` parameter names."""
+"""Function-preserving checkpoint transforms of the Apertus family-expansion recipe: norm
+fusion and weight averaging. Both act on a whole (TP=1) state dict of ``megatron-core``
+parameter names."""
 
 from __future__ import annotations
 
