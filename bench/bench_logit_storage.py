@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -53,7 +53,7 @@ def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
            json.dumps({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant",
                        "content": "a"}], "chosen": "a", "rejected": "b"}))  # fmt: skip
     prefix, proc = preprocess(tmp_path, "dpo", pairs, bad)
-    assert f"dpo.jsonl:4: skipped: empty or missing 'rejected'" in proc.stderr
+    assert "dpo.jsonl:4: skipped: empty or missing 'rejected'" in proc.stderr
     assert (
         "dpo.jsonl:5: skipped: the prompt must be messages ending with a user turn" in proc.stderr
     )

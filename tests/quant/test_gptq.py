@@ -25,8 +25,6 @@ from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import (
     fake_fp8,
     fake_nvfp4,
-    fp8_scale,
-    nvfp4_tensor_scale,
     round_e2m1,
     round_e4m3,
 )

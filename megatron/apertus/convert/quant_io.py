@@ -12,11 +12,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron.apertus import parallel
 from megatron.apertus.convert.hf_io import model_tensors, single_process
 from megatron.apertus.distill.logit_store import LogitStoreReader, sample_key
 from megatron.apertus.distill.targets import sample_tokens
