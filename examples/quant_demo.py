@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 from megatron.apertus.quant.formats import ACTIVATION_FORMATS, FORMATS
+from megatron.apertus.training.metrics import read_history
 
 REPO = Path(__file__).resolve().parents[1]
 PRECISION = ["--precision", "bf16"]
@@ -95,8 +96,6 @@ class QuantDemo:
             run("pretrain_gpt.py", *MODEL, *self.data, *EVAL_BATCH, "--train-iters", "0",
                 "--load", str(ckpt), "--finetune", "--log-json", str(partial), *quant)  # fmt: skip
             partial.rename(log)
-        from megatron.apertus.training.metrics import read_history
-
         return float(read_history(log)["valid/loss"][-1][1])
 
     def store_logits(self) -> None:
@@ -134,8 +133,9 @@ class QuantDemo:
         return save
 
 
-def after_gptq(fmt: str) -> list[str]:
-    """Flags that evaluate a GPTQ checkpoint: its weights are already quantized; the
+def weights_as_loaded(fmt: str) -> list[str]:
+    """Flags that evaluate a checkpoint's weights as they are (a GPTQ checkpoint's are already
+    quantized, the unquantized model's show what the inputs alone cost); the
     weight-and-activation formats still quantize the layer inputs."""
     if fmt in ACTIVATION_FORMATS:
         return [*quant_flags(fmt), "--quant-activations-only"]
@@ -216,7 +216,7 @@ def main() -> None:
             key = f"{fmt}{tag}"
             results[f"{key} RTN"] = steps.evaluate(model, quant, f"{key} RTN")
             gptq = steps.gptq(model, quant, key)
-            results[f"{key} GPTQ"] = steps.evaluate(gptq, after_gptq(fmt), f"{key} GPTQ")
+            results[f"{key} GPTQ"] = steps.evaluate(gptq, weights_as_loaded(fmt), f"{key} GPTQ")
             qad = steps.distil(model, quant, key)
             results[f"{key} QAD"] = steps.evaluate(qad, quant, f"{key} QAD")
             both = steps.distil(gptq, quant, f"{key} GPTQ + QAD")
@@ -224,8 +224,7 @@ def main() -> None:
         results[f"{fmt} control RTN"] = steps.evaluate(control, quant, f"{fmt} control RTN")
         results[f"{fmt} averaged RTN"] = steps.evaluate(averaged, quant, f"{fmt} averaged RTN")
         if fmt in ACTIVATION_FORMATS:
-            inputs_only = [*quant, "--quant-activations-only"]
-            results[f"{fmt} inputs only"] = steps.evaluate(steps.base, inputs_only,
+            results[f"{fmt} inputs only"] = steps.evaluate(steps.base, weights_as_loaded(fmt),
                                                            f"{fmt} inputs only")  # fmt: skip
         (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table(results, args.formats))
