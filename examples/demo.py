@@ -21,7 +21,10 @@ logits, distil a smaller student from them, and compare it with a cross-entropy-
 5. ``OUT/summary.json`` holds the validation losses, the unigram baselines of the data, the
    time of a distillation step against a cross-entropy step, and ``OUT/loss.png`` the curves.
 
-Everything runs in bf16 with fp32 losses and optimizer states (``PRECISION``).
+Weights and matrix products run in the precision that is fast on the machine at hand
+(``PRECISION``): bf16 on a GPU or a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16), fp32 on
+other CPUs, where bf16 runs ~80x slower; losses and optimizer states are fp32 either way.
+``OUT/summary.json`` records the precision, the CPU and the wall time.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from megatron.apertus.ops.cpu_capability import cpu_name, fast_precision
 from megatron.apertus.training.metrics import read_history
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,10 +50,13 @@ SEED = 1234
 GLOBAL_BATCH = 16
 TOPK = 256
 STUDENT_SHARE = 8  # the students train on every 8th of the teacher's documents
-# bf16 weights and GEMMs, fp32 loss and optimizer state (megatron-core's Float16Module and
-# distributed-optimizer main weights): on CPUs with AVX512-BF16 a bf16 GEMM runs ~4x an fp32 one
-# (285 against 67 GFLOP/s here), and the 131072-wide output layer dominates this model's time.
-PRECISION = ["--precision", "bf16"]
+# bf16 weights and GEMMs where they are fast, fp32 loss and optimizer state (megatron-core's
+# Float16Module and main weights): on CPUs with AVX512-BF16 a bf16 GEMM runs ~4x an fp32 one (285
+# against 67 GFLOP/s), and the 131072-wide output layer dominates this model's time; on AVX2-only
+# CPUs it runs ~80x slower, so those train in fp32 (chosen by the CPU's features, see
+# ops/cpu_capability.py, so every run on one machine uses the same precision).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PRECISION = ["--precision", fast_precision(DEVICE)]
 # Untied embeddings: tied, Adam-type updates move every one of the 131072 rows along the same
 # direction each step (each gets a small softmax gradient), and in a model this narrow that
 # shared drift swamps the input embeddings; the model then ignores its input (measured: a
@@ -202,6 +210,7 @@ def main() -> None:
     parser.add_argument("--student-iters", type=int, default=100)
     args = parser.parse_args()
     out = (REPO / args.out).resolve()
+    start = time.perf_counter()
     for stale in ("teacher", "logits", "student-distilled", "student-ce"):  # a previous demo's
         shutil.rmtree(out / stale, ignore_errors=True)
     data = preprocess(out)
@@ -229,6 +238,9 @@ def main() -> None:
         "step_seconds_distilled": median_step_seconds(distilled),
         "step_seconds_ce_only": median_step_seconds(baseline),
         "loss_plot": str(out / "loss.png"),
+        "precision": PRECISION[1],
+        "machine": torch.cuda.get_device_name() if DEVICE == "cuda" else cpu_name(),
+        "wall_seconds": time.perf_counter() - start,
     }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if "curve" not in k}, indent=2))

@@ -29,7 +29,8 @@ held-out documents (docs/quantization.md has a measured table).
    closed by QAD, ``(RTN - QAD) / (RTN - unquantized)``. Every step's result is kept in
    ``OUT``, so a rerun (say with more formats) only does what is missing.
 
-Everything runs in bf16 with fp32 losses and optimizer states, as the demo does.
+Everything runs in the demo's precision (bf16 where it is fast, else fp32) with fp32 losses and
+optimizer states.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from megatron.apertus.ops.cpu_capability import fast_precision
 from megatron.apertus.quant.formats import ACTIVATION_FORMATS, FORMATS
 from megatron.apertus.training.metrics import read_history
 
 REPO = Path(__file__).resolve().parents[1]
-PRECISION = ["--precision", "bf16"]
+PRECISION = ["--precision", fast_precision("cuda" if torch.cuda.is_available() else "cpu")]
 MODEL = ["--model-preset", "tiny", "--hidden-size", "128", "--ffn-hidden-size", "384", *PRECISION]
 """The demo's teacher (``examples/demo.py``: TEACHER, PRECISION); the tools read the shape from
 the checkpoint."""

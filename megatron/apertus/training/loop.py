@@ -89,6 +89,7 @@ from megatron.apertus.training.metrics import (
 )
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
 from megatron.apertus.training.progress import ProgressLog
+from megatron.apertus.training.run_log import warn_if_slow_precision
 from megatron.apertus.training.signals import StopRequests
 from megatron.apertus.training.step import (
     StepResult,
@@ -227,6 +228,7 @@ class Trainer:
         self.dp = parallel.initialize(
             cfg.parallel, device=self.device_name, seed=cfg.training.seed, model=cfg.model
         )
+        warn_if_slow_precision(cfg.training.precision, self.device_name)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if self.device_name == "cuda"

@@ -14,8 +14,11 @@ import os
 import sys
 from pathlib import Path
 
+from megatron.apertus.ops.cpu_capability import slow_bf16_warning
+
 DEBUG_LOG = "debug.log"
 OURS = "apertus"
+log = logging.getLogger(f"{OURS}.run")
 
 
 class _OursOrWarnings(logging.Filter):
@@ -41,3 +44,9 @@ def configure_logging(save_dir: str | None) -> None:
         return  # an unwritable --save is refused, in one line, when the run starts
     debug.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root.addHandler(debug)
+
+
+def warn_if_slow_precision(precision: str, device: str) -> None:
+    """Say once, on global rank 0, when the run asked for a precision this CPU computes slowly."""
+    if os.environ.get("RANK", "0") == "0" and (warning := slow_bf16_warning(precision, device)):
+        log.warning(warning)

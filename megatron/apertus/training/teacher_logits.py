@@ -58,6 +58,7 @@ from megatron.apertus.model.config import (
 from megatron.apertus.ops.sparse_kl import row_max_and_sum_exp
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.config import DataConfig, TrainingConfig
+from megatron.apertus.training.run_log import warn_if_slow_precision
 from megatron.apertus.training.step import packed_seq_params_to
 
 log = logging.getLogger("apertus.distill")
@@ -256,6 +257,7 @@ class TeacherRunner:
         device = parallel.resolve_device(cfg.training.device)
         self.device = device
         parallel.initialize(cfg.parallel, device=device, seed=cfg.training.seed, model=cfg.model)
+        warn_if_slow_precision(cfg.training.precision, device)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
         train, _, _ = build_datasets(
             cfg.dataset,
