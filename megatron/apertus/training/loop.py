@@ -125,10 +125,10 @@ class RunConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
 
 
-def _describe_engine(impl: str, engine: EngineConfig) -> str:
-    """The one log line that says how the layers compute."""
+def _describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
+    """The one log line that says how the layers compute (``params``: --precision)."""
     chosen = "" if engine.transformer_impl else " (default for this machine)"
-    precision = "bf16/fp32 GEMMs"
+    precision = f"{params} GEMMs"
     if engine.fp8:
         precision = f"FP8 {engine.fp8_format} GEMMs, {engine.fp8_recipe} scaling"
     determinism = ", deterministic kernels" if engine.deterministic_mode else ""
@@ -340,7 +340,7 @@ class Trainer:
             ),
         )
         if _is_reporting_rank():
-            log.info(_describe_engine(self.transformer_impl, cfg.engine))
+            log.info(_describe_engine(self.transformer_impl, cfg.engine, cfg.training.precision))
         chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl,
                              fused_loss=cfg.training.fused_output_loss)  # fmt: skip
         apply_fake_quant(chunks, cfg.quant)
