@@ -18,8 +18,8 @@ from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch.planner import Cluster, format_plan, plan, run_from_args
-from megatron.apertus.model.config import ConfigError
 from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.parallel import resolve_device

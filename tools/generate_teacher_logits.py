@@ -20,7 +20,8 @@ import logging
 import sys
 
 from megatron.apertus.data.datasets import DatasetConfig
-from megatron.apertus.model.config import ApertusConfig, ConfigError, ParallelConfig
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.model.presets import PRESETS, preset
 from megatron.apertus.training import config as C
 
@@ -37,7 +38,7 @@ def check_architecture(model: ApertusConfig, expected: ApertusConfig, name: str)
 
 
 def parse_args(argv: list[str] | None = None):
-    from megatron.apertus.training.checkpoint import load_model_config
+    from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.training.teacher_logits import GenerationConfig, LogitsConfig
 
     parser = argparse.ArgumentParser(

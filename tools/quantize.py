@@ -70,12 +70,12 @@ def _samples(args: argparse.Namespace, seq_length: int) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.convert.quant_io import PTQSettings, quantize_checkpoint
     from megatron.apertus.distill.logit_store import LogitStoreError
-    from megatron.apertus.model.config import ConfigError
+    from megatron.apertus.errors import ConfigError
     from megatron.apertus.quant.config import QuantConfig
     from megatron.apertus.training import config as C
-    from megatron.apertus.training.checkpoint import load_model_config
 
     try:
         settings = PTQSettings(args.method, C.from_arguments(QuantConfig, args), args.damp)

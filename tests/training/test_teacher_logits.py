@@ -7,11 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.apertus import parallel
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.tokenizer import build_tokenizer
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
-from megatron.apertus.model.builder import build_model
 from megatron.apertus.training.teacher_logits import (
     default_topk_chunk_rows,
     global_topk,
@@ -20,14 +17,6 @@ from megatron.apertus.training.teacher_logits import (
 )
 
 TOPK = 16
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model = preset("tiny")
-    parallel.initialize(ParallelConfig(), device="cpu", seed=2, model=model)
-    yield model
-    parallel.shutdown()
 
 
 def test_row_chunks_cover_all_rows_without_a_short_last_chunk():
@@ -43,10 +32,9 @@ def test_default_chunk_is_about_256_mib_of_logits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_topk_is_bitwise_the_full_logits_topk(tiny, dtype):
-    config = transformer_config(tiny, ParallelConfig(), params_dtype=dtype,
-                                use_cpu_initialization=True)  # fmt: skip
-    plain, chunked = build_model(tiny, config)[0].eval(), build_model(tiny, config)[0].eval()
+def test_chunked_topk_is_bitwise_the_full_logits_topk(tiny_cpu, dtype):
+    plain = tiny_cpu.build(params_dtype=dtype).eval()
+    chunked = tiny_cpu.build(params_dtype=dtype).eval()
     chunked.load_state_dict(plain.state_dict())
     ids = build_tokenizer("TekkenTokenizer").encode_document(embedded_documents()[3])[:256]
     tokens = torch.tensor([ids[:128], ids[128:]])

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from megatron.apertus.convert.hf import ConversionError
     from megatron.apertus.convert.quant_export import calibration_documents, export_quantized
-    from megatron.apertus.model.config import ConfigError
+    from megatron.apertus.errors import ConfigError
     from megatron.apertus.quant.config import QuantConfig
     from megatron.apertus.training import config as C
 

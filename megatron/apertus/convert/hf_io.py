@@ -21,6 +21,13 @@ from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig
 
 from megatron.apertus import parallel
+from megatron.apertus.checkpoint import (
+    load_model,
+    load_model_config,
+    resolve_checkpoint,
+    save_model,
+)
+from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.convert.hf import (
     ConversionError,
     apertus_config_from_hf,
@@ -31,15 +38,8 @@ from megatron.apertus.convert.hf import (
 )
 from megatron.apertus.convert.hf_tokenizer import tokenizer_source, write_hf_tokenizer
 from megatron.apertus.convert.model_card import model_card
-from megatron.apertus.model.builder import build_model, transformer_config
+from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
-from megatron.apertus.training.checkpoint import (
-    load_model,
-    load_model_config,
-    resolve_checkpoint,
-    save_model,
-)
-from megatron.apertus.training.checkpoint_files import read_run_info
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -54,10 +54,9 @@ def single_process(model: ApertusConfig) -> Iterator[torch.nn.Module]:
     layout = ParallelConfig()
     parallel.initialize(layout, device="cpu", seed=0, model=model)
     try:
-        config = transformer_config(
+        (chunk,) = build_model(
             model, layout, use_cpu_initialization=True, perform_initialization=False
         )
-        (chunk,) = build_model(model, config)
         yield chunk
     finally:
         parallel.shutdown()

@@ -28,7 +28,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.apertus.data.corpus import embedded_corpus_prefix
 from megatron.apertus.data.sft import ChatGPTDataset, check_mask_pair
 from megatron.apertus.data.tokenizer import Tokenizer
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 
 log = logging.getLogger("apertus.data")
 

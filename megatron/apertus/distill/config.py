@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.ops.sparse_kl import DEFAULT_TAIL, TAIL_MODES
 
 

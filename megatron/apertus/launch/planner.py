@@ -30,8 +30,8 @@ from megatron.apertus.model.config import (
     ParallelConfig,
     validate_layout,
 )
+from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.training import config as C
-from megatron.apertus.training.metrics import flops_per_token
 
 GIB = 2**30
 FORWARD_ONLY_ENTRIES = ("tools/generate_teacher_logits.py",)

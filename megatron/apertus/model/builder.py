@@ -120,15 +120,20 @@ def build_model_chunk(
 
 def build_model(
     model: ApertusConfig,
-    config: TransformerConfig,
+    parallel: ParallelConfig,
     *,
     xielu_impl: str = "auto",
     fused_loss: bool = False,
+    **config,
 ) -> list[GPTModel]:
-    """All model chunks of this rank (more than one with interleaved pipeline stages)."""
-    chunks = config.virtual_pipeline_model_parallel_size or 1
+    """All model chunks of this rank (more than one with interleaved pipeline stages), built
+    from the :func:`transformer_config` that ``config`` completes; each chunk keeps it as
+    ``.config``. The one place where training, the teacher-logit runner, conversions and tests
+    build a model."""
+    tconfig = transformer_config(model, parallel, **config)
+    chunks = tconfig.virtual_pipeline_model_parallel_size or 1
     vp = [None] if chunks == 1 else list(range(chunks))
     return [
-        build_model_chunk(model, config, vp_stage=v, xielu_impl=xielu_impl, fused_loss=fused_loss)
+        build_model_chunk(model, tconfig, vp_stage=v, xielu_impl=xielu_impl, fused_loss=fused_loss)
         for v in vp
     ]

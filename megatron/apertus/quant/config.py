@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.quant.formats import ACTIVATION_FORMATS, FORMATS, INT_BITS
 
 FP8_SCALINGS = ("tensor", "channel")

@@ -23,7 +23,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor
 
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import NVFP4_BLOCK, fake_fp8, fake_int, fake_nvfp4
 

@@ -34,8 +34,9 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.transformer.module import Float16Module
 
-from megatron.apertus import parallel
+from megatron.apertus import checkpoint, parallel
 from megatron.apertus.align.config import AlignConfig
+from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.data.batches import (
     BatchConfig,
     MicroBatchReader,
@@ -46,7 +47,7 @@ from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
 from megatron.apertus.distill.config import DistillConfig
-from megatron.apertus.model.builder import build_model, transformer_config
+from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import (
     ApertusConfig,
     ConfigError,
@@ -59,12 +60,11 @@ from megatron.apertus.model.engine import (
     select_te_attention_backend,
     validate_engine,
 )
+from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.layers import apply_fake_quant
-from megatron.apertus.training import checkpoint
 from megatron.apertus.training.align import AlignRun
-from megatron.apertus.training.checkpoint import TrainingState
 from megatron.apertus.training.config import (
     CheckpointConfig,
     CommunicationConfig,
@@ -84,7 +84,6 @@ from megatron.apertus.training.metrics import (
     IntervalThroughput,
     Metrics,
     device_peak_tflops,
-    flops_per_token,
     perplexity,
 )
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
@@ -325,9 +324,13 @@ class Trainer:
 
     def _build_model(self):
         cfg = self.cfg
-        tconfig = transformer_config(
+        if _is_reporting_rank():
+            log.info(_describe_engine(self.transformer_impl, cfg.engine))
+        chunks = build_model(
             cfg.model,
             cfg.parallel,
+            xielu_impl=cfg.training.xielu_impl,
+            fused_loss=cfg.training.fused_output_loss,
             params_dtype=dtype_from_name(cfg.training.precision),
             use_cpu_initialization=self.device_name == "cpu",
             transformer_impl=self.transformer_impl,
@@ -337,10 +340,7 @@ class Trainer:
                 virtual_pipeline=cfg.parallel.virtual_pipeline_model_parallel_size is not None
             ),
         )
-        if _is_reporting_rank():
-            log.info(_describe_engine(self.transformer_impl, cfg.engine))
-        chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl,
-                             fused_loss=cfg.training.fused_output_loss)  # fmt: skip
+        tconfig = chunks[0].config
         apply_fake_quant(chunks, cfg.quant)
         if tconfig.bf16 or tconfig.fp16:
             # Low-precision compute, fp32 loss: megatron-core's standard wrapper.

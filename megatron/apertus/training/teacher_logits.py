@@ -37,7 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from tqdm import tqdm
 
-from megatron.apertus import parallel
+from megatron.apertus import checkpoint, parallel
 from megatron.apertus.data.batches import Batch, BatchConfig, collate
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.tokenizer import build_tokenizer
@@ -48,7 +48,7 @@ from megatron.apertus.distill.logit_store import (
     sample_key,
 )
 from megatron.apertus.distill.targets import sample_tokens
-from megatron.apertus.model.builder import build_model, transformer_config
+from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import (
     ApertusConfig,
     ConfigError,
@@ -56,7 +56,6 @@ from megatron.apertus.model.config import (
     dtype_from_name,
 )
 from megatron.apertus.ops.sparse_kl import row_max_and_sum_exp
-from megatron.apertus.training import checkpoint
 from megatron.apertus.training.config import DataConfig, TrainingConfig
 from megatron.apertus.training.step import packed_seq_params_to
 
@@ -274,10 +273,9 @@ class TeacherRunner:
 
     def _load_teacher(self) -> list:
         cfg = self.cfg
-        tconfig = transformer_config(cfg.model, cfg.parallel,
-                                     params_dtype=dtype_from_name(cfg.training.precision),
-                                     use_cpu_initialization=self.device == "cpu")  # fmt: skip
-        chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl)
+        chunks = build_model(cfg.model, cfg.parallel, xielu_impl=cfg.training.xielu_impl,
+                             params_dtype=dtype_from_name(cfg.training.precision),
+                             use_cpu_initialization=self.device == "cpu")  # fmt: skip
         checkpoint.load_model(cfg.load, chunks)
         # No Float16Module: the parameters are already in the teacher's dtype, token ids need no
         # input conversion, and the top-k and the row statistics read each chunk's 16-bit logits
