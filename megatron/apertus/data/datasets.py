@@ -54,8 +54,11 @@ class DatasetConfig:
     data_cache_path: str | None = None
     """Where megatron-core caches sample indices (and the embedded corpus is preprocessed)."""
     reset_position_ids: bool = False
+    """Restart position ids at every document of a packed sample."""
     reset_attention_mask: bool = False
+    """Packed documents never attend to each other (document masking)."""
     eod_mask_loss: bool = False
+    """Leave the end-of-document positions out of the loss."""
     num_dataset_builder_threads: int = field(default=1, metadata={"help": (
         "threads that build the sample indices of a blend's datasets (megatron-core's); the "
         "indices are the same for any number")})  # fmt: skip

@@ -19,7 +19,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,7 +35,6 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import checkpoint, parallel
-from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.data.batches import (
     BatchConfig,
@@ -43,17 +42,11 @@ from megatron.apertus.data.batches import (
     rank_positions,
     step_micro_batches,
 )
-from megatron.apertus.data.datasets import DatasetConfig, build_datasets
-from megatron.apertus.data.goldfish import GoldfishConfig
+from megatron.apertus.data.datasets import build_datasets
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
-from megatron.apertus.distill.config import DistillConfig
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.config import (
-    ApertusConfig,
-    ConfigError,
-    ParallelConfig,
-    dtype_from_name,
-)
+from megatron.apertus.model.config import ParallelConfig, dtype_from_name
 from megatron.apertus.model.engine import (
     EngineConfig,
     enable_deterministic_mode,
@@ -61,18 +54,9 @@ from megatron.apertus.model.engine import (
     validate_engine,
 )
 from megatron.apertus.model.flops import flops_per_token
-from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
-from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.layers import apply_fake_quant
 from megatron.apertus.training.align import AlignRun
-from megatron.apertus.training.config import (
-    CheckpointConfig,
-    CommunicationConfig,
-    DataConfig,
-    LoggingConfig,
-    OptimizerSettings,
-    TrainingConfig,
-)
+from megatron.apertus.training.config import OptimizerSettings, RunConfig, TrainingConfig
 from megatron.apertus.training.diagnostics import (
     ManualGC,
     memory_stats,
@@ -101,26 +85,6 @@ from megatron.apertus.training.step import (
 log = logging.getLogger("apertus")
 METRICS_FILE = "metrics.json"
 """The recorded history, kept beside the checkpoints so a resumed run continues its curves."""
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    model: ApertusConfig
-    parallel: ParallelConfig
-    training: TrainingConfig
-    optimizer: OptimizerSettings
-    schedule: ScheduleConfig
-    ademamix: AdEMAMixSettings
-    checkpoint: CheckpointConfig
-    data: DataConfig
-    dataset: DatasetConfig
-    goldfish: GoldfishConfig
-    logging: LoggingConfig
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    align: AlignConfig = field(default_factory=AlignConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    communication: CommunicationConfig = field(default_factory=CommunicationConfig)
-    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def _describe_engine(impl: str, engine: EngineConfig) -> str:

@@ -48,13 +48,9 @@ from megatron.apertus.distill.logit_store import (
     sample_key,
 )
 from megatron.apertus.distill.targets import sample_tokens
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.config import (
-    ApertusConfig,
-    ConfigError,
-    ParallelConfig,
-    dtype_from_name,
-)
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig, dtype_from_name
 from megatron.apertus.ops.sparse_kl import row_max_and_sum_exp
 from megatron.apertus.training.config import DataConfig, TrainingConfig
 from megatron.apertus.training.step import packed_seq_params_to
