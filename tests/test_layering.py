@@ -30,11 +30,13 @@ LAYERS: tuple[frozenset[str], ...] = (
     # The standard library only: what every layer and a host Python without torch may import.
     frozenset({PACKAGE_INIT, "errors", "checkpoint_files"}),
     frozenset({"ops"}),  # torch and our extensions only
-    frozenset({"cpu_compat"}),  # patches megatron-core for CPU; the model builder applies it
+    # cpu_compat patches megatron-core for CPU, the model builder applies it; quant's layers are
+    # what the model's spec puts in its linear slots when a run quantizes.
+    frozenset({"cpu_compat", "quant"}),
     frozenset({"model"}),
     # What training consumes; ``parallel`` (process groups and seeds) needs the model's layout
     # checks and ``cpu_compat``, and only training, the runners and tools call it.
-    frozenset({"checkpoint", "data", "distill", "optim", "parallel", "quant"}),
+    frozenset({"checkpoint", "data", "distill", "optim", "parallel"}),
     frozenset({"align"}),  # alignment objectives; reference log-probs live in distill's store
     frozenset({"training"}),  # the loop and the teacher-logit runner
     frozenset({"convert", "launch"}),  # library halves of tools/ and the Slurm launcher

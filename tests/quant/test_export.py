@@ -27,7 +27,7 @@ from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import fake_nvfp4, nvfp4_quantize
-from megatron.apertus.quant.layers import apply_fake_quant, decoder_linears
+from megatron.apertus.quant.layers import decoder_linears
 from megatron.apertus.training.config import DataConfig
 from tests.conftest import PRETRAIN, REPO, cpu_models, run_entry
 
@@ -61,13 +61,11 @@ def our_logits(
     decoder weights rounded as tools/quantize.py --method rtn does (then to ``weight_dtype``)
     and its inputs unquantized."""
     with cpu_models() as models:
-        chunk = models.build(load=save)
+        chunk = models.build(load=save, quant=None if weights_only else quant)
         if weights_only:
             with torch.no_grad():
                 for _, module in decoder_linears(chunk):
                     module.weight.copy_(rtn_weight(module.weight, quant).to(weight_dtype))
-        elif quant is not None:
-            apply_fake_quant([chunk], quant)
         ids = tokens() if ids is None else ids
         with torch.no_grad():
             return chunk.eval()(ids, torch.arange(ids.shape[1]).unsqueeze(0), None).float()

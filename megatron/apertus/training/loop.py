@@ -54,7 +54,6 @@ from megatron.apertus.model.engine import (
     validate_engine,
 )
 from megatron.apertus.model.flops import flops_per_token
-from megatron.apertus.quant.layers import apply_fake_quant
 from megatron.apertus.training.align import AlignRun
 from megatron.apertus.training.config import OptimizerSettings, RunConfig, TrainingConfig
 from megatron.apertus.training.diagnostics import (
@@ -295,6 +294,7 @@ class Trainer:
             cfg.parallel,
             xielu_impl=cfg.training.xielu_impl,
             fused_loss=cfg.training.fused_output_loss,
+            quant=cfg.quant,
             params_dtype=dtype_from_name(cfg.training.precision),
             use_cpu_initialization=self.device_name == "cpu",
             transformer_impl=self.transformer_impl,
@@ -305,7 +305,6 @@ class Trainer:
             ),
         )
         tconfig = chunks[0].config
-        apply_fake_quant(chunks, cfg.quant)
         if tconfig.bf16 or tconfig.fp16:
             # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
             chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
