@@ -75,18 +75,17 @@ def held_out_samples(seq_length: int) -> np.ndarray:
 def teacher_topk(checkpoint: Path, k: int, device: str, batch: int = 8) -> tuple[np.ndarray, ...]:
     """(tokens [n, T], ids int64 [n, T, k], logprobs float32 [n, T, k]) of the fp32 teacher."""
     from megatron.apertus import parallel
-    from megatron.apertus.model import ParallelConfig, transformer_config
+    from megatron.apertus.checkpoint import load_model, load_model_config
+    from megatron.apertus.model import ParallelConfig
     from megatron.apertus.model.builder import build_model
-    from megatron.apertus.training.checkpoint import load_model, load_model_config
 
     model = load_model_config(checkpoint)
     layout = ParallelConfig()
     parallel.initialize(layout, device=device, seed=0, model=model)
     try:
-        config = transformer_config(
+        (chunk,) = build_model(
             model, layout, use_cpu_initialization=device == "cpu", perform_initialization=False
         )
-        (chunk,) = build_model(model, config)
         load_model(checkpoint, [chunk])
         chunk.eval()
         tokens = held_out_samples(model.seq_length)

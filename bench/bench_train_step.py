@@ -82,8 +82,9 @@ def measure(argv: list[str], warmup: int, timed: int) -> dict:
     """Step times of a real Trainer; runs in the child process."""
     import torch
 
+    from megatron.apertus.model.flops import flops_per_token
     from megatron.apertus.training.loop import Trainer
-    from megatron.apertus.training.metrics import device_peak_tflops, flops_per_token
+    from megatron.apertus.training.metrics import device_peak_tflops
     from pretrain_gpt import parse_args
 
     cfg = parse_args(argv)

@@ -1,14 +1,20 @@
-"""Shared helpers: run our entry points as real subprocesses (one process or torchrun)."""
+"""Shared helpers: run our entry points as real subprocesses (one process or torchrun), and the
+one fixture that builds tiny fp32 models on the CPU in this process (:func:`tiny_cpu`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
+from megatron.apertus import checkpoint, parallel
+from megatron.apertus.model import ApertusConfig, ParallelConfig, preset, transformer_config
+from megatron.apertus.model.builder import build_model
 from megatron.apertus.training.metrics import read_history
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,3 +50,48 @@ def series(history: dict, name: str) -> tuple[list[int], list[float]]:
     """Iterations and values of one recorded metric (``--log-json`` stores [iteration, value])."""
     pairs = history.get(name, [])
     return [int(i) for i, _ in pairs], [float(v) for _, v in pairs]
+
+
+class TinyCPU:
+    """Models of one process on the CPU, fp32, built the way the package builds them
+    (:func:`megatron.apertus.model.builder.build_model`); ``model`` is the tiny preset."""
+
+    def __init__(self, model: ApertusConfig) -> None:
+        self.model = model
+
+    def config(self, model: ApertusConfig | None = None, **fields):
+        """megatron-core's TransformerConfig of ``model`` (default: the tiny preset)."""
+        return transformer_config(
+            model or self.model, ParallelConfig(), use_cpu_initialization=True, **fields
+        )
+
+    def build(self, model: ApertusConfig | None = None, *, load=None, fused_loss: bool = False,
+              **fields):  # fmt: skip
+        """The one chunk of ``model`` (default: the checkpoint ``load``'s model, else the tiny
+        preset); with ``load``, holding that checkpoint's weights."""
+        if model is None:
+            model = self.model if load is None else checkpoint.load_model_config(load)
+        (chunk,) = build_model(model, ParallelConfig(), fused_loss=fused_loss,
+                               use_cpu_initialization=True, **fields)  # fmt: skip
+        if load is not None:
+            checkpoint.load_model(load, [chunk])
+        return chunk
+
+
+@contextlib.contextmanager
+def cpu_models() -> Iterator[TinyCPU]:
+    """One-process CPU parallel state (seed 0) and a :class:`TinyCPU` to build models in it,
+    torn down on exit; for helpers that load checkpoints outside a test's own scope."""
+    model = preset("tiny")
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0, model=model)
+    try:
+        yield TinyCPU(model)
+    finally:
+        parallel.shutdown()
+
+
+@pytest.fixture
+def tiny_cpu() -> Iterator[TinyCPU]:
+    """:func:`cpu_models` for the duration of one test."""
+    with cpu_models() as models:
+        yield models

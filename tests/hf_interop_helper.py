@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from megatron.apertus import parallel
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
+from megatron.apertus.checkpoint import load_model, load_model_config, save_model
+from megatron.apertus.model import ParallelConfig, preset
 from megatron.apertus.model.builder import build_model
-from megatron.apertus.training.checkpoint import load_model, load_model_config, save_model
 
 
 def save(args: argparse.Namespace) -> None:
@@ -29,7 +29,7 @@ def save(args: argparse.Namespace) -> None:
     model = preset("tiny", init_method_std=0.05, untie_embeddings_and_output_weights=not args.tied)
     layout = ParallelConfig(tensor_model_parallel_size=args.tp)
     parallel.initialize(layout, device="cpu", seed=args.seed, model=model)
-    chunks = build_model(model, transformer_config(model, layout, use_cpu_initialization=True))
+    chunks = build_model(model, layout, use_cpu_initialization=True)
     # Move the xIELU alphas off their init so that the export check sees distinct values.
     with torch.no_grad():
         for i, layer in enumerate(chunks[0].decoder.layers):
@@ -43,7 +43,7 @@ def logits(args: argparse.Namespace) -> None:
     model = load_model_config(args.load)
     layout = ParallelConfig()
     parallel.initialize(layout, device="cpu", seed=0, model=model)
-    chunks = build_model(model, transformer_config(model, layout, use_cpu_initialization=True))
+    chunks = build_model(model, layout, use_cpu_initialization=True)
     load_model(args.load, chunks)
     tokens = torch.tensor([json.loads(open(args.tokens).read())])
     positions = torch.arange(tokens.shape[1]).unsqueeze(0)

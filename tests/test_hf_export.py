@@ -27,7 +27,8 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.apertus import parallel
+from megatron.apertus import checkpoint
+from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.convert.hf_tokenizer import (
     TokenizerSource,
     tokenizer_source,
@@ -37,10 +38,7 @@ from megatron.apertus.convert.hf_tokenizer import (
 from megatron.apertus.data.corpus import training_documents
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer, bundled_tekken_path
-from megatron.apertus.model import ParallelConfig, transformer_config
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.training import checkpoint
-from megatron.apertus.training.checkpoint_files import read_run_info
+from tests.conftest import cpu_models
 
 REPO = Path(__file__).resolve().parents[1]
 EXPORT = REPO / "tools" / "checkpoint" / "export_hf.py"
@@ -285,13 +283,8 @@ def our_loglikelihoods(
     save: Path, sequences: list[tuple[list[int], list[int]]]
 ) -> list[tuple[float, bool]]:
     """Σ log p(continuation | context) and greedy-ness from our model on the checkpoint."""
-    model = checkpoint.load_model_config(save)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=0, model=model)
-    try:
-        config = transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
-        (chunk,) = build_model(model, config)
-        checkpoint.load_model(save, [chunk])
-        chunk.eval()
+    with cpu_models() as models:
+        chunk = models.build(load=save).eval()
         results = []
         for context, continuation in sequences:
             tokens = torch.tensor([context + continuation])
@@ -304,8 +297,6 @@ def our_loglikelihoods(
             greedy = bool((logprobs.argmax(-1) == target).all())
             results.append((picked.double().sum().item(), greedy))
         return results
-    finally:
-        parallel.shutdown()
 
 
 def test_lm_eval_loglikelihood_equals_ours(exported, tmp_path):

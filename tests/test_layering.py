@@ -1,4 +1,5 @@
-"""Imports inside ``megatron.apertus`` point down the layers only.
+"""Imports inside ``megatron.apertus`` point down the layers only; :data:`LAYERS` is the one
+written statement of the layer order (the README and the package docstring point here).
 
 Every module under ``megatron/apertus`` is parsed with :mod:`ast` (nothing is imported), and
 each ``megatron.apertus.<unit>`` it names is checked against :data:`LAYERS`; a unit is a
@@ -6,12 +7,14 @@ subpackage or a top-level module. Module-level, function-level, ``TYPE_CHECKING`
 imports all count: a deferred import still ties the lower layer to the upper one. A module may
 import its own unit and any unit of a lower layer, never one of the same layer: peers stay
 independent, so no cycle can form between them. Imports by computed name
-(``importlib.import_module``) are not seen.
+(``importlib.import_module``) are not seen. Units that promise to use no third-party package, or
+only some (:data:`THIRD_PARTY`), are checked for that too.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -24,13 +27,16 @@ PACKAGE_INIT = "__init__"
 it sits below all of them and may import none."""
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({PACKAGE_INIT}),
+    # The standard library only: what every layer and a host Python without torch may import.
+    frozenset({PACKAGE_INIT, "errors", "checkpoint_files"}),
     frozenset({"ops"}),  # torch and our extensions only
-    frozenset({"cpu_compat"}),  # patches megatron-core for CPU; the model builder applies it
+    # cpu_compat patches megatron-core for CPU, the model builder applies it; quant's layers are
+    # what the model's spec puts in its linear slots when a run quantizes.
+    frozenset({"cpu_compat", "quant"}),
     frozenset({"model"}),
     # What training consumes; ``parallel`` (process groups and seeds) needs the model's layout
     # checks and ``cpu_compat``, and only training, the runners and tools call it.
-    frozenset({"data", "distill", "optim", "parallel", "quant"}),
+    frozenset({"checkpoint", "data", "distill", "optim", "parallel"}),
     frozenset({"align"}),  # alignment objectives; reference log-probs live in distill's store
     frozenset({"training"}),  # the loop and the teacher-logit runner
     frozenset({"convert", "launch"}),  # library halves of tools/ and the Slurm launcher
@@ -38,6 +44,15 @@ LAYERS: tuple[frozenset[str], ...] = (
 """Lowest first. Entry scripts and ``tools/`` sit above all of these."""
 
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
+
+THIRD_PARTY: dict[str, frozenset[str]] = {
+    PACKAGE_INIT: frozenset(),
+    "errors": frozenset(),
+    "checkpoint_files": frozenset(),  # launchers read it on a host Python without torch
+    "ops": frozenset({"torch"}),  # torch and our extensions only
+}
+"""Units that promise to import no third-party package beyond the ones named (top-level names;
+the standard library is always allowed)."""
 
 
 def units_on_disk(root: Path = ROOT) -> set[str]:
@@ -119,6 +134,22 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
     return sorted(set(found))
 
 
+def third_party_violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """One line per import in ``source`` of a third-party package its unit promises not to use."""
+    allowed = THIRD_PARTY.get(unit_of(module))
+    if allowed is None:
+        return []
+    found = []
+    for line, name in imported_names(source, module, is_package):
+        top = name.split(".")[0]
+        if not top or unit_of(name) is not None or name == PACKAGE:
+            continue
+        if top in sys.stdlib_module_names or top in allowed or top == "__future__":
+            continue
+        found.append(f"{module}:{line}: {unit_of(module)} promises not to import {top}")
+    return sorted(set(found))
+
+
 def test_every_unit_has_a_layer():
     assert units_on_disk() == set(RANK), "place new subpackages and modules in LAYERS"
 
@@ -129,6 +160,26 @@ def test_imports_point_down_only():
         source = path.read_text(encoding="utf-8")
         found += violations(source, module_name(path), path.name == "__init__.py")
     assert not found, "imports against the layering:\n" + "\n".join(found)
+
+
+def test_units_keep_their_third_party_promises():
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        found += third_party_violations(source, module_name(path), path.name == "__init__.py")
+    assert not found, "third-party imports against a unit's promise:\n" + "\n".join(found)
+
+
+def test_third_party_checker_reports_broken_promises():
+    source = "import numpy\nfrom megatron.core import parallel_state\nimport torch\nimport os\n"
+    assert third_party_violations(source, "megatron.apertus.ops.xielu") == [
+        "megatron.apertus.ops.xielu:1: ops promises not to import numpy",
+        "megatron.apertus.ops.xielu:2: ops promises not to import megatron",
+    ]
+    assert third_party_violations("import torch\n", "megatron.apertus.errors") == [
+        "megatron.apertus.errors:1: errors promises not to import torch"
+    ]
+    assert third_party_violations(source, "megatron.apertus.model.spec") == []
 
 
 @pytest.mark.parametrize(

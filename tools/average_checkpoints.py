@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from megatron.apertus.convert.quant_io import average_checkpoints, last_checkpoints
-    from megatron.apertus.model.config import ConfigError
+    from megatron.apertus.errors import ConfigError
 
     try:
         if args.last is not None:

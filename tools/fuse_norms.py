@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # Imported here so that --help answers without the multi-second megatron-core import.
     from megatron.apertus.convert.quant_io import fuse_norms_checkpoint
-    from megatron.apertus.model.config import ConfigError
+    from megatron.apertus.errors import ConfigError
 
     try:
         out = fuse_norms_checkpoint(args.load, args.save)

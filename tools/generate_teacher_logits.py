@@ -19,8 +19,8 @@ import dataclasses
 import logging
 import sys
 
-from megatron.apertus.data.datasets import DatasetConfig
-from megatron.apertus.model.config import ApertusConfig, ConfigError, ParallelConfig
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.presets import PRESETS, preset
 from megatron.apertus.training import config as C
 
@@ -36,8 +36,14 @@ def check_architecture(model: ApertusConfig, expected: ApertusConfig, name: str)
         raise ConfigError(f"--load is not an {name} checkpoint: {', '.join(differ)}")
 
 
+GROUPS = ("parallel", "training", "data", "dataset")
+"""The config groups of ``pretrain_gpt.py`` this tool reads: the teacher's layout, and the
+student's run whose samples it scores."""
+TITLES = {"parallel": "teacher parallelism", "training": "the student's run (order of its samples)"}
+
+
 def parse_args(argv: list[str] | None = None):
-    from megatron.apertus.training.checkpoint import load_model_config
+    from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.training.teacher_logits import GenerationConfig, LogitsConfig
 
     parser = argparse.ArgumentParser(
@@ -49,10 +55,7 @@ def parse_args(argv: list[str] | None = None):
         help="optional: refuse a checkpoint whose architecture is not this preset's",
     )  # fmt: skip
     parser.add_argument("--seq-length", type=int, help="the student's sequence length")
-    C.add_arguments(parser, ParallelConfig, title="teacher parallelism")
-    C.add_arguments(parser, C.TrainingConfig, title="the student's run (order of its samples)")
-    C.add_arguments(parser, C.DataConfig, title="data")
-    C.add_arguments(parser, DatasetConfig, title="datasets")
+    C.add_run_arguments(parser, GROUPS, titles=TITLES)
     C.add_arguments(parser, LogitsConfig, title="teacher logits")
     args = parser.parse_args(argv)
     try:
@@ -64,10 +67,7 @@ def parse_args(argv: list[str] | None = None):
         return GenerationConfig(
             load=args.load,
             model=model,
-            parallel=C.from_arguments(ParallelConfig, args),
-            training=C.from_arguments(C.TrainingConfig, args),
-            data=C.from_arguments(C.DataConfig, args),
-            dataset=C.from_arguments(DatasetConfig, args),
+            **C.groups_from_arguments(args, GROUPS, model=model),
             logits=C.from_arguments(LogitsConfig, args),
         )
     except (ConfigError, ValueError, FileNotFoundError) as err:

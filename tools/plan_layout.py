@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch.planner import Cluster, format_plan, plan, run_from_command
-from megatron.apertus.model.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

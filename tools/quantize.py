@@ -18,9 +18,18 @@ import argparse
 import sys
 
 
+GROUPS = ("training", "data", "dataset", "quant")
+"""The config groups of ``pretrain_gpt.py`` this tool reads (GPTQ: the store's run, to find its
+samples)."""
+TITLES = {
+    "quant": "format",
+    "training": "gptq: the store's run (order of its samples)",
+    "data": "gptq: data",
+    "dataset": "gptq: datasets",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron.apertus.data.datasets import DatasetConfig
-    from megatron.apertus.quant.config import QuantConfig
     from megatron.apertus.training import config as C
 
     parser = argparse.ArgumentParser(
@@ -38,10 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="gptq: samples of the store's run to calibrate on")  # fmt: skip
     parser.add_argument("--distill-logits-path",
                         help="gptq: teacher-logit store whose samples calibrate")  # fmt: skip
-    C.add_arguments(parser, QuantConfig, title="format")
-    C.add_arguments(parser, C.TrainingConfig, title="gptq: the store's run (order of its samples)")
-    C.add_arguments(parser, C.DataConfig, title="gptq: data")
-    C.add_arguments(parser, DatasetConfig, title="gptq: datasets")
+    C.add_run_arguments(parser, GROUPS, titles=TITLES)
     args = parser.parse_args(argv)
     if args.quant_format is None:
         parser.error("--quant-format is required")
@@ -54,14 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _samples(args: argparse.Namespace, seq_length: int) -> list:
     from megatron.apertus.convert.quant_io import calibration_samples
-    from megatron.apertus.data.datasets import DatasetConfig, build_datasets
+    from megatron.apertus.data.datasets import build_datasets
     from megatron.apertus.data.tokenizer import build_tokenizer
     from megatron.apertus.training import config as C
 
-    training = C.from_arguments(C.TrainingConfig, args)
-    data = C.from_arguments(C.DataConfig, args)
+    groups = C.groups_from_arguments(args, ("training", "data", "dataset"))
+    training, data = groups["training"], groups["data"]
     tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
-    train, _, _ = build_datasets(C.from_arguments(DatasetConfig, args), tokenizer,
+    train, _, _ = build_datasets(groups["dataset"], tokenizer,
                                  seq_length=seq_length, seed=training.seed,
                                  num_samples=training.dataset_sizes())  # fmt: skip
     return calibration_samples(args.distill_logits_path, args.calibration_samples, dataset=train,
@@ -70,15 +76,15 @@ def _samples(args: argparse.Namespace, seq_length: int) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.convert.quant_io import PTQSettings, quantize_checkpoint
     from megatron.apertus.distill.logit_store import LogitStoreError
-    from megatron.apertus.model.config import ConfigError
-    from megatron.apertus.quant.config import QuantConfig
+    from megatron.apertus.errors import ConfigError
     from megatron.apertus.training import config as C
-    from megatron.apertus.training.checkpoint import load_model_config
 
     try:
-        settings = PTQSettings(args.method, C.from_arguments(QuantConfig, args), args.damp)
+        quant = C.groups_from_arguments(args, ("quant",))["quant"]
+        settings = PTQSettings(args.method, quant, args.damp)
         samples = None
         if args.method == "gptq":
             seq_length = load_model_config(args.load).seq_length

@@ -1,9 +1,7 @@
 """Apertus on megatron-core: model, data, optimizer, distillation and training driver.
 
-Layering (arrows point down only; ``tests/test_layering.py`` holds the order and checks it):
-tools and entry scripts -> convert, launch -> training -> data, distill, optim, parallel ->
-model -> cpu_compat -> ops. ``cpu_compat`` is the one module that teaches megatron-core to run
-on CPU.
+Layering: imports point down only, in the order ``LAYERS`` of ``tests/test_layering.py``
+states and checks. ``cpu_compat`` is the one module that teaches megatron-core to run on CPU.
 
 Importing this package hides megatron-core's import-time notices that Transformer Engine or
 Apex is absent: megatron-core then uses its PyTorch fallbacks, which are this package's default

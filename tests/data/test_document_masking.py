@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.apertus import parallel
 from megatron.apertus.data.batches import BatchConfig, collate, document_lengths
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.tokenizer import build_tokenizer
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
-from megatron.apertus.model.builder import build_model
+from tests.conftest import cpu_models
 
 SEQ = 160
 
@@ -19,15 +17,8 @@ SEQ = 160
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = build_tokenizer("TekkenTokenizer")
-    model_config = preset("tiny")
-    parallel.initialize(ParallelConfig(), device="cpu", seed=5, model=model_config)
-    model = build_model(
-        model_config,
-        transformer_config(model_config, ParallelConfig(), use_cpu_initialization=True),
-    )[0]
-    model.eval()
-    yield tokenizer, model
-    parallel.shutdown()
+    with cpu_models() as models:
+        yield tokenizer, models.build().eval()
 
 
 def documents(tokenizer, lengths: list[int]) -> list[list[int]]:

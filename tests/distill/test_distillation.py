@@ -13,17 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.apertus import parallel
+from megatron.apertus import checkpoint, parallel
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreReader, block_path
 from megatron.apertus.distill.targets import TeacherLogits, dataset_key
-from megatron.apertus.model import ParallelConfig, transformer_config
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.training import checkpoint
+from megatron.apertus.model import ParallelConfig
 from megatron.apertus.training.config import TrainingConfig
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
 
 GENERATE = REPO / "tools" / "generate_teacher_logits.py"
 TOPK = 16
@@ -75,21 +73,14 @@ def student_train_data(seq_length: int):
 def teacher_logprobs(teacher: Path, positions: list[int]) -> tuple[torch.Tensor, list[int]]:
     """Full-vocabulary log-probabilities of the teacher on the student's samples at
     ``positions`` (one process), and those samples' store keys."""
-    model_config = checkpoint.load_model_config(teacher)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
-    try:
-        train = student_train_data(model_config.seq_length)
-        chunk = build_model(model_config, transformer_config(model_config, ParallelConfig(),
-                                                             use_cpu_initialization=True))[0]  # fmt: skip
-        checkpoint.load_model(teacher, [chunk])
-        chunk.eval()
+    with cpu_models() as models:
+        chunk = models.build(load=teacher).eval()
+        train = student_train_data(checkpoint.load_model_config(teacher).seq_length)
         tokens = torch.stack([torch.as_tensor(train[p]["tokens"]) for p in positions]).long()
         positions_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
         with torch.no_grad():
             logits = chunk(tokens, positions_ids, None)
         return torch.log_softmax(logits.float(), -1), [dataset_key(train, p) for p in positions]
-    finally:
-        parallel.shutdown()
 
 
 def test_stored_topk_is_the_teachers_topk(teacher, logits):

@@ -33,16 +33,14 @@ def test_pretrain_bf16_on_cuda(tmp_path):
 
 def test_bf16_forward_backward_close_to_fp32():
     from megatron.apertus import parallel
-    from megatron.apertus.model import ParallelConfig, preset, transformer_config
+    from megatron.apertus.model import ParallelConfig, preset
     from megatron.apertus.model.builder import build_model
 
     model = preset("tiny", hidden_size=256, ffn_hidden_size=768)
     parallel.initialize(ParallelConfig(), device="cuda", seed=11, model=model)
     try:
-        fp32 = build_model(model, transformer_config(model, ParallelConfig()))[0]
-        bf16 = build_model(
-            model, transformer_config(model, ParallelConfig(), params_dtype=torch.bfloat16)
-        )[0]
+        fp32 = build_model(model, ParallelConfig())[0]
+        bf16 = build_model(model, ParallelConfig(), params_dtype=torch.bfloat16)[0]
         bf16.load_state_dict({k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
                               for k, v in fp32.state_dict().items()})  # fmt: skip
         tokens = torch.randint(0, model.vocab_size, (2, 128), device="cuda")

@@ -39,12 +39,11 @@ def gpu():
 
 
 def build(model, impl: str):
-    from megatron.apertus.model import ParallelConfig, transformer_config
+    from megatron.apertus.model import ParallelConfig
     from megatron.apertus.model.builder import build_model
 
-    config = transformer_config(model, ParallelConfig(), params_dtype=torch.bfloat16,
-                                transformer_impl=impl)  # fmt: skip
-    chunk = build_model(model, config)[0]
+    chunk = build_model(model, ParallelConfig(), params_dtype=torch.bfloat16,
+                        transformer_impl=impl)[0]  # fmt: skip
     return chunk.eval()
 
 
@@ -78,7 +77,7 @@ def logits(chunk, batch) -> torch.Tensor:
 @needs_te
 @pytest.mark.parametrize("direction", ["local->te", "te->local"])
 def test_one_checkpoint_serves_both_implementations(gpu, tmp_path, direction):
-    from megatron.apertus.training import checkpoint
+    from megatron.apertus import checkpoint
 
     source, target = ("local", "transformer_engine")[:: 1 if direction == "local->te" else -1]
     saved = build(gpu, source)

@@ -46,13 +46,13 @@ def _random_batches(run, count: int):
 
 
 def _build(run):
-    from megatron.apertus.model.builder import build_model, transformer_config
+    from megatron.apertus.model.builder import build_model
     from megatron.apertus.model.config import dtype_from_name
 
-    config = transformer_config(run.model, run.parallel, use_cpu_initialization=True,
-                                params_dtype=dtype_from_name(run.training.precision),
-                                **run.training.recompute_overrides())  # fmt: skip
-    return build_model(run.model, config, fused_loss=True), config
+    chunks = build_model(run.model, run.parallel, fused_loss=True, use_cpu_initialization=True,
+                         params_dtype=dtype_from_name(run.training.precision),
+                         **run.training.recompute_overrides())  # fmt: skip
+    return chunks, chunks[0].config
 
 
 def saved(run) -> dict:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron.apertus.checkpoint_files import TRACKER, unfinished_checkpoints
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch import slurm
 from megatron.apertus.launch.submit import check, resources, sbatch_directives, submit
-from megatron.apertus.model.config import ConfigError
-from megatron.apertus.training.checkpoint_files import TRACKER, unfinished_checkpoints
 from tests.conftest import REPO
 
 SLURM_DIR = REPO / "examples" / "slurm"

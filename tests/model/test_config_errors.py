@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from megatron.apertus.model import ConfigError, ParallelConfig, preset, validate_layout
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model import ParallelConfig, preset, validate_layout
 from megatron.apertus.model.config import ApertusConfig
 from tests.conftest import PRETRAIN, REPO
 

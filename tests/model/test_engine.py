@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.apertus.model.config import ConfigError, ParallelConfig
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ParallelConfig
 from megatron.apertus.model.engine import EngineConfig, resolve_transformer_impl, validate_engine
 from pretrain_gpt import parse_args
 

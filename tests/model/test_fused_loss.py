@@ -5,23 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.apertus import parallel
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.tokenizer import build_tokenizer
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
-from megatron.apertus.model.builder import build_model
 
 
-@pytest.fixture(scope="module")
-def models():
-    model = preset("tiny")
-    parallel.initialize(ParallelConfig(), device="cpu", seed=2, model=model)
-    config = transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
-    plain = build_model(model, config)[0]
-    fused = build_model(model, config, fused_loss=True)[0]
+@pytest.fixture
+def models(tiny_cpu):
+    plain = tiny_cpu.build()
+    fused = tiny_cpu.build(fused_loss=True)
     fused.load_state_dict(plain.state_dict())
-    yield plain, fused
-    parallel.shutdown()
+    return plain, fused
 
 
 def test_fused_loss_and_gradients_match_megatron(models):

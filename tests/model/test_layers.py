@@ -6,20 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.apertus import parallel
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
+from megatron.apertus.model import preset
 from megatron.apertus.model.attention import SDPAttention
-from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.layers import XIELU, RMSNorm
 from megatron.apertus.ops.xielu import xielu_reference
 
 
-@pytest.fixture(scope="module")
-def tiny_setup():
+@pytest.fixture
+def tiny_setup(tiny_cpu):
     model = preset("tiny", vocab_size=512)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=3, model=model)
-    yield model, transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
-    parallel.shutdown()
+    return model, tiny_cpu.config(model)
 
 
 def test_xielu_initial_alphas_are_the_published_ones(tiny_setup):
@@ -89,14 +85,10 @@ def test_sdpa_attention_matches_megatron_dot_product_attention(tiny_setup):
 
 
 @pytest.mark.parametrize("untied", [True, False])
-def test_parameter_count_formula_matches_megatron(tiny_setup, untied):
-    import dataclasses
-
-    model = dataclasses.replace(tiny_setup[0], untie_embeddings_and_output_weights=untied)
-    chunks = build_model(
-        model, transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
-    )
-    assert sum(p.numel() for p in chunks[0].parameters()) == model.num_parameters()
+def test_parameter_count_formula_matches_megatron(tiny_cpu, untied):
+    model = preset("tiny", vocab_size=512, untie_embeddings_and_output_weights=untied)
+    chunk = tiny_cpu.build(model)
+    assert sum(p.numel() for p in chunk.parameters()) == model.num_parameters()
 
 
 def test_published_sizes():

@@ -35,17 +35,15 @@ def build(distributed_optimizer: bool):
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron.apertus import parallel
-    from megatron.apertus.model import ParallelConfig, preset, transformer_config
+    from megatron.apertus.model import ParallelConfig, preset
     from megatron.apertus.model.builder import build_model
     from megatron.apertus.optim import AdEMAMixSettings, get_apertus_optimizer
     from megatron.apertus.training.step import wrap_ddp
 
     model_config = preset("tiny", vocab_size=VOCAB)
-    tconfig = transformer_config(model_config, ParallelConfig(), use_cpu_initialization=True)
     parallel.set_seed(SEED)
-    model = wrap_ddp(
-        build_model(model_config, tconfig), tconfig, use_distributed_optimizer=distributed_optimizer
-    )
+    chunks = build_model(model_config, ParallelConfig(), use_cpu_initialization=True)
+    model = wrap_ddp(chunks, chunks[0].config, use_distributed_optimizer=distributed_optimizer)
     config = OptimizerConfig(
         optimizer="ademamix", use_distributed_optimizer=distributed_optimizer, **OPTIMIZER
     )

@@ -16,9 +16,7 @@ import math
 import pytest
 import torch
 
-from megatron.apertus import parallel
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
-from megatron.apertus.model.builder import build_model
+from megatron.apertus.model import preset
 from megatron.apertus.optim import AdEMAMix, AdEMAMixSettings
 from megatron.apertus.optim.ademamix import STATE_KEYS, alpha_at, beta3_at
 from tests.conftest import REPO, run_entry
@@ -86,13 +84,9 @@ def test_invalid_hyperparameters_are_refused():
         AdEMAMixSettings(beta3_warmup=-1)
 
 
-@pytest.fixture(scope="module")
-def tiny_model():
-    config = preset("tiny", vocab_size=512)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=5, model=config)
-    tconfig = transformer_config(config, ParallelConfig(), use_cpu_initialization=True)
-    yield build_model(config, tconfig)[0]
-    parallel.shutdown()
+@pytest.fixture
+def tiny_model(tiny_cpu):
+    return tiny_cpu.build(preset("tiny", vocab_size=512))
 
 
 def _model_gradients(model, step: int) -> None:

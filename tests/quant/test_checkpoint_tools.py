@@ -11,16 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.apertus import parallel
+from megatron.apertus import checkpoint
 from megatron.apertus.convert.hf_io import model_tensors
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.tokenizer import build_tokenizer
-from megatron.apertus.model import ParallelConfig, transformer_config
-from megatron.apertus.model.builder import build_model
 from megatron.apertus.quant.transforms import NORM_FUSIONS, column_scales
-from megatron.apertus.training import checkpoint
 from megatron.apertus.training.config import DataConfig
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
 
 TINY = ["--model-preset", "tiny", "--num-layers", "2", "--seed", "5", "--lr", "3e-3",
         "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-iters", "1"]  # fmt: skip
@@ -46,15 +43,8 @@ def fused(trained, tmp_path_factory) -> Path:
 @contextlib.contextmanager
 def loaded(save: Path) -> Iterator[torch.nn.Module]:
     """The model of checkpoint ``save``, loaded into one CPU process."""
-    model = checkpoint.load_model_config(save)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
-    try:
-        config = transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
-        chunk = build_model(model, config)[0]
-        checkpoint.load_model(save, [chunk])
-        yield chunk.eval()
-    finally:
-        parallel.shutdown()
+    with cpu_models() as models:
+        yield models.build(load=save).eval()
 
 
 def tensors(save: Path) -> dict[str, torch.Tensor]:

@@ -18,21 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.apertus import parallel
+from megatron.apertus import checkpoint
 from megatron.apertus.convert.hf import split_qkv, to_hf_state_dict
 from megatron.apertus.convert.hf_io import single_process
 from megatron.apertus.convert.quant_io import read_state, rtn_weight
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import build_tokenizer
-from megatron.apertus.model import ParallelConfig, transformer_config
-from megatron.apertus.model.builder import build_model
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import fake_nvfp4, nvfp4_quantize
-from megatron.apertus.quant.layers import apply_fake_quant, decoder_linears
-from megatron.apertus.training import checkpoint
+from megatron.apertus.quant.layers import decoder_linears
 from megatron.apertus.training.config import DataConfig
-from tests.conftest import PRETRAIN, REPO, run_entry
+from tests.conftest import PRETRAIN, REPO, cpu_models, run_entry
 
 EXPORT = REPO / "tools" / "checkpoint" / "export_quantized_hf.py"
 DOCUMENT = 7
@@ -63,23 +60,15 @@ def our_logits(
     """Our model's logits with ``quant`` fake-quantizing it, or (``weights_only``) with its
     decoder weights rounded as tools/quantize.py --method rtn does (then to ``weight_dtype``)
     and its inputs unquantized."""
-    model = checkpoint.load_model_config(save)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
-    try:
-        config = transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
-        chunk = build_model(model, config)[0]
-        checkpoint.load_model(save, [chunk])
+    with cpu_models() as models:
+        chunk = models.build(load=save, quant=None if weights_only else quant)
         if weights_only:
             with torch.no_grad():
                 for _, module in decoder_linears(chunk):
                     module.weight.copy_(rtn_weight(module.weight, quant).to(weight_dtype))
-        elif quant is not None:
-            apply_fake_quant([chunk], quant)
         ids = tokens() if ids is None else ids
         with torch.no_grad():
             return chunk.eval()(ids, torch.arange(ids.shape[1]).unsqueeze(0), None).float()
-    finally:
-        parallel.shutdown()
 
 
 def our_state(save: Path) -> tuple[dict[str, torch.Tensor], object]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.apertus.checkpoint import load_model_config
 from megatron.apertus.convert.hf_io import single_process
 from megatron.apertus.convert.quant_io import (
     calibration_hessians,
@@ -20,7 +21,7 @@ from megatron.apertus.convert.quant_io import (
     read_state,
     rtn_weight,
 )
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import (
     fake_fp8,
@@ -30,7 +31,6 @@ from megatron.apertus.quant.formats import (
 )
 from megatron.apertus.quant.gptq import column_grid, gptq, gptq_grid, hessian, rtn
 from megatron.apertus.quant.layers import LinearQuantizers, decoder_linears
-from megatron.apertus.training.checkpoint import load_model_config
 from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 from tests.distill.test_distillation import (  # noqa: F401 (fixtures)
     STUDENT_DATA,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.apertus.training.checkpoint_files import MODEL_CONFIG, iteration_dir, latest_iteration
+from megatron.apertus.checkpoint_files import MODEL_CONFIG, iteration_dir, latest_iteration
 from megatron.apertus.training.metrics import read_history
 from tests.conftest import REPO
 

@@ -7,39 +7,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.apertus import parallel
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.training import checkpoint
+from megatron.apertus import checkpoint
+from megatron.apertus.model import preset
 
 
-@pytest.fixture
-def cpu():
-    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
-    yield
-    parallel.shutdown()
-
-
-def tiny(**fields):
+def tiny(tiny_cpu, **fields):
     model = preset("tiny", **fields)
-    config = transformer_config(model, ParallelConfig(), use_cpu_initialization=True)
-    return model, build_model(model, config)[0]
+    return model, tiny_cpu.build(model)
 
 
-def test_weights_round_trip(cpu, tmp_path):
-    model, saved = tiny()
+def test_weights_round_trip(tiny_cpu, tmp_path):
+    model, saved = tiny(tiny_cpu)
     checkpoint.save_model(tmp_path, 0, [saved], model)
-    _, loaded = tiny()
+    _, loaded = tiny(tiny_cpu)
     checkpoint.load_model(tmp_path, [loaded])
     for (name, want), got in zip(saved.state_dict().items(), loaded.state_dict().values()):
         if torch.is_tensor(want):
             assert torch.equal(want, got), name
 
 
-def test_a_checkpoint_missing_weights_is_refused_naming_them(cpu, tmp_path):
-    model, saved = tiny(qk_layernorm=False)
+def test_a_checkpoint_missing_weights_is_refused_naming_them(tiny_cpu, tmp_path):
+    model, saved = tiny(tiny_cpu, qk_layernorm=False)
     checkpoint.save_model(tmp_path, 0, [saved], model)
-    _, needs_qk_norms = tiny(qk_layernorm=True)
+    _, needs_qk_norms = tiny(tiny_cpu, qk_layernorm=True)
     with pytest.raises(checkpoint.CheckpointMismatch, match="k_layernorm") as err:
         checkpoint.load_model(tmp_path, [needs_qk_norms])
     assert str(tmp_path) in str(err.value) and "\n" not in str(err.value)

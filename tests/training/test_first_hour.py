@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.apertus.training import checkpoint
+from megatron.apertus import checkpoint
 from tests.conftest import PRETRAIN, REPO, run_entry
 
 BASE = ["--model-preset", "tiny", "--global-batch-size", "2", "--micro-batch-size", "1",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.apertus.training import checkpoint
+from megatron.apertus import checkpoint
 from megatron.apertus.training.loop import TrainingStopped, train
 from tests.conftest import PRETRAIN, read_json, run_entry, series
 

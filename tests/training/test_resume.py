@@ -15,11 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.apertus import parallel
-from megatron.apertus.model import ParallelConfig, transformer_config
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.training import checkpoint
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from megatron.apertus import checkpoint
+from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
 
 ITERS = 6
 COMMON = [
@@ -32,15 +29,9 @@ COMMON = [
 
 def final_weights(save_dir: Path) -> dict[str, torch.Tensor]:
     """The saved model, loaded into a one-process TP=1/PP=1 model on CPU."""
-    model_config = checkpoint.load_model_config(save_dir)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
-    try:
-        chunk = build_model(model_config, transformer_config(model_config, ParallelConfig(),
-                                                             use_cpu_initialization=True))[0]  # fmt: skip
-        checkpoint.load_model(save_dir, [chunk])
+    with cpu_models() as models:
+        chunk = models.build(load=save_dir)
         return {k: v.clone() for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
-    finally:
-        parallel.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.apertus import parallel
-from megatron.apertus.model import ParallelConfig, transformer_config
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.training import checkpoint
-from megatron.apertus.training.checkpoint_files import read_run_info
+from megatron.apertus import checkpoint
+from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.training.loop import Trainer, train
-from megatron.apertus.training.metrics import flops_per_token
-from tests.conftest import PRETRAIN, read_json, run_entry, series
+from tests.conftest import PRETRAIN, cpu_models, read_json, run_entry, series
 from tests.training.test_first_hour import refused
 
 BASE = (
@@ -64,17 +61,8 @@ def trained(tmp_path_factory):
 @contextlib.contextmanager
 def _loaded(save) -> Iterator[torch.nn.Module]:
     """The model of checkpoint ``save``, loaded into one CPU process."""
-    model_config = checkpoint.load_model_config(save)
-    parallel.initialize(ParallelConfig(), device="cpu", seed=0)
-    try:
-        chunk = build_model(
-            model_config,
-            transformer_config(model_config, ParallelConfig(), use_cpu_initialization=True),
-        )[0]
-        checkpoint.load_model(save, [chunk])
-        yield chunk
-    finally:
-        parallel.shutdown()
+    with cpu_models() as models:
+        yield models.build(load=save)
 
 
 def _weights_only(source, target) -> None:

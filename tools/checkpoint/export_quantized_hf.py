@@ -19,7 +19,6 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from megatron.apertus.quant.config import QuantConfig
     from megatron.apertus.training import config as C
 
     parser = argparse.ArgumentParser(
@@ -43,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calibration-samples", type=int, default=128,
                         help="nvfp4: how many of its first documents (each cut to the model's "
                         "sequence length)")  # fmt: skip
-    C.add_arguments(parser, QuantConfig, title="format")
+    C.add_run_arguments(parser, ("quant",), titles={"quant": "format"})
     args = parser.parse_args(argv)
     if args.quant_format is None:
         parser.error("--quant-format is required")
@@ -61,8 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from megatron.apertus.convert.hf import ConversionError
     from megatron.apertus.convert.quant_export import calibration_documents, export_quantized
-    from megatron.apertus.model.config import ConfigError
-    from megatron.apertus.quant.config import QuantConfig
+    from megatron.apertus.errors import ConfigError
     from megatron.apertus.training import config as C
 
     calibration = None
@@ -71,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
             args.calibration_data, args.calibration_samples, seq_length
         )
     try:
-        out = export_quantized(args.load, args.output, C.from_arguments(QuantConfig, args),
+        quant = C.groups_from_arguments(args, ("quant",))["quant"]
+        out = export_quantized(args.load, args.output, quant,
                                tokenizer=args.tokenizer, calibration=calibration)  # fmt: skip
     except (ConfigError, ConversionError, FileExistsError, FileNotFoundError) as err:
         print(f"export_quantized_hf.py: error: {err}", file=sys.stderr)

@@ -9,7 +9,8 @@ from megatron.apertus.align.losses import OBJECTIVES
 
 
 def _help(text: str, default):
-    return field(default=default, metadata={"help": text})
+    """Every alignment flag is ours: neither Megatron-LM nor the Apertus fork has one."""
+    return field(default=default, metadata={"help": text, "ours": True})
 
 
 @dataclass(kw_only=True, frozen=True)

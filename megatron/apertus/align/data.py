@@ -33,7 +33,7 @@ from megatron.apertus.data.chat import (
 )
 from megatron.apertus.data.preprocess import decode_line
 from megatron.apertus.data.tokenizer import Tokenizer
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 
 SEQUENCES = {"dpo": 2, "qrpo": 1}
 """Sequences (completions) per example."""

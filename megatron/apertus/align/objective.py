@@ -18,7 +18,7 @@ import torch
 from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.align.losses import dpo_loss, qrpo_loss, sequence_log_ratio
 from megatron.apertus.data.batches import Batch
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 
 
 def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

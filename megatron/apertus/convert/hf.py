@@ -22,7 +22,8 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron.apertus.model.config import ApertusConfig, ConfigError
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
 
 Tensor = torch.Tensor

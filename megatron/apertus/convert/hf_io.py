@@ -21,6 +21,13 @@ from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig
 
 from megatron.apertus import parallel
+from megatron.apertus.checkpoint import (
+    load_model,
+    load_model_config,
+    resolve_checkpoint,
+    save_model,
+)
+from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.convert.hf import (
     ConversionError,
     apertus_config_from_hf,
@@ -31,33 +38,29 @@ from megatron.apertus.convert.hf import (
 )
 from megatron.apertus.convert.hf_tokenizer import tokenizer_source, write_hf_tokenizer
 from megatron.apertus.convert.model_card import model_card
-from megatron.apertus.model.builder import build_model, transformer_config
+from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
-from megatron.apertus.training.checkpoint import (
-    load_model,
-    load_model_config,
-    resolve_checkpoint,
-    save_model,
-)
-from megatron.apertus.training.checkpoint_files import read_run_info
+from megatron.apertus.quant.config import QuantConfig
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 @contextlib.contextmanager
-def single_process(model: ApertusConfig) -> Iterator[torch.nn.Module]:
-    """A fp32 TP=1/PP=1 CPU model of ``model``, torn down on exit. Its random init is skipped:
-    every weight is to be replaced (loaded from a checkpoint or copied in)."""
+def single_process(
+    model: ApertusConfig, quant: QuantConfig | None = None
+) -> Iterator[torch.nn.Module]:
+    """A fp32 TP=1/PP=1 CPU model of ``model`` (fake-quantizing as ``quant`` says), torn down
+    on exit. Its random init is skipped: every weight is to be replaced (loaded from a
+    checkpoint or copied in)."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConversionError("HF conversion runs in one process; do not start it with torchrun")
     layout = ParallelConfig()
     parallel.initialize(layout, device="cpu", seed=0, model=model)
     try:
-        config = transformer_config(
-            model, layout, use_cpu_initialization=True, perform_initialization=False
+        (chunk,) = build_model(
+            model, layout, quant=quant, use_cpu_initialization=True, perform_initialization=False
         )
-        (chunk,) = build_model(model, config)
         yield chunk
     finally:
         parallel.shutdown()

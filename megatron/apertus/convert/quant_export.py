@@ -44,6 +44,7 @@ from compressed_tensors.quantization.utils import generate_gparam
 from safetensors.torch import save_file
 from torch import Tensor
 
+from megatron.apertus.checkpoint import load_model, load_model_config
 from megatron.apertus.convert.hf import ConversionError
 from megatron.apertus.convert.hf_io import (
     SAFETENSORS,
@@ -52,11 +53,10 @@ from megatron.apertus.convert.hf_io import (
     single_process,
 )
 from megatron.apertus.data.datasets import check_prefixes
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import fp8_scale, int_quantize, nvfp4_quantize, round_e4m3
-from megatron.apertus.quant.layers import apply_fake_quant, decoder_linears
-from megatron.apertus.training.checkpoint import load_model, load_model_config
+from megatron.apertus.quant.layers import decoder_linears
 
 HF_PROJECTIONS = {
     "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -186,9 +186,8 @@ def calibrate_input_amax(
 
         return hook
 
-    with single_process(model) as chunk:
+    with single_process(model, quant) as chunk:
         load_model(load, [chunk])
-        apply_fake_quant([chunk], quant)
         handles = [m.register_forward_pre_hook(record(n)) for n, m in decoder_linears(chunk)]
         with torch.no_grad():
             for tokens in samples:

@@ -16,21 +16,22 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron.apertus.convert.hf_io import model_tensors, single_process
-from megatron.apertus.distill.logit_store import LogitStoreReader, sample_key
-from megatron.apertus.distill.targets import sample_tokens
-from megatron.apertus.model.config import ApertusConfig, ConfigError
-from megatron.apertus.quant.config import QuantConfig
-from megatron.apertus.quant.formats import fake_fp8, fake_nvfp4
-from megatron.apertus.quant.gptq import column_grid, gptq_grid, hessian, rtn
-from megatron.apertus.quant.layers import decoder_linears
-from megatron.apertus.quant.transforms import average_states, fuse_norms
-from megatron.apertus.training.checkpoint import (
+from megatron.apertus.checkpoint import (
     load_model,
     load_model_config,
     resolve_checkpoint,
     save_model,
 )
+from megatron.apertus.convert.hf_io import model_tensors, single_process
+from megatron.apertus.distill.logit_store import LogitStoreReader, sample_key
+from megatron.apertus.distill.targets import sample_tokens
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ApertusConfig
+from megatron.apertus.quant.config import QuantConfig
+from megatron.apertus.quant.formats import fake_fp8, fake_nvfp4
+from megatron.apertus.quant.gptq import column_grid, gptq_grid, hessian, rtn
+from megatron.apertus.quant.layers import decoder_linears
+from megatron.apertus.quant.transforms import average_states, fuse_norms
 
 ITERATION_DIR = re.compile(r"iter_(\d{7})$")
 

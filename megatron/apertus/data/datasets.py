@@ -28,7 +28,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.apertus.data.corpus import embedded_corpus_prefix
 from megatron.apertus.data.sft import ChatGPTDataset, check_mask_pair
 from megatron.apertus.data.tokenizer import Tokenizer
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 
 log = logging.getLogger("apertus.data")
 
@@ -54,8 +54,11 @@ class DatasetConfig:
     data_cache_path: str | None = None
     """Where megatron-core caches sample indices (and the embedded corpus is preprocessed)."""
     reset_position_ids: bool = False
+    """Restart position ids at every document of a packed sample."""
     reset_attention_mask: bool = False
+    """Packed documents never attend to each other (document masking)."""
     eod_mask_loss: bool = False
+    """Leave the end-of-document positions out of the loss."""
     num_dataset_builder_threads: int = field(default=1, metadata={"help": (
         "threads that build the sample indices of a blend's datasets (megatron-core's); the "
         "indices are the same for any number")})  # fmt: skip

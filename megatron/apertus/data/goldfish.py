@@ -42,8 +42,10 @@ class GoldfishConfig:
     """Drop one position in k."""
     h: int = 50
     """Context width of the hash: the labels ending at the position, inclusive."""
-    hash: str = "mix64"
-    exempt_special: bool = field(default=False, metadata={"switch": True, "help": (
+    hash: str = field(default="mix64", metadata={"ours": True})
+    """Which positions drop: mix64 (SplitMix64 of the context) or apertus (the Apertus fork's
+    table rule, for parity)."""
+    exempt_special: bool = field(default=False, metadata={"switch": True, "ours": True, "help": (
         "never drop the loss of control tokens (begin/end of document, chat tokens), as the "
         "Apertus-2 recipe does; off: every label is a candidate, as in Apertus-1")})  # fmt: skip
 

@@ -23,7 +23,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus.data.chat import loss_mask_prefix
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 
 MASK_SHIFT = 32
 

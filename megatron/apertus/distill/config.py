@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.ops.sparse_kl import DEFAULT_TAIL, TAIL_MODES
 
 
@@ -13,14 +13,17 @@ from megatron.apertus.ops.sparse_kl import DEFAULT_TAIL, TAIL_MODES
 class DistillConfig:
     distill_logits_path: Optional[str] = field(
         default=None,
-        metadata={"help": "teacher top-k logits (tools/generate_teacher_logits.py) to distil from"},
+        metadata={"ours": True,
+                  "help": "teacher top-k logits (tools/generate_teacher_logits.py) to distil from"},
     )
     kd_alpha: float = field(
-        default=0.9, metadata={"help": "loss = alpha * KL(teacher || student) + (1 - alpha) * CE"}
+        default=0.9,
+        metadata={"ours": True, "help": "loss = alpha * KL(teacher || student) + (1 - alpha) * CE"},
     )
     kd_tail: str = field(
         default=DEFAULT_TAIL,
-        metadata={"help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)}"},
+        metadata={"ours": True,
+                  "help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)}"},
     )
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from megatron.apertus.distill.logit_store import (
     TopKBatch,
     sample_key,
 )
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.fused_loss import TeacherTargets
 
 log = logging.getLogger("apertus.distill")

@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from dataclasses import dataclass, field, replace
+from typing import NoReturn
 
+import torch
+
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch import memory
 from megatron.apertus.launch.memory import Recompute, Shape, StageMemory, Workload
-from megatron.apertus.model.config import (
-    ApertusConfig,
-    ConfigError,
-    ParallelConfig,
-    validate_layout,
-)
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig, validate_layout
+from megatron.apertus.model.flops import flops_per_token
+from megatron.apertus.parallel import resolve_device
 from megatron.apertus.training import config as C
-from megatron.apertus.training.metrics import flops_per_token
 
 GIB = 2**30
 FORWARD_ONLY_ENTRIES = ("tools/generate_teacher_logits.py",)
@@ -111,12 +113,14 @@ class Plan:
 # -- reading a run's flags -------------------------------------------------------------------
 
 
+PLANNED_GROUPS = ("model", "parallel", "training", "optimizer")
+"""The config groups of ``pretrain_gpt.py``'s command line that a layout depends on."""
+
+
 def _parser() -> argparse.ArgumentParser:
     """The layout-relevant part of ``pretrain_gpt.py``'s command line (same generated flags)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    C.add_model_arguments(parser)
-    C.add_arguments(parser, C.TrainingConfig, title="training")
-    C.add_arguments(parser, C.OptimizerSettings, title="optimizer")
+    C.add_run_arguments(parser, PLANNED_GROUPS)
     return parser
 
 
@@ -124,14 +128,7 @@ def run_from_args(argv: list[str], *, forward_only: bool = False) -> Run:
     """The run described by an entry point's flags; flags the planner does not need are ignored."""
     args, _ = _parser().parse_known_args(argv)
     try:
-        model = C.model_from_arguments(args)
-        return Run(
-            model=model,
-            parallel=C.parallel_from_arguments(args, model),
-            training=C.from_arguments(C.TrainingConfig, args),
-            optimizer=C.from_arguments(C.OptimizerSettings, args),
-            forward_only=forward_only,
-        )
+        return Run(**C.groups_from_arguments(args, PLANNED_GROUPS), forward_only=forward_only)
     except ValueError as err:  # ConfigError is a ValueError
         raise ConfigError(str(err)) from err
 
@@ -373,3 +370,30 @@ def _memory_lines(p: Plan) -> list[str]:
 def _few(stages: list[StageMemory]) -> list[StageMemory]:
     """First, second and last stage (the middle ones repeat the second)."""
     return stages if len(stages) <= 3 else [stages[0], stages[1], stages[-1]]
+
+
+def _processes() -> tuple[int, int]:
+    """(processes, processes per node) this command runs as: torchrun's, else Slurm's, else 1."""
+    env = os.environ
+    if "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return world, int(env.get("LOCAL_WORLD_SIZE", world))
+    if "SLURM_NTASKS" in env:
+        world = int(env["SLURM_NTASKS"])
+        per_node = env.get("SLURM_NTASKS_PER_NODE", str(world)).split("(")[0]
+        return world, int(per_node)
+    return 1, 1
+
+
+def dry_run(argv: list[str], device: str) -> NoReturn:
+    """Print the plan of the run ``argv`` describes for the processes this command runs as, on
+    ``device`` (--device), and exit: 0 when it can run, 1 when not (rank 0 prints under
+    torchrun)."""
+    gpus, per_node = _processes()
+    on_gpu = resolve_device(device) == "cuda"
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else None
+    result = plan(run_from_args(argv), Cluster(gpus=gpus, gpus_per_node=per_node,
+                                               gpu_memory_gib=gib))  # fmt: skip
+    if os.environ.get("RANK", "0") == "0":
+        print(format_plan(result, name="dry run"))
+    sys.exit(0 if result.ok else 1)

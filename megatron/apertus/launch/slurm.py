@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron.apertus.training.checkpoint_files import latest_iteration, unfinished_checkpoints
+from megatron.apertus.checkpoint_files import latest_iteration, unfinished_checkpoints
 
 NETWORK_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective ends the job instead of hanging

@@ -21,8 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch.planner import Cluster, Plan, format_plan, plan, run_from_command
-from megatron.apertus.model.config import ConfigError
 
 REPO = Path(os.environ.get("APERTUS_REPO") or Path(__file__).resolve().parents[3])
 

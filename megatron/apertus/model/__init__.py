@@ -1,17 +1,11 @@
 """The Apertus model as a megatron-core ``GPTModel`` built from our layer spec."""
 
 from megatron.apertus.model.builder import build_model_chunk, transformer_config
-from megatron.apertus.model.config import (
-    ApertusConfig,
-    ConfigError,
-    ParallelConfig,
-    validate_layout,
-)
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig, validate_layout
 from megatron.apertus.model.presets import PRESETS, preset
 
 __all__ = [
     "ApertusConfig",
-    "ConfigError",
     "PRESETS",
     "ParallelConfig",
     "build_model_chunk",

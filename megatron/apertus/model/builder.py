@@ -14,6 +14,8 @@ from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.model.engine import EngineConfig, transformer_config_fields
 from megatron.apertus.model.fused_loss import FusedLossGPTModel
 from megatron.apertus.model.spec import apertus_block_spec
+from megatron.apertus.model.topk import TopKGPTModel
+from megatron.apertus.quant.config import QuantConfig
 
 
 def transformer_config(
@@ -90,17 +92,27 @@ def build_model_chunk(
     *,
     xielu_impl: str = "auto",
     fused_loss: bool = False,
+    quant: QuantConfig | None = None,
+    topk: int | None = None,
+    topk_chunk_rows: int | None = None,
 ) -> GPTModel:
     """The part of the model that this rank holds for virtual stage ``vp_stage``.
 
     ``fused_loss``: the last stage returns the summed loss of a fused output layer + loss
-    (:mod:`megatron.apertus.model.fused_loss`) instead of per-token losses.
+    (:mod:`megatron.apertus.model.fused_loss`) instead of per-token losses. ``quant``: the
+    decoder's linears fake-quantize (:mod:`megatron.apertus.quant.layers`). ``topk``: the last
+    stage returns the top-``topk`` ids and log-probabilities instead of logits, computed
+    ``topk_chunk_rows`` tokens at a time (:mod:`megatron.apertus.model.topk`; the teacher).
     """
     virtual = config.virtual_pipeline_model_parallel_size is not None
-    model_class = FusedLossGPTModel if fused_loss else GPTModel
+    model_class, head = FusedLossGPTModel if fused_loss else GPTModel, {}
+    if topk is not None:
+        model_class, head = TopKGPTModel, {"topk": topk, "chunk_rows": topk_chunk_rows}
     return model_class(
+        **head,
         config=config,
-        transformer_layer_spec=apertus_block_spec(model, config, vp_stage, xielu_impl=xielu_impl),
+        transformer_layer_spec=apertus_block_spec(model, config, vp_stage, xielu_impl=xielu_impl,
+                                                  quant=quant),  # fmt: skip
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(
@@ -120,15 +132,24 @@ def build_model_chunk(
 
 def build_model(
     model: ApertusConfig,
-    config: TransformerConfig,
+    parallel: ParallelConfig,
     *,
     xielu_impl: str = "auto",
     fused_loss: bool = False,
+    quant: QuantConfig | None = None,
+    topk: int | None = None,
+    topk_chunk_rows: int | None = None,
+    **config,
 ) -> list[GPTModel]:
-    """All model chunks of this rank (more than one with interleaved pipeline stages)."""
-    chunks = config.virtual_pipeline_model_parallel_size or 1
+    """All model chunks of this rank (more than one with interleaved pipeline stages), built
+    from the :func:`transformer_config` that ``config`` completes; each chunk keeps it as
+    ``.config``. The one place where training, the teacher-logit runner, conversions and tests
+    build a model."""
+    tconfig = transformer_config(model, parallel, **config)
+    chunks = tconfig.virtual_pipeline_model_parallel_size or 1
     vp = [None] if chunks == 1 else list(range(chunks))
     return [
-        build_model_chunk(model, config, vp_stage=v, xielu_impl=xielu_impl, fused_loss=fused_loss)
+        build_model_chunk(model, tconfig, vp_stage=v, xielu_impl=xielu_impl, fused_loss=fused_loss,
+                          quant=quant, topk=topk, topk_chunk_rows=topk_chunk_rows)  # fmt: skip
         for v in vp
     ]

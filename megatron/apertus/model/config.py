@@ -15,11 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the command-line argument."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -27,25 +24,39 @@ class ApertusConfig:
     """The Apertus decoder: xIELU MLP, QK-norm, GQA, RoPE with llama3 scaling, RMSNorm."""
 
     num_layers: int
+    """Transformer layers."""
     hidden_size: int
+    """Width of the residual stream."""
     ffn_hidden_size: int
     """Width of the non-gated xIELU MLP (1.5x what a SwiGLU MLP of the same cost would use)."""
     num_attention_heads: int
+    """Query heads."""
     num_query_groups: int
     """Key/value heads (GQA)."""
     vocab_size: int = 131072
+    """Rows of the embedding and the output layer (the tokenizer's vocabulary, padded)."""
     seq_length: int = 4096
+    """Tokens per training sample."""
     max_position_embeddings: int = 4096
+    """Longest sequence the model is built for (at least --seq-length)."""
     rotary_base: int = 500000
-    rope_scaling: bool = True
+    """RoPE base frequency."""
+    rope_scaling: bool = field(default=True, metadata={"ours": True})
     """llama3 frequency scaling (low 1, high 4, original context 8192)."""
     rope_scaling_factor: float = 8.0
+    """llama3 RoPE scaling factor."""
     norm_epsilon: float = 1e-5
+    """Epsilon of every RMSNorm."""
     init_method_std: float = 0.008944
+    """Standard deviation of the normal initialisation of the weights."""
     untie_embeddings_and_output_weights: bool = True
+    """Separate input embedding and output layer weights (off: one shared matrix)."""
     qk_layernorm: bool = True
-    xielu_beta: float = XIELU_BETA
-    xielu_eps: float = XIELU_EPS
+    """RMSNorm on queries and keys of every head (QK-norm)."""
+    xielu_beta: float = field(default=XIELU_BETA, metadata={"ours": True})
+    """xIELU's fixed beta (the linear coefficient of both branches)."""
+    xielu_eps: float = field(default=XIELU_EPS, metadata={"ours": True})
+    """xIELU's fixed epsilon (clamps the negative branch's input below 0)."""
 
     @property
     def kv_channels(self) -> int:
@@ -102,10 +113,15 @@ class ParallelConfig:
     how long the collectives between those processes may wait."""
 
     tensor_model_parallel_size: int = 1
+    """Processes that split each layer's weights (tensor parallelism)."""
     pipeline_model_parallel_size: int = 1
+    """Processes that split the layers into consecutive stages (pipeline parallelism)."""
     virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved pipeline: model chunks (virtual stages) per pipeline rank."""
     sequence_parallel: bool = False
+    """With tensor parallelism: split norms and activations along the sequence as well."""
     context_parallel_size: int = 1
+    """Processes that split each sequence (context parallelism)."""
     distributed_timeout_minutes: int | None = field(
         default=None,
         metadata={

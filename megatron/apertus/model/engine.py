@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from megatron.core.transformer.enums import AttnBackend
 
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 
 IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.apertus.model.config import ApertusConfig, ConfigError
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ApertusConfig
 
 PRESETS: dict[str, ApertusConfig] = {
     "apertus-8b": ApertusConfig(

@@ -4,7 +4,9 @@ Slots: RMSNorm before attention and MLP; fused-QKV column-parallel projection; p
 RMSNorm on queries and keys (applied by megatron-core before RoPE); core attention;
 non-gated MLP ``fc2(xIELU(fc1(x)))`` with the xIELU module built from the spec.
 
-* ``local``: our RMSNorm, megatron-core's parallel linears, SDPA / varlen attention.
+* ``local``: our RMSNorm, megatron-core's parallel linears, SDPA / varlen attention. A run that
+  quantizes (``--quant-format``) fills the four linear slots with the fake-quantizing
+  subclasses of :mod:`megatron.apertus.quant.layers`.
 * ``transformer_engine``: the pre-attention and pre-MLP RMSNorms fused into the QKV and fc1
   linears (``TELayerNormColumnParallelLinear``), TE row-parallel linears, TE RMSNorm for
   QK-norm and the final norm, ``TEDotProductAttention``. Imported only when asked for.
@@ -30,9 +32,12 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.attention import SDPAttention
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.layers import XIELU, RMSNorm
+from megatron.apertus.quant.config import QuantConfig
+from megatron.apertus.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear
 
 
 def _xielu_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
@@ -44,8 +49,15 @@ def _xielu_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
     )
 
 
+def _linear(module: type, quantized: type, slot: str, quant: QuantConfig | None):
+    """A linear slot: ``module``, or its fake-quantizing subclass when ``quant`` is enabled."""
+    if quant is None or not quant.enabled:
+        return module
+    return ModuleSpec(module=quantized, params={"quant": quant, "slot": slot})
+
+
 def _attention_spec(
-    model: ApertusConfig, *, qkv: type, core: type, proj: type, norm: type
+    model: ApertusConfig, *, qkv, core: type, proj, norm: type
 ) -> ModuleSpec:
     """Causal self-attention from one implementation's modules; ``norm`` is the QK-norm."""
     return ModuleSpec(
@@ -61,7 +73,7 @@ def _attention_spec(
     )
 
 
-def _mlp_spec(model: ApertusConfig, xielu_impl: str, *, fc1: type, fc2: type) -> ModuleSpec:
+def _mlp_spec(model: ApertusConfig, xielu_impl: str, *, fc1, fc2) -> ModuleSpec:
     """The non-gated MLP ``fc2(xIELU(fc1(x)))``."""
     return ModuleSpec(
         module=MLP,
@@ -77,16 +89,25 @@ def apertus_layer_spec(
     xielu_impl: str = "auto",
     transformer_impl: str = "local",
     attention_backend: AttnBackend = AttnBackend.auto,
+    quant: QuantConfig | None = None,
 ) -> ModuleSpec:
-    """One Apertus transformer layer built from ``transformer_impl``'s modules."""
+    """One Apertus transformer layer built from ``transformer_impl``'s modules; ``quant``
+    fake-quantizes its linears (local layers only: Transformer Engine's do their own matmul)."""
     if transformer_impl == "transformer_engine":
+        if quant is not None and quant.enabled:
+            raise ConfigError("--quant-format needs --transformer-impl local (the Transformer "
+                              "Engine linears do their own matmul)")  # fmt: skip
         return _te_layer_spec(model, xielu_impl, attention_backend)
     if transformer_impl != "local":
         raise ValueError(f"unknown transformer_impl {transformer_impl!r}")
+    column, row = ColumnParallelLinear, RowParallelLinear
+    quant_column, quant_row = QuantColumnParallelLinear, QuantRowParallelLinear
     attention = _attention_spec(
-        model, qkv=ColumnParallelLinear, core=SDPAttention, proj=RowParallelLinear, norm=RMSNorm
-    )
-    mlp = _mlp_spec(model, xielu_impl, fc1=ColumnParallelLinear, fc2=RowParallelLinear)
+        model, qkv=_linear(column, quant_column, "linear_qkv", quant), core=SDPAttention,
+        proj=_linear(row, quant_row, "linear_proj", quant), norm=RMSNorm,
+    )  # fmt: skip
+    mlp = _mlp_spec(model, xielu_impl, fc1=_linear(column, quant_column, "linear_fc1", quant),
+                    fc2=_linear(row, quant_row, "linear_fc2", quant))  # fmt: skip
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -148,11 +169,13 @@ def apertus_block_spec(
     vp_stage: Optional[int] = None,
     *,
     xielu_impl: str = "auto",
+    quant: QuantConfig | None = None,
 ) -> TransformerBlockSubmodules:
     """The layers of this pipeline (virtual) stage plus the final RMSNorm, built from the
     implementation named by ``config.transformer_impl``."""
     impl = config.transformer_impl
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     layer = apertus_layer_spec(model, xielu_impl=xielu_impl, transformer_impl=impl,
-                               attention_backend=config.attention_backend)  # fmt: skip
+                               attention_backend=config.attention_backend,
+                               quant=quant)  # fmt: skip
     return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_final_norm(impl))

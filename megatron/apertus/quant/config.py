@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.quant.formats import ACTIVATION_FORMATS, FORMATS, INT_BITS
 
 FP8_SCALINGS = ("tensor", "channel")
@@ -16,6 +16,7 @@ class QuantConfig:
     quant_format: Optional[str] = field(
         default=None,
         metadata={
+            "ours": True,
             "help": f"fake-quantize the decoder's linear layers on every forward pass "
             f"(straight-through gradient): {', '.join(FORMATS)}; int* are weight-only, fp8 and "
             "nvfp4 quantize weights and activations"
@@ -23,23 +24,27 @@ class QuantConfig:
     )
     quant_group_size: int = field(
         default=128,
-        metadata={"help": "int* formats: elements per scale along the input dimension; -1: one "
+        metadata={"ours": True,
+                  "help": "int* formats: elements per scale along the input dimension; -1: one "
                   "scale per output channel"},  # fmt: skip
     )
     quant_symmetric: bool = field(
         default=True,
-        metadata={"help": "int* formats: symmetric (no zero point); --no-quant-symmetric adds "
+        metadata={"ours": True,
+                  "help": "int* formats: symmetric (no zero point); --no-quant-symmetric adds "
                   "a zero point per group"},  # fmt: skip
     )
     quant_fp8_scaling: str = field(
         default="tensor",
-        metadata={"help": "fp8: one scale per tensor, or per channel (weights: per output "
+        metadata={"ours": True,
+                  "help": "fp8: one scale per tensor, or per channel (weights: per output "
                   "channel, activations: per token)"},  # fmt: skip
     )
     quant_activations_only: bool = field(
         default=False,
         metadata={
             "switch": True,
+            "ours": True,
             "help": "fp8 and nvfp4: fake-quantize the layer inputs only and use the weights as "
             "loaded, for a checkpoint whose weights tools/quantize.py already quantized (GPTQ's "
             "values lie on the grid of the original weights' scales, which quantizing them "

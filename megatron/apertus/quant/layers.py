@@ -1,10 +1,11 @@
 """Fake quantization inside megatron-core's parallel linear layers of the decoder.
 
-:func:`apply_fake_quant` binds a quantizing ``_forward_impl`` to every ``linear_qkv``,
-``linear_proj``, ``linear_fc1`` and ``linear_fc2`` of the decoder: the weight (and, for fp8
-and nvfp4, the layer's input; with ``--quant-activations-only`` the input alone) is
-fake-quantized just before megatron-core's matmul, after the layer has done its own
-tensor-parallel communication of the input. Parameters, state-dict keys and checkpoints are
+The layer spec (``model/spec.py``) fills the ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and
+``linear_fc2`` slots of the decoder with :class:`QuantColumnParallelLinear` and
+:class:`QuantRowParallelLinear` when a run quantizes: subclasses of megatron-core's parallel
+linears whose ``_forward_impl`` fake-quantizes the weight (and, for fp8 and nvfp4, the layer's
+input; with ``--quant-activations-only`` the input alone) just before megatron-core's matmul,
+after the layer has done its own tensor-parallel communication of the input. Parameters, state-dict keys and checkpoints are
 untouched: training keeps full-precision master weights, as QAT does, and a QAD checkpoint
 loads into any model. The embedding and the output layer stay unquantized.
 
@@ -15,15 +16,13 @@ every layout fake-quantizes the same full tensors.
 
 from __future__ import annotations
 
-import functools
-import types
 from typing import Callable, Iterator
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor
 
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import NVFP4_BLOCK, fake_fp8, fake_int, fake_nvfp4
 
@@ -87,16 +86,6 @@ class LinearQuantizers:
         return fake_fp8(t, per_row=per_row, reduce=self.row_max if per_row else self.tensor_max)
 
 
-def _quantized_forward_impl(self, input, weight, *args, quantizers: LinearQuantizers, **kwargs):
-    """megatron-core's matmul on the fake-quantized input and weight. Gradient-accumulation
-    fusion writes into ``weight.main_grad``, which the quantized copy has not: the gradient
-    goes to ``param.grad`` and megatron-core's DDP hook accumulates it instead."""
-    kwargs["gradient_accumulation_fusion"] = False
-    return type(self)._forward_impl(
-        self, quantizers.input(input), quantizers.weight(weight), *args, **kwargs
-    )
-
-
 def _check_divisible(name: str, module: torch.nn.Module, cfg: QuantConfig) -> None:
     features = module.weight.shape[1]
     if cfg.int_bits is not None and cfg.quant_group_size > 0:
@@ -112,26 +101,35 @@ def _check_divisible(name: str, module: torch.nn.Module, cfg: QuantConfig) -> No
         )
 
 
-def apply_fake_quant(chunks: list[torch.nn.Module], cfg: QuantConfig) -> int:
-    """Make the decoder linears of ``chunks`` fake-quantize per ``cfg``; the number of layers.
+class QuantColumnParallelLinear(ColumnParallelLinear):
+    """megatron-core's column-parallel linear on fake-quantized weight and input; ``slot`` names
+    the layer's place (``linear_qkv``, ``linear_fc1``) in size errors."""
 
-    Raises :class:`ConfigError` for a layer that is not megatron-core's local parallel linear
-    (Transformer Engine layers do their own matmul) or whose size the format cannot split.
-    """
-    if not cfg.enabled:
-        return 0
-    count = 0
-    for chunk in chunks:
-        for name, module in decoder_linears(chunk):
-            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                raise ConfigError(
-                    f"--quant-format needs --transformer-impl local ({name} is "
-                    f"{type(module).__name__})"
-                )
-            _check_divisible(name, module, cfg)
-            quantizers = LinearQuantizers(cfg, row_parallel=isinstance(module, RowParallelLinear),
-                                          tp_group=module.tp_group)  # fmt: skip
-            impl = functools.partial(_quantized_forward_impl, quantizers=quantizers)
-            module._forward_impl = types.MethodType(impl, module)
-            count += 1
-    return count
+    def __init__(self, *args, quant: QuantConfig, slot: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _check_divisible(slot, self, quant)
+        self.quantizers = LinearQuantizers(quant, row_parallel=False, tp_group=self.tp_group)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        # Gradient-accumulation fusion writes into ``weight.main_grad``, which the quantized copy
+        # has not: the gradient goes to ``param.grad`` and megatron-core's DDP hook accumulates it.
+        kwargs["gradient_accumulation_fusion"] = False
+        q = self.quantizers
+        return super()._forward_impl(q.input(input), q.weight(weight), *args, **kwargs)
+
+
+class QuantRowParallelLinear(RowParallelLinear):
+    """megatron-core's row-parallel linear on fake-quantized weight and input (``linear_proj``,
+    ``linear_fc2``); maxima over rows and tokens reduce over its tensor-parallel group."""
+
+    def __init__(self, *args, quant: QuantConfig, slot: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _check_divisible(slot, self, quant)
+        self.quantizers = LinearQuantizers(quant, row_parallel=True, tp_group=self.tp_group)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        # Gradient-accumulation fusion writes into ``weight.main_grad``, which the quantized copy
+        # has not: the gradient goes to ``param.grad`` and megatron-core's DDP hook accumulates it.
+        kwargs["gradient_accumulation_fusion"] = False
+        q = self.quantizers
+        return super()._forward_impl(q.input(input), q.weight(weight), *args, **kwargs)

@@ -26,7 +26,7 @@ from megatron.apertus.align.objective import collate
 from megatron.apertus.data.batches import Batch, rank_positions
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.distill.logit_store import LogitStoreError
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.training.step import StepShape, run_microbatches
 
 log = logging.getLogger("apertus")

@@ -1,38 +1,60 @@
 """Typed, per-concern configuration of a training run, and the command line generated from it.
 
 Each dataclass owns one concern; its fields become Megatron-named flags (``micro_batch_size``
--> ``--micro-batch-size``) with the help text in the field's metadata. Nothing below
-``training/`` reads the command line: entry points parse once and pass these objects down.
+-> ``--micro-batch-size``). A field's help is its metadata's ``"help"``, else its docstring (the
+string literal after it); ``"ours": True`` in its metadata marks a flag neither Megatron-LM nor
+the Apertus fork has. Nothing below ``training/`` reads the command line: entry points parse
+once and pass these objects down.
+
+:class:`RunConfig` is the registry: one field per config group, in ``--help`` order, with the
+group's title. ``pretrain_gpt.py`` adds and reads every group (:func:`add_run_arguments`,
+:func:`run_from_arguments`), the tools and the launch planner name the groups they need. A new
+field of a registered dataclass becomes a flag with no other edit; a new group is one field
+here. ``tests/training/test_cli_snapshot.py`` freezes the resulting command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
 import math
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 
+from megatron.apertus.align.config import AlignConfig
+from megatron.apertus.data.datasets import DatasetConfig
+from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.distill.config import DistillConfig
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import (
     ApertusConfig,
-    ConfigError,
     ParallelConfig,
     padded_vocab_size,
     virtual_stages,
 )
+from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.model.presets import PRESETS, preset
+from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
+from megatron.apertus.parallel import resolve_device
+from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.training.gemm_metrics import STATISTICS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def _help(text: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
-    return field(default=default, metadata={"help": text}, **kwargs)
+def _help(text: str, default: Any = dataclasses.MISSING, *, ours: bool = False, **kwargs) -> Any:
+    """A field with its flag's help; ``ours``: a flag neither Megatron-LM nor the Apertus fork
+    has (marked as our addition in ``--help``)."""
+    return field(default=default, metadata={"help": text, "ours": ours}, **kwargs)
 
 
 def _switch(text: str) -> Any:
@@ -53,16 +75,19 @@ class TrainingConfig:
     log_interval: int = _help("iterations between log lines", 10)
     eval_interval: int = _help("iterations between validation passes (0: only at the end)", 0)
     eval_iters: int = _help("validation batches per validation pass", 4)
-    device: str = _help("auto, cpu or cuda", "auto")
+    device: str = _help("auto, cpu or cuda", "auto", ours=True)
     precision: Optional[str] = _help(
-        "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)", None
+        "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)", None,
+        ours=True,
     )
     bf16: bool = _switch("Megatron-LM's --precision bf16")
     fp16: bool = _switch("Megatron-LM's --precision fp16")
     exit_signal_handler: bool = _help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
     trigger_path: Optional[str] = _help("directory watched for 'save' and 'exit' files", None)
     exit_interval: int = _help("save and stop after this many iterations (0: never)", 0)
-    max_skipped_steps: int = _help("stop after this many consecutive non-finite steps", 5)
+    max_skipped_steps: int = _help(
+        "stop after this many consecutive non-finite steps", 5, ours=True
+    )
     recompute_granularity: Optional[str] = _help(
         "activation recomputation: full or selective", None
     )
@@ -89,9 +114,10 @@ class TrainingConfig:
         "runs as the largest multiple of that below it (megatron-core's calculator) instead of "
         "being refused"
     )
-    xielu_impl: str = _help("xIELU kernel: auto, cuda, cpu or torch", "auto")
+    xielu_impl: str = _help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
     fused_output_loss: bool = _help(
-        "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)", True
+        "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)", True,
+        ours=True,
     )
 
     def __post_init__(self) -> None:
@@ -317,11 +343,13 @@ class LoggingConfig:
         "flushed at every log line so a killed run keeps each logged interval; a resumed run "
         "starts it over from its checkpoint's history",
         None,
+        ours=True,
     )
     loss_plot: Optional[str] = _help(
         "PNG of the loss curves, redrawn at every checkpoint and at the end (default: "
         "SAVE/loss.png)",
         None,
+        ours=True,
     )
     log_params_norm: bool = _switch(
         "log the L2 norm of all parameters (the whole model, each shard once) every --log-interval"
@@ -390,21 +418,37 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-ADDITIONS = {
-    "device", "precision", "xielu_impl", "fused_output_loss", "max_skipped_steps", "log_json",
-    "loss_plot", "rope_scaling", "xielu_beta", "xielu_eps", "goldfish_hash", "goldfish_exempt_special",
-    "distill_logits_path", "kd_alpha", "kd_tail",
-    "align_objective", "align_beta", "align_length_normalization", "ref_logps_path",
-    "quant_format", "quant_group_size", "quant_symmetric", "quant_fp8_scaling",
-    "quant_activations_only",
-}  # fmt: skip
-"""Flags of this fork that neither Megatron-LM nor the Apertus fork has; their help says so."""
 ADDITION_MARK = " [megatron-apertus addition]"
+"""Ends the help of a flag neither Megatron-LM nor the Apertus fork has (``"ours"`` fields)."""
 
 
-def _help_text(name: str, f: dataclasses.Field) -> str:
-    text = f.metadata.get("help", "")
-    return text + ADDITION_MARK if name in ADDITIONS else text
+@functools.cache
+def field_docstrings(cls: type) -> dict[str, str]:
+    """The docstring of each field of dataclass ``cls`` and of its bases (the string literal
+    right after the field), on one line."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for node, after in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def field_help(cls: type, f: dataclasses.Field) -> str:
+    """A field's help: its metadata's, else its docstring; our additions carry the mark."""
+    text = f.metadata.get("help") or field_docstrings(cls).get(f.name, "")
+    return text + ADDITION_MARK if f.metadata.get("ours") else text
 
 
 def add_arguments(
@@ -421,7 +465,7 @@ def add_arguments(
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
         name = prefix + f.name
-        kwargs = dict(default=_default(f) if defaults else None, help=_help_text(name, f))
+        kwargs = dict(default=_default(f) if defaults else None, help=field_help(cls, f))
         if kind is bool:
             action = "store_true" if f.metadata.get("switch") else argparse.BooleanOptionalAction
             group.add_argument(_flag(name), action=action, **kwargs)
@@ -449,23 +493,27 @@ def from_arguments(cls: type, args: argparse.Namespace, base: Any = None, prefix
     return cls(**values)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, title: str) -> None:
+    """``--model-preset`` and the model flags, which override the preset's fields."""
     parser.add_argument(
         "--model-preset",
         default="tiny",
         choices=sorted(PRESETS),
         help="architecture to start from; any model flag below overrides it" + ADDITION_MARK,
     )
-    model = add_arguments(
-        parser, ApertusConfig, title="model (overrides the preset)", defaults=False
-    )
+    model = add_arguments(parser, ApertusConfig, title=title, defaults=False)
     model.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
         help="the model's vocabulary is the tokenizer's, padded to a multiple of this x "
         "--tensor-model-parallel-size (Megatron-LM's rule; with --vocab-size: checked to be one)",
     )
-    layout = add_arguments(parser, ParallelConfig, title="parallelism")
+
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser, title: str) -> None:
+    """The layout flags and Megatron-LM's ``--num-layers-per-virtual-pipeline-stage``."""
+    layout = add_arguments(parser, ParallelConfig, title=title)
     layout.add_argument(
         "--num-layers-per-virtual-pipeline-stage",
         type=int,
@@ -522,3 +570,99 @@ def parallel_from_arguments(args: argparse.Namespace, model: ApertusConfig) -> P
         )
     stages = virtual_stages(model.num_layers, parallel.pipeline_model_parallel_size, per_stage)
     return dataclasses.replace(parallel, virtual_pipeline_model_parallel_size=stages)
+
+
+# -- the registry of config groups -----------------------------------------------------------
+
+
+def group(title: str, *, prefix: str = "") -> Any:
+    """A :class:`RunConfig` field holding one config group: flags ``--<prefix><field>`` under
+    ``title`` in ``--help``."""
+    return field(metadata={"title": title, "prefix": prefix})
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A training run: every config group, in ``--help`` order. The one table of groups."""
+
+    model: ApertusConfig = group("model (overrides the preset)")
+    parallel: ParallelConfig = group("parallelism")
+    training: TrainingConfig = group("training")
+    engine: EngineConfig = group("transformer implementation and FP8")
+    optimizer: OptimizerSettings = group("optimizer")
+    ademamix: AdEMAMixSettings = group("AdEMAMix", prefix="ademamix_")
+    schedule: ScheduleConfig = group("learning-rate schedule")
+    communication: CommunicationConfig = group("communication overlap")
+    checkpoint: CheckpointConfig = group("checkpointing")
+    data: DataConfig = group("data")
+    dataset: DatasetConfig = group("datasets")
+    goldfish: GoldfishConfig = group("goldfish loss", prefix="goldfish_")
+    logging: LoggingConfig = group("logging")
+    distill: DistillConfig = group("distillation (sparse top-k teacher logits)")
+    align: AlignConfig = group("alignment (DPO, QRPO)")
+    quant: QuantConfig = group("quantization-aware training")
+
+
+GROUPS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(RunConfig)}
+"""The config groups by name, in ``--help`` order."""
+
+
+def group_class(name: str) -> type:
+    """The dataclass of config group ``name``."""
+    return typing.get_type_hints(RunConfig)[name]
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser,
+    names: Iterable[str] = GROUPS,
+    *,
+    titles: dict[str, str] | None = None,
+) -> None:
+    """The flags of the groups ``names`` (default: all), in registry order; ``titles`` renames
+    groups in a tool's ``--help``."""
+    wanted = set(names)
+    for name, f in GROUPS.items():
+        if name not in wanted:
+            continue
+        title = (titles or {}).get(name, f.metadata["title"])
+        if name == "model":
+            add_model_arguments(parser, title)
+        elif name == "parallel":
+            add_parallel_arguments(parser, title)
+        else:
+            add_arguments(parser, group_class(name), title=title, prefix=f.metadata["prefix"])
+
+
+def groups_from_arguments(
+    args: argparse.Namespace, names: Iterable[str] = GROUPS, *, model: ApertusConfig | None = None
+) -> dict[str, Any]:
+    """The config groups ``names`` built from parsed flags, by name. The layout reads the
+    model's layer count: ``model`` when the model is not among ``names`` (a checkpoint's)."""
+    wanted = set(names)
+    values: dict[str, Any] = {}
+    for name, f in GROUPS.items():
+        if name not in wanted:
+            continue
+        if name == "model":
+            values[name] = model = model_from_arguments(args)
+        elif name == "parallel":
+            values[name] = parallel_from_arguments(args, model)
+        else:
+            values[name] = from_arguments(group_class(name), args, prefix=f.metadata["prefix"])
+    return values
+
+
+def run_from_arguments(args: argparse.Namespace) -> RunConfig:
+    """The whole run, checked across groups (overlap flags, engine against device and layout)."""
+    config = RunConfig(**groups_from_arguments(args))
+    config.communication.check(
+        distributed_optimizer=config.optimizer.use_distributed_optimizer,
+        virtual_pipeline=config.parallel.virtual_pipeline_model_parallel_size is not None,
+    )
+    validate_engine(
+        config.engine,
+        device=resolve_device(config.training.device),
+        num_layers=config.model.num_layers,
+        context_parallel_size=config.parallel.context_parallel_size,
+    )
+    return config

@@ -19,7 +19,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,45 +34,28 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.transformer.module import Float16Module
 
-from megatron.apertus import parallel
-from megatron.apertus.align.config import AlignConfig
+from megatron.apertus import checkpoint, parallel
+from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.data.batches import (
     BatchConfig,
     MicroBatchReader,
     rank_positions,
     step_micro_batches,
 )
-from megatron.apertus.data.datasets import DatasetConfig, build_datasets
-from megatron.apertus.data.goldfish import GoldfishConfig
+from megatron.apertus.data.datasets import build_datasets
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
-from megatron.apertus.distill.config import DistillConfig
-from megatron.apertus.model.builder import build_model, transformer_config
-from megatron.apertus.model.config import (
-    ApertusConfig,
-    ConfigError,
-    ParallelConfig,
-    dtype_from_name,
-)
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.model.config import ParallelConfig, dtype_from_name
 from megatron.apertus.model.engine import (
     EngineConfig,
     enable_deterministic_mode,
     select_te_attention_backend,
     validate_engine,
 )
-from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
-from megatron.apertus.quant.config import QuantConfig
-from megatron.apertus.quant.layers import apply_fake_quant
-from megatron.apertus.training import checkpoint
+from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.training.align import AlignRun
-from megatron.apertus.training.checkpoint import TrainingState
-from megatron.apertus.training.config import (
-    CheckpointConfig,
-    CommunicationConfig,
-    DataConfig,
-    LoggingConfig,
-    OptimizerSettings,
-    TrainingConfig,
-)
+from megatron.apertus.training.config import OptimizerSettings, RunConfig, TrainingConfig
 from megatron.apertus.training.diagnostics import (
     ManualGC,
     memory_stats,
@@ -84,7 +67,6 @@ from megatron.apertus.training.metrics import (
     IntervalThroughput,
     Metrics,
     device_peak_tflops,
-    flops_per_token,
     perplexity,
 )
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
@@ -103,26 +85,6 @@ from megatron.apertus.training.step import (
 log = logging.getLogger("apertus")
 METRICS_FILE = "metrics.json"
 """The recorded history, kept beside the checkpoints so a resumed run continues its curves."""
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    model: ApertusConfig
-    parallel: ParallelConfig
-    training: TrainingConfig
-    optimizer: OptimizerSettings
-    schedule: ScheduleConfig
-    ademamix: AdEMAMixSettings
-    checkpoint: CheckpointConfig
-    data: DataConfig
-    dataset: DatasetConfig
-    goldfish: GoldfishConfig
-    logging: LoggingConfig
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    align: AlignConfig = field(default_factory=AlignConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    communication: CommunicationConfig = field(default_factory=CommunicationConfig)
-    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def _describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
@@ -327,9 +289,14 @@ class Trainer:
 
     def _build_model(self):
         cfg = self.cfg
-        tconfig = transformer_config(
+        if _is_reporting_rank():
+            log.info(_describe_engine(self.transformer_impl, cfg.engine, cfg.training.precision))
+        chunks = build_model(
             cfg.model,
             cfg.parallel,
+            xielu_impl=cfg.training.xielu_impl,
+            fused_loss=cfg.training.fused_output_loss,
+            quant=cfg.quant,
             params_dtype=dtype_from_name(cfg.training.precision),
             use_cpu_initialization=self.device_name == "cpu",
             transformer_impl=self.transformer_impl,
@@ -339,11 +306,7 @@ class Trainer:
                 virtual_pipeline=cfg.parallel.virtual_pipeline_model_parallel_size is not None
             ),
         )
-        if _is_reporting_rank():
-            log.info(_describe_engine(self.transformer_impl, cfg.engine, cfg.training.precision))
-        chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl,
-                             fused_loss=cfg.training.fused_output_loss)  # fmt: skip
-        apply_fake_quant(chunks, cfg.quant)
+        tconfig = chunks[0].config
         if tconfig.bf16 or tconfig.fp16:
             # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
             chunks = [Float16Module(tconfig, chunk) for chunk in chunks]

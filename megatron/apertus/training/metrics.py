@@ -1,9 +1,8 @@
 """Where training numbers go: the log line, TensorBoard, wandb, a JSON-lines log and a loss plot.
 
 Throughput: tokens per second per device on every backend; on GPU also model TFLOP/s and MFU
-against the device's dense bf16 peak. Model FLOPs per token follow the usual count:
-6 x (non-embedding parameters + output layer) for the matmuls, plus 6 x layers x seq x hidden
-for attention scores and values (causal halves the 12 of full attention).
+against the device's dense bf16 peak, from the model FLOPs per token of
+:func:`megatron.apertus.model.flops.flops_per_token`.
 """
 
 from __future__ import annotations
@@ -15,20 +14,9 @@ from pathlib import Path
 
 import torch
 
-from megatron.apertus.model.config import ApertusConfig
-
 log = logging.getLogger("apertus")
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "A100": 312.0}
-
-
-def flops_per_token(model: ApertusConfig) -> float:
-    """Training FLOPs (forward + backward) per token."""
-    dense = model.num_parameters() - model.vocab_size * model.hidden_size  # output layer stays
-    if not model.untie_embeddings_and_output_weights:
-        dense += model.vocab_size * model.hidden_size
-    attention = 6 * model.num_layers * model.seq_length * model.hidden_size
-    return 6 * dense + attention
 
 
 def device_peak_tflops() -> float | None:

@@ -10,7 +10,7 @@ Each line is tab-separated, as Megatron-LM writes it::
 
 (one line, wrapped here). "Job throughput" counts from this job's start; "cumulative" from the
 first start logged with the same number of GPUs. Floating-point operations are the model's
-training FLOPs of every token consumed so far (``metrics.flops_per_token``), so a resumed run
+training FLOPs of every token consumed so far (``model.flops.flops_per_token``), so a resumed run
 derives them from its consumed samples. A background save logs "Saving async checkpoint".
 """
 

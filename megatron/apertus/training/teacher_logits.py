@@ -9,11 +9,12 @@ tensor-parallel vocabulary shards: every shard's own top-k (a superset of its pa
 top-k) is gathered and reduced once more; the log-probabilities use the all-reduced
 log-sum-exp of the full vocabulary. An interrupted run resumes: finished blocks are skipped.
 
-The last stage never holds the [tokens, vocabulary] logits: it returns the top-k itself,
-computing logits through the output layer's weight for a chunk of tokens at a time (about
-256 MiB of them). Each chunk's logits are bitwise the unchunked output layer's rows, so the
-store's bytes are those of the full logits (docs/teacher_logits.md: where that was measured,
-and the small chunks for which a GEMM differs in the last bit).
+The last stage never holds the [tokens, vocabulary] logits: the teacher is built as a
+:class:`megatron.apertus.model.topk.TopKGPTModel`, which returns the top-k itself, computing
+logits through the output layer's weight for a chunk of tokens at a time (about 256 MiB of
+them). Each chunk's logits are bitwise the unchunked output layer's rows, so the store's bytes
+are those of the full logits (docs/teacher_logits.md: where that was measured, and the small
+chunks for which a GEMM differs in the last bit).
 
 This runner lives in ``training`` beside the loop because, like the loop, it drives a model
 from checkpoints, configs and step helpers of this layer; ``distill`` keeps only what the
@@ -32,12 +33,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from tqdm import tqdm
 
-from megatron.apertus import parallel
+from megatron.apertus import checkpoint, parallel
 from megatron.apertus.data.batches import Batch, BatchConfig, collate
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.tokenizer import build_tokenizer
@@ -48,24 +47,14 @@ from megatron.apertus.distill.logit_store import (
     sample_key,
 )
 from megatron.apertus.distill.targets import sample_tokens
-from megatron.apertus.model.builder import build_model, transformer_config
-from megatron.apertus.model.config import (
-    ApertusConfig,
-    ConfigError,
-    ParallelConfig,
-    dtype_from_name,
-)
-from megatron.apertus.ops.sparse_kl import row_max_and_sum_exp
-from megatron.apertus.training import checkpoint
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig, dtype_from_name
 from megatron.apertus.training.config import DataConfig, TrainingConfig
 from megatron.apertus.training.run_log import warn_if_slow_precision
 from megatron.apertus.training.step import packed_seq_params_to
 
 log = logging.getLogger("apertus.distill")
-
-TOPK_CHUNK_BYTES = 256 * 2**20
-"""Default size of one chunk's logits on the last stage."""
-
 
 @dataclass(kw_only=True, frozen=True)
 class LogitsConfig:
@@ -116,110 +105,6 @@ def teacher_identifier(load: str, model: ApertusConfig) -> str:
     resolved = checkpoint.resolve_checkpoint(load)
     digest = hashlib.blake2b(model.to_json().encode(), digest_size=6).hexdigest()
     return f"{resolved.resolve()}#{digest}"
-
-
-# -- top-k over vocabulary shards -----------------------------------------------------------------
-
-
-def global_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` ids (int32) and log-probabilities (fp32) over the full vocabulary from this
-    rank's vocabulary shard ``logits [..., V_local]`` (tensor-parallel collectives)."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    vocab_local = logits.shape[-1]
-    vocab_start = parallel_state.get_tensor_model_parallel_rank() * vocab_local
-    row_max, sum_exp = row_max_and_sum_exp(logits.reshape(-1, vocab_local))
-    row_max, sum_exp = row_max.view(*logits.shape[:-1], 1), sum_exp.view(*logits.shape[:-1], 1)
-    if group.size() > 1:
-        global_max = row_max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        sum_exp = sum_exp * torch.exp(row_max - global_max)
-        dist.all_reduce(sum_exp, group=group)
-        row_max = global_max
-    lse = row_max + sum_exp.log()
-    # The logits' own dtype: they were computed in it, so ranking them in fp32 adds nothing.
-    values, ids = logits.topk(min(k, vocab_local), dim=-1)
-    values, ids = values.float(), ids + vocab_start
-    if group.size() > 1:
-        values, ids = _gather_candidates(values, ids, group)
-        values, pick = values.topk(k, dim=-1)
-        ids = ids.gather(-1, pick)
-    return ids.int(), values - lse
-
-
-def _gather_candidates(values, ids, group):
-    """Every shard's top-k side by side: [..., tp * k]."""
-    size = group.size()
-    all_values = [torch.empty_like(values) for _ in range(size)]
-    all_ids = [torch.empty_like(ids) for _ in range(size)]
-    dist.all_gather(all_values, values.contiguous(), group=group)
-    dist.all_gather(all_ids, ids.contiguous(), group=group)
-    return torch.cat(all_values, -1), torch.cat(all_ids, -1)
-
-
-# -- the output layer in chunks of tokens -----------------------------------------------------------
-
-
-def default_topk_chunk_rows(vocab_local: int, dtype: torch.dtype) -> int:
-    """Rows whose logits [rows, V_local] fill about TOPK_CHUNK_BYTES: a multiple of 64, at least
-    64. Depends only on shapes, so all tensor-parallel ranks agree (each chunk has collectives)."""
-    rows = TOPK_CHUNK_BYTES // (vocab_local * torch.empty((), dtype=dtype).element_size())
-    return max(64, rows // 64 * 64)
-
-
-def row_chunks(num_rows: int, chunk_rows: int) -> list[slice]:
-    """``[0, num_rows)`` in slices of ``chunk_rows``; the remainder joins the last slice.
-
-    Why: a product of few rows can take another GEMM kernel, whose rows differ from the
-    unchunked product's in the last bit (on CPU, MKL does so below 4 rows); a short last chunk
-    would be such a product. Measured in docs/teacher_logits.md.
-    """
-    starts = range(0, max(num_rows - chunk_rows, 0) + 1, chunk_rows)
-    bounds = [*starts, num_rows]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
-def output_weight(model: GPTModel) -> torch.Tensor:
-    """The output layer's weight [V_local, h]: the word embeddings' when they are tied."""
-    if model.share_embeddings_and_output_weights:
-        return model.shared_embedding_or_output_weight()
-    return model.output_layer.weight
-
-
-def chunked_topk(
-    hidden_states: torch.Tensor, weight: torch.Tensor, k: int, chunk_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`global_topk` of the logits ``hidden_states [s, b, h] @ weight.T``, ``[b, s, k]``,
-    holding one chunk's logits at a time.
-
-    Each chunk is the product megatron-core's output layer computes (``torch.matmul`` in the
-    model's dtype), on rows in its token order [s, b]; the results are reordered to [b, s].
-    """
-    s, b, h = hidden_states.shape
-    rows = hidden_states.reshape(s * b, h)
-    parts = [
-        global_topk(torch.matmul(rows[c], weight.t()), k) for c in row_chunks(s * b, chunk_rows)
-    ]
-    ids, logprobs = (torch.cat(p).view(s, b, -1).transpose(0, 1) for p in zip(*parts))
-    return ids, logprobs
-
-
-def return_topk_instead_of_logits(model: GPTModel, k: int, chunk_rows: int | None) -> None:
-    """Make a last-stage ``model`` return ``(ids, log-probabilities)`` ``[b, s, k]`` instead of
-    logits, computed by :func:`chunked_topk` from its final hidden states (after the final norm).
-
-    The model's ``_postprocess`` (output layer, logits) is replaced on this instance only: the
-    one behaviour megatron-core's GPTModel offers no hook for. Multi-token prediction, which
-    that method also runs, is not used by Apertus.
-    """
-
-    def postprocess(hidden_states: torch.Tensor, **_) -> tuple[torch.Tensor, torch.Tensor]:
-        if model.config.sequence_parallel:  # the output layer's own gather of all tokens
-            hidden_states = gather_from_sequence_parallel_region(hidden_states)
-        weight = output_weight(model)
-        rows = chunk_rows or default_topk_chunk_rows(weight.shape[0], weight.dtype)
-        return chunked_topk(hidden_states, weight, k, rows)
-
-    model._postprocess = postprocess
 
 
 # -- forward over a block ---------------------------------------------------------------------------
@@ -276,18 +161,16 @@ class TeacherRunner:
 
     def _load_teacher(self) -> list:
         cfg = self.cfg
-        tconfig = transformer_config(cfg.model, cfg.parallel,
-                                     params_dtype=dtype_from_name(cfg.training.precision),
-                                     use_cpu_initialization=self.device == "cpu")  # fmt: skip
-        chunks = build_model(cfg.model, tconfig, xielu_impl=cfg.training.xielu_impl)
+        chunks = build_model(cfg.model, cfg.parallel, xielu_impl=cfg.training.xielu_impl,
+                             topk=cfg.logits.topk, topk_chunk_rows=cfg.logits.topk_chunk_rows,
+                             params_dtype=dtype_from_name(cfg.training.precision),
+                             use_cpu_initialization=self.device == "cpu")  # fmt: skip
         checkpoint.load_model(cfg.load, chunks)
         # No Float16Module: the parameters are already in the teacher's dtype, token ids need no
         # input conversion, and the top-k and the row statistics read each chunk's 16-bit logits
         # directly (no fp32 copy).
         for chunk in chunks:
             chunk.eval()
-            if chunk.post_process:
-                return_topk_instead_of_logits(chunk, cfg.logits.topk, cfg.logits.topk_chunk_rows)
         return chunks
 
     @property

@@ -56,14 +56,15 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
 
-from megatron.apertus.model.config import ApertusConfig, ConfigError
-from megatron.apertus.training.checkpoint_files import (
+from megatron.apertus.checkpoint_files import (
     MODEL_CONFIG,
     RUN_INFO,
     TRACKER,
     iteration_dir,
     latest_iteration,
 )
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ApertusConfig
 
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 

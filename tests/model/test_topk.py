@@ -7,27 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.apertus import parallel
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.tokenizer import build_tokenizer
-from megatron.apertus.model import ParallelConfig, preset, transformer_config
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.training.teacher_logits import (
-    default_topk_chunk_rows,
-    global_topk,
-    return_topk_instead_of_logits,
-    row_chunks,
-)
+from megatron.apertus.model.topk import default_topk_chunk_rows, global_topk, row_chunks
 
 TOPK = 16
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model = preset("tiny")
-    parallel.initialize(ParallelConfig(), device="cpu", seed=2, model=model)
-    yield model
-    parallel.shutdown()
 
 
 def test_row_chunks_cover_all_rows_without_a_short_last_chunk():
@@ -43,10 +27,9 @@ def test_default_chunk_is_about_256_mib_of_logits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_topk_is_bitwise_the_full_logits_topk(tiny, dtype):
-    config = transformer_config(tiny, ParallelConfig(), params_dtype=dtype,
-                                use_cpu_initialization=True)  # fmt: skip
-    plain, chunked = build_model(tiny, config)[0].eval(), build_model(tiny, config)[0].eval()
+def test_chunked_topk_is_bitwise_the_full_logits_topk(tiny_cpu, dtype):
+    plain = tiny_cpu.build(params_dtype=dtype).eval()
+    chunked = tiny_cpu.build(params_dtype=dtype, topk=TOPK).eval()
     chunked.load_state_dict(plain.state_dict())
     ids = build_tokenizer("TekkenTokenizer").encode_document(embedded_documents()[3])[:256]
     tokens = torch.tensor([ids[:128], ids[128:]])
@@ -55,7 +38,7 @@ def test_chunked_topk_is_bitwise_the_full_logits_topk(tiny, dtype):
         want_ids, want_logprobs = global_topk(plain(tokens, positions, None), TOPK)
         # 4 chunks; 96 + 160 (the remainder joins the last); one chunk; the default
         for rows in (64, 96, 256, None):
-            return_topk_instead_of_logits(chunked, TOPK, rows)
+            chunked.chunk_rows = rows
             got_ids, got_logprobs = chunked(tokens, positions, None)
             assert got_ids.shape == (2, 128, TOPK)
             assert torch.equal(got_ids, want_ids), rows

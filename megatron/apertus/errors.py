@@ -1,0 +1,9 @@
+"""Errors shared by every layer of the package: the bottom of the layering, importing nothing.
+
+:class:`ConfigError` is what an entry point turns into one line and exit code 2; every layer
+raises it, so it lives below all of them and importing it pulls in no model, data or torch.
+"""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the command-line argument."""

@@ -1,0 +1,128 @@
+"""The teacher's top-k instead of its logits: a GPTModel whose last stage returns
+``(ids, log-probabilities)`` ``[b, s, k]`` over the full vocabulary, never holding the
+[tokens, vocabulary] logits.
+
+The top-k is global over the tensor-parallel vocabulary shards: every shard's own top-k (a
+superset of its part of the global top-k) is gathered and reduced once more; the
+log-probabilities use the all-reduced log-sum-exp of the full vocabulary. Logits are computed
+through the output layer's weight for a chunk of tokens at a time (about 256 MiB of them); each
+chunk's logits are bitwise the unchunked output layer's rows (docs/teacher_logits.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from megatron.apertus.ops.sparse_kl import row_max_and_sum_exp
+
+TOPK_CHUNK_BYTES = 256 * 2**20
+"""Default size of one chunk's logits on the last stage."""
+
+
+def global_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` ids (int32) and log-probabilities (fp32) over the full vocabulary from this
+    rank's vocabulary shard ``logits [..., V_local]`` (tensor-parallel collectives)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    vocab_local = logits.shape[-1]
+    vocab_start = parallel_state.get_tensor_model_parallel_rank() * vocab_local
+    row_max, sum_exp = row_max_and_sum_exp(logits.reshape(-1, vocab_local))
+    row_max, sum_exp = row_max.view(*logits.shape[:-1], 1), sum_exp.view(*logits.shape[:-1], 1)
+    if group.size() > 1:
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        sum_exp = sum_exp * torch.exp(row_max - global_max)
+        dist.all_reduce(sum_exp, group=group)
+        row_max = global_max
+    lse = row_max + sum_exp.log()
+    # The logits' own dtype: they were computed in it, so ranking them in fp32 adds nothing.
+    values, ids = logits.topk(min(k, vocab_local), dim=-1)
+    values, ids = values.float(), ids + vocab_start
+    if group.size() > 1:
+        values, ids = _gather_candidates(values, ids, group)
+        values, pick = values.topk(k, dim=-1)
+        ids = ids.gather(-1, pick)
+    return ids.int(), values - lse
+
+
+def _gather_candidates(values, ids, group):
+    """Every shard's top-k side by side: [..., tp * k]."""
+    size = group.size()
+    all_values = [torch.empty_like(values) for _ in range(size)]
+    all_ids = [torch.empty_like(ids) for _ in range(size)]
+    dist.all_gather(all_values, values.contiguous(), group=group)
+    dist.all_gather(all_ids, ids.contiguous(), group=group)
+    return torch.cat(all_values, -1), torch.cat(all_ids, -1)
+
+
+# -- the output layer in chunks of tokens -----------------------------------------------------------
+
+
+def default_topk_chunk_rows(vocab_local: int, dtype: torch.dtype) -> int:
+    """Rows whose logits [rows, V_local] fill about TOPK_CHUNK_BYTES: a multiple of 64, at least
+    64. Depends only on shapes, so all tensor-parallel ranks agree (each chunk has collectives)."""
+    rows = TOPK_CHUNK_BYTES // (vocab_local * torch.empty((), dtype=dtype).element_size())
+    return max(64, rows // 64 * 64)
+
+
+def row_chunks(num_rows: int, chunk_rows: int) -> list[slice]:
+    """``[0, num_rows)`` in slices of ``chunk_rows``; the remainder joins the last slice.
+
+    Why: a product of few rows can take another GEMM kernel, whose rows differ from the
+    unchunked product's in the last bit (on CPU, MKL does so below 4 rows); a short last chunk
+    would be such a product. Measured in docs/teacher_logits.md.
+    """
+    starts = range(0, max(num_rows - chunk_rows, 0) + 1, chunk_rows)
+    bounds = [*starts, num_rows]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def output_weight(model: GPTModel) -> torch.Tensor:
+    """The output layer's weight [V_local, h]: the word embeddings' when they are tied."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def chunked_topk(
+    hidden_states: torch.Tensor, weight: torch.Tensor, k: int, chunk_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`global_topk` of the logits ``hidden_states [s, b, h] @ weight.T``, ``[b, s, k]``,
+    holding one chunk's logits at a time.
+
+    Each chunk is the product megatron-core's output layer computes (``torch.matmul`` in the
+    model's dtype), on rows in its token order [s, b]; the results are reordered to [b, s].
+    """
+    s, b, h = hidden_states.shape
+    rows = hidden_states.reshape(s * b, h)
+    parts = [
+        global_topk(torch.matmul(rows[c], weight.t()), k) for c in row_chunks(s * b, chunk_rows)
+    ]
+    ids, logprobs = (torch.cat(p).view(s, b, -1).transpose(0, 1) for p in zip(*parts))
+    return ids, logprobs
+
+
+class TopKGPTModel(GPTModel):
+    """megatron-core's GPTModel whose last stage returns the top-``topk`` ids and
+    log-probabilities, computed by :func:`chunked_topk` from its final hidden states (after the
+    final norm), ``chunk_rows`` tokens at a time (None: about TOPK_CHUNK_BYTES of logits).
+
+    ``_postprocess`` (output layer, logits) is the one behaviour megatron-core's GPTModel offers
+    no hook for. Multi-token prediction, which that method also runs, is not used by Apertus.
+    """
+
+    def __init__(self, *args, topk: int, chunk_rows: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.topk, self.chunk_rows = topk, chunk_rows
+
+    def _postprocess(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if not self.post_process:
+            return super()._postprocess(hidden_states, *args, **kwargs)
+        if self.config.sequence_parallel:  # the output layer's own gather of all tokens
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        weight = output_weight(self)
+        rows = self.chunk_rows or default_topk_chunk_rows(weight.shape[0], weight.dtype)
+        return chunked_topk(hidden_states, weight, self.topk, rows)

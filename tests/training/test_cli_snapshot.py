@@ -1,0 +1,110 @@
+"""The command line of ``pretrain_gpt.py`` is frozen in ``cli_flags.json``: every flag's
+spellings, group, default, type and whether it is our addition. A change to the CLI (a new
+field of a config dataclass, a renamed flag, another default) fails here until the snapshot is
+regenerated, so it is always deliberate and visible in review. Regenerate with::
+
+    python -m tests.training.test_cli_snapshot
+
+The registry's own rules are checked too: every registered group's fields become flags with a
+help text, a field's docstring is its help, and ``"ours"`` fields carry the addition mark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import pretrain_gpt
+from megatron.apertus.training import config as C
+
+SNAPSHOT = Path(__file__).with_name("cli_flags.json")
+
+
+def flag_table(parser: argparse.ArgumentParser) -> list[dict]:
+    """One entry per flag of ``parser``, in ``--help`` order (``--help`` itself left out)."""
+    table = []
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            table.append({
+                "flags": action.option_strings,
+                "group": group.title,
+                "default": repr(action.default),
+                "type": getattr(action.type, "__name__", None),
+                "nargs": action.nargs,
+                "ours": (action.help or "").endswith(C.ADDITION_MARK),
+            })  # fmt: skip
+    return table
+
+
+def current() -> list[dict]:
+    return flag_table(pretrain_gpt.build_parser())
+
+
+def test_command_line_matches_the_snapshot():
+    frozen = json.loads(SNAPSHOT.read_text())
+    now = current()
+    added = [e["flags"] for e in now if e not in frozen]
+    removed = [e["flags"] for e in frozen if e not in now]
+    assert now == frozen, (
+        f"pretrain_gpt.py's flags changed (new or changed: {added}; gone or changed: {removed}); "
+        "if deliberate, regenerate: python -m tests.training.test_cli_snapshot"
+    )
+
+
+def test_every_flag_has_help():
+    parser = pretrain_gpt.build_parser()
+    missing = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+    assert not missing
+
+
+def test_every_field_of_every_registered_group_is_a_flag():
+    flags = {f for entry in current() for f in entry["flags"]}
+    for name, group in C.GROUPS.items():
+        prefix = group.metadata["prefix"]
+        for f in dataclasses.fields(C.group_class(name)):
+            assert "--" + (prefix + f.name).replace("_", "-") in flags, (name, f.name)
+
+
+@dataclass(kw_only=True, frozen=True)
+class _NewGroup:
+    plain: int = 3
+    """What a docstring says becomes the help."""
+    explained: str = field(default="x", metadata={"help": "metadata help wins", "ours": True})
+
+
+def test_a_new_field_needs_nothing_but_its_declaration():
+    parser = argparse.ArgumentParser()
+    C.add_arguments(parser, _NewGroup, title="new", prefix="new_")
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["new_plain"] == "What a docstring says becomes the help."
+    assert helps["new_explained"] == "metadata help wins" + C.ADDITION_MARK
+    args = parser.parse_args(["--new-plain", "5"])
+    assert C.from_arguments(_NewGroup, args, prefix="new_") == _NewGroup(plain=5)
+
+
+def test_tools_read_the_same_flags_as_pretrain_gpt():
+    """A tool's subset of groups parses as pretrain_gpt.py parses those flags."""
+    argv = ["--train-iters", "7", "--global-batch-size", "16", "--seed", "3", "--split", "9,1,0",
+            "--device", "cpu"]  # fmt: skip
+    parser = argparse.ArgumentParser()
+    C.add_run_arguments(parser, ("training", "dataset"))
+    subset = C.groups_from_arguments(parser.parse_known_args(argv)[0], ("training", "dataset"))
+    whole = pretrain_gpt.parse_args(argv)
+    assert subset == {"training": whole.training, "dataset": whole.dataset}
+
+
+@pytest.mark.parametrize("name", sorted(C.GROUPS))
+def test_registry_names_each_group_once(name):
+    assert list(C.GROUPS).count(name) == 1 and C.GROUPS[name].metadata["title"]
+
+
+if __name__ == "__main__":
+    SNAPSHOT.write_text(json.dumps(current(), indent=1) + "\n")
+    print(f"wrote {SNAPSHOT}")
