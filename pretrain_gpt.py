@@ -14,6 +14,7 @@ from typing import NoReturn
 import torch
 
 from megatron.apertus.align.config import AlignConfig
+from megatron.apertus.cli import ArgumentParser
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
@@ -36,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     As in Megatron-LM, flags are never abbreviated: ``--xielu`` is a flag of its own, not a
     prefix of ``--xielu-beta``.
     """
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,

@@ -25,6 +25,7 @@ it sits below all of them and may import none."""
 
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({PACKAGE_INIT}),
+    frozenset({"cli"}),  # standard library only: one-line errors, exit codes, atomic outputs
     frozenset({"ops"}),  # torch and our extensions only
     frozenset({"cpu_compat"}),  # patches megatron-core for CPU; the model builder applies it
     frozenset({"model"}),

@@ -14,11 +14,12 @@ import argparse
 import os
 import sys
 
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.data.mixture import MixtureError, data_path_list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("folders", nargs="+", help="tokenized folders or mixtures")
@@ -39,4 +40,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

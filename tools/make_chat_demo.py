@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.data.chat_demo import (
     docstring_conversations,
     docstring_preferences,
@@ -29,7 +30,7 @@ def write(path: Path, records: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--output-dir", required=True)
@@ -51,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence
 
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.cli import ConfigError
 
 DEFAULT_TEKKEN = "tekken_240718.json"
 TOKENIZER_TYPES = ("TekkenTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")

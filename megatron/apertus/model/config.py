@@ -15,11 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron.apertus.cli import ConfigError  # noqa: F401 (re-exported: raised everywhere)
 from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the command-line argument."""
 
 
 @dataclass(kw_only=True, frozen=True)
