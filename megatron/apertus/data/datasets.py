@@ -153,6 +153,19 @@ MAX_EPOCHS = 10_000
 building indices that repeat a handful of documents (and never ends for an empty split)."""
 
 
+def skip_unasked_splits(config: GPTDatasetConfig, num_samples: tuple[int, int, int]) -> None:
+    """Build no part that is asked for no samples (the test part, as a rule).
+
+    megatron-core builds every part of ``--split`` and asks each for at least one token (the
+    extra token of a sample); a part without documents, such as the test part of ``969,30,1``
+    on a corpus of fewer than 500 documents, then counts epochs forever. Dropping the part from
+    the split matrix leaves the other parts' document ranges exactly as ``--split`` puts them.
+    """
+    for i, asked in enumerate(num_samples):
+        if not asked:
+            config.split_matrix[i] = None
+
+
 def check_split_sizes(
     config: GPTDatasetConfig, seq_length: int, num_samples: tuple[int, int, int]
 ) -> None:
@@ -171,9 +184,11 @@ def check_split_sizes(
         for prefix, weight in zip(prefixes, weights):
             if is_object_storage_path(prefix):
                 continue
-            lengths = _IndexReader(prefix + ".idx", multimodal=False).sequence_lengths
-            begin, end = (int(round(bound * len(lengths))) for bound in config.split_matrix[i])
-            tokens = int(lengths[begin:end].sum())
+            index = _IndexReader(prefix + ".idx", multimodal=False)  # its arrays map its file
+            count = len(index.sequence_lengths)
+            begin, end = (int(round(bound * count)) for bound in config.split_matrix[i])
+            tokens = int(index.sequence_lengths[begin:end].sum())
+            del index
             # megatron-core asks each dataset of a blend for its weighted share (all of it alone)
             share = asked if len(prefixes) == 1 else math.ceil(asked * weight / total)
             needed = share * seq_length + 1
@@ -228,6 +243,7 @@ def build_datasets(
         num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
     if not config.per_split:
+        skip_unasked_splits(gpt_config, num_samples)
         check_split_sizes(gpt_config, seq_length, num_samples)
     dataset_class = ChatGPTDataset if config.sft else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(
