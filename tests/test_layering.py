@@ -25,8 +25,9 @@ it sits below all of them and may import none."""
 
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({PACKAGE_INIT}),
-    frozenset({"cli"}),  # standard library only: one-line errors, exit codes, atomic outputs
-    frozenset({"ops"}),  # torch and our extensions only
+    # ops: torch and our extensions only; cli: the standard library only (one-line errors, exit
+    # codes, atomic outputs), so that every layer and entry point may use it
+    frozenset({"ops", "cli"}),
     frozenset({"cpu_compat"}),  # patches megatron-core for CPU; the model builder applies it
     frozenset({"model"}),
     # What training consumes; ``parallel`` (process groups and seeds) needs the model's layout
