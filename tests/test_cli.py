@@ -40,7 +40,7 @@ def test_an_unknown_flag_is_one_line_not_the_usage(path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert "error: unrecognized arguments: --no-such-flag" in err and "--help" in err
+    assert ": error: " in err and err.rstrip().endswith("--help)")
 
 
 @pytest.mark.parametrize("name", LIGHT_TOOLS)
