@@ -87,7 +87,9 @@ def main() -> None:
         name = str(script.relative_to(REPO))
         rows.append({"name": f"{name} --help", **median_of([python, str(script), "--help"],
                                                            args.repeat)})  # fmt: skip
-        print(f"{rows[-1]['name']:48s} {rows[-1]['wall_s']:7.2f} s wall {rows[-1]['cpu_s']:7.2f} s CPU")
+        print(
+            f"{rows[-1]['name']:48s} {rows[-1]['wall_s']:7.2f} s wall {rows[-1]['cpu_s']:7.2f} s CPU"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         docs = embedded_documents()
         one = write_corpus(Path(tmp) / "one.jsonl", docs[:1])

@@ -34,8 +34,10 @@ def load_tool(path: Path):
 def test_an_unknown_flag_is_one_line_not_the_usage(path, capsys):
     module = load_tool(path)
     with pytest.raises(SystemExit) as exit_:
-        module.main(["--no-such-flag"]) if path.stem != "pretrain_gpt" else module.parse_args(
-            ["--no-such-flag"]
+        (
+            module.main(["--no-such-flag"])
+            if path.stem != "pretrain_gpt"
+            else module.parse_args(["--no-such-flag"])
         )
     assert exit_.value.code == 2
     err = capsys.readouterr().err
@@ -43,8 +45,9 @@ def test_an_unknown_flag_is_one_line_not_the_usage(path, capsys):
     assert ": error: " in err and err.rstrip().endswith("--help)")
 
 
-@pytest.mark.parametrize("name", LIGHT_TOOLS)
-def test_help_and_argument_errors_import_neither_torch_nor_megatron_core(name):
+def heavy_modules_after(name: str, args: list[str]) -> str:
+    """The last line a tool run prints through the probe: which of torch and megatron-core the
+    run imported."""
     probe = (
         "import runpy, sys\n"
         f"sys.argv = ['{name}.py', *sys.argv[1:]]\n"
@@ -55,10 +58,23 @@ def test_help_and_argument_errors_import_neither_torch_nor_megatron_core(name):
         "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    return proc.stdout.strip().splitlines()[-1] + proc.stderr[-300:]
+
+
+@pytest.mark.parametrize("name", LIGHT_TOOLS)
+def test_help_and_argument_errors_import_neither_torch_nor_megatron_core(name):
     for args in (["--help"], ["--no-such-flag"]):
-        proc = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
-        assert proc.stdout.strip().endswith("[]"), (args, proc.stdout[-300:], proc.stderr[-300:])
+        assert heavy_modules_after(name, args).startswith("[]"), args
+
+
+def test_preprocessing_imports_neither_torch_nor_megatron_core(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "Tokenized without torch."}\n')
+    args = ["--input", str(source), "--output-prefix", str(tmp_path / "x")]
+    assert heavy_modules_after("preprocess_data", args).startswith("[]")
+    assert (tmp_path / "x_text_document.bin").stat().st_size > 0
 
 
 def test_preference_objectives_match_the_losses():

@@ -26,7 +26,6 @@ from megatron.apertus.data.preprocess import (
     preprocess,
 )
 
-
 OBJECTIVES = ("dpo", "qrpo")
 """``megatron.apertus.align.losses.OBJECTIVES``, spelled out so that ``--help`` and argument
 errors need not import torch (a test keeps the two equal)."""

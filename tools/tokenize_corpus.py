@@ -200,7 +200,9 @@ def merge_job(args: argparse.Namespace, tokenize, slurm: dict):
                                  depends=tokenize, **slurm)  # fmt: skip
 
 
-def summarize(output_dir: str, tasks: int, ran: list[int], key: str, elapsed: float) -> tuple[str, int]:
+def summarize(
+    output_dir: str, tasks: int, ran: list[int], key: str, elapsed: float
+) -> tuple[str, int]:
     """One line over every task's record (tokens/s over the tasks of this run only), and the
     number of rejected lines."""
     documents = tokens = tokens_run = 0

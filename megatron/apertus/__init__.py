@@ -2,8 +2,8 @@
 
 Layering (arrows point down only; ``tests/test_layering.py`` holds the order and checks it):
 tools and entry scripts -> convert, launch -> training -> data, distill, optim, parallel ->
-model -> cpu_compat -> ops. ``cpu_compat`` is the one module that teaches megatron-core to run
-on CPU.
+model -> cpu_compat -> ops, cli. ``cpu_compat`` is the one module that teaches megatron-core to
+run on CPU; ``cli`` (standard library only) gives every entry point its one-line errors.
 
 Importing this package hides megatron-core's import-time notices that Transformer Engine or
 Apex is absent: megatron-core then uses its PyTorch fallbacks, which are this package's default

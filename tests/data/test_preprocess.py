@@ -177,7 +177,9 @@ def test_our_writer_writes_megatron_core_bytes(tmp_path, tekken, dtype):
     theirs.finalize(str(tmp_path / "theirs.idx"))
     ours.finalize(str(tmp_path / "ours.idx"))
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"theirs{suffix}").read_bytes()
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (
+            tmp_path / f"theirs{suffix}"
+        ).read_bytes()
     assert [d.tolist() for d in read_documents(str(tmp_path / "ours"))] == [
         np.concatenate(s).tolist() for s in documents
     ]

@@ -25,7 +25,9 @@ TOOLS = REPO / "tools"
 NOBODY = 65534
 
 
-def tool(name: str, *args: str, prefix: tuple[str, ...] = (), **kwargs) -> subprocess.CompletedProcess:
+def tool(
+    name: str, *args: str, prefix: tuple[str, ...] = (), **kwargs
+) -> subprocess.CompletedProcess:
     kwargs.setdefault("env", dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
     return subprocess.run([*prefix, sys.executable, str(TOOLS / name), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600, **kwargs)  # fmt: skip
@@ -69,8 +71,9 @@ def as_other_user(root: Path) -> dict:
     if shutil.which("setpriv") is None:
         pytest.skip("running a tool as another user needs setpriv (util-linux)")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HOME=str(home))
-    return dict(prefix=("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"),
-                env=env)
+    return dict(
+        prefix=("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"), env=env
+    )
 
 
 def test_unwritable_output_directory_is_one_line_in_every_writing_tool(shared_dir):

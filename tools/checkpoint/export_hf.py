@@ -19,9 +19,7 @@ from megatron.apertus.cli import ArgumentParser, run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
         "--load", required=True, help="save dir (follows its tracker) or iter_* dir"
     )

@@ -24,9 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from megatron.apertus.quant.config import QuantConfig
     from megatron.apertus.training import config as C
 
-    parser = ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
         "--load", required=True, help="save dir (follows its tracker) or iter_* dir"
     )

@@ -179,9 +179,7 @@ class IndexedDatasetWriter(PipelineStep):
         tokenizer = cached_tokenizer(self.tokenizer_type, self.tokenizer_model)
         dtype = index_dtype(tokenizer.vocab_size)
         prefixes = {key: task_prefix(self.output_dir, rank, key) for key in self.json_keys}
-        builders = {
-            k: _BinWriter(f"{p}.tmp.bin", dtype=dtype) for k, p in prefixes.items()
-        }
+        builders = {k: _BinWriter(f"{p}.tmp.bin", dtype=dtype) for k, p in prefixes.items()}
         summary, key_tokens = Summary(), dict.fromkeys(self.json_keys, 0)
         progress = _Progress(rank)
         for document in data or []:
