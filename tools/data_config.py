@@ -11,10 +11,9 @@ of a mixture) in proportion to its size. ``--output`` writes the same list to a 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from megatron.apertus.cli import ArgumentParser, run
+from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
 from megatron.apertus.data.mixture import MixtureError, data_path_list
 
 
@@ -32,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = "\n".join(f"{w} {p}" for w, p in zip(data_path[::2], data_path[1::2])) + "\n"
     if args.output:
-        with open(args.output + ".tmp", "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(args.output + ".tmp", args.output)
+        with atomic_outputs(args.output) as (temporary,):
+            with open(temporary, "w", encoding="utf-8") as out:
+                out.write(text)
     print(" ".join(data_path))
     return 0
 

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron.apertus.cli import ArgumentParser, run
+from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
 from megatron.apertus.data.chat_demo import (
     docstring_conversations,
     docstring_preferences,
@@ -24,9 +24,9 @@ from megatron.apertus.data.chat_demo import (
 
 
 def write(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), "utf-8")
-    tmp.replace(path)
+    with atomic_outputs(path) as (temporary,):
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        Path(temporary).write_text(text, "utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,6 @@ Exits 1, listing every broken constraint, when the layout cannot run.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.launch.planner import Cluster, format_plan, plan, run_from_command

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from megatron.apertus.cli import ArgumentParser, ConfigError, run
+from megatron.apertus.cli import ArgumentParser, ConfigError, atomic_outputs, run
 from megatron.apertus.data.preprocess import RECORD_SUFFIX, tokenizer_record
 from megatron.apertus.data.tokenize_pipeline import (
     IndexedDatasetWriter,
@@ -155,8 +155,8 @@ def check_same_run(logging_dir: str, plan: dict) -> None:
                              "--output-dir or --logging-dir")  # fmt: skip
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(json.dumps(plan, indent=1))
-    os.replace(path.with_suffix(".tmp"), path)
+    with atomic_outputs(path) as (temporary,):
+        Path(temporary).write_text(json.dumps(plan, indent=1))
 
 
 def logging_dir_of(args: argparse.Namespace) -> str:
