@@ -285,7 +285,7 @@ def check_inputs(config: PreprocessConfig) -> Tokenizer:
     directory, naming the flag."""
     missing = [str(p) for p in config.inputs if not Path(p).is_file()]
     if missing:
-        raise ConfigError(f"--input: input file(s) not found: {', '.join(missing)}")
+        raise ConfigError(f"input file(s) not found: {', '.join(missing)}")
     if not config.json_keys:
         raise ConfigError("--json-keys needs at least one key")
     out_dir = Path(config.output_prefix).parent
