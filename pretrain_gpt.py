@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron.apertus.cli import ArgumentParser
 from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch.planner import dry_run
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every registered config group's flags, Megatron-LM's flags we accept or refuse, and
     ``--dry-run``. As in Megatron-LM, flags are never abbreviated: ``--xielu`` is a flag of its
     own, not a prefix of ``--xielu-beta``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,

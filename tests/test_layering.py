@@ -29,7 +29,9 @@ it sits below all of them and may import none."""
 LAYERS: tuple[frozenset[str], ...] = (
     # The standard library only: what every layer and a host Python without torch may import.
     frozenset({PACKAGE_INIT, "errors", "checkpoint_files"}),
-    frozenset({"ops"}),  # torch and our extensions only
+    # ops: torch and our extensions only; cli: the standard library only (one-line errors, exit
+    # codes, atomic outputs), so that every layer and entry point may use it
+    frozenset({"ops", "cli"}),
     # cpu_compat patches megatron-core for CPU, the model builder applies it; quant's layers are
     # what the model's spec puts in its linear slots when a run quantizes.
     frozenset({"cpu_compat", "quant"}),
@@ -50,6 +52,7 @@ THIRD_PARTY: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "checkpoint_files": frozenset(),  # launchers read it on a host Python without torch
     "ops": frozenset({"torch"}),  # torch and our extensions only
+    "cli": frozenset(),  # --help and argument errors cost no start-up time
 }
 """Units that promise to import no third-party package beyond the ones named (top-level names;
 the standard library is always allowed)."""

@@ -13,9 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron.apertus.cli import ArgumentParser, run
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--load", required=True, help="save dir holding the iter_* checkpoints")
@@ -50,4 +52,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.data.mixture import MixtureError, build_mixture, format_report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--folders", nargs="+", required=True,
@@ -52,4 +53,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -11,14 +11,14 @@ of a mixture) in proportion to its size. ``--output`` writes the same list to a 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
 from megatron.apertus.data.mixture import MixtureError, data_path_list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("folders", nargs="+", help="tokenized folders or mixtures")
@@ -31,12 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = "\n".join(f"{w} {p}" for w, p in zip(data_path[::2], data_path[1::2])) + "\n"
     if args.output:
-        with open(args.output + ".tmp", "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(args.output + ".tmp", args.output)
+        with atomic_outputs(args.output) as (temporary,):
+            with open(temporary, "w", encoding="utf-8") as out:
+                out.write(text)
     print(" ".join(data_path))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import sys
 
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.presets import PRESETS, preset
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None):
     from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.training.teacher_logits import GenerationConfig, LogitsConfig
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--load", required=True, help="teacher checkpoint (save or iter_* dir)")
@@ -87,4 +88,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

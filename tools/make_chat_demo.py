@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
 from megatron.apertus.data.chat_demo import (
     docstring_conversations,
     docstring_preferences,
@@ -23,13 +24,13 @@ from megatron.apertus.data.chat_demo import (
 
 
 def write(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), "utf-8")
-    tmp.replace(path)
+    with atomic_outputs(path) as (temporary,):
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        Path(temporary).write_text(text, "utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--output-dir", required=True)
@@ -51,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -12,14 +12,14 @@ Exits 1, listing every broken constraint, when the layout cannot run.
 from __future__ import annotations
 
 import argparse
-import sys
 
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch.planner import Cluster, format_plan, plan, run_from_command
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gpus", type=int, required=True, help="processes, one per GPU")
@@ -47,4 +47,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -19,6 +19,7 @@ import logging
 import sys
 import time
 
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.data.chat import ChatEncoder
 from megatron.apertus.data.preprocess import (
     PreprocessConfig,
@@ -30,7 +31,7 @@ from megatron.apertus.data.preprocess import (
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, int | None]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_corpus_arguments(parser)
@@ -46,11 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     config, max_tokens = parse_args(argv)
     start = time.perf_counter()
-    try:
-        summary = preprocess(config, functools.partial(ChatEncoder, max_tokens=max_tokens))
-    except (FileNotFoundError, ValueError) as err:
-        print(f"preprocess_chat.py: error: {err}", file=sys.stderr)
-        return 2
+    summary = preprocess(config, functools.partial(ChatEncoder, max_tokens=max_tokens))
     print(
         format_summary(summary, time.perf_counter() - start).replace("documents", "conversations")
     )
@@ -58,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.data.preprocess import (
     PreprocessConfig,
     add_corpus_arguments,
@@ -24,7 +25,7 @@ from megatron.apertus.data.preprocess import (
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, bool]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_corpus_arguments(parser)
@@ -71,14 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     config, strict = parse_args(argv)
     start = time.perf_counter()
-    try:
-        summary = preprocess(config)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"preprocess_data.py: error: {err}", file=sys.stderr)
-        return 2
+    summary = preprocess(config)
     print(format_summary(summary, time.perf_counter() - start))
     return 1 if strict and summary.rejected_lines else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -18,8 +18,7 @@ import logging
 import sys
 import time
 
-from megatron.apertus.align.data import PreferenceEncoder
-from megatron.apertus.align.losses import OBJECTIVES
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.data.preprocess import (
     add_corpus_arguments,
     corpus_config,
@@ -27,9 +26,13 @@ from megatron.apertus.data.preprocess import (
     preprocess,
 )
 
+OBJECTIVES = ("dpo", "qrpo")
+"""``megatron.apertus.align.losses.OBJECTIVES``, spelled out so that ``--help`` and argument
+errors need not import torch (a test keeps the two equal)."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--objective", required=True, choices=OBJECTIVES)
@@ -42,18 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)
+    from megatron.apertus.align.data import PreferenceEncoder
+
     config = corpus_config(args)
     encoder = functools.partial(PreferenceEncoder, objective=args.objective,
                                 max_tokens=args.max_tokens)  # fmt: skip
     start = time.perf_counter()
-    try:
-        summary = preprocess(config, encoder)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"preprocess_preferences.py: error: {err}", file=sys.stderr)
-        return 2
+    summary = preprocess(config, encoder)
     print(format_summary(summary, time.perf_counter() - start).replace("documents", "examples"))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

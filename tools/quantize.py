@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron.apertus.cli import ArgumentParser, run
+
 
 GROUPS = ("training", "data", "dataset", "quant")
 """The config groups of ``pretrain_gpt.py`` this tool reads (GPTQ: the store's run, to find its
@@ -32,7 +34,7 @@ TITLES = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from megatron.apertus.training import config as C
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
@@ -97,4 +99,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -18,16 +18,21 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.data.preprocess import RECORD_SUFFIX, tokenizer_record
 from megatron.apertus.data.tokenize_pipeline import (
     IndexedDatasetWriter,
+    MergeTasks,
     ShardReader,
     cached_tokenizer,
+    run_local_tasks,
     task_prefix,
 )
 from megatron.apertus.data.tokenizer import TOKENIZER_TYPES
@@ -36,12 +41,12 @@ ADDITION = " [megatron-apertus addition]"
 PLAN_FILE = "tokenize_corpus.json"
 
 
-class InputError(Exception):
-    """Bad flags or inputs, reported in one line with exit status 2."""
+InputError = ConfigError
+"""Bad flags or inputs, reported in one line with exit status 2."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     data = parser.add_argument_group("data (as tools/preprocess_data.py)")
@@ -69,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="datasets to write (default: one per input file)")  # fmt: skip
     run.add_argument("--workers", type=int, default=None,
                      help="tasks running at once (local default 1; slurm default: no limit)")  # fmt: skip
+    run.add_argument("--merge-prefix", default=None,
+                     help="when every task is complete, merge the tasks' datasets into "
+                     "MERGE_PREFIX_KEY_document.bin/.idx (on Slurm: a job that depends on the "
+                     "tokenization job)")  # fmt: skip
     run.add_argument("--logging-dir", default=None,
                      help="datatrove logs, stats and completion markers (default: "
                      "OUTPUT_DIR/.datatrove)")  # fmt: skip
@@ -113,8 +122,16 @@ def check(args: argparse.Namespace, files: list[str]) -> tuple[int, dict]:
                          "(a task tokenizes whole files)")  # fmt: skip
     if args.executor == "slurm" and not args.partition:
         raise InputError("--executor slurm needs --partition")
+    if args.executor == "slurm" and shutil.which("sbatch") is None:
+        raise InputError("--executor slurm: sbatch is not on PATH (run this on a Slurm login "
+                         "node, or use --executor local)")  # fmt: skip
+    if args.workers is not None and args.workers < 1 and args.executor == "local":
+        raise InputError(f"--workers {args.workers}: must be at least 1")
     if not Path(args.output_dir).parent.is_dir():
         raise InputError(f"--output-dir: {Path(args.output_dir).parent} does not exist")
+    if args.merge_prefix and not Path(args.merge_prefix).absolute().parent.is_dir():
+        raise InputError(f"--merge-prefix: {Path(args.merge_prefix).absolute().parent} does "
+                         "not exist")  # fmt: skip
     try:
         tokenizer = cached_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except (FileNotFoundError, ValueError) as err:
@@ -139,15 +156,16 @@ def check_same_run(logging_dir: str, plan: dict) -> None:
                              "--output-dir or --logging-dir")  # fmt: skip
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(json.dumps(plan, indent=1))
-    os.replace(path.with_suffix(".tmp"), path)
+    with atomic_outputs(path) as (temporary,):
+        Path(temporary).write_text(json.dumps(plan, indent=1))
 
 
 def logging_dir_of(args: argparse.Namespace) -> str:
     return os.path.abspath(args.logging_dir or os.path.join(args.output_dir, ".datatrove"))
 
 
-def build_executor(args: argparse.Namespace, files: list[str], tasks: int):
+def build_executor(args: argparse.Namespace, files: list[str], tasks: int) -> tuple:
+    """The tokenization executor, and the Slurm options a dependent job reuses (none locally)."""
     output_dir = os.path.abspath(args.output_dir)
     pipeline = [
         ShardReader(files, args.json_keys),
@@ -160,77 +178,107 @@ def build_executor(args: argparse.Namespace, files: list[str], tasks: int):
         from datatrove.executor import LocalPipelineExecutor
 
         return LocalPipelineExecutor(pipeline, tasks=tasks, workers=args.workers or 1,
-                                     logging_dir=logging_dir, start_method="fork")  # fmt: skip
+                                     logging_dir=logging_dir, start_method="fork"), {}  # fmt: skip
     from datatrove.executor import SlurmPipelineExecutor
 
     env_command = args.env_command or f'export PATH="{os.path.dirname(sys.executable)}:$PATH"'
-    return SlurmPipelineExecutor(
-        pipeline, tasks=tasks, time=args.time, partition=args.partition,
-        cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb,
-        workers=args.workers or -1, job_name=args.job_name, qos=args.qos,
-        env_command=env_command, logging_dir=logging_dir,
-        sbatch_args=dict(item.split("=", 1) for item in args.sbatch_args),
-    )  # fmt: skip
+    slurm = dict(time=args.time, partition=args.partition, cpus_per_task=args.cpus_per_task,
+                 mem_per_cpu_gb=args.mem_per_cpu_gb, qos=args.qos, env_command=env_command,
+                 sbatch_args=dict(item.split("=", 1) for item in args.sbatch_args))  # fmt: skip
+    executor = SlurmPipelineExecutor(pipeline, tasks=tasks, workers=args.workers or -1,
+                                     job_name=args.job_name, logging_dir=logging_dir, **slurm)  # fmt: skip
+    return executor, slurm
 
 
-def summarize(output_dir: str, tasks: int, key: str, elapsed: float) -> tuple[str, int]:
-    """One line over every task's record, and the number of rejected lines."""
-    documents = tokens = 0
+def merge_job(args: argparse.Namespace, tokenize, slurm: dict):
+    """The Slurm job that merges the tasks' datasets once the tokenization job succeeded."""
+    from datatrove.executor import SlurmPipelineExecutor
+
+    step = MergeTasks(os.path.abspath(args.output_dir), args.json_keys,
+                      os.path.abspath(args.merge_prefix))  # fmt: skip
+    return SlurmPipelineExecutor([step], tasks=1, job_name=args.job_name + "-merge",
+                                 logging_dir=os.path.join(logging_dir_of(args), "merge"),
+                                 depends=tokenize, **slurm)  # fmt: skip
+
+
+def summarize(
+    output_dir: str, tasks: int, ran: list[int], key: str, elapsed: float
+) -> tuple[str, int]:
+    """One line over every task's record (tokens/s over the tasks of this run only), and the
+    number of rejected lines."""
+    documents = tokens = tokens_run = 0
     rejected = Counter()
     for rank in range(tasks):
         record = json.loads(Path(task_prefix(output_dir, rank, key) + RECORD_SUFFIX).read_text())
         documents += record["documents"]
         tokens += record["tokens"]
+        tokens_run += record["tokens"] if rank in ran else 0
         rejected.update(record["rejected"])
     reasons = ", ".join(f"{count} {reason}" for reason, count in rejected.most_common())
-    line = (f"wrote {tasks} datasets, {documents} documents, {tokens} tokens ({key}) in "
-            f"{elapsed:.1f} s ({tokens / max(elapsed, 1e-9):,.0f} tokens/s); rejected "
+    skipped = f", {tasks - len(ran)} complete before" if len(ran) < tasks else ""
+    line = (f"wrote {tasks} datasets ({len(ran)} in this run{skipped}), {documents} documents, "
+            f"{tokens} tokens ({key}); this run: {tokens_run} tokens in {elapsed:.1f} s "
+            f"({tokens_run / max(elapsed, 1e-9):,.0f} tokens/s); rejected "
             f"{sum(rejected.values())} lines" + (f" ({reasons})" if reasons else ""))  # fmt: skip
     return line, sum(rejected.values())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        files = expand_inputs(args.input)
-        tasks, tokenizer = check(args, files)
-        os.makedirs(args.output_dir, exist_ok=True)
-        plan = dict(inputs=files, tasks=tasks, json_keys=args.json_keys, tokenizer=tokenizer,
-                    add_bos=args.add_bos, add_eod=args.append_eod)  # fmt: skip
-        check_same_run(logging_dir_of(args), plan)
-    except InputError as err:
-        print(f"tokenize_corpus.py: error: {err}", file=sys.stderr)
-        return 2
-    executor = build_executor(args, files, tasks)
-    to_run = executor.get_incomplete_ranks()
-    start = time.perf_counter()
-    try:
-        executor.run()
-    except Exception as err:  # a task failed; datatrove logged its traceback in the task's log
-        print(f"tokenize_corpus.py: a task failed ({type(err).__name__}: {err}); see "
-              f"{executor.logging_dir.path}/logs; run the same command again to redo the "
-              "unfinished tasks", file=sys.stderr)  # fmt: skip
-        return 1
+    files = expand_inputs(args.input)
+    tasks, tokenizer = check(args, files)
+    os.makedirs(args.output_dir, exist_ok=True)
+    plan = dict(inputs=files, tasks=tasks, json_keys=args.json_keys, tokenizer=tokenizer,
+                add_bos=args.add_bos, add_eod=args.append_eod)  # fmt: skip
+    check_same_run(logging_dir_of(args), plan)
+    executor, slurm = build_executor(args, files, tasks)
     if args.executor == "slurm":
-        if executor.job_id == -1:
-            print(f"all {tasks} tasks are complete; nothing submitted")
-        else:
-            print(f"submitted Slurm job {executor.job_id} ({tasks} tasks); run the same command "
-                  "again after it ends to redo any failed task")  # fmt: skip
-        return 0
-    incomplete = executor.get_incomplete_ranks(skip_completed=True)
-    if incomplete:
-        print(f"tokenize_corpus.py: tasks {incomplete} failed; see {executor.logging_dir.path}/logs",
-              file=sys.stderr)  # fmt: skip
+        merge = merge_job(args, executor, slurm) if args.merge_prefix else None
+        return submit(executor, merge, tasks)
+    to_run = executor.get_incomplete_ranks()
+    if len(to_run) < tasks:
+        print(f"skipping {tasks - len(to_run)} completed tasks", file=sys.stderr)
+    start = time.perf_counter()
+    failed = run_local_tasks(executor, args.workers or 1,
+                             report=lambda line: print(f"tokenize_corpus.py: {line}", file=sys.stderr))  # fmt: skip
+    if failed:
+        named = ", ".join(f"{rank:05d} ({why})" for rank, why in sorted(failed.items()))
+        print(f"tokenize_corpus.py: {len(failed)} of {len(to_run)} tasks did not complete: "
+              f"{named}; see {executor.logging_dir.path}/logs; run the same command again to "
+              "redo only the unfinished tasks", file=sys.stderr)  # fmt: skip
         return 1
+    output_dir = os.path.abspath(args.output_dir)
     if not to_run:
         print(f"nothing to do: all {tasks} tasks were complete")
-        return 0
-    line, rejected = summarize(os.path.abspath(args.output_dir), tasks, args.json_keys[0],
-                               time.perf_counter() - start)  # fmt: skip
-    print(line)
-    return 1 if args.strict and rejected else 0
+    else:
+        line, rejected = summarize(output_dir, tasks, to_run, args.json_keys[0],
+                                   time.perf_counter() - start)  # fmt: skip
+        print(line)
+        if args.strict and rejected:
+            return 1
+    if args.merge_prefix:
+        MergeTasks(output_dir, args.json_keys, args.merge_prefix).run()
+        print(f"merged the {tasks} tasks' datasets into {args.merge_prefix}_KEY_document")
+    return 0
+
+
+def submit(tokenize, merge, tasks: int) -> int:
+    """Submit the Slurm job, and the merge job that depends on it."""
+    try:
+        (merge or tokenize).run()  # the merge job submits the job it depends on first
+    except Exception as err:  # sbatch refused the job: its message is the one that helps
+        print(f"tokenize_corpus.py: error: the job was not submitted ({type(err).__name__}: "
+              f"{err})", file=sys.stderr)  # fmt: skip
+        return 1
+    if tokenize.job_id == -1:
+        print(f"all {tasks} tasks are complete; nothing submitted")
+    else:
+        print(f"submitted Slurm job {tokenize.job_id} ({tasks} tasks); run the same command "
+              "again after it ends to redo any failed task")  # fmt: skip
+    if merge is not None:
+        print(f"submitted Slurm job {merge.job_id}: the merge, once every task is complete")
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

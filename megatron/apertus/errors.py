@@ -6,4 +6,4 @@ raises it, so it lives below all of them and importing it pulls in no model, dat
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the command-line argument."""
+    """A configuration or input that cannot work; the message names the flag, file or line."""

@@ -16,6 +16,7 @@ from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.model import ParallelConfig
+from megatron.apertus.model.config import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,38 @@ def test_dataset_builder_threads_build_the_same_indices(corpora):
 
     for one, four in zip(indices(1, "cache-1"), indices(4, "cache-4")):
         np.testing.assert_array_equal(one, four)
+
+
+def test_weighted_blend_with_an_empty_test_split_builds(corpora):
+    """Megatron's default split on 40 documents leaves the test part empty; it is asked for no
+    samples and must not be built (megatron-core counted epochs of zero tokens forever)."""
+    import faulthandler
+
+    root, (first, _), tokenizer = corpora
+    config = DatasetConfig(data_path=["0.7", first, "0.3", first], split="969,30,1",
+                           data_cache_path=str(root / "cache-default-split"))  # fmt: skip
+    faulthandler.dump_traceback_later(600, exit=True)  # a hang fails the run instead of idling
+    try:
+        train, valid, test = build_datasets(
+            config, tokenizer, seq_length=64, seed=3, num_samples=(50, 10, 0)
+        )
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert len(train) >= 50 and len(valid) >= 10 and test is None
+
+
+def test_a_split_too_small_for_its_samples_is_refused_in_one_line(corpora):
+    root, (first, _), tokenizer = corpora
+    config = DatasetConfig(data_path=["0.7", first, "0.3", first], split="969,30,1",
+                           data_cache_path=str(root / "cache-too-small"))  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        build_datasets(config, tokenizer, seq_length=64, seed=3, num_samples=(50, 10, 10))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("--split 969,30,1: the test split of " + first)
+    assert "holds 0 documents, 0 tokens, and is asked for 7 samples of 64 tokens" in message
+    single = DatasetConfig(data_path=[first], split="98,2,0",
+                           data_cache_path=str(root / "cache-too-small"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"the valid split of .* holds 1 documents, \d+ tokens, "
+                       r"and is asked for 1000000 samples"):  # fmt: skip
+        build_datasets(single, tokenizer, seq_length=64, seed=3, num_samples=(50, 1_000_000, 0))

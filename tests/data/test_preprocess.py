@@ -156,3 +156,30 @@ def test_other_tokenizer_families(tmp_path, tekken):
     assert spm.vocab_size == 32000 and ids[0] == spm.bos and ids[-1] == spm.eod
     assert spm.eod not in ids[1:-1]
     assert spm.decode(ids[1:-1]) == "Hello </s> world"
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_our_writer_writes_megatron_core_bytes(tmp_path, tekken, dtype):
+    """The numpy writer of the tools against megatron-core's builder: documents of one and of
+    several sequences (sentence datasets), ids near the top of the dtype."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron.apertus.data.indexed_writer import IndexedDatasetWriter
+
+    top = np.iinfo(dtype).max
+    documents = [[np.asarray(tekken.encode(d), dtype=dtype)] for d in DOCS[:5]]
+    documents.append([np.asarray([top, 0, 1], dtype=dtype), np.asarray([top], dtype=dtype)])
+    theirs = IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=dtype)
+    ours = IndexedDatasetWriter(str(tmp_path / "ours.bin"), dtype=dtype)
+    for sequences in documents:
+        for builder in (theirs, ours):
+            builder.add_document(np.concatenate(sequences), [s.size for s in sequences])
+    theirs.finalize(str(tmp_path / "theirs.idx"))
+    ours.finalize(str(tmp_path / "ours.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (
+            tmp_path / f"theirs{suffix}"
+        ).read_bytes()
+    assert [d.tolist() for d in read_documents(str(tmp_path / "ours"))] == [
+        np.concatenate(s).tolist() for s in documents
+    ]

@@ -130,11 +130,95 @@ def test_killed_task_rerun_alone_gives_the_same_bytes(corpus, tmp_path):
     first_task = (out / "00000_text_document.bin").stat().st_mtime_ns
     rerun = run_tool(TOKENIZE, "--input", *inputs, "--output-dir", str(out))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "Skipping 1 already completed tasks" in rerun.stderr
+    assert "skipping 1 completed tasks" in rerun.stderr
+    assert "wrote 4 datasets (3 in this run, 1 complete before)" in rerun.stdout
+    this_run = sum(json.loads(Path(p + ".meta.json").read_text())["tokens"]
+                   for p in task_prefixes(out, 4)[1:])  # fmt: skip
+    assert f"this run: {this_run} tokens in" in rerun.stdout
     assert (out / "00000_text_document.bin").stat().st_mtime_ns == first_task
     for ours, theirs in zip(task_prefixes(out, 4), task_prefixes(root / "local", 4)):
         for suffix in (".bin", ".idx"):
             assert Path(ours + suffix).read_bytes() == Path(theirs + suffix).read_bytes()
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux ``/proc``)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting to be reaped has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_and_wait_for_task(command: list[str], started: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(command, cwd=REPO, env=tool_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert started.exists() and proc.poll() is None, "the task had not started"
+    return proc
+
+
+def test_a_killed_worker_is_named_and_a_rerun_finishes_the_job(corpus, tmp_path):
+    """datatrove's own pool waited forever for a task killed with SIGKILL."""
+    root, inputs, *_ = corpus
+    out = tmp_path / "out"
+    command = [sys.executable, str(TOKENIZE), "--input", *inputs, "--output-dir", str(out),
+               "--workers", "2", "--merge-prefix", str(tmp_path / "merged")]  # fmt: skip
+    proc = start_and_wait_for_task(command, out / "00000_text_document.tmp.bin")
+    os.kill(children(proc.pid)[0], signal.SIGKILL)  # the first task started: task 0
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "task 00000 died (killed by SIGKILL)" in stderr
+    assert "run the same command again to redo only the unfinished tasks" in stderr
+    assert not (out / "00000_text_document.bin").exists()
+    assert not (tmp_path / "merged_text_document.bin").exists()
+    rerun = run_tool(TOKENIZE, *command[2:])
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    for ours, theirs in zip(task_prefixes(out, 4), task_prefixes(root / "local", 4)):
+        for suffix in (".bin", ".idx"):
+            assert Path(ours + suffix).read_bytes() == Path(theirs + suffix).read_bytes()
+    for suffix in (".bin", ".idx"):  # --merge-prefix: the merge once every task is complete
+        assert (tmp_path / f"merged_text_document{suffix}").read_bytes() == (
+            root / f"ref_text_document{suffix}"
+        ).read_bytes()
+
+
+def test_tasks_end_with_their_parent(corpus, tmp_path):
+    root, inputs, *_ = corpus
+    out = tmp_path / "out"
+    command = [sys.executable, str(TOKENIZE), "--input", *inputs, "--output-dir", str(out),
+               "--workers", "2"]  # fmt: skip
+    proc = start_and_wait_for_task(command, out / "00000_text_document.tmp.bin")
+    workers = children(proc.pid)
+    assert workers
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 60
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(w) for w in workers), "a task outlived its parent"
+
+
+def test_slurm_without_sbatch_on_path_says_so(corpus, tmp_path):
+    _, inputs, *_ = corpus
+    env = dict(tool_env(), PATH=os.path.dirname(sys.executable))
+    proc = subprocess.run([sys.executable, str(TOKENIZE), "--input", *inputs, "--output-dir",
+                           str(tmp_path / "out"), "--executor", "slurm", "--partition", "normal"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("tokenize_corpus.py: error: --executor slurm: sbatch is not "
+                                   "on PATH (run this on a Slurm login node, or use --executor "
+                                   "local)")  # fmt: skip
+    assert not (tmp_path / "out").exists()
 
 
 def test_parquet_shards_give_the_jsonl_stream(corpus, tmp_path):

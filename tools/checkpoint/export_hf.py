@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron.apertus.cli import ArgumentParser, run
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
         "--load", required=True, help="save dir (follows its tracker) or iter_* dir"
     )
@@ -56,4 +56,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

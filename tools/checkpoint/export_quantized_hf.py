@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron.apertus.cli import ArgumentParser, run
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from megatron.apertus.training import config as C
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
         "--load", required=True, help="save dir (follows its tracker) or iter_* dir"
     )
@@ -79,4 +79,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

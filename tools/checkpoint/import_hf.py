@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.apertus.cli import ArgumentParser, run
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
         "--hf-dir", required=True, help="directory with config.json and safetensors"
     )
@@ -33,4 +33,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -15,6 +15,7 @@ checked before megatron-core opens them (it would assert), naming the flag and t
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,6 +150,62 @@ def _check_pair(flag: str, prefix: str) -> None:
                               "header: truncated or another format)")  # fmt: skip
 
 
+SPLIT_NAMES = ("train", "valid", "test")
+MAX_EPOCHS = 10_000
+"""Passes over a split beyond which a request is refused: megatron-core would spend minutes
+building indices that repeat a handful of documents (and never ends for an empty split)."""
+
+
+def skip_unasked_splits(config: GPTDatasetConfig, num_samples: tuple[int, int, int]) -> None:
+    """Build no part that is asked for no samples (the test part, as a rule).
+
+    megatron-core builds every part of ``--split`` and asks each for at least one token (the
+    extra token of a sample); a part without documents, such as the test part of ``969,30,1``
+    on a corpus of fewer than 500 documents, then counts epochs forever. Dropping the part from
+    the split matrix leaves the other parts' document ranges exactly as ``--split`` puts them.
+    """
+    for i, asked in enumerate(num_samples):
+        if not asked:
+            config.split_matrix[i] = None
+
+
+def check_split_sizes(
+    config: GPTDatasetConfig, seq_length: int, num_samples: tuple[int, int, int]
+) -> None:
+    """Refuse a ``--split`` part that is asked for samples but holds no tokens (megatron-core
+    would count epochs forever) or so few that the request needs more than
+    :data:`MAX_EPOCHS` passes over it; the message names the split, its documents and tokens
+    in each dataset, and what was asked."""
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    prefixes, weights = config.blend
+    weights = weights or [1.0] * len(prefixes)
+    total = sum(weights)
+    for i, (name, asked) in enumerate(zip(SPLIT_NAMES, num_samples)):
+        if not asked or config.split_matrix[i] is None:
+            continue
+        for prefix, weight in zip(prefixes, weights):
+            if is_object_storage_path(prefix):
+                continue
+            index = _IndexReader(prefix + ".idx", multimodal=False)  # its arrays map its file
+            count = len(index.sequence_lengths)
+            begin, end = (int(round(bound * count)) for bound in config.split_matrix[i])
+            tokens = int(index.sequence_lengths[begin:end].sum())
+            del index
+            # megatron-core asks each dataset of a blend for its weighted share (all of it alone)
+            share = asked if len(prefixes) == 1 else math.ceil(asked * weight / total)
+            needed = share * seq_length + 1
+            if tokens == 0 or needed / tokens > MAX_EPOCHS:
+                raise ConfigError(
+                    f"--split {config.split}: the {name} split of {prefix} holds {end - begin} "
+                    f"documents, {tokens} tokens, and is asked for {share} samples of "
+                    f"{seq_length} tokens ({needed} tokens, "
+                    + (f"{needed / tokens:,.0f} passes over it" if tokens else "none to give")
+                    + f"); give the {name} split a larger share of --split (or --split with 0 "
+                    f"for it), or ask for fewer {name} samples"
+                )
+
+
 def build_datasets(
     config: DatasetConfig,
     tokenizer: Tokenizer,
@@ -188,6 +245,9 @@ def build_datasets(
         mmap_bin_files=True,
         num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
+    if not config.per_split:
+        skip_unasked_splits(gpt_config, num_samples)
+        check_split_sizes(gpt_config, seq_length, num_samples)
     dataset_class = ChatGPTDataset if config.sft else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(
         dataset_class, list(num_samples), lambda: True, gpt_config

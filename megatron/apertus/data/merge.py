@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.apertus.cli import atomic_outputs
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.data.preprocess import (
     RECORD_SUFFIX,
     read_dataset_record,
@@ -19,7 +21,7 @@ from megatron.apertus.data.preprocess import (
 )
 
 
-class MergeError(ValueError):
+class MergeError(ConfigError):
     """Parts that cannot be merged; the message names the part."""
 
 
@@ -81,14 +83,11 @@ def merge(prefixes: list[str], output_prefix: str, *, require_records: bool = Tr
     record = check_compatible(prefixes, require_records=require_records)
     if not Path(output_prefix).parent.is_dir():
         raise MergeError(f"--output-prefix directory {Path(output_prefix).parent} does not exist")
-    builder = IndexedDatasetBuilder(
-        f"{output_prefix}.tmp.bin", dtype=index_dtype_of(prefixes[0]).type
-    )
-    for prefix in prefixes:
-        builder.add_index(prefix)
-    builder.finalize(f"{output_prefix}.tmp.idx")
-    for suffix in (".bin", ".idx"):
-        os.replace(f"{output_prefix}.tmp{suffix}", f"{output_prefix}{suffix}")
+    with atomic_outputs(f"{output_prefix}.bin", f"{output_prefix}.idx") as (bin_path, idx_path):
+        builder = IndexedDatasetBuilder(bin_path, dtype=index_dtype_of(prefixes[0]).type)
+        for prefix in prefixes:
+            builder.add_index(prefix)
+        builder.finalize(idx_path)
     if record is not None:
         write_dataset_record(output_prefix, {k: v for k, v in record.items() if k != "rejected"})
     return len(IndexedDataset(output_prefix))

@@ -15,6 +15,7 @@ requested weights even where whole datasets overshoot a share.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,12 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.data.merge import MergeError, check_compatible, dataset_prefixes
 
 MIXTURE_FILE = "mixture.json"
 
 
-class MixtureError(ValueError):
+class MixtureError(ConfigError):
     """A mixture that cannot be built as asked; the message names the flag or folder."""
 
 
@@ -85,8 +87,11 @@ def build_mixture(folders: list[str], weights: list[float], max_tokens: int, out
     """Choose, link and record a mixture in ``output`` (written as ``output.tmp``, renamed)."""
     if len(weights) != len(folders):
         raise MixtureError(f"--weights: {len(weights)} weights for {len(folders)} --folders")
-    if any(w <= 0 for w in weights) or max_tokens <= 0:
-        raise MixtureError("--weights and --max-tokens must be positive")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise MixtureError(f"--weights {' '.join(map(str, weights))}: each weight must be a "
+                           "positive finite number")  # fmt: skip
+    if max_tokens <= 0:
+        raise MixtureError(f"--max-tokens {max_tokens}: must be positive")
     if Path(output).exists():
         raise MixtureError(f"--output {output} exists; mixtures are never overwritten")
     if not Path(output).absolute().parent.is_dir():
@@ -126,6 +131,16 @@ def _write(output: str, record: dict) -> None:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    try:
+        _link_parts(tmp, output, record)
+    except BaseException:  # errors, Ctrl-C, SIGTERM: no half-built mixture is left behind
+        shutil.rmtree(tmp)
+        raise
+    os.replace(tmp, output)
+
+
+def _link_parts(tmp: Path, output: str, record: dict) -> None:
+    """Symbolic links to every chosen dataset, one folder per source, and ``mixture.json``."""
     for index, source in enumerate(record["sources"]):
         sub = tmp / f"{index:02d}-{Path(source['folder']).resolve().name}"
         sub.mkdir()
@@ -136,7 +151,6 @@ def _write(output: str, record: dict) -> None:
                     (sub / (Path(real).name + suffix)).symlink_to(real + suffix)
             part["link"] = str(Path(output) / sub.name / Path(real).name)
     (tmp / MIXTURE_FILE).write_text(json.dumps(record, indent=1))
-    os.replace(tmp, output)
 
 
 def format_report(record: dict) -> str:

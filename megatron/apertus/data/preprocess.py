@@ -7,7 +7,9 @@ Guarantees:
   counted, reported with its file and line number (the first few in full), and skipped; every
   good document is written. A line missing any key is skipped for every key, so the outputs
   of several keys stay aligned document by document.
-* Outputs are written under ``*.tmp.bin/.tmp.idx`` and renamed only when complete.
+* Outputs are written under ``*.tmp.bin/.tmp.idx`` and renamed only when complete; an error,
+  Ctrl-C or SIGTERM removes them. Input without a single usable line writes nothing and is an
+  error (megatron-core cannot open an empty dataset).
 * Documents keep their input order whatever the number of workers.
 * Every document is ``<s> text </s>`` by default (``--no-bos`` drops ``<s>``, ``--no-eod``
   drops ``</s>``); special-token strings inside the text are tokenized as text.
@@ -30,7 +32,6 @@ import io
 import json
 import logging
 import multiprocessing
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ from typing import BinaryIO, Callable, Iterator, Protocol
 
 import numpy as np
 
+from megatron.apertus.cli import atomic_outputs, die_with_parent
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.data.indexed_writer import IndexedDatasetWriter
 from megatron.apertus.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 log = logging.getLogger("apertus.preprocess")
@@ -278,22 +282,24 @@ def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | N
 
 
 def check_inputs(config: PreprocessConfig) -> Tokenizer:
-    """Fail before any work on missing inputs, an unknown tokenizer or an unwritable prefix."""
+    """Fail before any work on missing inputs, an unknown tokenizer or a missing output
+    directory, naming the flag."""
     missing = [str(p) for p in config.inputs if not Path(p).is_file()]
     if missing:
-        raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
+        raise ConfigError(f"input file(s) not found: {', '.join(missing)}")
     if not config.json_keys:
-        raise ValueError("--json-keys needs at least one key")
+        raise ConfigError("--json-keys needs at least one key")
     out_dir = Path(config.output_prefix).parent
     if not out_dir.is_dir():
-        raise FileNotFoundError(f"--output-prefix directory {out_dir} does not exist")
+        raise ConfigError(f"--output-prefix: directory {out_dir} does not exist")
     if config.keep_newlines and not config.split_sentences:
-        raise ValueError("--keep-newlines only applies with --split-sentences")
-    if config.split_sentences:
-        sentence_splitter(
-            config.lang, config.keep_newlines
-        )  # fails here, before any work, when missing
-    return build_tokenizer(config.tokenizer_type, config.tokenizer_model)
+        raise ConfigError("--keep-newlines only applies with --split-sentences")
+    try:
+        if config.split_sentences:  # fails here, before any work, when nltk or its data is missing
+            sentence_splitter(config.lang, config.keep_newlines)
+        return build_tokenizer(config.tokenizer_type, config.tokenizer_model)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def index_dtype(vocab_size: int) -> type:
@@ -318,19 +324,69 @@ def preprocess(
     config: PreprocessConfig, encoder: Callable[[Tokenizer], LineEncoder] | None = None
 ) -> Summary:
     """Tokenize every input line into one indexed dataset per output of the encoder that
-    ``encoder(tokenizer)`` builds (default: one per JSON key, :class:`TextEncoder`)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    ``encoder(tokenizer)`` builds (default: one per JSON key, :class:`TextEncoder`).
+
+    ``ConfigError`` (nothing written) for bad flags, an unwritable output directory, or input
+    without a single usable line: megatron-core cannot even open an empty dataset."""
+    tokenizer = check_inputs(config)
+    try:
+        line_encoder = encoder(tokenizer) if encoder else TextEncoder(config, tokenizer)
+    except ValueError as err:  # e.g. a tokenizer without the chat format's control tokens
+        raise ConfigError(f"--tokenizer-model: {err}") from None
+    outputs = line_encoder.outputs(config.output_prefix)
+    finals = [f"{prefix}{suffix}" for prefix, _ in outputs.values() for suffix in (".bin", ".idx")]
+    with atomic_outputs(*finals) as temporary:
+        writers = _open_writers(config, outputs, temporary[::2])
+        summary, key_tokens = _tokenize_all(config, line_encoder, outputs, writers)
+        for writer, idx_path in zip(writers.values(), temporary[1::2]):
+            writer.finalize(idx_path)
+        if not summary.documents:
+            raise ConfigError(_nothing_to_write(config, summary))
+    record = tokenizer_record(config.tokenizer_type, tokenizer)
+    for key, (prefix, dtype) in outputs.items():
+        if dtype in TOKEN_DTYPES:
+            per_key = Summary(documents=summary.documents, tokens=key_tokens[key])
+            write_dataset_record(
+                prefix, dataset_record(record, config.add_bos, config.add_eod, per_key)
+            )
+    return summary
+
+
+TOKEN_DTYPES = (np.int32, np.uint16)
+"""Outputs of these dtypes hold token ids (the others, e.g. loss masks, are not counted)."""
+
+
+def _open_writers(
+    config: PreprocessConfig, outputs: dict[str, tuple[str, type]], bin_paths: list[str]
+) -> dict[str, IndexedDatasetWriter]:
+    try:
+        return {name: IndexedDatasetWriter(path, dtype=dtype)
+                for (name, (_, dtype)), path in zip(outputs.items(), bin_paths)}  # fmt: skip
+    except OSError as err:
+        raise ConfigError(f"--output-prefix {config.output_prefix}: cannot write "
+                          f"{err.filename}: {err.strerror}") from None  # fmt: skip
+
+
+def _nothing_to_write(config: PreprocessConfig, summary: Summary) -> str:
+    inputs = ", ".join(str(p) for p in config.inputs)
+    if not summary.rejected_lines:
+        return f"--input {inputs}: no lines; nothing written"
+    reasons = ", ".join(f"{n} {reason}" for reason, n in summary.rejected.most_common())
+    return (f"--input {inputs}: all {summary.rejected_lines} lines were rejected ({reasons}); "
+            "nothing written")  # fmt: skip
+
+
+def _tokenize_all(
+    config: PreprocessConfig,
+    line_encoder: LineEncoder,
+    outputs: dict[str, tuple[str, type]],
+    writers: dict[str, IndexedDatasetWriter],
+) -> tuple[Summary, Counter]:
+    """Encode every line (in worker processes for ``--workers`` > 1) and append its documents
+    in input order."""
     from tqdm import tqdm
 
-    tokenizer = check_inputs(config)
-    line_encoder = encoder(tokenizer) if encoder else TextEncoder(config, tokenizer)
-    outputs = line_encoder.outputs(config.output_prefix)
-    prefixes = {name: prefix for name, (prefix, _) in outputs.items()}
-    builders = {
-        name: IndexedDatasetBuilder(f"{prefix}.tmp.bin", dtype=dtype)
-        for name, (prefix, dtype) in outputs.items()
-    }
-    counted = [name for name, (_, dtype) in outputs.items() if dtype in (np.int32, np.uint16)]
+    counted = [name for name, (_, dtype) in outputs.items() if dtype in TOKEN_DTYPES]
     summary = Summary()
     key_tokens = Counter()
     chunks = _chunks(iter_lines(config.inputs), config.lines_per_task)
@@ -347,7 +403,7 @@ def preprocess(
                     continue
                 parts = {key: a if isinstance(a, list) else [a] for key, a in ids.items()}
                 for key, sequences in parts.items():  # one document of one or more sequences
-                    builders[key].add_document(
+                    writers[key].add_document(
                         np.concatenate(sequences), [a.size for a in sequences]
                     )
                     key_tokens[key] += sum(a.size for a in sequences)
@@ -358,17 +414,7 @@ def preprocess(
             bar.update(len(batch))
             rate = summary.tokens / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
-    record = tokenizer_record(config.tokenizer_type, tokenizer)
-    for key, prefix in prefixes.items():
-        builders[key].finalize(f"{prefix}.tmp.idx")
-        for suffix in (".bin", ".idx"):
-            os.replace(f"{prefix}.tmp{suffix}", f"{prefix}{suffix}")
-        if key in counted:
-            per_key = Summary(documents=summary.documents, tokens=key_tokens[key])
-            write_dataset_record(
-                prefix, dataset_record(record, config.add_bos, config.add_eod, per_key)
-            )
-    return summary
+    return summary, key_tokens
 
 
 def _log_progress(summary: Summary, elapsed: float) -> None:
@@ -393,7 +439,7 @@ def _pool(config: PreprocessConfig, encoder: LineEncoder):
     _worker.update(encoder=encoder)
     if config.workers <= 1:
         return _NoPool()
-    return multiprocessing.get_context("fork").Pool(config.workers)
+    return multiprocessing.get_context("fork").Pool(config.workers, initializer=die_with_parent)
 
 
 RECORD_SUFFIX = ".meta.json"
@@ -427,10 +473,9 @@ def dataset_record(tokenizer: dict, add_bos: bool, add_eod: bool, summary: Summa
 
 def write_dataset_record(prefix: str, record: dict) -> None:
     """Write ``PREFIX.meta.json`` under a temporary name, then rename it."""
-    path = prefix + RECORD_SUFFIX
-    with open(path + ".tmp", "w", encoding="utf-8") as out:
-        json.dump(record, out, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    with atomic_outputs(prefix + RECORD_SUFFIX) as (temporary,):
+        with open(temporary, "w", encoding="utf-8") as out:
+            json.dump(record, out, indent=1, sort_keys=True)
 
 
 def read_dataset_record(prefix: str) -> dict | None:

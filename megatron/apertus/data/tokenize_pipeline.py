@@ -11,11 +11,18 @@ Two pipeline steps, run by datatrove's local or Slurm executor:
   does (same functions: :func:`~megatron.apertus.data.preprocess.parse_record`,
   :func:`~megatron.apertus.data.preprocess.encode_document`), rejects the same lines for the same
   reasons, and writes ``OUTPUT/NNNNN_KEY_document.bin/.idx`` (+ ``.meta.json``) through
-  megatron-core's ``IndexedDatasetBuilder`` under temporary names, renamed when complete.
+  :mod:`~megatron.apertus.data.indexed_writer` (megatron-core's format) under temporary names,
+  renamed when complete.
 
 A task is marked complete by datatrove only after its outputs are renamed, and a rerun task
 starts its files from the beginning, so a killed task rerun gives the same bytes and a rerun of
 the whole job neither duplicates nor drops a document.
+
+On one machine the tasks run under :func:`run_local_tasks` rather than datatrove's local
+executor, whose pool waits forever for a worker killed outright and whose helper process
+outlives a killed parent: each task is a process of its own, watched until it exits, and it
+ends with its parent. :class:`MergeTasks` merges the tasks' datasets (on Slurm, as a job that
+depends on the tokenization job).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.logging import logger
 
+from megatron.apertus.cli import die_with_parent
+from megatron.apertus.data.indexed_writer import IndexedDatasetWriter as _BinWriter
+from megatron.apertus.data.merge import dataset_prefixes, merge
 from megatron.apertus.data.preprocess import (
     Summary,
     dataset_record,
@@ -166,14 +176,10 @@ class IndexedDatasetWriter(PipelineStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
         """Consume the documents (the last step: it yields nothing further)."""
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
         tokenizer = cached_tokenizer(self.tokenizer_type, self.tokenizer_model)
         dtype = index_dtype(tokenizer.vocab_size)
         prefixes = {key: task_prefix(self.output_dir, rank, key) for key in self.json_keys}
-        builders = {
-            k: IndexedDatasetBuilder(f"{p}.tmp.bin", dtype=dtype) for k, p in prefixes.items()
-        }
+        builders = {k: _BinWriter(f"{p}.tmp.bin", dtype=dtype) for k, p in prefixes.items()}
         summary, key_tokens = Summary(), dict.fromkeys(self.json_keys, 0)
         progress = _Progress(rank)
         for document in data or []:
@@ -226,3 +232,92 @@ class _Progress:
             f"({summary.documents / elapsed:,.0f}/s), {summary.tokens / elapsed:,.0f} tokens/s, "
             f"ETA {eta:,.0f} s (by files done)"
         )
+
+
+class MergeTasks(PipelineStep):
+    """Merge the tasks' datasets of each key, in task order, into ``PREFIX_KEY_document``."""
+
+    name = "merge task datasets"
+    type = "🔗 - MERGER"
+
+    def __init__(self, output_dir: str, json_keys: list[str], merge_prefix: str):
+        super().__init__()
+        self.output_dir = output_dir
+        self.json_keys = json_keys
+        self.merge_prefix = merge_prefix
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> None:
+        for key, parts in task_datasets(self.output_dir, self.json_keys).items():
+            target = output_prefix(self.merge_prefix, key)
+            documents = merge(parts, target)
+            logger.info(f"merged {len(parts)} task datasets, {documents} documents into {target}")
+
+
+def task_datasets(output_dir: str, json_keys: list[str]) -> dict[str, list[str]]:
+    """Per key, the prefixes of the tasks' datasets in task order (a task that kept no document
+    has none)."""
+    prefixes = dataset_prefixes(output_dir)
+    return {key: [p for p in prefixes if p.endswith(f"_{key}_document")] for key in json_keys}
+
+
+def run_local_tasks(executor, workers: int, report=print) -> dict[int, str]:
+    """Run the incomplete tasks of a datatrove ``LocalPipelineExecutor``, at most ``workers`` at
+    once, each in a forked process of its own; {task: why it failed} for those that did not
+    complete. A task that dies (killed, out of memory) is reported through ``report`` when it
+    happens and the others go on; a rerun redoes exactly the tasks that did not complete.
+    Ctrl-C or SIGTERM here stops the running tasks and removes their temporary outputs."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    context = multiprocessing.get_context("fork")
+    pending = executor.get_incomplete_ranks()
+    executor.save_executor_as_json()
+    running: dict[int, tuple[int, int, multiprocessing.Process]] = {}
+    slots, failed = list(range(workers)), {}
+    try:
+        while pending or running:
+            while pending and slots:
+                rank, slot = pending.pop(0), slots.pop()
+                process = context.Process(target=_run_task, args=(executor, rank, slot),
+                                          name=f"task {rank:05d}")  # fmt: skip
+                process.start()
+                running[process.sentinel] = (rank, slot, process)
+            for sentinel in wait(list(running)):
+                rank, slot, process = running.pop(sentinel)
+                process.join()
+                slots.append(slot)
+                if process.exitcode != 0:
+                    failed[rank] = _exit_reason(process.exitcode)
+                    report(f"task {rank:05d} {failed[rank]}; the other tasks go on")
+    except BaseException:
+        for rank, _, process in running.values():
+            process.terminate()
+            process.join()
+            _remove_partial_outputs(executor, rank)
+        raise
+    return failed
+
+
+def _run_task(executor, rank: int, slot: int) -> None:
+    die_with_parent()
+    try:
+        executor._run_for_rank(rank, local_rank=slot)
+    except Exception:  # datatrove logged the traceback in the task's log
+        raise SystemExit(1) from None
+
+
+def _exit_reason(exitcode: int) -> str:
+    import signal
+
+    if exitcode < 0:
+        return f"died (killed by {signal.Signals(-exitcode).name})"
+    return f"failed (exit status {exitcode})"
+
+
+def _remove_partial_outputs(executor, rank: int) -> None:
+    writer = executor.pipeline[-1]
+    for key in writer.json_keys:
+        for suffix in (".tmp.bin", ".tmp.idx"):
+            path = task_prefix(writer.output_dir, rank, key) + suffix
+            if os.path.exists(path):
+                os.remove(path)

@@ -1,0 +1,121 @@
+"""Start-up of the entry points, and preprocessing end to end against Megatron-LM's way.
+
+Every measurement is a fresh Python process, timed from launch to exit, as a user meets it:
+
+* ``--help`` of every tool under ``tools/`` and of ``pretrain_gpt.py``;
+* ``tools/preprocess_data.py`` on a one-document corpus (start-up: imports, tokenizer, output);
+* ``tools/preprocess_data.py`` on the embedded corpus repeated ``--copies`` times, against the
+  loop of Megatron-LM's ``tools/preprocess_data.py`` (``json.loads``, encode, megatron-core's
+  ``IndexedDatasetBuilder``, as ``bench_preprocess.py``'s baseline, which imports
+  megatron-core as Megatron-LM's tool does), same corpus, same tekken tokenizer, one process each.
+
+Each row gives the median over ``--repeat`` runs of the wall time and of the CPU time (user +
+system) of the process and its children: on a shared machine the wall time grows with the load,
+the CPU time much less. The load average at the start is recorded with the results.
+
+    python bench/bench_startup.py [--copies 4] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = sorted(REPO.glob("tools/*.py")) + sorted(REPO.glob("tools/checkpoint/*.py"))
+
+
+def timed(command: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process tree) of one run; the run must succeed."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def median_of(command: list[str], repeat: int) -> dict:
+    runs = [timed(command) for _ in range(repeat)]
+    return {"wall_s": round(statistics.median(w for w, _ in runs), 3),
+            "cpu_s": round(statistics.median(c for _, c in runs), 3)}  # fmt: skip
+
+
+def write_corpus(path: Path, documents: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    return path
+
+
+def megatron_style(source: str, prefix: str) -> None:
+    """Child mode: Megatron-LM's preprocessing loop (``bench_preprocess.baseline``)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_preprocess import baseline
+
+    baseline(Path(source), prefix)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--copies", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--megatron-style", nargs=2, metavar=("SOURCE", "PREFIX"),
+                        help=argparse.SUPPRESS)  # fmt: skip
+    args = parser.parse_args()
+    if args.megatron_style:
+        return megatron_style(*args.megatron_style)
+
+    from _common import write_results
+
+    from megatron.apertus.data.corpus import embedded_documents
+
+    load = os.getloadavg()[0]
+    python = sys.executable
+    rows = []
+    for script in [*TOOLS, REPO / "pretrain_gpt.py"]:
+        name = str(script.relative_to(REPO))
+        rows.append({"name": f"{name} --help", **median_of([python, str(script), "--help"],
+                                                           args.repeat)})  # fmt: skip
+        print(
+            f"{rows[-1]['name']:48s} {rows[-1]['wall_s']:7.2f} s wall {rows[-1]['cpu_s']:7.2f} s CPU"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        docs = embedded_documents()
+        one = write_corpus(Path(tmp) / "one.jsonl", docs[:1])
+        corpus = write_corpus(Path(tmp) / "corpus.jsonl", docs * args.copies)
+        tool = [python, str(REPO / "tools" / "preprocess_data.py")]
+        cases = [
+            ("preprocess_data.py start-up (1 document)",
+             tool + ["--input", str(one), "--output-prefix", f"{tmp}/one"]),
+            (f"preprocess_data.py, embedded corpus x{args.copies}",
+             tool + ["--input", str(corpus), "--output-prefix", f"{tmp}/ours"]),
+            (f"Megatron-LM's loop (megatron-core builder), embedded corpus x{args.copies}",
+             [python, __file__, "--megatron-style", str(corpus), f"{tmp}/theirs"]),
+        ]  # fmt: skip
+        for name, command in cases:
+            rows.append({"name": name, **median_of(command, args.repeat)})
+            print(f"{name:48s} {rows[-1]['wall_s']:7.2f} s wall {rows[-1]['cpu_s']:7.2f} s CPU")
+        ours = Path(f"{tmp}/ours_text_document.bin").read_bytes()
+        assert ours == Path(f"{tmp}/theirs.bin").read_bytes(), "the two wrote different tokens"
+    speedup = {key: round(rows[-1][key] / rows[-2][key], 2) for key in ("wall_s", "cpu_s")}
+    print(f"end to end: ours {speedup['wall_s']}x faster (wall), {speedup['cpu_s']}x (CPU)")
+    path = write_results("startup", rows, {"load_average_1min": round(load, 2),
+                                           "documents": len(docs) * args.copies,
+                                           "speedup_over_megatron_style": speedup,
+                                           "repeat": args.repeat})  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""What every entry point shares: one-line errors, exit codes, atomic outputs, worker lifetimes.
+
+The promise every tool under ``tools/`` and ``pretrain_gpt.py`` keep through this module:
+
+* A mistake the user can fix (a flag, a missing or unwritable file, input with nothing usable)
+  ends the program with one line, ``PROG: error: ...`` naming the flag, file or line, and exit
+  code 2; no traceback, no usage dump (``PROG --help`` shows the usage).
+* Ctrl-C or SIGTERM ends it with one line and exit code 130 or 143; worker processes end quietly
+  with it, and so do they when the parent is killed outright.
+* Outputs appear under their final names only when complete (:func:`atomic_outputs`): an error or
+  an interruption leaves neither a partial file nor a temporary one.
+
+Only the standard library is imported here, so that ``--help`` and argument errors cost no
+start-up time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn
+
+from megatron.apertus.errors import ConfigError
+
+EXIT_USAGE = 2
+"""Bad flags or input, as argparse's own exit status."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that ``finally`` blocks and cleanups run."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but an argument error is one line (and a hint) instead of the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated
+
+
+def error_line(prog: str, err: BaseException) -> str:
+    """The one line for an error a user can act on."""
+    if isinstance(err, OSError) and err.filename is not None:
+        return f"{prog}: error: {err.filename}: {err.strerror or err}"
+    return f"{prog}: error: {err}"
+
+
+def run(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
+    """Run a tool's ``main`` and exit with its status; user errors and interruptions become one
+    line. An ``OSError`` that names a file (permission denied, disk full, read-only file system)
+    is the user's to fix; one without a file name is a bug and keeps its traceback."""
+    prog = prog or os.path.basename(sys.argv[0])
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        code = main()
+    except ConfigError as err:
+        print(error_line(prog, err), file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except OSError as err:
+        if err.filename is None:
+            raise
+        print(error_line(prog, err), file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; no partial output was kept", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+    except Terminated:
+        print(f"{prog}: terminated; no partial output was kept", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
+    sys.exit(code or 0)
+
+
+def temporary_name(path: str | os.PathLike) -> str:
+    """``data/x.bin`` -> ``data/x.tmp.bin``: the name a file has until it is complete."""
+    path = Path(path)
+    return str(path.with_name(f"{path.stem}.tmp{path.suffix}"))
+
+
+@contextlib.contextmanager
+def atomic_outputs(*paths: str | os.PathLike) -> Iterator[list[str]]:
+    """Temporary names for ``paths``; all are renamed to their final names when the block ends
+    normally, and removed when it raises (errors, Ctrl-C, SIGTERM through :func:`run`)."""
+    temporary = [temporary_name(p) for p in paths]
+    try:
+        yield temporary
+    except BaseException:
+        for name in temporary:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(name)
+        raise
+    for name, path in zip(temporary, paths):
+        os.replace(name, path)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """In a worker process: end when the parent ends, even by SIGKILL (Linux); leave Ctrl-C to
+    the parent, which stops the workers itself, so that they print no traceback of their own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)

@@ -1,0 +1,155 @@
+"""The data tools on bad input and faults, as a user meets them: one line, exit 2, nothing lost.
+
+Unwritable output directories, input with no usable line, Ctrl-C and SIGTERM in the middle of a
+multi-process run, and weights that are not numbers; each tool runs as a real subprocess on
+real text with the tekken tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron.apertus.data.corpus import embedded_documents
+from tests.conftest import REPO
+
+TOOLS = REPO / "tools"
+NOBODY = 65534
+
+
+def tool(
+    name: str, *args: str, prefix: tuple[str, ...] = (), **kwargs
+) -> subprocess.CompletedProcess:
+    kwargs.setdefault("env", dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    return subprocess.run([*prefix, sys.executable, str(TOOLS / name), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, **kwargs)  # fmt: skip
+
+
+def assert_one_line_exit_2(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert len(error_lines) == 1, proc.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in error_lines[0], error_lines[0]
+
+
+def jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    path.chmod(0o644)
+    return path
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder another user can read, with an output folder only its owner can write: the tool
+    runs as ``nobody`` when the tests run as root (root writes anywhere)."""
+    root = Path(tempfile.mkdtemp(prefix="tool-errors-"))
+    root.chmod(0o755)
+    (root / "out").mkdir(mode=0o755)
+    if os.geteuid() != 0:
+        (root / "out").chmod(0o555)
+    yield root
+    (root / "out").chmod(0o755)
+    shutil.rmtree(root)
+
+
+def as_other_user(root: Path) -> dict:
+    if os.geteuid() != 0:
+        return {}
+    home = root / "home"
+    home.mkdir(mode=0o777, exist_ok=True)
+    home.chmod(0o777)
+    if shutil.which("setpriv") is None:
+        pytest.skip("running a tool as another user needs setpriv (util-linux)")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HOME=str(home))
+    return dict(
+        prefix=("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"), env=env
+    )
+
+
+def test_unwritable_output_directory_is_one_line_in_every_writing_tool(shared_dir):
+    docs = [json.dumps({"text": d}) for d in embedded_documents()[:3]]
+    source = jsonl(shared_dir / "corpus.jsonl", docs)
+    out = shared_dir / "out"
+    # datasets to merge and mix: written by this user, into a folder every user can read
+    data = shared_dir / "data"
+    data.mkdir(mode=0o755)
+    assert tool("preprocess_data.py", "--input", str(source),
+                "--output-prefix", str(data / "c")).returncode == 0  # fmt: skip
+    for path in data.iterdir():
+        path.chmod(0o644)
+    runs = {
+        "preprocess_data.py": ["--input", str(source), "--output-prefix", str(out / "c")],
+        "tokenize_corpus.py": ["--input", str(source), "--output-dir", str(out / "tokens")],
+        "merge_datasets.py": ["--input", str(data), "--output-prefix", str(out / "m")],
+        "build_mixture.py": ["--folders", str(data), "--weights", "1", "--max-tokens", "10",
+                             "--output", str(out / "mix")],  # fmt: skip
+    }
+    for name, args in runs.items():
+        proc = tool(name, *args, **as_other_user(shared_dir))
+        assert_one_line_exit_2(proc, str(out))
+        assert not list(out.iterdir()), name
+
+
+@pytest.mark.parametrize("content", ["", "not json\n{\"title\": \"no text\"}\n\n"],
+                         ids=["empty", "all-malformed"])  # fmt: skip
+def test_input_without_a_usable_line_writes_nothing(tmp_path, content):
+    source = tmp_path / "in.jsonl"
+    source.write_text(content)
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = {
+        "preprocess_data.py": [],
+        "preprocess_chat.py": [],
+        "preprocess_preferences.py": ["--objective", "dpo"],
+    }
+    for name, extra in runs.items():
+        proc = tool(name, "--input", str(source), "--output-prefix", str(out / "x"), *extra)
+        expected = "all 3 lines were rejected" if content else "no lines; nothing written"
+        assert_one_line_exit_2(proc, str(source), expected)
+        assert not list(out.iterdir()), name
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_preprocessing_ends_quietly_and_leaves_nothing(tmp_path, signum):
+    """Ctrl-C reaches the whole process group (the workers too); SIGTERM the main process."""
+    docs = embedded_documents()
+    source = jsonl(tmp_path / "in.jsonl", [json.dumps({"text": d}) for d in docs * 20])
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, str(TOOLS / "preprocess_data.py"), "--input", str(source),
+               "--output-prefix", str(out / "c"), "--workers", "2"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    started = out / "c_text_document.tmp.bin"
+    deadline = time.monotonic() + 300
+    while (not started.exists() or started.stat().st_size == 0) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, stderr[-2000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("preprocess_data.py: ")
+    assert not list(out.iterdir())
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-1"])
+def test_mixture_weights_must_be_positive_finite_numbers(tmp_path, weight):
+    proc = tool("build_mixture.py", "--folders", str(tmp_path), str(tmp_path), "--weights",
+                weight, "1", "--max-tokens", "100", "--output", str(tmp_path / "mix"))  # fmt: skip
+    assert_one_line_exit_2(proc, f"--weights {float(weight)} 1.0", "positive finite number")
+    assert not (tmp_path / "mix").exists()

@@ -1,0 +1,130 @@
+"""The promise of every entry point (``megatron/apertus/cli.py``): argument errors in one line,
+user errors in one line with exit 2, interruptions in one line, no partial output; and ``--help``
+and argument errors of the data tools without torch or megatron-core."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.apertus import cli
+from tests.conftest import REPO
+
+TOOLS = sorted(REPO.glob("tools/*.py")) + sorted(REPO.glob("tools/checkpoint/*.py"))
+LIGHT_TOOLS = ["preprocess_data", "preprocess_chat", "preprocess_preferences", "tokenize_corpus",
+               "merge_datasets", "build_mixture", "data_config", "make_chat_demo",
+               "average_checkpoints", "fuse_norms"]  # fmt: skip
+"""Tools whose ``--help`` and argument errors must not import torch: they start in well under a
+second (``bench/bench_startup.py`` measures them all)."""
+
+
+def load_tool(path: Path):
+    spec = importlib.util.spec_from_file_location(f"tool_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", [*TOOLS, REPO / "pretrain_gpt.py"], ids=lambda p: p.stem)
+def test_an_unknown_flag_is_one_line_not_the_usage(path, capsys):
+    module = load_tool(path)
+    with pytest.raises(SystemExit) as exit_:
+        (
+            module.main(["--no-such-flag"])
+            if path.stem != "pretrain_gpt"
+            else module.parse_args(["--no-such-flag"])
+        )
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert ": error: " in err and err.rstrip().endswith("--help)")
+
+
+def heavy_modules_after(name: str, args: list[str]) -> str:
+    """The last line a tool run prints through the probe: which of torch and megatron-core the
+    run imported."""
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['{name}.py', *sys.argv[1:]]\n"
+        "try:\n"
+        f"    runpy.run_path({str(REPO / 'tools' / (name + '.py'))!r}, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    return proc.stdout.strip().splitlines()[-1] + proc.stderr[-300:]
+
+
+@pytest.mark.parametrize("name", LIGHT_TOOLS)
+def test_help_and_argument_errors_import_neither_torch_nor_megatron_core(name):
+    for args in (["--help"], ["--no-such-flag"]):
+        assert heavy_modules_after(name, args).startswith("[]"), args
+
+
+def test_preprocessing_imports_neither_torch_nor_megatron_core(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "Tokenized without torch."}\n')
+    args = ["--input", str(source), "--output-prefix", str(tmp_path / "x")]
+    assert heavy_modules_after("preprocess_data", args).startswith("[]")
+    assert (tmp_path / "x_text_document.bin").stat().st_size > 0
+
+
+def test_preference_objectives_match_the_losses():
+    from megatron.apertus.align.losses import OBJECTIVES
+
+    tool = load_tool(REPO / "tools" / "preprocess_preferences.py")
+    assert tuple(tool.OBJECTIVES) == tuple(OBJECTIVES)
+
+
+def run_main(main) -> int:
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(main, prog="tool.py")
+    return exit_.value.code
+
+
+def test_run_turns_user_errors_into_one_line(capsys, tmp_path):
+    def config_error():
+        raise cli.ConfigError("--flag 3: must be even")
+
+    def unwritable():
+        raise PermissionError(13, "Permission denied", str(tmp_path / "out.bin"))
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_main(config_error) == 2
+    assert capsys.readouterr().err == "tool.py: error: --flag 3: must be even\n"
+    assert run_main(unwritable) == 2
+    assert capsys.readouterr().err == f"tool.py: error: {tmp_path / 'out.bin'}: Permission denied\n"
+    assert run_main(interrupted) == 130
+    assert capsys.readouterr().err.count("\n") == 1
+    assert run_main(lambda: 3) == 3
+
+
+def test_an_os_error_without_a_file_keeps_its_traceback():
+    def bug():
+        raise OSError("socket closed")
+
+    with pytest.raises(OSError, match="socket closed"):
+        cli.run(bug, prog="tool.py")
+
+
+def test_atomic_outputs_rename_when_complete_and_remove_on_failure(tmp_path):
+    final = tmp_path / "x.bin"
+    with pytest.raises(KeyboardInterrupt):
+        with cli.atomic_outputs(final) as (temporary,):
+            Path(temporary).write_bytes(b"half")
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with cli.atomic_outputs(final) as (temporary,):
+        assert temporary == str(tmp_path / "x.tmp.bin")
+        Path(temporary).write_bytes(b"whole")
+    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"] and final.read_bytes() == b"whole"
