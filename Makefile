@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 KERNEL_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 
-.PHONY: demo quant-demo test install
+.PHONY: demo quant-demo test test-fast install
 
 $(STAMP): setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,3 +32,8 @@ quant-demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25
+
+# The unit tests that start no process (no subprocess, torchrun or Slurm): tests/conftest.py
+# marks the others "process". For daily work; CI runs `make test`.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu and not process" --durations=10

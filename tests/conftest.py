@@ -1,5 +1,11 @@
-"""Shared helpers: run our entry points as real subprocesses (one process or torchrun), and the
-one fixture that builds tiny fp32 models on the CPU in this process (:func:`tiny_cpu`)."""
+"""Shared helpers: run our entry points as real subprocesses (one process or torchrun), the one
+fixture that builds tiny fp32 models on the CPU in this process (:func:`tiny_cpu`), and the
+``process`` marker that ``make test-fast`` leaves out.
+
+A test is marked ``process`` when it, one of its fixtures, or a function of ``tests/`` they call
+(followed through the names their code uses) reaches ``run_entry``, ``subprocess``,
+``multiprocessing`` or torch's process spawning: what it uses decides its tier, not a list.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Iterator
 
@@ -95,3 +102,48 @@ def tiny_cpu() -> Iterator[TinyCPU]:
     """:func:`cpu_models` for the duration of one test."""
     with cpu_models() as models:
         yield models
+
+
+PROCESS_NAMES = frozenset({"run_entry", "subprocess", "Popen", "multiprocessing", "spawn"})
+"""Names whose use in a test's code means that the test starts processes."""
+PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing")
+
+
+def _starts_processes(code: types.CodeType, scope: dict, seen: set) -> bool:
+    """Whether ``code`` (or a function of ``tests/`` it names, recursively) starts processes."""
+    if code in seen:
+        return False
+    seen.add(code)
+    for name in code.co_names:
+        if name in PROCESS_NAMES:
+            return True
+        target = scope.get(name)
+        target = getattr(target, "__wrapped__", target)  # through functools' caches
+        if getattr(target, "__module__", None) in PROCESS_MODULES:
+            return True
+        if isinstance(target, types.FunctionType) and target.__module__.startswith("tests"):
+            if _starts_processes(target.__code__, target.__globals__, seen):
+                return True
+    return any(
+        _starts_processes(const, scope, seen)
+        for const in code.co_consts
+        if isinstance(const, types.CodeType)
+    )
+
+
+def _uses_processes(item: pytest.Item) -> bool:
+    functions = [getattr(item, "obj", None)]
+    for name in getattr(item, "fixturenames", ()):
+        functions += [d.func for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
+    seen: set = set()
+    return any(
+        _starts_processes(f.__code__, f.__globals__, seen)
+        for f in functions
+        if isinstance(f, types.FunctionType)
+    )
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if _uses_processes(item):
+            item.add_marker(pytest.mark.process)

@@ -1,5 +1,5 @@
 # Distillation of one Apertus v1.1 student from the Apertus-8B teacher's top-256 probabilities
-# (REFERENCE section 1: 1.7T tokens, loss 0.9 KL + 0.1 CE), shared by distill_apertus_v1.1_*.sbatch,
+# (docs/recipe.md: 1.7T tokens, loss 0.9 KL + 0.1 CE), shared by distill_apertus_v1.1_*.sbatch,
 # which set STUDENT (preset), LR, MIN_LR, GLOBAL_BATCH, MICRO_BATCH and TP before sourcing it.
 
 RUN_DIR="${APERTUS_RUN_DIR:-${APERTUS_REPO:-$SLURM_SUBMIT_DIR}/runs/distill-$STUDENT}"

@@ -1,4 +1,4 @@
-# The Apertus recipe (REFERENCE section 1) as pretrain_gpt.py flags, shared by the pretraining and
+# The Apertus recipe (docs/recipe.md) as pretrain_gpt.py flags, shared by the pretraining and
 # distillation launchers; each launcher adds its model, layout, batch, learning rate and length.
 # Sourced after launch.sh. APERTUS_DATA is the Megatron blend: "[WEIGHT] PREFIX [WEIGHT] PREFIX ...".
 
@@ -10,7 +10,7 @@ APERTUS_DATA_FLAGS=(
     --data-path "${APERTUS_DATA_PATH[@]}" --split 969,30,1 --seq-length 4096
     --reset-position-ids --reset-attention-mask --eod-mask-loss
 )
-# The v1.1 students' length (REFERENCE section 1: 1.7T tokens of 4096), shared with their logits.
+# The v1.1 students' length (docs/recipe.md: 1.7T tokens of 4096), shared with their logits.
 APERTUS_DISTILL_SAMPLES=415039062
 
 APERTUS_RECIPE=(

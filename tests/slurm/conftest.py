@@ -1,6 +1,7 @@
 """A real one-node Slurm cluster on this machine: munged, slurmctld and slurmd from Debian.
 
-The cluster fixture (one per test module) installs the packages when they are missing (as root, like CI), writes a
+The cluster fixture (one per test module) installs the packages when they are missing and
+``APERTUS_INSTALL_SLURM=1`` asks for it (as root; otherwise the tests skip, saying how), writes a
 munge key and a ``slurm.conf`` naming this host (its CPUs and memory as ``slurmd -C`` reports
 them, ``proctrack/linuxproc``, ``task/none``, ``select/cons_tres``) into a temporary
 directory, starts the three daemons in the foreground on free ports, waits for the node to be
@@ -30,11 +31,19 @@ def _missing() -> list[str]:
     return [c for c in COMMANDS if shutil.which(c, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
 
 
+INSTALL = "APERTUS_INSTALL_SLURM"
+"""Set to 1 to let the fixture apt-get install Slurm: a test run never changes the machine's
+packages unless asked."""
+
+
 def ensure_slurm_installed() -> None:
-    """apt-get install the Debian packages if a command is missing; skip (saying why) when
-    that is impossible."""
+    """apt-get install the Debian packages if a command is missing and :data:`INSTALL` asks for
+    it; skip (saying why) otherwise or when that is impossible."""
     if not _missing():
         return
+    if os.environ.get(INSTALL) != "1":
+        pytest.skip(f"Slurm commands {_missing()} are missing; {INSTALL}=1 lets the tests "
+                    f"install them (root, apt-get install {' '.join(PACKAGES)})")  # fmt: skip
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         pytest.skip(f"Slurm commands {_missing()} are missing and installing them needs root and "
                     f"apt-get: apt-get install -y --no-install-recommends {' '.join(PACKAGES)}")  # fmt: skip

@@ -45,7 +45,7 @@ class SpecialTokenIds:
 
 
 APERTUS_TOKEN_IDS = SpecialTokenIds(bos=1, eos=2, pad=3)
-"""Those of the published Apertus tokenizer (REFERENCE section 1)."""
+"""Those of the published Apertus tokenizer (docs/recipe.md)."""
 
 # Per-layer tensors that only change name: ours (under decoder.layers.{i}.) -> HF (under model.layers.{i}.).
 _LAYER_RENAMES = {

@@ -1,4 +1,4 @@
-"""Published Apertus shapes (REFERENCE section 1) and a tiny model for tests and the demo."""
+"""Published Apertus shapes (docs/recipe.md) and a tiny model for tests and the demo."""
 
 from __future__ import annotations
 

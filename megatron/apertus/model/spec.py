@@ -37,7 +37,11 @@ from megatron.apertus.model.attention import SDPAttention
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.layers import XIELU, RMSNorm
 from megatron.apertus.quant.config import QuantConfig
-from megatron.apertus.quant.layers import QuantColumnParallelLinear, QuantRowParallelLinear
+from megatron.apertus.quant.layers import (
+    QuantColumnParallelLinear,
+    QuantRowParallelLinear,
+    check_divisible,
+)
 
 
 def _xielu_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
@@ -49,11 +53,11 @@ def _xielu_spec(model: ApertusConfig, xielu_impl: str) -> ModuleSpec:
     )
 
 
-def _linear(module: type, quantized: type, slot: str, quant: QuantConfig | None):
+def _linear(module: type, quantized: type, quant: QuantConfig | None):
     """A linear slot: ``module``, or its fake-quantizing subclass when ``quant`` is enabled."""
     if quant is None or not quant.enabled:
         return module
-    return ModuleSpec(module=quantized, params={"quant": quant, "slot": slot})
+    return ModuleSpec(module=quantized, params={"quant": quant})
 
 
 def _attention_spec(
@@ -103,11 +107,11 @@ def apertus_layer_spec(
     column, row = ColumnParallelLinear, RowParallelLinear
     quant_column, quant_row = QuantColumnParallelLinear, QuantRowParallelLinear
     attention = _attention_spec(
-        model, qkv=_linear(column, quant_column, "linear_qkv", quant), core=SDPAttention,
-        proj=_linear(row, quant_row, "linear_proj", quant), norm=RMSNorm,
+        model, qkv=_linear(column, quant_column, quant), core=SDPAttention,
+        proj=_linear(row, quant_row, quant), norm=RMSNorm,
     )  # fmt: skip
-    mlp = _mlp_spec(model, xielu_impl, fc1=_linear(column, quant_column, "linear_fc1", quant),
-                    fc2=_linear(row, quant_row, "linear_fc2", quant))  # fmt: skip
+    mlp = _mlp_spec(model, xielu_impl, fc1=_linear(column, quant_column, quant),
+                    fc2=_linear(row, quant_row, quant))  # fmt: skip
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -163,6 +167,19 @@ def _final_norm(transformer_impl: str) -> type:
     return RMSNorm
 
 
+def _check_quantizable(model: ApertusConfig, tp: int, quant: QuantConfig) -> None:
+    """Each quantized linear's input features per tensor-parallel rank split into ``quant``'s
+    groups; refused in one line before megatron-core builds anything."""
+    inputs = {
+        "linear_qkv": model.hidden_size,
+        "linear_proj": model.num_attention_heads * model.kv_channels // tp,
+        "linear_fc1": model.hidden_size,
+        "linear_fc2": model.ffn_hidden_size // tp,
+    }
+    for slot, features in inputs.items():
+        check_divisible(slot, features, quant)
+
+
 def apertus_block_spec(
     model: ApertusConfig,
     config: TransformerConfig,
@@ -174,6 +191,8 @@ def apertus_block_spec(
     """The layers of this pipeline (virtual) stage plus the final RMSNorm, built from the
     implementation named by ``config.transformer_impl``."""
     impl = config.transformer_impl
+    if quant is not None and quant.enabled:
+        _check_quantizable(model, config.tensor_model_parallel_size, quant)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     layer = apertus_layer_spec(model, xielu_impl=xielu_impl, transformer_impl=impl,
                                attention_backend=config.attention_backend,

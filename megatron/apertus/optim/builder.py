@@ -45,7 +45,7 @@ class AdEMAMixSettings:
     (``lr``, ``adam_beta1``, ``adam_beta2``, ``adam_eps``, ``weight_decay``).
 
     Field names are those of the Apertus fork's flags without their ``ademamix_`` prefix
-    (``--ademamix-alpha`` ...). Defaults are the Apertus recipe (REFERENCE section 1).
+    (``--ademamix-alpha`` ...). Defaults are the Apertus recipe (docs/recipe.md).
     """
 
     alpha: float = _help("weight of the slow EMA in the update (Apertus: 8)", 8.0)

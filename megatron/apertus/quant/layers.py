@@ -86,8 +86,9 @@ class LinearQuantizers:
         return fake_fp8(t, per_row=per_row, reduce=self.row_max if per_row else self.tensor_max)
 
 
-def _check_divisible(name: str, module: torch.nn.Module, cfg: QuantConfig) -> None:
-    features = module.weight.shape[1]
+def check_divisible(name: str, features: int, cfg: QuantConfig) -> None:
+    """Refuse a format that cannot split the ``features`` inputs (per tensor-parallel rank) of
+    linear ``name`` into its groups or blocks."""
     if cfg.int_bits is not None and cfg.quant_group_size > 0:
         if features % cfg.quant_group_size:
             raise ConfigError(
@@ -102,12 +103,11 @@ def _check_divisible(name: str, module: torch.nn.Module, cfg: QuantConfig) -> No
 
 
 class QuantColumnParallelLinear(ColumnParallelLinear):
-    """megatron-core's column-parallel linear on fake-quantized weight and input; ``slot`` names
-    the layer's place (``linear_qkv``, ``linear_fc1``) in size errors."""
+    """megatron-core's column-parallel linear on fake-quantized weight and input (``linear_qkv``,
+    ``linear_fc1``); the spec has checked that the format splits its inputs."""
 
-    def __init__(self, *args, quant: QuantConfig, slot: str, **kwargs) -> None:
+    def __init__(self, *args, quant: QuantConfig, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        _check_divisible(slot, self, quant)
         self.quantizers = LinearQuantizers(quant, row_parallel=False, tp_group=self.tp_group)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
@@ -122,9 +122,8 @@ class QuantRowParallelLinear(RowParallelLinear):
     """megatron-core's row-parallel linear on fake-quantized weight and input (``linear_proj``,
     ``linear_fc2``); maxima over rows and tokens reduce over its tensor-parallel group."""
 
-    def __init__(self, *args, quant: QuantConfig, slot: str, **kwargs) -> None:
+    def __init__(self, *args, quant: QuantConfig, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        _check_divisible(slot, self, quant)
         self.quantizers = LinearQuantizers(quant, row_parallel=True, tp_group=self.tp_group)
 
     def _forward_impl(self, input, weight, *args, **kwargs):

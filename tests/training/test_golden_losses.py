@@ -1,0 +1,61 @@
+"""A tiny pretraining run's losses, end to end, against a curve checked in beside this file.
+
+Catches silent numerical drift anywhere between the command line and the loss: tokenizer, data
+order, initialisation, the model, the fused loss, the optimizer and the schedule. On a CPU with
+the instruction set the curve was recorded on (``cpu_capability``), the losses must be equal bit
+for bit: the run is deterministic and single-threaded. On another one, to a relative 1e-5: MKL
+picks its GEMM kernels by instruction set, so fp32 sums round differently in the last bits, and
+ten steps keep such differences near 1e-6; a change of the recipe's numerics moves them by more.
+
+Regenerate (a deliberate change of the numerics only) with::
+
+    python -m tests.training.test_golden_losses
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.conftest import PRETRAIN, read_json, run_entry, series
+
+GOLDEN = Path(__file__).with_name("golden_tiny_losses.json")
+ARGS = ["--model-preset", "tiny", "--train-iters", "10", "--global-batch-size", "8",
+        "--log-interval", "1", "--precision", "fp32", "--device", "cpu"]  # fmt: skip
+RELATIVE = 1e-5
+
+
+def run_curve(log: Path) -> dict[str, list[list[float]]]:
+    """The run's training and validation losses as ``{name: [[iteration, value], ...]}``."""
+    run_entry(PRETRAIN, [*ARGS, "--log-json", str(log)])
+    history = read_json(log)
+    return {name: [list(p) for p in zip(*series(history, name))]
+            for name in ("train/loss", "valid/loss")}  # fmt: skip
+
+
+def test_tiny_run_reproduces_the_golden_curve(tmp_path):
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["args"] == ARGS, "the golden curve belongs to other flags: regenerate it"
+    curves = run_curve(tmp_path / "log.jsonl")
+    same_cpu = golden["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    for name, want in golden["curves"].items():
+        got = curves[name]
+        assert [i for i, _ in got] == [i for i, _ in want], name
+        for (it, a), (_, b) in zip(got, want):
+            if same_cpu:
+                assert a == b, f"{name} at iteration {it}: {a!r}, golden {b!r}"
+            else:
+                assert abs(a - b) <= RELATIVE * abs(b), f"{name} at iteration {it}: {a}, {b}"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        curves = run_curve(Path(tmp) / "log.jsonl")
+    GOLDEN.write_text(json.dumps({
+        "args": ARGS, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "curves": curves,
+    }) + "\n")  # fmt: skip
+    print(f"wrote {GOLDEN}")
