@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -62,6 +63,11 @@ class TrainingConfig:
     exit_signal_handler: bool = _help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
     trigger_path: Optional[str] = _help("directory watched for 'save' and 'exit' files", None)
     exit_interval: int = _help("save and stop after this many iterations (0: never)", 0)
+    exit_duration_in_mins: Optional[float] = _help(
+        "save and stop once the job has run this many minutes (checked after every step and "
+        "validation batch, agreed on by all ranks)",
+        None,
+    )
     max_skipped_steps: int = _help("stop after this many consecutive non-finite steps", 5)
     recompute_granularity: Optional[str] = _help(
         "activation recomputation: full or selective", None
@@ -108,6 +114,10 @@ class TrainingConfig:
         ):
             # Nothing to ramp: megatron-core's calculator would divide by zero increments.
             object.__setattr__(self, "rampup_batch_size", None)
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ConfigError(
+                f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}"
+            )
         if self.manual_gc_interval < 0:
             raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
 
@@ -334,6 +344,11 @@ class LoggingConfig:
         "append Megatron-LM's progress lines (job starts, checkpoints with job and cumulative "
         "TFLOP/s per device, FLOPs and tokens so far) to SAVE/progress.txt"
     )
+    log_loss_scale_to_tensorboard: bool = _help(
+        "record the loss scale (1.0 unless fp16 scales it) as TensorBoard's and wandb's "
+        "loss-scale (Megatron-LM's --no-log-loss-scale-to-tensorboard: not)",
+        True,
+    )
     log_memory_to_tensorboard: bool = _switch(
         "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "
         "and reserved bytes, on a CPU the process's resident memory"
@@ -350,6 +365,9 @@ class LoggingConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb-project needs wandb, which is not installed: "
+                              "pip install 'megatron-apertus[wandb]'")  # fmt: skip
         unknown = sorted(set(self.log_intermediate_metrics or ()) - set(STATISTICS))
         if unknown:
             raise ConfigError(
