@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if refused:
         parser.error(refused[0])
     try:
+        restored = C.apply_checkpoint_args(args)
+        if restored and os.environ.get("RANK", "0") == "0":
+            print(restored)
         model = C.model_from_arguments(args)
         config = RunConfig(
             model=model,

@@ -269,6 +269,12 @@ class CheckpointConfig:
         "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
     )
     no_load_rng: bool = _switch("keep this run's seeded RNG states instead of the checkpoint's")
+    use_checkpoint_args: bool = _switch(
+        "take the model's shape from the --load checkpoint (each model flag not given on the "
+        "command line; the preset is not used) and its tokenizer (--tokenizer-type, and "
+        "--tokenizer-model unless given), as Megatron-LM does; a --load without a checkpoint "
+        "keeps the command line's"
+    )
     async_save: bool = _switch(
         "write checkpoints in a background process while training goes on (megatron-core's "
         "asynchronous torch_dist save); a checkpoint counts once every rank has written it, and "
@@ -490,6 +496,37 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="interleaved pipeline: layers per virtual stage (sets "
         "--virtual-pipeline-model-parallel-size to --num-layers / PP / this)",
     )
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
+    """``--use-checkpoint-args``: fill ``args`` from the --load checkpoint as Megatron-LM's
+    ``load_args_from_checkpoint`` does: every model flag left unset from ``apertus_model.json``,
+    the tokenizer type (it has a default, which Megatron-LM overwrites too) and, unless given,
+    the tokenizer model from ``apertus_run.json``. Returns the line to log, None when the flag
+    is off."""
+    if not args.use_checkpoint_args:
+        return None
+    if not args.load:
+        raise ConfigError("--use-checkpoint-args reads the checkpoint --load names: give --load")
+    from megatron.apertus.training.checkpoint import find_checkpoint, load_model_config
+    from megatron.apertus.training.checkpoint_files import read_run_info
+
+    found = find_checkpoint(args.load)
+    if found is None:
+        return f"--use-checkpoint-args: no checkpoint at {args.load}, using the command line"
+    taken = []
+    for name, value in dataclasses.asdict(load_model_config(found)).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+            taken.append(name)
+    tokenizer = (read_run_info(found) or {}).get("tokenizer") or {}
+    if tokenizer.get("type"):
+        args.tokenizer_type = tokenizer["type"]
+        taken.append("tokenizer_type")
+    if tokenizer.get("model") and args.tokenizer_model is None:
+        args.tokenizer_model = tokenizer["model"]
+        taken.append("tokenizer_model")
+    return f"--use-checkpoint-args: {', '.join(taken) or 'nothing'} from {found}"
 
 
 def model_from_arguments(args: argparse.Namespace) -> ApertusConfig:
