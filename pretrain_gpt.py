@@ -27,6 +27,7 @@ from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
+from megatron.apertus.training.optimizer import check_schedule
 from megatron.apertus.training.run_log import configure_logging
 
 
@@ -94,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             communication=C.from_arguments(C.CommunicationConfig, args),
             quant=C.from_arguments(QuantConfig, args),
         )
+        check_schedule(config.schedule, config.training)
         config.communication.check(
             distributed_optimizer=config.optimizer.use_distributed_optimizer,
             virtual_pipeline=config.parallel.virtual_pipeline_model_parallel_size is not None,

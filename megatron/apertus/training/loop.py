@@ -842,13 +842,14 @@ def finished_run(cfg: RunConfig) -> str | None:
     """The line saying that the checkpoint --load names already ends this run (it reached
     --train-iters or --train-samples), else None. Read from the checkpoint's run record before
     anything is built, so a job resubmitted after the end exits at once instead of validating
-    and saving the same checkpoint again (--finetune starts a new run: never finished)."""
+    and saving the same checkpoint again (--finetune starts a new run: never finished; another
+    model is refused by the load as usual)."""
     ck, t = cfg.checkpoint, cfg.training
     if not ck.load or ck.finetune:
         return None
     found = checkpoint.find_checkpoint(ck.load)
     info = read_run_info(found) if found is not None else None
-    if not info or not info.get("iteration"):
+    if not info or not info.get("iteration") or checkpoint.load_model_config(found) != cfg.model:
         return None
     if t.train_iters is not None and info["iteration"] >= t.train_iters:
         reached = f"iteration {info['iteration']} (--train-iters {t.train_iters})"
