@@ -124,16 +124,22 @@ def pipeline_documents(tmp_path: Path, documents: list[str]) -> list[list[int]]:
 
 
 def test_transformers_tokenizer_gives_the_pipeline_ids(exported, tmp_path):
-    """Real documents (both sources of the embedded corpus) and special-token strings as text:
-    the export's tokenizer gives what the pipeline wrote, up to the end-of-document ``</s>``."""
+    """Real documents (both sources of the embedded corpus): the export's tokenizer gives what
+    the pipeline wrote, up to the end-of-document ``</s>``. Special-token strings in plain text
+    are control tokens with transformers' defaults (as in the published Apertus tokenizer) and
+    the pipeline's text ids with ``split_special_tokens=True``."""
     from transformers import AutoTokenizer
 
     documents = [*corpus()[:24], SPECIAL_LITERALS]
     tokenizer = AutoTokenizer.from_pretrained(str(exported.hf_dir))
     for text, ids in zip(documents, pipeline_documents(tmp_path, documents), strict=True):
         assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
-        assert tokenizer(text)["input_ids"] == ids[:-1]
-    assert tokenizer.decode(tokenizer(SPECIAL_LITERALS)["input_ids"][1:]) == SPECIAL_LITERALS
+        assert tokenizer(text, split_special_tokens=True)["input_ids"] == ids[:-1]
+        if text != SPECIAL_LITERALS:
+            assert tokenizer(text)["input_ids"] == ids[:-1]
+    literal = tokenizer(SPECIAL_LITERALS, split_special_tokens=True)["input_ids"]
+    assert tokenizer.decode(literal[1:]) == SPECIAL_LITERALS
+    assert tokenizer.eos_token_id in tokenizer(SPECIAL_LITERALS)["input_ids"]
 
 
 def test_generation_config_and_model_card(exported):
@@ -212,8 +218,10 @@ def test_tokenizer_override_families(tmp_path):
                            dest, model_max_length=64, vocab_size=32000)  # fmt: skip
         hf = AutoTokenizer.from_pretrained(str(dest))
         ours = build_tokenizer("SentencePieceTokenizer", str(spm))
-        for text in [*corpus()[-4:], SPECIAL_LITERALS]:
+        for text in corpus()[-4:]:
             assert hf(text)["input_ids"] == [ours.bos, *ours.encode(text)]
+        literal = hf(SPECIAL_LITERALS, split_special_tokens=True)["input_ids"]
+        assert literal == [ours.bos, *ours.encode(SPECIAL_LITERALS)]
 
 
 def test_tokenizer_refusals(tmp_path):

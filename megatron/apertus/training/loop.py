@@ -66,7 +66,7 @@ from megatron.apertus.quant.layers import apply_fake_quant
 from megatron.apertus.training import checkpoint
 from megatron.apertus.training.align import AlignRun
 from megatron.apertus.training.checkpoint import TrainingState
-from megatron.apertus.training.checkpoint_files import read_run_info
+from megatron.apertus.training.checkpoint_files import METRICS_FILE, read_run_info
 from megatron.apertus.training.config import (
     CheckpointConfig,
     CommunicationConfig,
@@ -109,8 +109,6 @@ MEGATRON_MEMORY_TAGS = {
     "memory/reserved_bytes": "mem-reserved-bytes",
 }
 """Megatron-LM's TensorBoard tags of the allocator statistics (a CPU's resident memory has none)."""
-METRICS_FILE = "metrics.json"
-"""The recorded history, kept beside the checkpoints so a resumed run continues its curves."""
 
 
 @dataclass(kw_only=True)
