@@ -4,9 +4,9 @@ an export of an exported tokenizer (an import followed by an export) keeps it.""
 
 from __future__ import annotations
 
-import pytest
-
 import json
+
+import pytest
 
 from megatron.apertus.convert.hf_tokenizer import TokenizerSource, write_hf_tokenizer
 from megatron.apertus.data.chat import CONTROL_TOKENS, encode_conversation

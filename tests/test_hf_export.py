@@ -34,6 +34,7 @@ from megatron.apertus.convert.hf_tokenizer import (
     tokenizer_type_of,
     write_hf_tokenizer,
 )
+from megatron.apertus.convert.model_card import MIN_TRANSFORMERS
 from megatron.apertus.data.corpus import training_documents
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer, bundled_tekken_path
@@ -162,6 +163,14 @@ def test_generation_config_and_model_card(exported):
     assert f"| parameters | {model.num_parameters():,} |" in card
     assert shlex.join(run["command"]) in card and "--init-method-std 0.05" in card
     assert f"export_hf.py --load {exported.root / 'ckpt'} --output {exported.hf_dir}" in card
+    assert card.startswith("---\nlicense: apache-2.0\n")
+    assert "## Intended use" in card and "## Training data" in card
+    history = json.loads((exported.root / "ckpt" / "metrics.json").read_text())
+    (last, loss), (valid_at, valid) = history["train/loss"][-1], history["valid/loss"][-1]
+    assert f"| final training loss | {loss:.4f} (iteration {last}) |" in card and last == 2
+    assert f"| final validation loss | {valid:.4f} (iteration {valid_at}) |" in card
+    minimum = f"transformers >= {MIN_TRANSFORMERS}"
+    assert minimum in card and minimum in (REPO / "docs" / "hf_interop.md").read_text()
 
 
 def test_checkpoint_without_run_record_needs_tokenizer(exported, tmp_path):

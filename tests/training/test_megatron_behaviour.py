@@ -112,7 +112,10 @@ def test_exit_duration_stops_validation_then_saves_and_exits(tmp_path, caplog):
     assert checkpoint.latest_iteration(tmp_path) == 1
     lines = _lines(caplog)
     assert "--exit-duration-in-mins reached during validation: stopping it" in lines
-    assert "exit requested by --exit-duration-in-mins 0.0001: saving a checkpoint and stopping" in lines
+    assert (
+        "exit requested by --exit-duration-in-mins 0.0001: saving a checkpoint and stopping"
+        in lines
+    )
 
 
 @pytest.fixture(scope="module")

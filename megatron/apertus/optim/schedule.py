@@ -149,7 +149,6 @@ class ScheduleConfig:
             )
         return steps
 
-
     def _given(self, what: str, samples: int) -> str:
         """A length as its flag gave it, e.g. ``--lr-warmup-iters 10 (40 samples)``."""
         iters = getattr(self, f"lr_{what}_iters")
