@@ -7,6 +7,7 @@ torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 ...
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron.apertus.cli import ArgumentParser
@@ -16,6 +17,8 @@ from megatron.apertus.launch.planner import dry_run
 from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
+from megatron.apertus.training.optimizer import check_schedule
+from megatron.apertus.training.optimizer import check_schedule
 from megatron.apertus.training.run_log import configure_logging
 
 
@@ -51,7 +54,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if refused:
         parser.error(refused[0])
     try:
+        restored = C.apply_checkpoint_args(args)
+        if restored and os.environ.get("RANK", "0") == "0":
+            print(restored)
         config = C.run_from_arguments(args)
+        check_schedule(config.schedule, config.training)
     except (ConfigError, ValueError) as err:
         parser.error(str(err))
     except RuntimeError as err:  # --device cuda without a GPU

@@ -357,9 +357,14 @@ def test_restated_architecture_changes_nothing():
                 "--hidden-dropout", "0.0", "--dataloader-type", "single", "--ckpt-format",
                 "torch_dist", "--dist-ckpt-strictness", "assume_ok_unexpected",
                 "--no-check-for-nan-in-loss-and-grad",
-                "--log-throughput", "--no-log-loss-scale-to-tensorboard",
-                "--cross-entropy-loss-fusion", "--use-rope-scaling"]  # fmt: skip
+                "--log-throughput", "--cross-entropy-loss-fusion", "--use-rope-scaling"]  # fmt: skip
     assert pretrain_gpt.parse_args(BASE + restated) == pretrain_gpt.parse_args(BASE)
+
+
+def test_no_log_loss_scale_to_tensorboard_switches_the_loss_scale_off():
+    assert pretrain_gpt.parse_args(BASE).logging.log_loss_scale_to_tensorboard
+    quiet = pretrain_gpt.parse_args(BASE + ["--no-log-loss-scale-to-tensorboard"])
+    assert not quiet.logging.log_loss_scale_to_tensorboard
 
 
 @pytest.mark.parametrize("flags, precision", [

@@ -35,6 +35,7 @@ from megatron.apertus.convert.hf_tokenizer import (
     tokenizer_type_of,
     write_hf_tokenizer,
 )
+from megatron.apertus.convert.model_card import MIN_TRANSFORMERS
 from megatron.apertus.data.corpus import training_documents
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer, bundled_tekken_path
@@ -122,16 +123,22 @@ def pipeline_documents(tmp_path: Path, documents: list[str]) -> list[list[int]]:
 
 
 def test_transformers_tokenizer_gives_the_pipeline_ids(exported, tmp_path):
-    """Real documents (both sources of the embedded corpus) and special-token strings as text:
-    the export's tokenizer gives what the pipeline wrote, up to the end-of-document ``</s>``."""
+    """Real documents (both sources of the embedded corpus): the export's tokenizer gives what
+    the pipeline wrote, up to the end-of-document ``</s>``. Special-token strings in plain text
+    are control tokens with transformers' defaults (as in the published Apertus tokenizer) and
+    the pipeline's text ids with ``split_special_tokens=True``."""
     from transformers import AutoTokenizer
 
     documents = [*corpus()[:24], SPECIAL_LITERALS]
     tokenizer = AutoTokenizer.from_pretrained(str(exported.hf_dir))
     for text, ids in zip(documents, pipeline_documents(tmp_path, documents), strict=True):
         assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
-        assert tokenizer(text)["input_ids"] == ids[:-1]
-    assert tokenizer.decode(tokenizer(SPECIAL_LITERALS)["input_ids"][1:]) == SPECIAL_LITERALS
+        assert tokenizer(text, split_special_tokens=True)["input_ids"] == ids[:-1]
+        if text != SPECIAL_LITERALS:
+            assert tokenizer(text)["input_ids"] == ids[:-1]
+    literal = tokenizer(SPECIAL_LITERALS, split_special_tokens=True)["input_ids"]
+    assert tokenizer.decode(literal[1:]) == SPECIAL_LITERALS
+    assert tokenizer.eos_token_id in tokenizer(SPECIAL_LITERALS)["input_ids"]
 
 
 def test_generation_config_and_model_card(exported):
@@ -154,6 +161,14 @@ def test_generation_config_and_model_card(exported):
     assert f"| parameters | {model.num_parameters():,} |" in card
     assert shlex.join(run["command"]) in card and "--init-method-std 0.05" in card
     assert f"export_hf.py --load {exported.root / 'ckpt'} --output {exported.hf_dir}" in card
+    assert card.startswith("---\nlicense: apache-2.0\n")
+    assert "## Intended use" in card and "## Training data" in card
+    history = json.loads((exported.root / "ckpt" / "metrics.json").read_text())
+    (last, loss), (valid_at, valid) = history["train/loss"][-1], history["valid/loss"][-1]
+    assert f"| final training loss | {loss:.4f} (iteration {last}) |" in card and last == 2
+    assert f"| final validation loss | {valid:.4f} (iteration {valid_at}) |" in card
+    minimum = f"transformers >= {MIN_TRANSFORMERS}"
+    assert minimum in card and minimum in (REPO / "docs" / "hf_interop.md").read_text()
 
 
 def test_checkpoint_without_run_record_needs_tokenizer(exported, tmp_path):
@@ -210,8 +225,10 @@ def test_tokenizer_override_families(tmp_path):
                            dest, model_max_length=64, vocab_size=32000)  # fmt: skip
         hf = AutoTokenizer.from_pretrained(str(dest))
         ours = build_tokenizer("SentencePieceTokenizer", str(spm))
-        for text in [*corpus()[-4:], SPECIAL_LITERALS]:
+        for text in corpus()[-4:]:
             assert hf(text)["input_ids"] == [ours.bos, *ours.encode(text)]
+        literal = hf(SPECIAL_LITERALS, split_special_tokens=True)["input_ids"]
+        assert literal == [ours.bos, *ours.encode(SPECIAL_LITERALS)]
 
 
 def test_tokenizer_refusals(tmp_path):

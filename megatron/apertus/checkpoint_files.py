@@ -20,6 +20,9 @@ from pathlib import Path
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_CONFIG = "apertus_model.json"
 RUN_INFO = "apertus_run.json"
+METRICS_FILE = "metrics.json"
+"""The recorded history, kept in the save directory beside the checkpoints, so a resumed run
+continues its curves and an export reports the final losses."""
 _ITERATION_DIR = re.compile(r"iter_(\d{7})(\.tmp)?")
 
 
@@ -60,3 +63,22 @@ def read_run_info(checkpoint_dir: str | os.PathLike) -> dict | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text())
+
+
+def final_losses(checkpoint_dir: str | os.PathLike) -> dict[str, tuple[int, float]]:
+    """The last training and validation loss recorded up to the checkpoint ``iter_*`` as
+    ``{"train/loss": (iteration, value), ...}``, from the save directory's history (empty
+    when there is none: conversion tools record no losses)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    match = _ITERATION_DIR.fullmatch(checkpoint_dir.name)
+    history_path = checkpoint_dir.parent / METRICS_FILE
+    if match is None or not history_path.is_file():
+        return {}
+    history = json.loads(history_path.read_text())
+    upto = int(match.group(1))
+    found = {}
+    for name in ("train/loss", "valid/loss"):
+        entries = [(int(it), float(v)) for it, v in history.get(name, []) if it <= upto]
+        if entries:
+            found[name] = entries[-1]
+    return found

@@ -237,6 +237,33 @@ def test_nvfp4_inputs_are_quantized_by_transformers_as_by_us(nvfp4_export):
     assert (unquantized - expected).abs().max() > 1000 * (seen["y"] - expected).abs().max()
 
 
+def test_nvfp4_export_runs_with_transformers_defaults(nvfp4_export):
+    """The config's dtype is bfloat16, what compressed-tensors decompresses NVFP4 to: a load
+    with transformers' defaults runs (a float32 one would fail in its first matmul)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(nvfp4_export)
+    assert hf.dtype == torch.bfloat16
+    with torch.no_grad():
+        logits = hf(tokens()).logits
+    assert logits.shape[-1] == 131072 and torch.isfinite(logits).all()
+
+
+def test_a_group_size_that_does_not_divide_the_rows_is_one_line_and_exit_2(base, tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, str(EXPORT), "--load", str(base), "--output", str(tmp_path / "hf"),
+           "--quant-format", "int4", "--quant-group-size", "48"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "export_quantized_hf.py: error: --quant-group-size 48 does not divide the 64 input "
+        "features of model.layers.*.self_attn.q_proj"
+    ]
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+
+
 def test_a_missing_calibration_prefix_is_one_line_and_exit_2(base, tmp_path):
     import subprocess
     import sys

@@ -16,9 +16,10 @@ from tests.conftest import PRETRAIN, REPO
 
 ITERATION_LINE = re.compile(
     r"iteration +(\d+)/ +(\d+) \| consumed samples: +\d+ \| elapsed time per iteration \(ms\): "
-    r"[\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +\d+ \| lm loss: [\d.E+-]+ \| "
-    r"grad norm: [\d.]+ \| number of skipped iterations: +\d+ \| tokens per second per device: "
-    r"\d+ \| throughput per GPU \(TFLOP/s/GPU\): [\d.e+-]+ \| memory \(GiB\): [\d.]+"
+    r"[\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: [\d.E+-]+ \| "
+    r"global batch size: +\d+ \| lm loss: [\d.E+-]+ \| loss scale: [\d.]+ \| grad norm: [\d.]+ \| "
+    r"number of skipped iterations: +\d+ \| number of nan iterations: +\d+ \| "
+    r"tokens per second per device: \d+ \| memory \(GiB\): [\d.]+ \|"
 )
 
 

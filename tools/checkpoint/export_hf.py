@@ -30,6 +30,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "JSON, a tokenizer.json or a directory holding one, or a SentencePiece .model",
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--license", default="apache-2.0",
+        help="the model card's Hugging Face Hub licence id (default: apache-2.0, the published "
+             "Apertus models')",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -47,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=args.tokenizer,
             dtype=dtype_from_name(args.dtype),
             command=command,
+            license=args.license,
         )
     except (FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"export_hf.py: error: {err}", file=sys.stderr)

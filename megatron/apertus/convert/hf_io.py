@@ -27,7 +27,7 @@ from megatron.apertus.checkpoint import (
     resolve_checkpoint,
     save_model,
 )
-from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.checkpoint_files import final_losses, read_run_info
 from megatron.apertus.convert.hf import (
     ConversionError,
     apertus_config_from_hf,
@@ -37,7 +37,7 @@ from megatron.apertus.convert.hf import (
     to_hf_state_dict,
 )
 from megatron.apertus.convert.hf_tokenizer import tokenizer_source, write_hf_tokenizer
-from megatron.apertus.convert.model_card import model_card
+from megatron.apertus.convert.model_card import DEFAULT_LICENSE, model_card
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.quant.config import QuantConfig
@@ -78,6 +78,7 @@ def export_checkpoint(
     tokenizer: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
     command: Sequence[str] | None = None,
+    license: str = DEFAULT_LICENSE,
 ) -> Path:
     """Write the Hugging Face directory ``output`` from checkpoint ``load``.
 
@@ -110,7 +111,7 @@ def export_checkpoint(
         card = model_card(
             name=output.name, model=model, checkpoint=checkpoint.resolve(), run_info=run_info,
             tokenizer=f"{source.describe()}, from {source.origin}", dtype=dtype_name(dtype),
-            export_command=command,
+            export_command=command, losses=final_losses(checkpoint), license=license,
         )  # fmt: skip
         (tmp / "README.md").write_text(card, encoding="utf-8")
         _make_world_readable(tmp)

@@ -7,9 +7,15 @@ model saw at the start of every training document:
 
 * ``<s>`` first (the post-processor is ``<s> $A``); no ``</s>`` at the end, because the
   pipeline puts it only where a document ends, and a prompt or a scored context does not;
-* ``split_special_tokens``: a literal ``</s>`` in the text stays the characters ``<``, ``/``,
-  ``s``, ``>``, as in :mod:`megatron.apertus.data.tokenizer`;
-* no chat template (a pretrained model has no chat format);
+* special tokens are not split (transformers' default, and the published Apertus tokenizer's):
+  ``apply_chat_template(..., tokenize=True)`` with its defaults maps the rendered control
+  tokens to their ids, as training did. The price: a literal control string in plain text
+  (``</s>``, ``<|assistant_start|>``) becomes that control token, where our data pipeline
+  (:mod:`megatron.apertus.data.tokenizer`) keeps it as text; ``split_special_tokens=True`` in
+  the call gives the pipeline's ids for such text;
+* the chat template: for tekken the Apertus chat format (:mod:`megatron.apertus.data.chat`);
+  for a Hugging Face tokenizer the one beside its ``tokenizer.json``, if any, so an
+  import followed by an export keeps it;
 * ``tokenizer_class`` ``PreTrainedTokenizerFast``, a name every transformers version since
   4.x resolves (transformers 5 would write its own ``TokenizersBackend``).
 
@@ -116,24 +122,25 @@ def _backend(source: TokenizerSource, ours: Tokenizer):
         return PreTrainedTokenizerFast.from_pretrained(spm_dir).backend_tokenizer
 
 
-def _check_texts(specials: Sequence[str]) -> list[str]:
-    """Real documents, plus the special-token strings as plain text (they must stay text)."""
-    literal = "special tokens as text: " + " and ".join(specials) + " end"
-    return [*embedded_documents()[:CHECK_DOCUMENTS], literal]
+def _literal_specials(specials: Sequence[str]) -> str:
+    """A text holding the special-token strings as plain text."""
+    return "special tokens as text: " + " and ".join(specials) + " end"
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def check_hf_tokenizer(hf_dir: Path, ours: Tokenizer, texts: Sequence[str]) -> None:
-    """``AutoTokenizer.from_pretrained(hf_dir)(text)`` must equal ``<s>`` + our ids of ``text``."""
+def check_hf_tokenizer(hf_dir: Path, ours: Tokenizer, texts: Sequence[str], *,
+                       split_special_tokens: bool = False) -> None:  # fmt: skip
+    """``AutoTokenizer.from_pretrained(hf_dir)(text)`` must equal ``<s>`` + our ids of ``text``
+    (with ``split_special_tokens``, for text that holds control strings)."""
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(str(hf_dir))
     for text in texts:
         expected = [ours.bos, *ours.encode(text)]
-        got = theirs(text)["input_ids"]
+        got = theirs(text, split_special_tokens=split_special_tokens)["input_ids"]
         if got != expected:
             at = _first_difference(got, expected)
             raise ConversionError(
@@ -165,26 +172,44 @@ def write_hf_tokenizer(
         pad_token=pad,
         add_bos_token=True,
         add_eos_token=False,
-        split_special_tokens=True,
+        split_special_tokens=False,
         model_max_length=model_max_length,
     )
     hf.save_pretrained(str(dest))
-    if source.type == "TekkenTokenizer":
-        add_apertus_chat_format(dest)
     config_path = dest / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
+    if source.type == "TekkenTokenizer":
+        add_apertus_chat_format(dest)
+    elif source.type == "HuggingFaceTokenizer":
+        config |= copy_chat_template(Path(source.model), dest)
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    check_hf_tokenizer(dest, ours, _check_texts(sorted({bos, eos, pad})))
+    check_hf_tokenizer(dest, ours, embedded_documents()[:CHECK_DOCUMENTS])
+    check_hf_tokenizer(dest, ours, [_literal_specials(sorted({bos, eos, pad}))],
+                       split_special_tokens=True)  # fmt: skip
     return SpecialTokenIds(bos=ours.bos, eos=ours.eod, pad=ours.pad)
+
+
+def copy_chat_template(source: Path, dest: Path) -> dict:
+    """Carry the chat template of a Hugging Face tokenizer (``source``: its directory or its
+    ``tokenizer.json``) into the export ``dest``: ``chat_template.jinja`` is copied; a template
+    kept in ``tokenizer_config.json`` (older transformers) is returned as the config entries to
+    add. No template: nothing."""
+    directory = source if source.is_dir() else source.parent
+    if (directory / "chat_template.jinja").is_file():
+        shutil.copyfile(directory / "chat_template.jinja", dest / "chat_template.jinja")
+        return {}
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return {}
+    template = json.loads(config.read_text()).get("chat_template")
+    return {} if template is None else {"chat_template": template}
 
 
 def add_apertus_chat_format(directory: Path) -> None:
     """Name the reserved slots 61..72 of a converted tekken tokenizer with the Apertus control
     tokens and install the Apertus chat template (:mod:`megatron.apertus.data.chat`), so that
-    ``apply_chat_template(..., tokenizer_kwargs={"split_special_tokens": False})`` gives the ids
-    training used. The keyword is needed because the tokenizer keeps special-token text in plain
-    documents as text, as our data pipeline does, while a rendered template must map it."""
+    ``apply_chat_template(..., tokenize=True)`` gives the ids training used."""
     path = directory / "tokenizer.json"
     spec = json.loads(path.read_text())
     names = {f"<SPECIAL_{token_id}>": name for name, token_id in CONTROL_TOKENS.items()}

@@ -15,6 +15,10 @@ from typing import Any, Sequence
 
 from megatron.apertus.model.config import ApertusConfig
 
+MIN_TRANSFORMERS = "5.0"
+"""The oldest transformers that reads the export's ``rope_parameters`` (docs/hf_interop.md)."""
+DEFAULT_LICENSE = "apache-2.0"
+"""The Hub licence id of the published Apertus models; ``export_hf.py --license`` sets another."""
 UNKNOWN = "unknown"
 EMBEDDED_CORPUS = "the embedded corpus (Python's documentation and standard-library docstrings)"
 
@@ -38,6 +42,13 @@ def _command(argv: Sequence[str] | None) -> str:
     return UNKNOWN if not argv else f"```bash\n{shlex.join(argv)}\n```"
 
 
+def _loss(losses: dict[str, tuple[int, float]], name: str) -> str:
+    if name not in losses:
+        return UNKNOWN
+    iteration, value = losses[name]
+    return f"{value:.4f} (iteration {iteration})"
+
+
 def _table(rows: Sequence[tuple[str, Any]]) -> str:
     return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
@@ -51,8 +62,12 @@ def model_card(
     tokenizer: str,
     dtype: str,
     export_command: Sequence[str] | None,
+    losses: dict[str, tuple[int, float]] | None = None,
+    license: str = DEFAULT_LICENSE,
 ) -> str:
-    """README.md for the export directory ``name`` of ``checkpoint``."""
+    """README.md for the export directory ``name`` of ``checkpoint``; ``losses`` holds the last
+    ``train/loss`` and ``valid/loss`` up to the checkpoint as (iteration, value)."""
+    losses = losses or {}
     version = _recorded(run_info, "version")
     commit = _recorded(run_info, "git_commit")
     training = _table(
@@ -62,6 +77,8 @@ def model_card(
             ("training tokens", _count(_recorded(run_info, "consumed_tokens"))),
             ("sequence length", _count(_recorded(run_info, "seq_length"))),
             ("data (`--data-path`)", "<br>".join(_data(run_info))),
+            ("final training loss", _loss(losses, "train/loss")),
+            ("final validation loss", _loss(losses, "valid/loss")),
             ("tokenizer", tokenizer),
             ("megatron-apertus", f"{version} (git commit {commit})"),
         ]
@@ -71,6 +88,7 @@ def model_card(
         + [(f"`{k}`", f"`{v}`") for k, v in sorted(dataclasses.asdict(model).items())]
     )
     return f"""---
+license: {license}
 library_name: transformers
 pipeline_tag: text-generation
 tags:
@@ -80,8 +98,24 @@ tags:
 
 # {name}
 
-An Apertus model (`ApertusForCausalLM`, transformers >= 4.56) exported from the megatron-apertus
-checkpoint `{checkpoint}` with weights in {dtype}.
+An Apertus model (`ApertusForCausalLM`, transformers >= {MIN_TRANSFORMERS}) exported from the
+megatron-apertus checkpoint `{checkpoint}` with weights in {dtype}.
+
+## Licence
+
+`{license}` (the Hub licence id given at export; the training data's own terms apply too).
+
+## Intended use
+
+A research checkpoint: a pretrained (base) language model for evaluation, analysis and further
+training (fine-tuning, alignment, distillation). It is not instruction-tuned or safety-aligned
+unless the training command below says so, and it is not meant to be put in front of end users
+without an evaluation of its own.
+
+## Training data
+
+{"<br>".join(_data(run_info))}, {_count(_recorded(run_info, "consumed_tokens"))} tokens in
+total (the `--data-path` of the run; a weighted list gives each dataset's share of the samples).
 
 ## Architecture
 
@@ -104,7 +138,11 @@ The command that made the checkpoint:
 {_command(export_command)}
 
 The tokenizer puts `<s>` before the text, as every training document began, and adds no `</s>`
-(training documents end with it, prompts do not); special-token strings in the text stay text.
+(training documents end with it, prompts do not). Control strings written in the text (`</s>`,
+`<|assistant_start|>`) become control tokens, as in the published Apertus tokenizer, while the
+training pipeline kept them as text: pass `split_special_tokens=True` to reproduce its ids for
+such text. With the Apertus chat template (tekken tokenizers) `apply_chat_template(...,
+tokenize=True)` gives the ids chat training used.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -138,15 +138,32 @@ class ScheduleConfig:
         )
         if steps.warmup >= steps.decay:
             raise ValueError(
-                f"the warmup ({steps.warmup} samples) must be shorter than the schedule "
-                f"({steps.decay} samples)"
+                f"{self._given('warmup', steps.warmup)} must be shorter than the schedule, "
+                f"{self._schedule_given(steps.decay, train_iters, train_samples)}"
             )
         if self.lr_decay_style == "WSD" and steps.warmup + steps.wsd_decay > steps.decay:
             raise ValueError(
-                f"warmup ({steps.warmup}) + WSD cooldown ({steps.wsd_decay} samples) exceed the "
-                f"schedule ({steps.decay} samples)"
+                f"{self._given('warmup', steps.warmup)} plus "
+                f"{self._given('wsd_decay', steps.wsd_decay)} exceed the schedule, "
+                f"{self._schedule_given(steps.decay, train_iters, train_samples)}"
             )
         return steps
+
+    def _given(self, what: str, samples: int) -> str:
+        """A length as its flag gave it, e.g. ``--lr-warmup-iters 10 (40 samples)``."""
+        iters = getattr(self, f"lr_{what}_iters")
+        if iters:
+            return f"--lr-{_dash(what)}-iters {iters} ({samples} samples)"
+        return f"--lr-{_dash(what)}-samples {samples}"
+
+    def _schedule_given(self, samples: int, train_iters: int | None,
+                        train_samples: int | None) -> str:  # fmt: skip
+        """The schedule's length as the flags gave it: --lr-decay-* or, by default, the run."""
+        if self.lr_decay_iters or self.lr_decay_samples:
+            return self._given("decay", samples)
+        if train_samples is not None:
+            return f"the run's --train-samples {train_samples}"
+        return f"the run's --train-iters {train_iters} ({samples} samples)"
 
 
 def _dash(name: str) -> str:

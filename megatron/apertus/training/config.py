@@ -19,6 +19,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import math
 import textwrap
@@ -85,6 +86,11 @@ class TrainingConfig:
     exit_signal_handler: bool = _help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
     trigger_path: Optional[str] = _help("directory watched for 'save' and 'exit' files", None)
     exit_interval: int = _help("save and stop after this many iterations (0: never)", 0)
+    exit_duration_in_mins: Optional[float] = _help(
+        "save and stop once the job has run this many minutes (checked after every step and "
+        "validation batch, agreed on by all ranks)",
+        None,
+    )
     max_skipped_steps: int = _help(
         "stop after this many consecutive non-finite steps", 5, ours=True
     )
@@ -134,6 +140,10 @@ class TrainingConfig:
         ):
             # Nothing to ramp: megatron-core's calculator would divide by zero increments.
             object.__setattr__(self, "rampup_batch_size", None)
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ConfigError(
+                f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}"
+            )
         if self.manual_gc_interval < 0:
             raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
 
@@ -285,6 +295,12 @@ class CheckpointConfig:
         "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
     )
     no_load_rng: bool = _switch("keep this run's seeded RNG states instead of the checkpoint's")
+    use_checkpoint_args: bool = _switch(
+        "take the model's shape from the --load checkpoint (each model flag not given on the "
+        "command line; the preset is not used) and its tokenizer (--tokenizer-type, and "
+        "--tokenizer-model unless given), as Megatron-LM does; a --load without a checkpoint "
+        "keeps the command line's"
+    )
     async_save: bool = _switch(
         "write checkpoints in a background process while training goes on (megatron-core's "
         "asynchronous torch_dist save); a checkpoint counts once every rank has written it, and "
@@ -362,6 +378,11 @@ class LoggingConfig:
         "append Megatron-LM's progress lines (job starts, checkpoints with job and cumulative "
         "TFLOP/s per device, FLOPs and tokens so far) to SAVE/progress.txt"
     )
+    log_loss_scale_to_tensorboard: bool = _help(
+        "record the loss scale (1.0 unless fp16 scales it) as TensorBoard's and wandb's "
+        "loss-scale (Megatron-LM's --no-log-loss-scale-to-tensorboard: not)",
+        True,
+    )
     log_memory_to_tensorboard: bool = _switch(
         "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "
         "and reserved bytes, on a CPU the process's resident memory"
@@ -378,6 +399,9 @@ class LoggingConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb-project needs wandb, which is not installed: "
+                              "pip install 'megatron-apertus[wandb]'")  # fmt: skip
         unknown = sorted(set(self.log_intermediate_metrics or ()) - set(STATISTICS))
         if unknown:
             raise ConfigError(
@@ -520,6 +544,37 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, title: str) -> None:
         help="interleaved pipeline: layers per virtual stage (sets "
         "--virtual-pipeline-model-parallel-size to --num-layers / PP / this)",
     )
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
+    """``--use-checkpoint-args``: fill ``args`` from the --load checkpoint as Megatron-LM's
+    ``load_args_from_checkpoint`` does: every model flag left unset from ``apertus_model.json``,
+    the tokenizer type (it has a default, which Megatron-LM overwrites too) and, unless given,
+    the tokenizer model from ``apertus_run.json``. Returns the line to log, None when the flag
+    is off."""
+    if not args.use_checkpoint_args:
+        return None
+    if not args.load:
+        raise ConfigError("--use-checkpoint-args reads the checkpoint --load names: give --load")
+    from megatron.apertus.checkpoint import find_checkpoint, load_model_config
+    from megatron.apertus.checkpoint_files import read_run_info
+
+    found = find_checkpoint(args.load)
+    if found is None:
+        return f"--use-checkpoint-args: no checkpoint at {args.load}, using the command line"
+    taken = []
+    for name, value in dataclasses.asdict(load_model_config(found)).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+            taken.append(name)
+    tokenizer = (read_run_info(found) or {}).get("tokenizer") or {}
+    if tokenizer.get("type"):
+        args.tokenizer_type = tokenizer["type"]
+        taken.append("tokenizer_type")
+    if tokenizer.get("model") and args.tokenizer_model is None:
+        args.tokenizer_model = tokenizer["model"]
+        taken.append("tokenizer_model")
+    return f"--use-checkpoint-args: {', '.join(taken) or 'nothing'} from {found}"
 
 
 def model_from_arguments(args: argparse.Namespace) -> ApertusConfig:

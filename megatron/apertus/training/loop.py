@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import math
+import os
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron.apertus import checkpoint, parallel
 from megatron.apertus.checkpoint import TrainingState
+from megatron.apertus.checkpoint_files import METRICS_FILE, read_run_info
 from megatron.apertus.data.batches import (
     BatchConfig,
     MicroBatchReader,
@@ -64,7 +66,8 @@ from megatron.apertus.training.diagnostics import (
 )
 from megatron.apertus.training.gemm_metrics import GemmInputMonitor
 from megatron.apertus.training.metrics import (
-    IntervalThroughput,
+    IntervalSummary,
+    LogInterval,
     Metrics,
     device_peak_tflops,
     perplexity,
@@ -72,7 +75,7 @@ from megatron.apertus.training.metrics import (
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
 from megatron.apertus.training.progress import ProgressLog
 from megatron.apertus.training.run_log import warn_if_slow_precision
-from megatron.apertus.training.signals import StopRequests
+from megatron.apertus.training.signals import StopRequests, past_duration
 from megatron.apertus.training.step import (
     StepResult,
     StepShape,
@@ -83,8 +86,12 @@ from megatron.apertus.training.step import (
 )
 
 log = logging.getLogger("apertus")
-METRICS_FILE = "metrics.json"
-"""The recorded history, kept beside the checkpoints so a resumed run continues its curves."""
+MEGATRON_MEMORY_TAGS = {
+    "memory/allocated_bytes": "mem-allocated-bytes",
+    "memory/max_allocated_bytes": "mem-max-allocated-bytes",
+    "memory/reserved_bytes": "mem-reserved-bytes",
+}
+"""Megatron-LM's TensorBoard tags of the allocator statistics (a CPU's resident memory has none)."""
 
 
 def _describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
@@ -237,7 +244,8 @@ class Trainer:
             self.align.prepare(self.model, t.micro_batch_size, reference_name=str(self.resume_from),
                                fresh=self.state.iteration == 0, reporting=_is_reporting_rank())  # fmt: skip
         self.teacher = self._teacher_logits()
-        self.stop = StopRequests(handle_signals=t.exit_signal_handler, trigger_path=t.trigger_path)
+        self.stop = StopRequests(handle_signals=t.exit_signal_handler, trigger_path=t.trigger_path,
+                                 exit_duration_in_mins=t.exit_duration_in_mins)  # fmt: skip
         self.metrics = Metrics(
             tensorboard_dir=cfg.logging.tensorboard_dir if _is_reporting_rank() else None,
             wandb_project=cfg.logging.wandb_project if _is_reporting_rank() else None,
@@ -249,7 +257,8 @@ class Trainer:
         if cfg.logging.log_json and _is_reporting_rank():
             self.metrics.open_json_log(cfg.logging.log_json)
         self.total_iterations = t.total_iterations(self.dp)
-        self.interval = IntervalThroughput()
+        self.interval = LogInterval()
+        self.logged_once = False
         self.skipped_in_a_row = 0
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         self.save_options = self._save_options()
@@ -491,67 +500,101 @@ class Trainer:
     # -- reporting ---------------------------------------------------------------------------------
 
     def _report(self, result: StepResult, seconds: float, global_batch: int) -> None:
-        it = self.state.iteration
+        """Record the step's scalars (Megatron-LM's TensorBoard and wandb tags, each with its
+        "vs samples" twin where Megatron-LM writes one); every --log-interval steps, and at
+        this job's first step, print Megatron-LM's iteration line."""
+        it, samples = self.state.iteration, self.state.consumed_samples
         if result.loss is not None:
-            self.metrics.record("train/loss", it, result.loss)
+            self.metrics.record("train/loss", it, result.loss, tag=self._objective(),
+                                samples=samples)  # fmt: skip
         if result.grad_norm is not None and math.isfinite(result.grad_norm):
-            self.metrics.record("train/grad_norm", it, result.grad_norm)
+            self.metrics.record("train/grad_norm", it, result.grad_norm, tag="grad-norm",
+                                samples=samples)  # fmt: skip
         if result.goldfish_fraction is not None:
             self.metrics.record("train/goldfish_dropped", it, result.goldfish_fraction)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.metrics.record("train/lr", it, lr)
-        self.metrics.record("train/step_seconds", it, seconds)
-        self.interval.add(seconds, global_batch * self.cfg.model.seq_length)
-        if not (it % self.cfg.training.log_interval == 0 or it == 1):
+        self.metrics.record("train/lr", it, lr, tag="learning-rate", samples=samples)
+        self.metrics.record("train/batch_size", it, global_batch, tag="batch-size",
+                            samples=samples)  # fmt: skip
+        loss_scale = self.optimizer.get_loss_scale().item()
+        if self.cfg.logging.log_loss_scale_to_tensorboard:
+            self.metrics.record("train/loss_scale", it, loss_scale, tag="loss-scale",
+                                samples=samples)  # fmt: skip
+        self.metrics.record("train/step_seconds", it, seconds, tag="iteration-time")
+        self.interval.add(seconds, global_batch * self.cfg.model.seq_length,
+                          loss=result.loss, skipped=result.skipped)  # fmt: skip
+        regular = it % self.cfg.training.log_interval == 0
+        if not (regular or not self.logged_once):
             return
-        diagnostics = self._record_diagnostics(it)
-        ms_per_iteration, tokens_s = self.interval.take(torch.distributed.get_world_size())
+        self.logged_once = True
+        params_norm = self._record_diagnostics(it)
+        summary = self.interval.take(torch.distributed.get_world_size(), reset=regular)
+        tflops = summary.tokens_per_second * flops_per_token(self.cfg.model) / 1e12
+        self.metrics.record("train/throughput", it, tflops, tag="throughput")
         self.metrics.flush()  # on disk before the line says so
         if _is_reporting_rank():
-            log.info(self._iteration_line(result, lr, global_batch, ms_per_iteration, tokens_s)
-                     + diagnostics)  # fmt: skip
+            log.info(self._iteration_line(summary, result, lr=lr, global_batch=global_batch,
+                                          loss_scale=loss_scale, params_norm=params_norm,
+                                          tflops=tflops))  # fmt: skip
 
-    def _iteration_line(self, result: StepResult, lr: float, global_batch: int,
-                        ms_per_iteration: float, tokens_s: float) -> str:  # fmt: skip
-        """Megatron-LM's iteration line, with tokens/s averaged over the log interval."""
-        norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.3f}"
-        loss = "n/a" if result.loss is None else f"{result.loss:.6E}"
-        objective = "lm loss" if self.teacher is None else "kd loss"
-        line = (f"iteration {self.state.iteration:8d}/{self.total_iterations:8d} | "
-                f"consumed samples: {self.state.consumed_samples:12d} | "
-                f"elapsed time per iteration (ms): {ms_per_iteration:.1f} | "
-                f"learning rate: {lr:.6E} | global batch size: {global_batch:5d} | "
-                f"{objective}: {loss} | grad norm: {norm} | "
-                f"number of skipped iterations: {self.skipped_in_a_row:3d} | "
-                f"tokens per second per device: {tokens_s:.0f}")  # fmt: skip
-        tflops = tokens_s * flops_per_token(self.cfg.model) / 1e12
-        line += f" | throughput per GPU (TFLOP/s/GPU): {tflops:.3g}"
+    def _objective(self) -> str:
+        """The loss's name in the log line and its TensorBoard tag."""
+        return "lm loss" if self.teacher is None else "kd loss"
+
+    def _iteration_line(self, summary: IntervalSummary, result: StepResult, *, lr: float,
+                        global_batch: int, loss_scale: float, params_norm: float | None,
+                        tflops: float) -> str:  # fmt: skip
+        """Megatron-LM's iteration line: its fields, names and order, each closed by " |", the
+        loss averaged over the interval's steps that updated the weights and the skipped and
+        NaN steps counted over it; our fields follow."""
+        fields = [
+            f"iteration {self.state.iteration:8d}/{self.total_iterations:8d}",
+            f"consumed samples: {self.state.consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {summary.ms_per_iteration:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}",
+            f"learning rate: {lr:.6E}",
+            f"global batch size: {global_batch:5d}",
+        ]
+        if summary.loss is not None:
+            fields.append(f"{self._objective()}: {summary.loss:.6E}")
+        fields.append(f"loss scale: {loss_scale:.1f}")
+        if result.grad_norm is not None:
+            fields.append(f"grad norm: {result.grad_norm:.3f}")
+        if params_norm is not None:
+            fields.append(f"params norm: {params_norm:.3f}")
+        fields += [
+            f"number of skipped iterations: {summary.skipped:3d}",
+            f"number of nan iterations: {summary.nan:3d}",
+            f"tokens per second per device: {summary.tokens_per_second:.0f}",
+        ]
         peak = device_peak_tflops()
         if peak is not None:
-            line += f" | MFU: {100 * tflops / peak:.1f}%"
-        line += f" | memory (GiB): {peak_memory_gib(self.device):.2f}"
+            fields.append(f"MFU: {100 * tflops / peak:.1f}%")
+        fields.append(f"memory (GiB): {peak_memory_gib(self.device):.2f}")
         if result.goldfish_fraction is not None:
-            line += f" | goldfish dropped: {100 * result.goldfish_fraction:.2f}%"
-        return line
+            fields.append(f"goldfish dropped: {100 * result.goldfish_fraction:.2f}%")
+        return "".join(f"{field} | " for field in fields).rstrip()
 
-    def _record_diagnostics(self, it: int) -> str:
+    def _record_diagnostics(self, it: int) -> float | None:
         """Parameter norms (a collective: every rank computes them) and memory use, as asked
-        for; returns what the log line adds."""
+        for; returns the total parameter norm when --log-params-norm asks for it."""
         logging_cfg = self.cfg.logging
-        added = ""
+        total = None
         if logging_cfg.log_params_norm or logging_cfg.log_params_norm_per_param:
             with synced_parameters(self.model):
                 total, each = params_norms(self.model,
                                            per_param=logging_cfg.log_params_norm_per_param)  # fmt: skip
             if logging_cfg.log_params_norm:
-                self.metrics.record("train/params_norm", it, total)
-                added = f" | params norm {total:.4f}"
+                self.metrics.record("train/params_norm", it, total, tag="params-norm",
+                                    samples=self.state.consumed_samples)  # fmt: skip
+            else:
+                total = None
             for name, value in each.items():
                 self.metrics.record(f"params-norm/{name}", it, value)
         if logging_cfg.log_memory_to_tensorboard:
             for name, value in memory_stats(self.device).items():
-                self.metrics.record(name, it, value)
-        return added
+                self.metrics.record(name, it, value, tag=MEGATRON_MEMORY_TAGS.get(name))
+        return total
 
     def evaluate(self) -> float | None:
         """Mean validation loss per token over ``--eval-iters`` global batches."""
@@ -561,6 +604,7 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         sums, margins = [], []
+        timed_out = False
         global_batch = get_current_running_global_batch_size()
         with torch.no_grad(), synced_parameters(self.model):
             for i in range(t.eval_iters):
@@ -568,6 +612,9 @@ class Trainer:
                 losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
                 sums.extend(entry["lm loss"] for entry in losses)
                 margins.extend(entry["margin"] for entry in losses if "margin" in entry)
+                if past_duration(t.exit_duration_in_mins, self.device):
+                    timed_out = True
+                    break
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # The interleaved schedule's forward-only pass with overlapped p2p returns on an
             # earlier stage before its last sends are delivered; a stage that then exits (the
@@ -575,6 +622,10 @@ class Trainer:
             torch.distributed.barrier(group=parallel_state.get_pipeline_model_parallel_group())
         for chunk in self.model:
             chunk.train()
+        if timed_out:  # as Megatron-LM: no partial result; the loop saves and exits next
+            if _is_reporting_rank():
+                log.info("--exit-duration-in-mins reached during validation: stopping it")
+            return None
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
         total = torch.stack(sums).double().sum(0)
@@ -593,10 +644,11 @@ class Trainer:
         self.gc.eval_boundary()
         if loss is None:
             return
-        self.metrics.record("valid/loss", self.state.iteration, loss)
+        self.metrics.record("valid/loss", self.state.iteration, loss, tag="lm loss validation",
+                            samples=self.state.consumed_samples)  # fmt: skip
         if _is_reporting_rank():
             log.info(f"validation loss at iteration {self.state.iteration} | lm loss value: "
-                     f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E}")  # fmt: skip
+                     f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |")  # fmt: skip
         self.metrics.flush()
 
     def _run_info(self) -> dict:
@@ -749,8 +801,35 @@ class Trainer:
         parallel.shutdown()
 
 
+def finished_run(cfg: RunConfig) -> str | None:
+    """The line saying that the checkpoint --load names already ends this run (it reached
+    --train-iters or --train-samples), else None. Read from the checkpoint's run record before
+    anything is built, so a job resubmitted after the end exits at once instead of validating
+    and saving the same checkpoint again (--finetune starts a new run: never finished; another
+    model is refused by the load as usual)."""
+    ck, t = cfg.checkpoint, cfg.training
+    if not ck.load or ck.finetune:
+        return None
+    found = checkpoint.find_checkpoint(ck.load)
+    info = read_run_info(found) if found is not None else None
+    if not info or not info.get("iteration") or checkpoint.load_model_config(found) != cfg.model:
+        return None
+    if t.train_iters is not None and info["iteration"] >= t.train_iters:
+        reached = f"iteration {info['iteration']} (--train-iters {t.train_iters})"
+    elif t.train_samples is not None and info["consumed_samples"] >= t.train_samples:
+        reached = f"{info['consumed_samples']} samples (--train-samples {t.train_samples})"
+    else:
+        return None
+    return f"the run is already finished: {found} is at {reached}; nothing to do"
+
+
 def train(cfg: RunConfig, hooks: dict | None = None) -> dict:
     """Run training as configured; returns the recorded history (losses on the last stage)."""
+    done = finished_run(cfg)
+    if done is not None:
+        if os.environ.get("RANK", "0") == "0":
+            log.info(done)
+        return {"completed": True}
     trainer = Trainer(cfg, hooks)
     try:
         return trainer.run()

@@ -111,8 +111,6 @@ FLAGS: tuple[MegatronFlag, ...] = (
     MegatronFlag("--log-throughput", "the iteration line always has tokens/s and TFLOP/s per "
                  "device (Megatron-LM's 'throughput per GPU'), and MFU on GPUs of known peak",
                  accepts=SWITCH),
-    MegatronFlag("--no-log-loss-scale-to-tensorboard", "the loss scale is never logged",
-                 accepts=SWITCH),
 )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,24 +27,57 @@ def device_peak_tflops() -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-class IntervalThroughput:
-    """Time and tokens of the steps since the last log line: the line reports their average, as
-    Megatron-LM's does, not the last step's."""
+@dataclass(frozen=True)
+class IntervalSummary:
+    """What one iteration line reports of the steps since the previous one."""
+
+    ms_per_iteration: float
+    tokens_per_second: float
+    """Per device."""
+    loss: float | None
+    """Mean loss of the steps that updated the weights (None: every step was skipped)."""
+    skipped: int
+    """Steps skipped for a non-finite loss or gradient norm."""
+    nan: int
+    """Skipped steps whose loss itself was not finite (Megatron-LM's "nan iterations")."""
+
+
+class LogInterval:
+    """The steps since the last log line: the line reports their average time, tokens/s and
+    loss, and counts their skipped and NaN steps, as Megatron-LM's ``training_log`` does."""
 
     def __init__(self) -> None:
-        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+        self._reset()
 
-    def add(self, seconds: float, tokens: int) -> None:
+    def _reset(self) -> None:
+        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+        self.loss_sum, self.advanced, self.skipped, self.nan = 0.0, 0, 0, 0
+
+    def add(self, seconds: float, tokens: int, *, loss: float | None, skipped: bool) -> None:
         self.seconds += seconds
         self.tokens += tokens
         self.steps += 1
+        if not skipped:
+            self.advanced += 1
+            self.loss_sum += loss or 0.0
+            return
+        self.skipped += 1
+        self.nan += loss is not None and not math.isfinite(loss)
 
-    def take(self, world_size: int) -> tuple[float, float]:
-        """(ms per iteration, tokens/s per device) of the interval; starts the next one."""
+    def take(self, world_size: int, *, reset: bool = True) -> IntervalSummary:
+        """The interval's summary; ``reset`` starts the next one (Megatron-LM keeps counting
+        through the extra line of a job's first iteration)."""
         seconds = max(self.seconds, 1e-9)
-        result = 1000 * seconds / max(self.steps, 1), self.tokens / seconds / world_size
-        self.seconds, self.tokens, self.steps = 0.0, 0, 0
-        return result
+        summary = IntervalSummary(
+            ms_per_iteration=1000 * seconds / max(self.steps, 1),
+            tokens_per_second=self.tokens / seconds / world_size,
+            loss=self.loss_sum / self.advanced if self.advanced else None,
+            skipped=self.skipped,
+            nan=self.nan,
+        )
+        if reset:
+            self._reset()
+        return summary
 
 
 class Metrics:
@@ -69,12 +103,8 @@ class Metrics:
 
             self.tensorboard = SummaryWriter(tensorboard_dir)
         if wandb_project:
-            try:
-                import wandb
-            except ImportError as err:
-                raise RuntimeError(
-                    "--wandb-project needs wandb: pip install 'megatron-apertus[wandb]'"
-                ) from err
+            import wandb  # present: LoggingConfig refuses --wandb-project without it
+
             self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, config=config)
 
     def restore(self, path: Path, up_to_iteration: int) -> None:
@@ -102,14 +132,21 @@ class Metrics:
         tmp.write_text(json.dumps(self.history))
         tmp.replace(path)
 
-    def record(self, name: str, iteration: int, value: float) -> None:
+    def record(self, name: str, iteration: int, value: float, *, tag: str | None = None,
+               samples: int | None = None) -> None:  # fmt: skip
+        """Record ``name`` (the history's and ``--log-json``'s key); TensorBoard and wandb get it
+        as ``tag`` (default: ``name``), and with ``samples`` TensorBoard also as ``"<tag> vs
+        samples"`` against the consumed samples, as Megatron-LM writes its scalars."""
         self.history.setdefault(name, []).append([iteration, value])
         if self.json_log is not None:
             self.pending.setdefault(iteration, {})[name] = value
+        tag = tag or name
         if self.tensorboard is not None:
-            self.tensorboard.add_scalar(name, value, iteration)
+            self.tensorboard.add_scalar(tag, value, iteration)
+            if samples is not None:
+                self.tensorboard.add_scalar(f"{tag} vs samples", value, samples)
         if self.wandb is not None:
-            self.wandb.log({name: value}, step=iteration)
+            self.wandb.log({tag: value}, step=iteration)
 
     def flush(self) -> None:
         """Append what was recorded since the last flush to the JSON log, and flush every sink."""

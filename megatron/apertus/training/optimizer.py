@@ -49,13 +49,22 @@ def build_optimizer_and_scheduler(
     config = megatron_optimizer_config(settings, precision)
     extra = ademamix if settings.optimizer == "ademamix" else None
     optimizer = install_schedule_hooks(model, get_apertus_optimizer(config, model, extra))
-    scheduler = build_scheduler(
-        optimizer,
-        schedule,
-        config,
-        global_batch_size=training.global_batch_size,
-        # A run of 0 steps (an initial checkpoint) still needs a schedule of positive length.
-        train_iters=None if training.train_iters is None else max(training.train_iters, 1),
-        train_samples=training.train_samples,
-    )
+    scheduler = build_scheduler(optimizer, schedule, config, **_schedule_run(training))
     return optimizer, scheduler
+
+
+def _schedule_run(training: TrainingConfig) -> dict:
+    """The run the schedule spans, as ``ScheduleConfig.in_samples`` takes it."""
+    return {
+        "global_batch_size": training.global_batch_size,
+        # A run of 0 steps (an initial checkpoint) still needs a schedule of positive length.
+        "train_iters": None if training.train_iters is None else max(training.train_iters, 1),
+        "train_samples": training.train_samples,
+    }
+
+
+def check_schedule(schedule: ScheduleConfig, training: TrainingConfig) -> None:
+    """Raise ValueError, naming the flags, when the schedule does not fit the run (a warmup
+    not shorter than the decay, or a WSD cooldown beyond it); entry points call it while parsing,
+    so the error is one line before anything is built."""
+    schedule.in_samples(**_schedule_run(training))

@@ -4,6 +4,9 @@
   limit) and SIGTERM set a flag; at the end of the current step the run saves and exits 0.
 * ``--trigger-path DIR``: a file ``DIR/save`` asks for a checkpoint (the file is removed once
   honoured), ``DIR/exit`` for a checkpoint and a clean exit.
+* ``--exit-duration-in-mins M``: once the process has run M minutes (counted from its start, as
+  Megatron-LM counts from its start-up), a checkpoint and a clean exit; validation stops at its
+  next batch.
 
 Every rank must take the same decision in the same step, so the local requests are combined
 with an all-reduce (MAX) each step: one rank's signal is enough.
@@ -13,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -28,11 +33,27 @@ class Requests:
     exit: bool = False
 
 
-class StopRequests:
-    """Collects signal and trigger-file requests; ``poll()`` is a collective."""
+def _minutes_running() -> float:
+    return (time.time() - psutil.Process().create_time()) / 60
 
-    def __init__(self, *, handle_signals: bool, trigger_path: str | None) -> None:
+
+def past_duration(minutes: float | None, device: torch.device) -> bool:
+    """Whether any rank has run longer than ``minutes`` (a collective unless ``minutes`` is
+    None: every rank calls it at the same point)."""
+    if minutes is None:
+        return False
+    flag = torch.tensor([_minutes_running() > minutes], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag[0])
+
+
+class StopRequests:
+    """Collects signal, trigger-file and time-limit requests; ``poll()`` is a collective."""
+
+    def __init__(self, *, handle_signals: bool, trigger_path: str | None,
+                 exit_duration_in_mins: float | None = None) -> None:  # fmt: skip
         self.trigger = Path(trigger_path) if trigger_path else None
+        self.exit_duration_in_mins = exit_duration_in_mins
         self.signalled: int | None = None
         if handle_signals:
             for sig in (signal.SIGUSR2, signal.SIGTERM):
@@ -41,12 +62,14 @@ class StopRequests:
     def _on_signal(self, signum, _frame) -> None:
         self.signalled = signum
 
-    def _local(self) -> tuple[bool, bool]:
+    def _local(self) -> tuple[bool, bool, bool]:
         save = exit_ = self.signalled is not None
         if self.trigger is not None and dist.get_rank() == 0:
             save |= (self.trigger / "save").exists()
             exit_ |= (self.trigger / "exit").exists()
-        return save or exit_, exit_
+        limit = self.exit_duration_in_mins
+        timed_out = limit is not None and _minutes_running() > limit
+        return save or exit_ or timed_out, exit_ or timed_out, timed_out
 
     def poll(self, device: torch.device) -> Requests:
         flags = torch.tensor(self._local(), dtype=torch.int32, device=device)
@@ -55,10 +78,11 @@ class StopRequests:
         if requests.save and self.trigger is not None and dist.get_rank() == 0:
             (self.trigger / "save").unlink(missing_ok=True)
         if requests.exit and dist.get_rank() == 0:
-            why = (
-                f"signal {signal.Signals(self.signalled).name}"
-                if self.signalled
-                else "trigger file"
-            )
+            if flags[2]:
+                why = f"--exit-duration-in-mins {self.exit_duration_in_mins:g}"
+            elif self.signalled:
+                why = f"signal {signal.Signals(self.signalled).name}"
+            else:
+                why = "trigger file"
             log.info(f"exit requested by {why}: saving a checkpoint and stopping")
         return requests
