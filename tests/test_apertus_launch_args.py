@@ -13,6 +13,7 @@ a local tokenizer directory. The scripts append ``--data-path ... --data-cache-p
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 
 import pytest
@@ -243,7 +244,8 @@ def error_lines(capsys, argv: list[str]) -> list[str]:
     with pytest.raises(SystemExit) as exit_:
         pretrain_gpt.parse_args(argv)
     assert exit_.value.code == 2
-    message = capsys.readouterr().err.split(": error: ", 1)[1].strip().splitlines()
+    message = capsys.readouterr().err.split(": error: ", 1)[1].strip()
+    message = re.sub(r" \(see \S+ --help\)$", "", message).splitlines()
     return [line.strip() for line in message[1:]] if len(message) > 1 else message
 
 

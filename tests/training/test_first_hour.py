@@ -21,6 +21,7 @@ BASE = ["--model-preset", "tiny", "--global-batch-size", "2", "--micro-batch-siz
         "--eval-iters", "0"]  # fmt: skip
 TINY = BASE + ["--train-iters", "1"]
 ERROR = "pretrain_gpt.py: error: "
+HINT = " (see pretrain_gpt.py --help)"
 
 
 def run(script: Path, args: list[str]) -> subprocess.CompletedProcess:
@@ -36,7 +37,7 @@ def refused(args: list[str], base: list[str] = TINY) -> str:
     errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    return errors[0].removeprefix(ERROR)
+    return errors[0].removeprefix(ERROR).removesuffix(HINT)
 
 
 @pytest.mark.parametrize("script", [PRETRAIN, REPO / "tools" / "generate_teacher_logits.py"])
