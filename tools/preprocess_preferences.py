@@ -4,10 +4,15 @@
         --output-prefix data/pairs --max-tokens 4097
 
 DPO lines: ``{"prompt": [messages], "chosen": "...", "rejected": "..."}``; QRPO lines:
-``{"prompt": [messages], "completion": "...", "reward": r, "ref_rewards": [r1, ...]}``.
-Writes ``data/pairs_pref_document.bin/.idx`` and its ``_loss_mask`` (QRPO also ``_quantile``);
-train with ``pretrain_gpt.py --align-objective dpo --train-data-path data/pairs_pref_document``.
-Bad lines are reported as FILE:LINE and skipped. The format: docs/post_training.md.
+``{"prompt": [messages], "completion": "...", "reward": r, "ref_rewards": [r1, ...]}``; either
+may carry the reference policy's log-probability of each completion (``ref_chosen_logp``,
+``ref_rejected_logp``, ``ref_completion_logp``, or TRL's ``..._logps`` and swiss-ai's
+``..._logprob``): then training uses them instead of its reference pass, and every line must
+carry them. Writes ``data/pairs_pref_document.bin/.idx``, its ``_loss_mask`` and
+``_ref_logp`` (QRPO also ``_quantile``); train with ``pretrain_gpt.py --align-objective dpo
+--train-data-path data/pairs_pref_document``. Bad lines are reported as FILE:LINE: skipped:
+REASON, counted and skipped; no line left, or reference log-probabilities on some lines only,
+is an error (exit code 2, nothing written). The format: docs/post_training.md.
 """
 
 from __future__ import annotations
@@ -17,10 +22,18 @@ import functools
 import logging
 import sys
 import time
+from pathlib import Path
 
-from megatron.apertus.align.data import PreferenceEncoder
+from megatron.apertus.align.data import (
+    MIN_REF_REWARDS,
+    PreferenceEncoder,
+    output_datasets,
+    partial_reference_error,
+    stored_reference,
+)
 from megatron.apertus.align.losses import OBJECTIVES
 from megatron.apertus.data.preprocess import (
+    Summary,
     add_corpus_arguments,
     corpus_config,
     format_summary,
@@ -36,7 +49,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_corpus_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="skip examples with a conversation longer than this (--seq-length + 1)")  # fmt: skip
-    return parser.parse_args(argv)
+    parser.add_argument("--qrpo-min-ref-rewards", type=int, default=MIN_REF_REWARDS,
+                        help="QRPO: skip completions with fewer reference rewards than this "
+                             f"(default {MIN_REF_REWARDS})")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.qrpo_min_ref_rewards < 1:
+        parser.error(f"--qrpo-min-ref-rewards must be >= 1, got {args.qrpo_min_ref_rewards}")
+    return args
+
+
+def _remove_outputs(prefix: str, objective: str) -> None:
+    """Remove what this run wrote (a refused dataset is not left behind to be trained on)."""
+    for name, _ in output_datasets(prefix, objective).values():
+        for suffix in (".bin", ".idx", ".meta.json"):
+            Path(name + suffix).unlink(missing_ok=True)
+
+
+def _check_written(summary: Summary, args: argparse.Namespace) -> None:
+    """Refuse a run that kept no example, or whose lines carry reference log-probabilities only
+    in part."""
+    inputs = ", ".join(args.input)
+    if summary.documents == 0:
+        raise ValueError(f"{inputs}: every line was rejected ({summary.rejected_lines} lines), "
+                         "no example written")  # fmt: skip
+    tokens, _ = output_datasets(args.output_prefix, args.objective)["tokens"]
+    values = stored_reference(tokens)
+    error = None if values is None else partial_reference_error(values)
+    if error:
+        raise ValueError(f"{inputs}: {error}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = corpus_config(args)
     encoder = functools.partial(PreferenceEncoder, objective=args.objective,
-                                max_tokens=args.max_tokens)  # fmt: skip
+                                max_tokens=args.max_tokens,
+                                min_ref_rewards=args.qrpo_min_ref_rewards)  # fmt: skip
     start = time.perf_counter()
     try:
         summary = preprocess(config, encoder)
@@ -52,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preprocess_preferences.py: error: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary, time.perf_counter() - start).replace("documents", "examples"))
+    try:
+        _check_written(summary, args)
+    except ValueError as err:
+        _remove_outputs(args.output_prefix, args.objective)
+        print(f"preprocess_preferences.py: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

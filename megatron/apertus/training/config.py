@@ -395,6 +395,7 @@ ADDITIONS = {
     "loss_plot", "rope_scaling", "xielu_beta", "xielu_eps", "goldfish_hash", "goldfish_exempt_special",
     "distill_logits_path", "kd_alpha", "kd_tail",
     "align_objective", "align_beta", "align_length_normalization", "ref_logps_path",
+    "align_length_normalization_of", "qrpo_transform", "qrpo_log_partition", "qrpo_max_beta",
     "quant_format", "quant_group_size", "quant_symmetric", "quant_fp8_scaling",
     "quant_activations_only",
 }  # fmt: skip

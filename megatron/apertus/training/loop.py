@@ -63,7 +63,7 @@ from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.layers import apply_fake_quant
 from megatron.apertus.training import checkpoint
-from megatron.apertus.training.align import AlignRun
+from megatron.apertus.training.align import AlignRun, format_quantities, metric_name
 from megatron.apertus.training.checkpoint import TrainingState
 from megatron.apertus.training.config import (
     CheckpointConfig,
@@ -93,6 +93,7 @@ from megatron.apertus.training.signals import StopRequests
 from megatron.apertus.training.step import (
     StepResult,
     StepShape,
+    reduce_quantities,
     run_microbatches,
     synced_parameters,
     train_step,
@@ -533,6 +534,8 @@ class Trainer:
             self.metrics.record("train/grad_norm", it, result.grad_norm)
         if result.goldfish_fraction is not None:
             self.metrics.record("train/goldfish_dropped", it, result.goldfish_fraction)
+        for name, value in result.quantities.items():
+            self.metrics.record(f"train/{metric_name(name)}", it, value)
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.record("train/lr", it, lr)
         self.metrics.record("train/step_seconds", it, seconds)
@@ -552,6 +555,8 @@ class Trainer:
         norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.3f}"
         loss = "n/a" if result.loss is None else f"{result.loss:.6E}"
         objective = "lm loss" if self.teacher is None else "kd loss"
+        if self.align is not None:
+            objective = f"{self.cfg.align.align_objective} loss"
         line = (f"iteration {self.state.iteration:8d}/{self.total_iterations:8d} | "
                 f"consumed samples: {self.state.consumed_samples:12d} | "
                 f"elapsed time per iteration (ms): {ms_per_iteration:.1f} | "
@@ -567,7 +572,7 @@ class Trainer:
         line += f" | memory (GiB): {peak_memory_gib(self.device):.2f}"
         if result.goldfish_fraction is not None:
             line += f" | goldfish dropped: {100 * result.goldfish_fraction:.2f}%"
-        return line
+        return line + format_quantities(result.quantities)
 
     def _record_diagnostics(self, it: int) -> str:
         """Parameter norms (a collective: every rank computes them) and memory use, as asked
@@ -588,21 +593,21 @@ class Trainer:
                 self.metrics.record(name, it, value)
         return added
 
-    def evaluate(self) -> float | None:
-        """Mean validation loss per token over ``--eval-iters`` global batches."""
+    def evaluate(self) -> tuple[float, dict[str, float]] | None:
+        """Mean validation loss per token over ``--eval-iters`` global batches, and the means of
+        the objective's own quantities (alignment)."""
         t = self.cfg.training
         if t.eval_iters == 0 or self.valid_data is None:
             return None
         for chunk in self.model:
             chunk.eval()
-        sums, margins = [], []
+        reported = []
         global_batch = get_current_running_global_batch_size()
         with torch.no_grad(), synced_parameters(self.model):
             for i in range(t.eval_iters):
                 iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
                 losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
-                sums.extend(entry["lm loss"] for entry in losses)
-                margins.extend(entry["margin"] for entry in losses if "margin" in entry)
+                reported.extend(losses)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # The interleaved schedule's forward-only pass with overlapped p2p returns on an
             # earlier stage before its last sends are delivered; a stage that then exits (the
@@ -612,24 +617,26 @@ class Trainer:
             chunk.train()
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
-        total = torch.stack(sums).double().sum(0)
+        total = torch.stack([entry["lm loss"] for entry in reported]).double().sum(0)
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        if margins:  # alignment: the mean held-out log-ratio margin
-            margin = torch.stack(margins).double().sum(0)
-            torch.distributed.all_reduce(margin, group=parallel_state.get_data_parallel_group())
-            self.metrics.record(
-                "valid/margin", self.state.iteration, (margin[0] / margin[1]).item()
-            )
-        return (total[0] / total[1]).item()
+        quantities = reduce_quantities(reported)
+        for name, value in quantities.items():
+            self.metrics.record(f"valid/{metric_name(name)}", self.state.iteration, value)
+        return (total[0] / total[1]).item(), quantities
 
     def validate(self) -> None:
         self.gc.eval_boundary()
-        loss = self.evaluate()
+        evaluated = self.evaluate()
         self.gc.eval_boundary()
-        if loss is None:
+        if evaluated is None:
             return
+        loss, quantities = evaluated
         self.metrics.record("valid/loss", self.state.iteration, loss)
-        if _is_reporting_rank():
+        if _is_reporting_rank() and self.align is not None:
+            log.info(f"validation loss at iteration {self.state.iteration} | "
+                     f"{self.cfg.align.align_objective} loss value: {loss:.6E}"
+                     + format_quantities(quantities))  # fmt: skip
+        elif _is_reporting_rank():
             log.info(f"validation loss at iteration {self.state.iteration} | lm loss value: "
                      f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E}")  # fmt: skip
         self.metrics.flush()
