@@ -81,6 +81,7 @@ def _check_written(summary: Summary, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)  # index loading chatter
     args = parse_args(argv)
     config = corpus_config(args)
     encoder = functools.partial(PreferenceEncoder, objective=args.objective,
