@@ -175,7 +175,10 @@ def test_reference_logps_carried_by_the_data_replace_the_reference_pass(data, tm
     stored, _ = reference.read(tmp_path / "ref" / "train.bin",
                                data_hash=reference.dataset_hash(data["dpo"]))  # fmt: skip
     records = [r for r in docstring_preferences()[:40] if len(r["chosen"]) < 150][:16]
-    names = (("ref_chosen_logps", "ref_rejected_logps"), ("ref_chosen_logprob", "ref_rejected_logprob"))
+    names = (
+        ("ref_chosen_logps", "ref_rejected_logps"),
+        ("ref_chosen_logprob", "ref_rejected_logprob"),
+    )
     carried = [{**r, names[i % 2][0]: float(stored.logps[2 * i]),
                 names[i % 2][1]: float(stored.logps[2 * i + 1])} for i, r in enumerate(records)]  # fmt: skip
     prefix, _ = preprocess(tmp_path, "dpo", carried)
@@ -199,8 +202,15 @@ def test_reference_logps_carried_by_the_data_replace_the_reference_pass(data, tm
      "--align-length-normalization-of needs --align-length-normalization"),
 ])  # fmt: skip
 def test_bad_alignment_flags_are_refused(flags, message, capsys):
-    base = ["--align-objective", "qrpo", "--no-fused-output-loss", "--train-data-path", "x",
-            "--train-iters", "1"]
+    base = [
+        "--align-objective",
+        "qrpo",
+        "--no-fused-output-loss",
+        "--train-data-path",
+        "x",
+        "--train-iters",
+        "1",
+    ]
     with pytest.raises(SystemExit) as exit_:
         pretrain_gpt.parse_args(base + flags)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
@@ -218,6 +228,7 @@ def test_alignment_flags_without_an_objective_are_refused(flags, named, capsys):
     assert exit_.value.code == 2
     assert f"{named} needs --align-objective (dpo or qrpo)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        pretrain_gpt.parse_args(["--train-iters", "1", "--align-objective", "dpo",
-                                 "--qrpo-transform", "log"])
+        pretrain_gpt.parse_args(
+            ["--train-iters", "1", "--align-objective", "dpo", "--qrpo-transform", "log"]
+        )
     assert "--qrpo-transform applies to --align-objective qrpo only" in capsys.readouterr().err

@@ -142,7 +142,9 @@ def qrpo_by_hand(logp, ref, q, n, length, beta, *, transform="identity", log_par
     b = beta / length if normalize == "beta" else beta
     if max_beta is not None:
         b = min(b, max_beta)
-    residual = transformed(q, transform, n) - beta_log_z(b, transform, log_partition) - b * (logp - ref)
+    residual = (
+        transformed(q, transform, n) - beta_log_z(b, transform, log_partition) - b * (logp - ref)
+    )
     divisor = length if normalize == "loss" else 1.0
     return residual**2 / divisor, -2.0 * b * residual / divisor
 

@@ -67,7 +67,9 @@ class AlignConfig:
         if self.qrpo_max_beta is not None and not (
             math.isfinite(self.qrpo_max_beta) and self.qrpo_max_beta > 0
         ):
-            raise ValueError(f"--qrpo-max-beta must be a finite number > 0, got {self.qrpo_max_beta}")
+            raise ValueError(
+                f"--qrpo-max-beta must be a finite number > 0, got {self.qrpo_max_beta}"
+            )
         if self.qrpo_log_partition == "approx" and self.qrpo_transform != "identity":
             raise ValueError(f"--qrpo-log-partition approx applies to --qrpo-transform identity; "
                              f"{self.qrpo_transform}'s log Z is exact in closed form")  # fmt: skip
