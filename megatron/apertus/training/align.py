@@ -72,6 +72,11 @@ class AlignRun:
         self.parts = {"train": PreferenceDataset(train, objective, seq_length, pad)}
         if valid is not None:
             self.parts["valid"] = PreferenceDataset(valid, objective, seq_length, pad)
+        for data in self.parts.values():
+            if data.ref_logps is None and not config.ref_logps_path:
+                raise ConfigError(f"--align-objective: {data.prefix} carries no reference "
+                                  "log-probabilities: give --ref-logps-path (where the reference "
+                                  "pass stores them)")  # fmt: skip
         self.order = np.random.default_rng(seed).permutation(len(self.parts["train"]))
         self.ref: dict[str, torch.Tensor] = {}
         self._stored: dict[str, tuple[Path, reference.ReferenceLogps]] = {}
@@ -98,10 +103,6 @@ class AlignRun:
                     log.info(f"reference log-probabilities of {data.ref_logps.size} {name} "
                              f"sequences read from the data ({data.prefix})")  # fmt: skip
                 continue
-            if not self.config.ref_logps_path:
-                raise ConfigError(f"--align-objective: {data.prefix} carries no reference "
-                                  "log-probabilities: give --ref-logps-path (where the reference "
-                                  "pass stores them)")  # fmt: skip
             directory = Path(self.config.ref_logps_path)
             path = directory / f"{name}.bin"
             data_hash = reference.dataset_hash(data.prefix)
