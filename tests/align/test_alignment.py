@@ -4,6 +4,7 @@ checked, DPO and QRPO steps, exact resume."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from megatron.apertus.data.chat import encode_conversation, parse_messages
 from megatron.apertus.data.chat_demo import docstring_preferences, docstring_rewards
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import LogitStoreError
+from megatron.apertus.model.config import ConfigError
 from megatron.apertus.training.loop import train
 from tests.conftest import PRETRAIN, REPO, run_entry
 
@@ -134,7 +136,8 @@ def test_dpo_starts_at_log_2_and_resumes_exactly(data, tmp_path):
     assert "checksum mismatch" in proc.stderr.strip().splitlines()[-1]
 
 
-def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd):
+def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd, caplog):
+    caplog.set_level(logging.INFO, logger="apertus")
     args = align_args(data, tmp_path, "qrpo", 3, "--align-length-normalization",
                       "--qrpo-transform", "log", "--valid-data-path", data["qrpo"],
                       "--eval-iters", "1", "--eval-interval", "3",
@@ -142,7 +145,7 @@ def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd):
     history = train(pretrain_gpt.parse_args(args))
     losses = [v for _, v in history["train/loss"]]
     assert len(losses) == 3 and all(np.isfinite(losses))
-    out, err = capfd.readouterr()
+    err, out = capfd.readouterr().err, caplog.text
     # The reference pass shows its progress and time left (tqdm), per dataset.
     assert re.search(r"reference log-probs \(train\): 100%.*16/16 \[\d\d:\d\d<00:00", err)
     assert "reference log-probs (valid): 100%" in err
@@ -165,13 +168,16 @@ def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd):
             "valid/mean_target"} <= set(events.Tags()["scalars"])  # fmt: skip
 
 
-def test_reference_logps_carried_by_the_data_replace_the_reference_pass(data, tmp_path, capfd):
+def test_reference_logps_carried_by_the_data_replace_the_reference_pass(
+    data, tmp_path, capfd, caplog
+):
     """A run on data that carries the reference log-probabilities (TRL's and swiss-ai's column
     names) trains exactly as the run whose reference pass computed them, with no pass."""
+    caplog.set_level(logging.INFO, logger="apertus")
     computed = train(pretrain_gpt.parse_args(align_args(data, tmp_path, "dpo", 2)))
     assert computed["train/reward_margin"][0] == [1, 0.0]  # the policy is the reference
     assert computed["train/reward_accuracy"][0] == [1, 0.0]
-    assert "dpo loss: " in capfd.readouterr().out
+    assert "dpo loss: " in caplog.text
     stored, _ = reference.read(tmp_path / "ref" / "train.bin",
                                data_hash=reference.dataset_hash(data["dpo"]))  # fmt: skip
     records = [r for r in docstring_preferences()[:40] if len(r["chosen"]) < 150][:16]
@@ -184,11 +190,15 @@ def test_reference_logps_carried_by_the_data_replace_the_reference_pass(data, tm
     prefix, _ = preprocess(tmp_path, "dpo", carried)
     args = align_args({**data, "dpo": prefix}, tmp_path, "dpo", 2)
     del args[args.index("--ref-logps-path") : args.index("--ref-logps-path") + 2]
+    capfd.readouterr()
     given = train(pretrain_gpt.parse_args(args))
     assert given["train/loss"] == computed["train/loss"]
-    out, err = capfd.readouterr()
-    assert "reference log-probabilities of 32 train sequences read from the data" in out
-    assert "reference log-probs (train)" not in err
+    assert "reference log-probabilities of 32 train sequences read from the data" in caplog.text
+    assert "reference log-probs (train)" not in capfd.readouterr().err, "no reference pass"
+    no_values = align_args(data, tmp_path, "dpo", 2)
+    del no_values[no_values.index("--ref-logps-path") : no_values.index("--ref-logps-path") + 2]
+    with pytest.raises(ConfigError, match="carries no reference log-probabilities: give --ref"):
+        train(pretrain_gpt.parse_args(no_values))
 
 
 @pytest.mark.parametrize("flags, message", [
