@@ -7,9 +7,11 @@ log-probabilities, data-parallel ranks each taking a contiguous share (a progres
 time left on the reporting rank), and they are stored
 (:mod:`megatron.apertus.align.reference`). Every later start, resumes included, reads them and
 checks them against the data. Data that carries its own reference log-probabilities
-(:func:`megatron.apertus.align.data.precomputed_reference`) needs no reference pass. Examples are visited in a seeded permutation; a step's global
-batch holds examples ``[consumed, consumed + B)`` of it, split over data-parallel ranks exactly
-as pretraining samples are (:func:`megatron.apertus.data.batches.rank_positions`).
+(:func:`megatron.apertus.align.data.precomputed_reference`) needs no reference pass.
+
+Examples are visited in a seeded permutation; a step's global batch holds examples
+``[consumed, consumed + B)`` of it, split over data-parallel ranks exactly as pretraining
+samples are (:func:`megatron.apertus.data.batches.rank_positions`).
 """
 
 from __future__ import annotations
