@@ -77,11 +77,13 @@ def test_preprocessing_imports_neither_torch_nor_megatron_core(tmp_path):
     assert (tmp_path / "x_text_document.bin").stat().st_size > 0
 
 
-def test_preference_objectives_match_the_losses():
+def test_preference_constants_match_the_library():
+    from megatron.apertus.align.data import MIN_REF_REWARDS
     from megatron.apertus.align.losses import OBJECTIVES
 
     tool = load_tool(REPO / "tools" / "preprocess_preferences.py")
     assert tuple(tool.OBJECTIVES) == tuple(OBJECTIVES)
+    assert tool.MIN_REF_REWARDS == MIN_REF_REWARDS
 
 
 def run_main(main) -> int:

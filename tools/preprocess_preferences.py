@@ -4,10 +4,15 @@
         --output-prefix data/pairs --max-tokens 4097
 
 DPO lines: ``{"prompt": [messages], "chosen": "...", "rejected": "..."}``; QRPO lines:
-``{"prompt": [messages], "completion": "...", "reward": r, "ref_rewards": [r1, ...]}``.
-Writes ``data/pairs_pref_document.bin/.idx`` and its ``_loss_mask`` (QRPO also ``_quantile``);
-train with ``pretrain_gpt.py --align-objective dpo --train-data-path data/pairs_pref_document``.
-Bad lines are reported as FILE:LINE and skipped. The format: docs/post_training.md.
+``{"prompt": [messages], "completion": "...", "reward": r, "ref_rewards": [r1, ...]}``; either
+may carry the reference policy's log-probability of each completion (``ref_chosen_logp``,
+``ref_rejected_logp``, ``ref_completion_logp``, or TRL's ``..._logps`` and swiss-ai's
+``..._logprob``): then training uses them instead of its reference pass, and every line must
+carry them. Writes ``data/pairs_pref_document.bin/.idx``, its ``_loss_mask`` and
+``_ref_logp`` (QRPO also ``_quantile``); train with ``pretrain_gpt.py --align-objective dpo
+--train-data-path data/pairs_pref_document``. Bad lines are reported as FILE:LINE: skipped:
+REASON, counted and skipped; no line left, or reference log-probabilities on some lines only,
+is an error (exit code 2, nothing written). The format: docs/post_training.md.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import functools
 import logging
 import sys
 import time
+from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.data.preprocess import (
+    Summary,
     add_corpus_arguments,
     corpus_config,
     format_summary,
@@ -29,6 +36,8 @@ from megatron.apertus.data.preprocess import (
 OBJECTIVES = ("dpo", "qrpo")
 """``megatron.apertus.align.losses.OBJECTIVES``, spelled out so that ``--help`` and argument
 errors need not import torch (a test keeps the two equal)."""
+MIN_REF_REWARDS = 2
+"""``megatron.apertus.align.data.MIN_REF_REWARDS``, spelled out for the same reason."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,20 +48,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_corpus_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="skip examples with a conversation longer than this (--seq-length + 1)")  # fmt: skip
-    return parser.parse_args(argv)
+    parser.add_argument("--qrpo-min-ref-rewards", type=int, default=MIN_REF_REWARDS,
+                        help="QRPO: skip completions with fewer reference rewards than this "
+                             f"(default {MIN_REF_REWARDS})")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.qrpo_min_ref_rewards < 1:
+        parser.error(f"--qrpo-min-ref-rewards must be >= 1, got {args.qrpo_min_ref_rewards}")
+    return args
+
+
+def _remove_outputs(prefix: str, objective: str) -> None:
+    """Remove what this run wrote (a refused dataset is not left behind to be trained on)."""
+    from megatron.apertus.align.data import output_datasets
+
+    for name, _ in output_datasets(prefix, objective).values():
+        for suffix in (".bin", ".idx", ".meta.json"):
+            Path(name + suffix).unlink(missing_ok=True)
+
+
+def _check_written(summary: Summary, args: argparse.Namespace) -> None:
+    """Refuse a run that kept no example, or whose lines carry reference log-probabilities only
+    in part."""
+    from megatron.apertus.align.data import (
+        output_datasets,
+        partial_reference_error,
+        stored_reference,
+    )
+
+    inputs = ", ".join(args.input)
+    if summary.documents == 0:
+        raise ValueError(f"{inputs}: every line was rejected ({summary.rejected_lines} lines), "
+                         "no example written")  # fmt: skip
+    tokens, _ = output_datasets(args.output_prefix, args.objective)["tokens"]
+    values = stored_reference(tokens)
+    error = None if values is None else partial_reference_error(values)
+    if error:
+        raise ValueError(f"{inputs}: {error}")
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)  # index loading chatter
     args = parse_args(argv)
     from megatron.apertus.align.data import PreferenceEncoder
 
     config = corpus_config(args)
     encoder = functools.partial(PreferenceEncoder, objective=args.objective,
-                                max_tokens=args.max_tokens)  # fmt: skip
+                                max_tokens=args.max_tokens,
+                                min_ref_rewards=args.qrpo_min_ref_rewards)  # fmt: skip
     start = time.perf_counter()
     summary = preprocess(config, encoder)
     print(format_summary(summary, time.perf_counter() - start).replace("documents", "examples"))
+    try:
+        _check_written(summary, args)
+    except ValueError as err:
+        _remove_outputs(args.output_prefix, args.objective)
+        print(f"preprocess_preferences.py: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -4,6 +4,8 @@ checked, DPO and QRPO steps, exact resume."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
 import sys
 
@@ -17,6 +19,7 @@ from megatron.apertus.data.chat import encode_conversation, parse_messages
 from megatron.apertus.data.chat_demo import docstring_preferences, docstring_rewards
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import LogitStoreError
+from megatron.apertus.model.config import ConfigError
 from megatron.apertus.training.loop import train
 from tests.conftest import PRETRAIN, REPO, run_entry
 
@@ -53,10 +56,8 @@ def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
            json.dumps({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant",
                        "content": "a"}], "chosen": "a", "rejected": "b"}))  # fmt: skip
     prefix, proc = preprocess(tmp_path, "dpo", pairs, bad)
-    assert "dpo.jsonl:4: skipped: empty or missing 'rejected'" in proc.stderr
-    assert (
-        "dpo.jsonl:5: skipped: the prompt must be messages ending with a user turn" in proc.stderr
-    )
+    assert "dpo.jsonl:4: skipped: missing 'rejected'" in proc.stderr
+    assert "dpo.jsonl:5: skipped: the prompt must end with a user turn" in proc.stderr
     data = PreferenceDataset(prefix, "dpo", seq_length=128, pad=tekken.pad)
     assert len(data) == 3
     for i, pair in enumerate(pairs):
@@ -64,7 +65,7 @@ def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
             messages = parse_messages(
                 {"messages": [*pair["prompt"], {"role": "assistant", "content": pair[key]}]}
             )
-            ids, mask = encode_conversation(tekken, messages)
+            ids, mask = encode_conversation(tekken, messages)  # one assistant turn: all of it
             got_ids, got_mask = data.sequence(2 * i + j)
             assert got_ids.tolist() == ids.tolist() and got_mask.tolist() == mask.tolist()
     rewards = docstring_rewards()[:4]
@@ -78,6 +79,7 @@ def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
     for i, record in enumerate(rewards):
         want = np.mean(np.array(record["ref_rewards"]) <= record["reward"])
         assert qrpo[i]["quantile"].item() == want
+        assert qrpo[i]["ref_count"].item() == len(record["ref_rewards"])
 
 
 def test_reference_file_round_trip_corruption_and_other_data(tmp_path):
@@ -134,8 +136,109 @@ def test_dpo_starts_at_log_2_and_resumes_exactly(data, tmp_path):
     assert "checksum mismatch" in proc.stderr.strip().splitlines()[-1]
 
 
-def test_qrpo_trains(data, tmp_path):
-    history = train(pretrain_gpt.parse_args(align_args(data, tmp_path, "qrpo", 3,
-                                                       "--align-length-normalization")))  # fmt: skip
+def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd, caplog):
+    caplog.set_level(logging.INFO, logger="apertus")
+    args = align_args(data, tmp_path, "qrpo", 3, "--align-length-normalization",
+                      "--qrpo-transform", "log", "--valid-data-path", data["qrpo"],
+                      "--eval-iters", "1", "--eval-interval", "3",
+                      "--tensorboard-dir", str(tmp_path / "tb"))  # fmt: skip
+    history = train(pretrain_gpt.parse_args(args))
     losses = [v for _, v in history["train/loss"]]
     assert len(losses) == 3 and all(np.isfinite(losses))
+    err, out = capfd.readouterr().err, caplog.text
+    # The reference pass shows its progress and time left (tqdm), per dataset.
+    assert re.search(r"reference log-probs \(train\): 100%.*16/16 \[\d\d:\d\d<00:00", err)
+    assert "reference log-probs (valid): 100%" in err
+    line = next(x for x in out.splitlines() if "iteration        1/" in x)
+    assert "qrpo loss: " in line and "lm loss" not in line
+    assert " | mean target: " in line and " | mean beta-log-ratio: " in line
+    valid = next(x for x in out.splitlines() if x.count("validation loss at iteration 3"))
+    assert "qrpo loss value: " in valid and "PPL" not in valid and "mean target: " in valid
+    # At the first step the policy is the reference: beta * log-ratio is 0, and the mean target
+    # is that of the log transform, log max(q, 1/n) - beta/len * log(beta/len / (1 + beta/len)).
+    assert history["train/mean_beta_log_ratio"][0] == [1, 0.0]
+    for name in ("train/mean_target", "valid/mean_target", "valid/mean_beta_log_ratio",
+                 "valid/quantile_signed_log_ratio"):  # fmt: skip
+        assert np.isfinite(history[name][-1][1]), name
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"train/mean_target", "train/mean_beta_log_ratio",
+            "valid/mean_target"} <= set(events.Tags()["scalars"])  # fmt: skip
+
+
+def test_reference_logps_carried_by_the_data_replace_the_reference_pass(
+    data, tmp_path, capfd, caplog
+):
+    """A run on data that carries the reference log-probabilities (TRL's and swiss-ai's column
+    names) trains exactly as the run whose reference pass computed them, with no pass."""
+    caplog.set_level(logging.INFO, logger="apertus")
+    computed = train(pretrain_gpt.parse_args(align_args(data, tmp_path, "dpo", 2)))
+    assert computed["train/reward_margin"][0] == [1, 0.0]  # the policy is the reference
+    assert computed["train/reward_accuracy"][0] == [1, 0.0]
+    assert "dpo loss: " in caplog.text
+    stored, _ = reference.read(tmp_path / "ref" / "train.bin",
+                               data_hash=reference.dataset_hash(data["dpo"]))  # fmt: skip
+    records = [r for r in docstring_preferences()[:40] if len(r["chosen"]) < 150][:16]
+    names = (
+        ("ref_chosen_logps", "ref_rejected_logps"),
+        ("ref_chosen_logprob", "ref_rejected_logprob"),
+    )
+    carried = [{**r, names[i % 2][0]: float(stored.logps[2 * i]),
+                names[i % 2][1]: float(stored.logps[2 * i + 1])} for i, r in enumerate(records)]  # fmt: skip
+    prefix, _ = preprocess(tmp_path, "dpo", carried)
+    args = align_args({**data, "dpo": prefix}, tmp_path, "dpo", 2)
+    del args[args.index("--ref-logps-path") : args.index("--ref-logps-path") + 2]
+    capfd.readouterr()
+    given = train(pretrain_gpt.parse_args(args))
+    assert given["train/loss"] == computed["train/loss"]
+    assert "reference log-probabilities of 32 train sequences read from the data" in caplog.text
+    assert "reference log-probs (train)" not in capfd.readouterr().err, "no reference pass"
+    no_values = align_args(data, tmp_path, "dpo", 2)
+    del no_values[no_values.index("--ref-logps-path") : no_values.index("--ref-logps-path") + 2]
+    with pytest.raises(ConfigError, match="carries no reference log-probabilities: give --ref"):
+        train(pretrain_gpt.parse_args(no_values))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--align-beta", "nan"], "--align-beta must be a finite number > 0, got nan"),
+    (["--align-beta", "inf"], "--align-beta must be a finite number > 0, got inf"),
+    (["--qrpo-max-beta", "-1"], "--qrpo-max-beta must be a finite number > 0, got -1.0"),
+    (["--qrpo-transform", "sqrt"], "--qrpo-transform must be one of identity, log, normal-icdf"),
+    (["--qrpo-transform", "log", "--qrpo-log-partition", "approx"],
+     "--qrpo-log-partition approx applies to --qrpo-transform identity"),
+    (["--align-length-normalization-of", "loss"],
+     "--align-length-normalization-of needs --align-length-normalization"),
+])  # fmt: skip
+def test_bad_alignment_flags_are_refused(flags, message, capsys):
+    base = [
+        "--align-objective",
+        "qrpo",
+        "--no-fused-output-loss",
+        "--train-data-path",
+        "x",
+        "--train-iters",
+        "1",
+    ]
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.parse_args(base + flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--align-beta", "0.5"], "--align-beta"),
+    (["--align-length-normalization"], "--align-length-normalization"),
+    (["--qrpo-transform", "log"], "--qrpo-transform"),
+    (["--ref-logps-path", "ref"], "--ref-logps-path"),
+])  # fmt: skip
+def test_alignment_flags_without_an_objective_are_refused(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.parse_args(["--train-iters", "1", *flags])
+    assert exit_.value.code == 2
+    assert f"{named} needs --align-objective (dpo or qrpo)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pretrain_gpt.parse_args(
+            ["--train-iters", "1", "--align-objective", "dpo", "--qrpo-transform", "log"]
+        )
+    assert "--qrpo-transform applies to --align-objective qrpo only" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """DPO on 2 CPU processes (TP=2, PP=2 plain and interleaved, DP=2) reproduces the
 single-process run: the stored reference log-probabilities, the losses of 3 steps and the
-held-out loss and margin.
+held-out loss and reward margin.
 
 Tolerances as for pretraining (tests/parallel/test_layout_parity.py): splitting sums over
 ranks changes the order of floating-point additions, so equality is to 2e-6 relative on the
@@ -62,7 +62,7 @@ def test_two_processes_match_one(single, layout):
     run_entry(PRETRAIN, COMMON + LAYOUTS[layout] + data + [
         "--ref-logps-path", str(root / f"ref-{layout}"), "--log-json", str(out)], nproc=2)  # fmt: skip
     expected, got = read_json(root / "single.json"), read_json(out)
-    for name in ("train/loss", "valid/loss", "valid/margin"):
+    for name in ("train/loss", "train/reward_margin", "valid/loss", "valid/reward_margin"):
         np.testing.assert_allclose(series(got, name)[1], series(expected, name)[1], rtol=2e-6,
                                    atol=1e-7)  # fmt: skip
     for part in ("train", "valid"):

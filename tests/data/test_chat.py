@@ -79,6 +79,10 @@ def test_bad_conversations_are_refused_with_a_reason():
         "system message at position 1": [{"role": "user", "content": "q"},
                                          {"role": "system", "content": "s"}],  # fmt: skip
         "no assistant message": [{"role": "user", "content": "q"}],
+        r"content of message 1 \(assistant\) is int, not a string": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": 3},
+        ],
     }
     for reason, messages in cases.items():
         with pytest.raises(ConversationError, match=reason):

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron.apertus.align.losses import OBJECTIVES
+from megatron.apertus.align.losses import (
+    LENGTH_NORMALIZATIONS,
+    LOG_PARTITIONS,
+    OBJECTIVES,
+    TRANSFORMS,
+)
 
 
 def _help(text: str, default):
@@ -21,23 +28,76 @@ class AlignConfig:
         "--finetune --load, which is also the frozen reference", None)  # fmt: skip
     align_beta: float = _help("KL-regularisation strength beta of DPO and QRPO", 0.1)
     align_length_normalization: bool = _help(
-        "divide each sequence log-ratio by its completion length (DPO), or use beta / length "
-        "(QRPO)", False)  # fmt: skip
+        "normalise by each completion's length in tokens (what --align-length-normalization-of "
+        "says)", False)  # fmt: skip
+    align_length_normalization_of: str = _help(
+        "with --align-length-normalization: beta (DPO divides each log-ratio by its length, "
+        "QRPO uses beta / length) or loss (each completion's loss divided by its length, a "
+        "pair's by the mean of its two: swiss-ai/posttraining's normalize_loss_by_length)",
+        "beta")  # fmt: skip
+    qrpo_transform: str = _help(
+        "QRPO's transform of the quantile reward, with its own partition function: identity, "
+        "log (the QRPO authors' default) or normal-icdf", "identity")  # fmt: skip
+    qrpo_log_partition: str = _help(
+        "QRPO identity transform: exact log Z, or approx (log beta + 1/beta, as "
+        "swiss-ai/posttraining and the QRPO authors' code use)", "exact")  # fmt: skip
+    qrpo_max_beta: Optional[float] = _help(
+        "clamp QRPO's effective beta (after length normalisation) at this maximum "
+        "(swiss-ai/posttraining: 0.1); none by default", None)  # fmt: skip
     ref_logps_path: Optional[str] = _help(
         "directory of the reference policy's sequence log-probabilities: computed once from the "
         "--load weights on first start, then read (and checked against the data) on every "
-        "resume", None)  # fmt: skip
+        "resume; not needed when the data carries them (tools/preprocess_preferences.py)",
+        None)  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.align_objective is not None and self.align_objective not in OBJECTIVES:
+        if self.align_objective is None:
+            self._refuse_without_objective()
+            return
+        if self.align_objective not in OBJECTIVES:
             raise ValueError(f"--align-objective must be one of {', '.join(OBJECTIVES)}, "
                              f"got {self.align_objective!r}")  # fmt: skip
-        if self.align_beta <= 0:
-            raise ValueError(f"--align-beta must be > 0, got {self.align_beta}")
-        if self.align_objective and not self.ref_logps_path:
-            raise ValueError("--align-objective needs --ref-logps-path (where the reference "
-                             "log-probabilities are stored)")  # fmt: skip
+        if not (math.isfinite(self.align_beta) and self.align_beta > 0):
+            raise ValueError(f"--align-beta must be a finite number > 0, got {self.align_beta}")
+        _choice("--align-length-normalization-of", self.align_length_normalization_of,
+                LENGTH_NORMALIZATIONS)  # fmt: skip
+        if self.align_length_normalization_of != "beta" and not self.align_length_normalization:
+            raise ValueError("--align-length-normalization-of needs --align-length-normalization")
+        _choice("--qrpo-transform", self.qrpo_transform, TRANSFORMS)
+        _choice("--qrpo-log-partition", self.qrpo_log_partition, LOG_PARTITIONS)
+        if self.qrpo_max_beta is not None and not (
+            math.isfinite(self.qrpo_max_beta) and self.qrpo_max_beta > 0
+        ):
+            raise ValueError(
+                f"--qrpo-max-beta must be a finite number > 0, got {self.qrpo_max_beta}"
+            )
+        if self.qrpo_log_partition == "approx" and self.qrpo_transform != "identity":
+            raise ValueError(f"--qrpo-log-partition approx applies to --qrpo-transform identity; "
+                             f"{self.qrpo_transform}'s log Z is exact in closed form")  # fmt: skip
+        if self.align_objective != "qrpo":
+            for name in _changed(self):
+                if name.startswith("qrpo_"):
+                    raise ValueError(f"{_flag(name)} applies to --align-objective qrpo only")
+
+    def _refuse_without_objective(self) -> None:
+        changed = _changed(self)
+        if changed:
+            raise ValueError(f"{_flag(changed[0])} needs --align-objective (dpo or qrpo)")
 
     @property
     def enabled(self) -> bool:
         return self.align_objective is not None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _changed(config: AlignConfig) -> list[str]:
+    """The fields given a value other than their default."""
+    return [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default]

@@ -7,6 +7,13 @@ row's loss mask into the sequence log-probability. The loss returned to the sche
 sum over the micro-batch's examples with the example count, so megatron-core's per-token
 normalisation (here: per example) averages over the global batch whatever the micro-batching
 and data parallelism.
+
+Besides the loss, each micro-batch reports the objective's own quantities as (sum, count)
+pairs under :data:`QUANTITY_PREFIX`, which the training loop averages over the global batch:
+DPO's reward margin and reward accuracy (the implicit reward is ``beta * ratio``, beta as
+length-normalised), QRPO's mean target ``T(q) - beta * log Z``, mean ``beta * ratio`` and mean
+quantile-signed log-ratio ``(2q - 1) * ratio`` (positive when completions above the reference
+policy's median reward gain probability and those below lose it).
 """
 
 from __future__ import annotations
@@ -16,9 +23,15 @@ from functools import partial
 import torch
 
 from megatron.apertus.align.config import AlignConfig
-from megatron.apertus.align.losses import dpo_loss, qrpo_loss, sequence_log_ratio
-from megatron.apertus.data.batches import Batch
+from megatron.apertus.align.losses import dpo, qrpo, sequence_log_ratio
+from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
 from megatron.apertus.errors import ConfigError
+
+QUANTITIES = {
+    "dpo": ("reward margin", "reward accuracy"),
+    "qrpo": ("mean target", "mean beta-log-ratio", "quantile-signed log-ratio"),
+}
+"""What each objective reports besides its loss, in the order the log line shows them."""
 
 
 def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -28,41 +41,53 @@ def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> tor
     return -(per_token_loss.double() * loss_mask.double()).sum(-1)
 
 
+def _dpo_terms(config: AlignConfig, logps, ref, lengths):
+    pair = {}
+    if lengths is not None:
+        pair = dict(chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2],
+                    length_normalization=config.align_length_normalization_of)  # fmt: skip
+    terms = dpo(logps[0::2], logps[1::2], ref[0::2], ref[1::2], config.align_beta, **pair)
+    margin = terms.chosen_reward - terms.rejected_reward
+    return terms.loss, {"reward margin": margin, "reward accuracy": (margin > 0).double()}
+
+
+def _qrpo_terms(config: AlignConfig, logps, ref, lengths, quantiles, ref_counts):
+    terms = qrpo(logps, ref, quantiles, config.align_beta, lengths=lengths,
+                 length_normalization=config.align_length_normalization_of,
+                 transform=config.qrpo_transform, ref_counts=ref_counts,
+                 log_partition=config.qrpo_log_partition, max_beta=config.qrpo_max_beta)  # fmt: skip
+    signed = (2.0 * quantiles - 1.0) * sequence_log_ratio(logps, ref).detach()
+    return terms.loss, {"mean target": terms.target, "mean beta-log-ratio": terms.beta_log_ratio,
+                        "quantile-signed log-ratio": signed}  # fmt: skip
+
+
 def alignment_loss(
     config: AlignConfig,
     ref_logps: torch.Tensor,
     quantiles: torch.Tensor | None,
+    ref_counts: torch.Tensor | None,
     batch: Batch,
     loss_mask: torch.Tensor,
     output: torch.Tensor,
 ):
-    """(loss sum, examples, reported) of one micro-batch. ``reported["margin"]`` sums DPO's
-    chosen-minus-rejected log-ratio, or QRPO's quantile-signed log-ratio ``(2q - 1) * ratio``
-    (positive when completions above the reference's median reward gain probability and those
-    below lose it), over the examples."""
+    """(loss sum, examples, reported) of one micro-batch; ``reported`` holds the objective's
+    quantities (:data:`QUANTITIES`) as sums over the examples with their count."""
     logps = sequence_logps(output, loss_mask)
     ref = ref_logps.to(logps.device)
     lengths = loss_mask.double().sum(-1) if config.align_length_normalization else None
-    beta = config.align_beta
     if config.align_objective == "dpo":
-        pair = {}
-        if lengths is not None:
-            pair = dict(chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])
-        losses = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta, **pair)
-        margin = sequence_log_ratio(logps[0::2], ref[0::2], pair.get("chosen_lengths")) - (
-            sequence_log_ratio(logps[1::2], ref[1::2], pair.get("rejected_lengths"))
-        )
+        losses, quantities = _dpo_terms(config, logps, ref, lengths)
     else:
-        quantiles = quantiles.to(logps.device)
-        losses = qrpo_loss(logps, ref, quantiles, beta, lengths=lengths)
-        margin = (2.0 * quantiles - 1.0) * sequence_log_ratio(logps, ref, lengths)
+        losses, quantities = _qrpo_terms(config, logps, ref, lengths, quantiles.to(logps.device),
+                                         ref_counts.to(logps.device))  # fmt: skip
     count = torch.tensor(float(losses.numel()), device=logps.device)
     reported = {
         "lm loss": torch.stack([losses.sum().detach().float(), count]),
         "goldfish": torch.zeros(2, device=logps.device),
-        "margin": torch.stack([margin.sum().detach().float(), count]),
         "sequence logp": logps.detach(),
     }
+    for name, values in quantities.items():
+        reported[QUANTITY_PREFIX + name] = torch.stack([values.sum().float(), count])
     return losses.sum().float(), count.to(torch.int), reported
 
 
@@ -71,8 +96,10 @@ def collate(samples: list[dict], config: AlignConfig, ref_logps: torch.Tensor) -
     tokens = torch.cat([s["tokens"] for s in samples]).long()
     labels = torch.cat([s["labels"] for s in samples]).long()
     loss_mask = torch.cat([s["loss_mask"] for s in samples]).float()
-    quantiles = torch.cat([s["quantile"] for s in samples]) if "quantile" in samples[0] else None
+    qrpo_data = "quantile" in samples[0]
+    quantiles = torch.cat([s["quantile"] for s in samples]) if qrpo_data else None
+    ref_counts = torch.cat([s["ref_count"] for s in samples]) if qrpo_data else None
     positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
     batch = Batch(tokens, labels, loss_mask, positions)
-    batch.sequence_loss = partial(alignment_loss, config, ref_logps, quantiles)
+    batch.sequence_loss = partial(alignment_loss, config, ref_logps, quantiles, ref_counts)
     return batch

@@ -50,7 +50,12 @@ class Batch:
     """A teacher's top-k per token (distillation), in the same [b, s] or packed layout."""
     sequence_loss: Callable | None = None
     """``f(batch, loss_mask, per_token_losses) -> (loss, count, reported)`` of an objective
-    over whole sequences (alignment); None: the masked per-token loss."""
+    over whole sequences (alignment); None: the masked per-token loss. ``reported`` entries
+    named ``QUANTITY_PREFIX + name`` are (sum, count) pairs the step averages over the global
+    batch and logs as the objective's own quantities."""
+
+
+QUANTITY_PREFIX = "quantity/"
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -104,7 +104,10 @@ def parse_messages(record: object) -> list[dict[str, str]]:
             raise ConversationError(f"unknown role {role!r} in message {i}")
         if role == "system" and i > 0:
             raise ConversationError(f"system message at position {i} (only the first may be)")
-        if not isinstance(content, str) or not content.strip():
+        if not isinstance(content, str):
+            raise ConversationError(f"content of message {i} ({role}) is "
+                                    f"{type(content).__name__}, not a string")  # fmt: skip
+        if not content.strip():
             raise ConversationError(f"empty content in message {i} ({role})")
     if not any(m["role"] == "assistant" for m in messages):
         raise ConversationError("no assistant message (nothing to learn)")

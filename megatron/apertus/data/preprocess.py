@@ -167,14 +167,15 @@ _worker: dict = {}
 
 
 def decode_line(raw: bytes) -> str:
-    """One input line as text; ``ValueError`` when it is not UTF-8 or blank."""
+    """One input line as text without its line ending (so that a JSON error's column is on
+    this line); ``ValueError`` when it is not UTF-8 or blank."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"not UTF-8 (byte {err.start})") from None
     if not text.strip():
         raise ValueError("blank line")
-    return text
+    return text.rstrip("\r\n")
 
 
 def parse_line(raw: bytes, keys: list[str]) -> dict[str, str]:

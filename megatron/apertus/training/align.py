@@ -3,11 +3,15 @@
 The run starts from the SFT model (``--finetune --load``), whose weights are also the frozen
 reference policy: before the first step, if ``--ref-logps-path`` holds no values yet, one
 forward pass over the training and validation examples computes the reference sequence
-log-probabilities, data-parallel ranks each taking a contiguous share, and they are stored
+log-probabilities, data-parallel ranks each taking a contiguous share (a progress bar with the
+time left on the reporting rank), and they are stored
 (:mod:`megatron.apertus.align.reference`). Every later start, resumes included, reads them and
-checks them against the data. Examples are visited in a seeded permutation; a step's global
-batch holds examples ``[consumed, consumed + B)`` of it, split over data-parallel ranks exactly
-as pretraining samples are (:func:`megatron.apertus.data.batches.rank_positions`).
+checks them against the data. Data that carries its own reference log-probabilities
+(:func:`megatron.apertus.align.data.precomputed_reference`) needs no reference pass.
+
+Examples are visited in a seeded permutation; a step's global batch holds examples
+``[consumed, consumed + B)`` of it, split over data-parallel ranks exactly as pretraining
+samples are (:func:`megatron.apertus.data.batches.rank_positions`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from megatron.core import parallel_state
+from tqdm import tqdm
 
 from megatron.apertus.align import reference
 from megatron.apertus.align.config import AlignConfig
@@ -30,6 +35,17 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.training.step import StepShape, run_microbatches
 
 log = logging.getLogger("apertus")
+
+
+def metric_name(quantity: str) -> str:
+    """The TensorBoard / JSON-log name of a reported quantity: ``reward margin`` ->
+    ``reward_margin``."""
+    return quantity.replace(" ", "_").replace("-", "_")
+
+
+def format_quantities(quantities: dict[str, float]) -> str:
+    """What the iteration and validation lines add: `` | reward margin: 1.234E-01 | ...``."""
+    return "".join(f" | {name}: {value:.6E}" for name, value in quantities.items())
 
 
 def _single_prefix(flag: str, blend: list[str]) -> str | None:
@@ -58,6 +74,11 @@ class AlignRun:
         self.parts = {"train": PreferenceDataset(train, objective, seq_length, pad)}
         if valid is not None:
             self.parts["valid"] = PreferenceDataset(valid, objective, seq_length, pad)
+        for data in self.parts.values():
+            if data.ref_logps is None and not config.ref_logps_path:
+                raise ConfigError(f"--align-objective: {data.prefix} carries no reference "
+                                  "log-probabilities: give --ref-logps-path (where the reference "
+                                  "pass stores them)")  # fmt: skip
         self.order = np.random.default_rng(seed).permutation(len(self.parts["train"]))
         self.ref: dict[str, torch.Tensor] = {}
         self._stored: dict[str, tuple[Path, reference.ReferenceLogps]] = {}
@@ -77,15 +98,21 @@ class AlignRun:
         """Read the stored reference log-probabilities, computing and storing them first when
         ``--ref-logps-path`` holds none yet and the weights are the reference (``fresh``: no
         alignment step taken); every rank takes part."""
-        directory = Path(self.config.ref_logps_path)
         for name, data in self.parts.items():
+            if data.ref_logps is not None:
+                self.ref[name] = torch.from_numpy(data.ref_logps.copy())
+                if reporting:
+                    log.info(f"reference log-probabilities of {data.ref_logps.size} {name} "
+                             f"sequences read from the data ({data.prefix})")  # fmt: skip
+                continue
+            directory = Path(self.config.ref_logps_path)
             path = directory / f"{name}.bin"
             data_hash = reference.dataset_hash(data.prefix)
             if not path.exists() and not fresh:
                 raise ConfigError(f"--ref-logps-path: {path} is missing and the loaded weights "
                                   "are no longer the reference (training has started)")  # fmt: skip
             if not path.exists():
-                values = self._compute(model, data, micro_batch_size)
+                values = self._compute(model, data, micro_batch_size, name, reporting)
                 if reporting:
                     directory.mkdir(parents=True, exist_ok=True)
                     reference.write(path, values, data_hash=data_hash, reference=reference_name)
@@ -102,7 +129,8 @@ class AlignRun:
             self.ref[name] = torch.from_numpy(stored.logps.copy())
             self._stored[name] = (path, stored)
 
-    def _compute(self, model, data: PreferenceDataset, micro_batch_size: int):
+    def _compute(self, model, data: PreferenceDataset, micro_batch_size: int, name: str,
+                 reporting: bool):  # fmt: skip
         """Reference values of every sequence of ``data`` from the current weights."""
         dp, rank = (
             parallel_state.get_data_parallel_world_size(),
@@ -115,11 +143,16 @@ class AlignRun:
                    for i in range(0, len(examples), micro_batch_size)]  # fmt: skip
         for chunk in model:
             chunk.eval()
-        with torch.no_grad():
-            shape = StepShape(num_microbatches=len(batches), seq_length=data.seq_length,
-                              micro_batch_size=micro_batch_size * data.group)  # fmt: skip
-            reported = run_microbatches(model, [iter(batches) for _ in model], shape,
-                                        forward_only=True)  # fmt: skip
+        reported = []
+        with torch.no_grad(), tqdm(total=share * data.group * dp, unit=" sequences",
+                                   desc=f"reference log-probs ({name})", disable=not reporting,
+                                   mininterval=1.0) as bar:  # fmt: skip
+            for part in _pieces(batches, parallel_state.get_pipeline_model_parallel_world_size()):
+                shape = StepShape(num_microbatches=len(part), seq_length=data.seq_length,
+                                  micro_batch_size=micro_batch_size * data.group)  # fmt: skip
+                reported += run_microbatches(model, [iter(part) for _ in model], shape,
+                                             forward_only=True)  # fmt: skip
+                bar.update(sum(b.tokens.shape[0] for b in part) * dp)
         for chunk in model:
             chunk.train()
         logps = torch.zeros(share * data.group, dtype=torch.float64)
@@ -150,12 +183,21 @@ class AlignRun:
         positions = rank_positions(consumed, global_batch, dp_rank=parallel_state.get_data_parallel_rank(),
                                    dp_size=dp_size, length=len(data))  # fmt: skip
         examples = [int(self.order[p]) if name == "train" else p for p in positions]
-        path, stored = self._stored[name]
         rows = np.array([data.group * e + j for e in examples for j in range(data.group)])
-        reference.check_keys(path, stored, rows, [data.sequence(r)[0] for r in rows])
+        if name in self._stored:  # values from the reference pass, keyed by their sequences
+            path, stored = self._stored[name]
+            reference.check_keys(path, stored, rows, [data.sequence(r)[0] for r in rows])
         return [self._batch(data, examples[i : i + micro_batch_size], self.ref[name])
                 for i in range(0, len(examples), micro_batch_size)]  # fmt: skip
 
     def shape(self, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepShape:
         return StepShape(num_microbatches=num_microbatches, seq_length=seq_length,
                          micro_batch_size=micro_batch_size * self.train_data.group)  # fmt: skip
+
+
+def _pieces(batches: list[Batch], pipeline_stages: int) -> list[list[Batch]]:
+    """The reference pass's micro-batches in schedule calls of at least ``2 x stages`` (and 8)
+    micro-batches each, so that the progress bar moves while the pipeline stays full."""
+    count = max(1, len(batches) // max(8, 2 * pipeline_stages))
+    bounds = [i * len(batches) // count for i in range(count + 1)]
+    return [batches[a:b] for a, b in zip(bounds, bounds[1:])]

@@ -56,7 +56,7 @@ from megatron.apertus.model.engine import (
     validate_engine,
 )
 from megatron.apertus.model.flops import flops_per_token
-from megatron.apertus.training.align import AlignRun
+from megatron.apertus.training.align import AlignRun, format_quantities, metric_name
 from megatron.apertus.training.config import OptimizerSettings, RunConfig, TrainingConfig
 from megatron.apertus.training.diagnostics import (
     ManualGC,
@@ -79,6 +79,7 @@ from megatron.apertus.training.signals import StopRequests, past_duration
 from megatron.apertus.training.step import (
     StepResult,
     StepShape,
+    reduce_quantities,
     run_microbatches,
     synced_parameters,
     train_step,
@@ -512,6 +513,8 @@ class Trainer:
                                 samples=samples)  # fmt: skip
         if result.goldfish_fraction is not None:
             self.metrics.record("train/goldfish_dropped", it, result.goldfish_fraction)
+        for name, value in result.quantities.items():
+            self.metrics.record(f"train/{metric_name(name)}", it, value)
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.record("train/lr", it, lr, tag="learning-rate", samples=samples)
         self.metrics.record("train/batch_size", it, global_batch, tag="batch-size",
@@ -539,6 +542,8 @@ class Trainer:
 
     def _objective(self) -> str:
         """The loss's name in the log line and its TensorBoard tag."""
+        if self.align is not None:
+            return f"{self.cfg.align.align_objective} loss"
         return "lm loss" if self.teacher is None else "kd loss"
 
     def _iteration_line(self, summary: IntervalSummary, result: StepResult, *, lr: float,
@@ -573,6 +578,7 @@ class Trainer:
         fields.append(f"memory (GiB): {peak_memory_gib(self.device):.2f}")
         if result.goldfish_fraction is not None:
             fields.append(f"goldfish dropped: {100 * result.goldfish_fraction:.2f}%")
+        fields += [f"{name}: {value:.6E}" for name, value in result.quantities.items()]
         return "".join(f"{field} | " for field in fields).rstrip()
 
     def _record_diagnostics(self, it: int) -> float | None:
@@ -596,22 +602,22 @@ class Trainer:
                 self.metrics.record(name, it, value, tag=MEGATRON_MEMORY_TAGS.get(name))
         return total
 
-    def evaluate(self) -> float | None:
-        """Mean validation loss per token over ``--eval-iters`` global batches."""
+    def evaluate(self) -> tuple[float, dict[str, float]] | None:
+        """Mean validation loss per token over ``--eval-iters`` global batches, and the means of
+        the objective's own quantities (alignment)."""
         t = self.cfg.training
         if t.eval_iters == 0 or self.valid_data is None:
             return None
         for chunk in self.model:
             chunk.eval()
-        sums, margins = [], []
+        reported = []
         timed_out = False
         global_batch = get_current_running_global_batch_size()
         with torch.no_grad(), synced_parameters(self.model):
             for i in range(t.eval_iters):
                 iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
                 losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
-                sums.extend(entry["lm loss"] for entry in losses)
-                margins.extend(entry["margin"] for entry in losses if "margin" in entry)
+                reported.extend(losses)
                 if past_duration(t.exit_duration_in_mins, self.device):
                     timed_out = True
                     break
@@ -628,25 +634,27 @@ class Trainer:
             return None
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
-        total = torch.stack(sums).double().sum(0)
+        total = torch.stack([entry["lm loss"] for entry in reported]).double().sum(0)
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        if margins:  # alignment: the mean held-out log-ratio margin
-            margin = torch.stack(margins).double().sum(0)
-            torch.distributed.all_reduce(margin, group=parallel_state.get_data_parallel_group())
-            self.metrics.record(
-                "valid/margin", self.state.iteration, (margin[0] / margin[1]).item()
-            )
-        return (total[0] / total[1]).item()
+        quantities = reduce_quantities(reported)
+        for name, value in quantities.items():
+            self.metrics.record(f"valid/{metric_name(name)}", self.state.iteration, value)
+        return (total[0] / total[1]).item(), quantities
 
     def validate(self) -> None:
         self.gc.eval_boundary()
-        loss = self.evaluate()
+        evaluated = self.evaluate()
         self.gc.eval_boundary()
-        if loss is None:
+        if evaluated is None:
             return
+        loss, quantities = evaluated
         self.metrics.record("valid/loss", self.state.iteration, loss, tag="lm loss validation",
                             samples=self.state.consumed_samples)  # fmt: skip
-        if _is_reporting_rank():
+        if _is_reporting_rank() and self.align is not None:
+            log.info(f"validation loss at iteration {self.state.iteration} | "
+                     f"{self.cfg.align.align_objective} loss value: {loss:.6E}"
+                     + format_quantities(quantities))  # fmt: skip
+        elif _is_reporting_rank():
             log.info(f"validation loss at iteration {self.state.iteration} | lm loss value: "
                      f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |")  # fmt: skip
         self.metrics.flush()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator
 
@@ -25,7 +25,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.apertus.data.batches import Batch
+from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,6 +46,9 @@ class StepResult:
     skipped: bool
     goldfish_fraction: float | None = None
     """Share of loss positions Goldfish dropped in this step (None without Goldfish)."""
+    quantities: dict[str, float] = field(default_factory=dict)
+    """The objective's own quantities (alignment: reward margin, ...), means over the global
+    batch; empty on ranks that do not hold the last stage."""
 
 
 def wrap_ddp(
@@ -177,6 +180,18 @@ def _reduce(losses: list[dict], key: str) -> torch.Tensor | None:
     return total
 
 
+def reduce_quantities(losses: list[dict]) -> dict[str, float]:
+    """The means over micro-batches and data-parallel ranks of the reported (sum, count) pairs
+    named ``QUANTITY_PREFIX + name``, by name (last stage only: elsewhere empty)."""
+    if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return {}
+    means = {}
+    for key in (k for k in losses[0] if k.startswith(QUANTITY_PREFIX)):
+        total = _reduce(losses, key)
+        means[key[len(QUANTITY_PREFIX) :]] = (total[0] / total[1].clamp(min=1)).item()
+    return means
+
+
 def _all_finite(loss: torch.Tensor | None, device: torch.device) -> bool:
     """Whether the loss (known on the last stage only) is finite, agreed by every rank."""
     bad = torch.zeros(1, device=device)
@@ -261,4 +276,5 @@ def train_step(
         grad_norm=grad_norm,
         skipped=not updated,
         goldfish_fraction=(goldfish[0] / goldfish[1]).item() if goldfish[1] > 0 else None,
+        quantities=reduce_quantities(losses),
     )
