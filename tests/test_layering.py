@@ -26,6 +26,7 @@ it sits below all of them and may import none."""
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({PACKAGE_INIT}),
     frozenset({"ops"}),  # torch and our extensions only
+    frozenset({"mcore_compat"}),  # the differences between the supported megatron-core releases
     frozenset({"cpu_compat"}),  # patches megatron-core for CPU; the model builder applies it
     frozenset({"model"}),
     # What training consumes; ``parallel`` (process groups and seeds) needs the model's layout

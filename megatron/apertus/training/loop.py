@@ -29,7 +29,6 @@ from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
     get_current_running_global_batch_size,
     get_num_microbatches,
-    init_num_microbatches_calculator,
     update_num_microbatches,
 )
 from megatron.core.transformer.module import Float16Module
@@ -46,6 +45,7 @@ from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
 from megatron.apertus.distill.config import DistillConfig
+from megatron.apertus.mcore_compat import init_num_microbatches_calculator
 from megatron.apertus.model.builder import build_model, transformer_config
 from megatron.apertus.model.config import (
     ApertusConfig,
