@@ -66,7 +66,9 @@ def _extensions() -> tuple[list, dict]:
             file=sys.stderr,
         )
         return [], {}
-    want_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    # torch guesses CUDA_HOME=/usr/local when it finds no toolkit: a toolkit is its nvcc.
+    nvcc = Path(CUDA_HOME or "/nonexistent", "bin", "nvcc")
+    want_cuda = torch.version.cuda is not None and nvcc.is_file()
     want_cuda = want_cuda and os.environ.get("APERTUS_SKIP_CUDA") != "1"
     if not want_cuda:
         print(
@@ -74,6 +76,8 @@ def _extensions() -> tuple[list, dict]:
             file=sys.stderr,
         )
     cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    # TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0") is read by torch's CUDAExtension; without it: H100.
+    arch = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else ["-gencode=arch=compute_90,code=sm_90"]
     extensions = []
     only = set(filter(None, os.environ.get("APERTUS_OPS", "").split(",")))  # e.g. "xielu"
     for op_dir in sorted(p for p in (ROOT / "csrc").glob("*") if p.is_dir()):
@@ -98,8 +102,7 @@ def _extensions() -> tuple[list, dict]:
             extensions.append(CUDAExtension(
                 f"megatron.apertus.ops._{op}_cuda", cuda_sources, depends=headers,
                 extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
-                                             "-gencode=arch=compute_90,code=sm_90"]},
+                                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math", *arch]},
             ))  # fmt: skip
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=False)}
 

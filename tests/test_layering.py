@@ -25,8 +25,9 @@ it sits below all of them and may import none."""
 
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({PACKAGE_INIT}),
-    frozenset({"ops"}),  # torch and our extensions only
-    frozenset({"mcore_compat"}),  # the differences between the supported megatron-core releases
+    # ops: torch and our extensions only; mcore_compat: the supported megatron-core releases
+    # differences, which every layer above may need
+    frozenset({"ops", "mcore_compat"}),
     frozenset({"cpu_compat"}),  # patches megatron-core for CPU; the model builder applies it
     frozenset({"model"}),
     # What training consumes; ``parallel`` (process groups and seeds) needs the model's layout
