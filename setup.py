@@ -66,13 +66,19 @@ def _extensions() -> tuple[list, dict]:
             file=sys.stderr,
         )
         return [], {}
-    # torch guesses CUDA_HOME=/usr/local when it finds no toolkit: a toolkit is its nvcc.
-    nvcc = Path(CUDA_HOME or "/nonexistent", "bin", "nvcc")
-    want_cuda = torch.version.cuda is not None and nvcc.is_file()
+    # torch guesses CUDA_HOME from the first nvcc on PATH (a wrapper script in /usr/local/bin
+    # gives /usr/local): a toolkit is a directory with nvcc and the CUDA runtime headers.
+    toolkit = Path(CUDA_HOME or "/nonexistent")
+    has_toolkit = (toolkit / "bin" / "nvcc").is_file() and (
+        toolkit / "include" / "cuda_runtime_api.h"
+    ).is_file()
+    want_cuda = torch.version.cuda is not None and has_toolkit
     want_cuda = want_cuda and os.environ.get("APERTUS_SKIP_CUDA") != "1"
     if not want_cuda:
         print(
-            "setup.py: no CUDA build of torch or no nvcc; building the CPU kernels only.",
+            f"setup.py: building the CPU kernels only (torch {torch.__version__}, CUDA_HOME="
+            f"{CUDA_HOME}: {'a' if has_toolkit else 'no'} CUDA toolkit); to build the CUDA "
+            f"kernels set CUDA_HOME to a toolkit matching torch's CUDA {torch.version.cuda}.",
             file=sys.stderr,
         )
     cxx = ["-O3", "-fopenmp", "-std=c++17"]

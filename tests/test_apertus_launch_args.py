@@ -249,6 +249,7 @@ def error_lines(capsys, argv: list[str]) -> list[str]:
     return [line.strip() for line in message[1:]] if len(message) > 1 else message
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script, layout", [
     ("8b", ParallelConfig(tensor_model_parallel_size=2, distributed_timeout_minutes=60)),
     ("70b", ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=8,
@@ -427,6 +428,7 @@ def test_distributed_timeout_reaches_every_process_group():
         parallel.shutdown()
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script, tasks, plan_line", [
     # 512 GPUs: DP 256 x micro-batch 4 divides the ramp-up's first global batch (1024).
     ("8b", "512", "TP 2 x PP 1 (virtual stages 1) x DP 256"),

@@ -14,6 +14,8 @@ from packaging.version import Version
 from megatron.apertus import mcore_compat
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.smoke
+
 
 def megatron_lm_ramp(consumed: int, start: int, increment: int, ramp: int, gbs: int) -> int:
     """Megatron-LM's ``--rampup-batch-size START INCREMENT SAMPLES`` rule, as documented."""
