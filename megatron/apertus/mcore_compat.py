@@ -13,7 +13,6 @@ inside a run.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 from megatron.core import package_info
@@ -142,4 +141,6 @@ def quiet_release_notices() -> None:
     ``docs/megatron_core_changes.md`` says why we keep it.
     """
     logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_GPTModelDeprecationFilter())
-    warnings.filterwarnings("ignore", message="rampup_batch_size is deprecated", module="megatron")
+
+
+quiet_release_notices()
