@@ -13,6 +13,7 @@ inside a run.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from megatron.core import package_info
@@ -25,6 +26,24 @@ MCORE_VERSION = Version(package_info.__version__)
 STEP_SCHEDULE = MCORE_VERSION >= Version("0.19.0")
 """megatron-core 0.19 replaced the linear batch-size ramp-up (``--rampup-batch-size``) by step
 schedules; ``init_num_microbatches_calculator`` then ignores ``rampup_batch_size``."""
+
+
+COMMON_IN_SHARDS = MCORE_VERSION >= Version("0.19.0")
+"""megatron-core 0.19 keeps a torch_dist checkpoint's common state inside its shard files and
+writes no ``common.pt``; 0.16 reads the common state from ``common.pt`` only (0.19 reads both)."""
+
+
+def check_checkpoint_readable(directory: Path) -> None:
+    """Refuse, in one line, a 0.19 checkpoint under 0.16, which would fail deep in torch.load."""
+    written_by_019 = (directory / "metadata.json").is_file() and not (
+        directory / "common.pt"
+    ).is_file()
+    if written_by_019 and not COMMON_IN_SHARDS:
+        raise ValueError(
+            f"{directory} was written by megatron-core 0.19 (its common state is inside the shard "
+            f"files, no common.pt), which megatron-core {MCORE_VERSION} cannot read: load it "
+            f"with megatron-core 0.19.x (docs/install.md)"
+        )
 
 
 def supported_text() -> str:

@@ -56,6 +56,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
 
+from megatron.apertus.mcore_compat import check_checkpoint_readable
 from megatron.apertus.model.config import ApertusConfig, ConfigError
 from megatron.apertus.training.checkpoint_files import (
     MODEL_CONFIG,
@@ -321,6 +322,10 @@ def load(
     and exchange it. Returns the training state and whether the optimizer state was restored.
     """
     directory = resolve_checkpoint(path)
+    try:
+        check_checkpoint_readable(directory)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _check_shapes(chunks, directory, model)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     trained = has_optimizer_states(directory)  # a training checkpoint: it holds RNG states too
