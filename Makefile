@@ -1,15 +1,17 @@
 # The two commands of the README. Each creates (or reuses) .venv inside the repo and installs
 # what it needs: torch first, pinned, so that pip takes the CPU wheel and never a CUDA build.
+# The default line: Python 3.11 (python3), megatron-core 0.16.x; `make smoke` checks the other.
 VENV ?= .venv
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 KERNEL_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 
-.PHONY: demo quant-demo test test-fast install
+.PHONY: demo quant-demo test test-fast install smoke
 
 $(STAMP): setup.py $(KERNEL_SOURCES)
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q setuptools wheel
@@ -37,3 +39,14 @@ test: $(STAMP)
 # marks the others "process". For daily work; CI runs `make test`.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu and not process" --durations=10
+
+# The second supported line (docs/install.md): Python 3.12 with megatron-core 0.19.x in .venv312
+# (torch from PyPI, its default CUDA build, which runs on CPU), then its smoke tier (tests marked
+# `smoke`: the compatibility layer, train and exact resume on 1 process, TP=2 and PP=2, the
+# launch arrays and the planner, the Hugging Face export, and a checkpoint crossing both lines).
+SMOKE_VENV ?= .venv312
+SMOKE_PYTHON ?= $(shell PYENV_VERSION=3.12.1 pyenv which python 2>/dev/null || command -v python3.12)
+
+smoke: $(STAMP)
+	$(MAKE) install VENV=$(SMOKE_VENV) PYTHON="$(SMOKE_PYTHON)"
+	APERTUS_OTHER_PYTHON=$(abspath $(PY)) $(SMOKE_VENV)/bin/python -m pytest -q -m smoke --durations=10

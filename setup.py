@@ -17,6 +17,42 @@ from pathlib import Path
 from setuptools import find_namespace_packages, setup
 
 ROOT = Path(__file__).resolve().parent
+MIN_TORCH = "2.6"
+MCORE_REQUIREMENT = "megatron-core>=0.16.0,!=0.17.*,!=0.18.*,<0.20"
+"""0.16.x and 0.19.x (megatron/apertus/mcore_compat.py holds their differences)."""
+
+
+def _check_environment() -> None:
+    """Refuse, in one line each, an installed torch or megatron-core outside our ranges.
+
+    Inside these ranges pip keeps what the environment has (a cluster container's own builds);
+    outside them pip would silently replace a site's torch or megatron-core with a PyPI wheel,
+    so the build stops and says which package to change. Absent packages are simply installed.
+    """
+    from importlib import metadata
+
+    try:
+        from packaging.requirements import Requirement
+        from packaging.version import Version
+    except ImportError:  # no packaging to compare with: leave the choice to pip
+        return
+    wanted = {
+        "torch": Requirement(f"torch>={MIN_TORCH}"),
+        "megatron-core": Requirement(MCORE_REQUIREMENT),
+    }
+    problems = []
+    for name, requirement in wanted.items():
+        try:
+            installed = Version(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            continue
+        if not requirement.specifier.contains(installed, prereleases=True):
+            problems.append(f"{name} {installed} (supported: {requirement.specifier})")
+    if problems:
+        sys.exit(
+            "setup.py: this environment has " + "; ".join(problems) + ". Install a supported "
+            "version first (docs/install.md), or set APERTUS_REPLACE_ENV=1 to let pip replace it."
+        )
 
 
 def _extensions() -> tuple[list, dict]:
@@ -30,14 +66,24 @@ def _extensions() -> tuple[list, dict]:
             file=sys.stderr,
         )
         return [], {}
-    want_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    # torch guesses CUDA_HOME from the first nvcc on PATH (a wrapper script in /usr/local/bin
+    # gives /usr/local): a toolkit is a directory with nvcc and the CUDA runtime headers.
+    toolkit = Path(CUDA_HOME or "/nonexistent")
+    has_toolkit = (toolkit / "bin" / "nvcc").is_file() and (
+        toolkit / "include" / "cuda_runtime_api.h"
+    ).is_file()
+    want_cuda = torch.version.cuda is not None and has_toolkit
     want_cuda = want_cuda and os.environ.get("APERTUS_SKIP_CUDA") != "1"
     if not want_cuda:
         print(
-            "setup.py: no CUDA build of torch or no nvcc; building the CPU kernels only.",
+            f"setup.py: building the CPU kernels only (torch {torch.__version__}, CUDA_HOME="
+            f"{CUDA_HOME}: {'a' if has_toolkit else 'no'} CUDA toolkit); to build the CUDA "
+            f"kernels set CUDA_HOME to a toolkit matching torch's CUDA {torch.version.cuda}.",
             file=sys.stderr,
         )
     cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    # TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0") is read by torch's CUDAExtension; without it: H100.
+    arch = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else ["-gencode=arch=compute_90,code=sm_90"]
     extensions = []
     only = set(filter(None, os.environ.get("APERTUS_OPS", "").split(",")))  # e.g. "xielu"
     for op_dir in sorted(p for p in (ROOT / "csrc").glob("*") if p.is_dir()):
@@ -62,12 +108,13 @@ def _extensions() -> tuple[list, dict]:
             extensions.append(CUDAExtension(
                 f"megatron.apertus.ops._{op}_cuda", cuda_sources, depends=headers,
                 extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
-                                             "-gencode=arch=compute_90,code=sm_90"]},
+                                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math", *arch]},
             ))  # fmt: skip
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=False)}
 
 
+if os.environ.get("APERTUS_REPLACE_ENV") != "1":
+    _check_environment()
 ext_modules, cmdclass = _extensions()
 
 setup(
@@ -79,9 +126,12 @@ setup(
     cmdclass=cmdclass,
     python_requires=">=3.10",
     install_requires=[
-        # Tested with torch 2.13.0 and megatron-core 0.16.1 (the newest for Python 3.11).
-        "torch>=2.6",
-        "megatron-core>=0.16.0,<0.17",
+        # Two tested lines (docs/install.md): megatron-core 0.16.x (Python 3.11; the newest
+        # release for it) and 0.19.x (Python >= 3.12), each with torch 2.13.0. pip keeps an
+        # environment's copies inside these ranges; _check_environment refuses others.
+        f"torch>={MIN_TORCH}",
+        MCORE_REQUIREMENT,
+        "huggingface_hub",  # --tokenizer-model ORG/NAME from the local cache
         "numpy",
         "packaging",
         "psutil",  # megatron-core's dist_checkpointing needs it but does not declare it
@@ -102,6 +152,13 @@ setup(
     ],
     extras_require={
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-timeout", "black", "isort", "lm-eval[hf]", "nltk"],  # nltk: --split-sentences
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "black",
+            "isort",
+            "lm-eval[hf]",
+            "nltk",
+        ],  # nltk: --split-sentences
     },
 )

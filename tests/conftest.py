@@ -29,13 +29,15 @@ PRETRAIN = REPO / "pretrain_gpt.py"
 
 
 def run_entry(
-    script: Path, args: list[str], *, nproc: int = 1, timeout: int = 600
+    script: Path, args: list[str], *, nproc: int = 1, timeout: int = 600, python: str = ""
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` with ``args`` (under torchrun when ``nproc`` > 1); fail with its output."""
+    """Run ``script`` with ``args`` (under torchrun when ``nproc`` > 1) by ``python`` (this
+    interpreter unless given); fail with its output."""
+    python = python or sys.executable
     if nproc == 1:
-        cmd = [sys.executable, str(script), *args]
+        cmd = [python, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--standalone", str(script), *args]  # fmt: skip
     rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}

@@ -6,8 +6,9 @@ The two arrays below are the ``*_ARGS=( ... )`` arrays of github swiss-ai/pretra
 commit 531cc8b, ``pretraining/submit_apertus_8b.sh`` and ``pretraining/submit_apertus_70b.sh``,
 one flag per line in the scripts' order, comments removed. Shell variables carry the scripts'
 values ($SEQ_LEN 4096, $GBS 2048, $COOLDOWN_SAMPLES 403905806, $CHECKPOINT_STEPS 2000); the
-directories and the Hugging Face tokenizer name are placeholders filled with temporary paths and
-a local tokenizer directory. The scripts append ``--data-path ... --data-cache-path DIR``.
+directories are placeholders filled with temporary paths. The Hugging Face tokenizer names are
+the scripts' own, resolved offline from a Hugging Face cache laid out in a temporary ``HF_HOME``
+(``tests/hub_cache.py``). The scripts append ``--data-path ... --data-cache-path DIR``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megatron.apertus.launch.submit import read_run
 from megatron.apertus.model import ParallelConfig, preset
 from megatron.apertus.training.config import CommunicationConfig
 from tests.conftest import REPO
+from tests.hub_cache import apertus_hf_home, apertus_hub_cache  # noqa: F401 (fixtures)
 
 APERTUS_8B = """
 --main-grads-dtype fp32
@@ -98,7 +100,7 @@ APERTUS_8B = """
 --overlap-grad-reduce
 --overlap-param-gather
 --tokenizer-type HuggingFaceTokenizer
---tokenizer-model {TOKENIZER}
+--tokenizer-model swiss-ai/Apertus-8B-2509
 --split 100,0,0
 --seq-length 4096
 --reset-position-ids
@@ -190,7 +192,7 @@ APERTUS_70B = """
 --context-parallel-size 1
 --overlap-p2p-communication-warmup-flush
 --tokenizer-type HuggingFaceTokenizer
---tokenizer-model {TOKENIZER}
+--tokenizer-model swiss-ai/Apertus-70B-2509
 --split 100,0,0
 --seq-length 4096
 --reset-position-ids
@@ -222,20 +224,20 @@ def tokenizer_dir(tmp_path_factory):
     return directory
 
 
-def launch_args(script: str, tmp_path, tokenizer_dir) -> list[list[str]]:
+def launch_args(script: str, tmp_path) -> list[list[str]]:
     """The script's array, one list of words per flag line, then the flags it appends."""
     paths = dict(CKPT_DIR=tmp_path / "ckpt", TRIGGER_DIR=tmp_path / "trigger",
-                 TENSORBOARD_DIR=tmp_path / "tensorboard", TOKENIZER=tokenizer_dir)  # fmt: skip
+                 TENSORBOARD_DIR=tmp_path / "tensorboard")  # fmt: skip
     text = SCRIPTS[script].format(**{key: str(value) for key, value in paths.items()})
     lines = [shlex.split(line) for line in text.strip().splitlines()]
     return lines + [["--data-path", str(tmp_path / "data")],
                     ["--data-cache-path", str(tmp_path / "cache")]]  # fmt: skip
 
 
-def _apertus_run(script: str, tmp_path, tokenizer_dir) -> pretrain_gpt.RunConfig:
+def _apertus_run(script: str, tmp_path) -> pretrain_gpt.RunConfig:
     """The run of the Apertus script's array, every flag of it (the layers local: Transformer
     Engine needs a GPU, and no test here is about the implementation)."""
-    lines = launch_args(script, tmp_path, tokenizer_dir)
+    lines = launch_args(script, tmp_path)
     return pretrain_gpt.parse_args(sum(lines, []) + ["--transformer-impl", "local"])
 
 
@@ -249,19 +251,21 @@ def error_lines(capsys, argv: list[str]) -> list[str]:
     return [line.strip() for line in message[1:]] if len(message) > 1 else message
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script, layout", [
     ("8b", ParallelConfig(tensor_model_parallel_size=2, distributed_timeout_minutes=60)),
     ("70b", ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=8,
                            virtual_pipeline_model_parallel_size=5, sequence_parallel=True)),
 ])  # fmt: skip
-def test_launch_script_is_the_apertus_run(script, layout, tmp_path, tokenizer_dir):
-    cfg = _apertus_run(script, tmp_path, tokenizer_dir)
-    assert cfg.model == dataclasses.replace(preset(f"apertus-{script}"), vocab_size=1024)
+def test_launch_script_is_the_apertus_run(script, layout, tmp_path, apertus_hub_cache):
+    cfg = _apertus_run(script, tmp_path)
+    assert cfg.model == preset(f"apertus-{script}")  # the cached Apertus tokenizer: 131072 ids
     assert cfg.parallel == layout
     assert cfg.training.precision == "bf16" and cfg.training.fused_output_loss
     assert cfg.optimizer.optimizer == "ademamix" and cfg.optimizer.use_distributed_optimizer
     assert cfg.schedule.lr_decay_style == "WSD" and cfg.schedule.override_opt_param_scheduler
-    assert cfg.data.tokenizer_model == str(tokenizer_dir) and cfg.data.goldfish_loss
+    assert cfg.data.tokenizer_model == f"swiss-ai/Apertus-{script.upper()}-2509"
+    assert cfg.data.goldfish_loss
     assert cfg.dataset.split == "100,0,0" and cfg.dataset.reset_attention_mask
     assert cfg.training.manual_gc
     assert cfg.training.manual_gc_interval == {"8b": 500, "70b": 50}[script]
@@ -287,15 +291,14 @@ def _our_launcher_run(script: str, tmp_path) -> pretrain_gpt.RunConfig:
 
 
 @pytest.mark.parametrize("script", ["8b", "70b"])
-def test_our_slurm_launcher_runs_what_the_apertus_script_runs(script, tmp_path, tokenizer_dir):
+def test_our_slurm_launcher_runs_what_the_apertus_script_runs(script, tmp_path, apertus_hub_cache):
     """Every field both launchers set. They differ, by design, in the run's length and warmup
     (iterations here, samples there), the data split (969,30,1 here for validation, 100,0,0
     there), the batch ramp-up, the logging and checkpoint cadence, the tokenizer (the bundled
-    tekken here, a stand-in directory there: the vocabulary is not compared) and, for the 70B,
+    tekken here, its Hugging Face conversion under the hub name there) and, for the 70B,
     the learning rates (its array is a later phase's)."""
-    ours, theirs = _our_launcher_run(script, tmp_path), _apertus_run(script, tmp_path,
-                                                                    tokenizer_dir)  # fmt: skip
-    assert dataclasses.replace(ours.model, vocab_size=1024) == theirs.model
+    ours, theirs = _our_launcher_run(script, tmp_path), _apertus_run(script, tmp_path)
+    assert ours.model == theirs.model
     assert dataclasses.replace(ours.parallel, distributed_timeout_minutes=None) == (
         dataclasses.replace(theirs.parallel, distributed_timeout_minutes=None)
     )
@@ -432,19 +435,20 @@ def test_distributed_timeout_reaches_every_process_group():
         parallel.shutdown()
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("script, tasks, plan_line", [
     # 512 GPUs: DP 256 x micro-batch 4 divides the ramp-up's first global batch (1024).
     ("8b", "512", "TP 2 x PP 1 (virtual stages 1) x DP 256"),
     ("70b", "4096", "TP 4 x PP 8 (virtual stages 5) x DP 128"),
 ])  # fmt: skip
 def test_dry_run_plans_the_apertus_layout_without_data(script, tasks, plan_line, tmp_path,
-                                                       tokenizer_dir, capsys, monkeypatch):  # fmt: skip
+                                                       apertus_hub_cache, capsys, monkeypatch):  # fmt: skip
     """--dry-run prints the planner's layout for Slurm's task count; --data-path names nothing
     that exists, and nothing is read or written."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("SLURM_NTASKS", tasks)
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x128)")
-    argv = sum(launch_args(script, tmp_path, tokenizer_dir), [])
+    argv = sum(launch_args(script, tmp_path), [])
     with pytest.raises(SystemExit) as exit_:
         pretrain_gpt.parse_args(argv + ["--transformer-impl", "local", "--dry-run"])
     out = capsys.readouterr().out

@@ -138,6 +138,7 @@ def test_transformers_loads_export(exported, tied: bool) -> None:
     assert same == tied
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_hf_logits_match_ours(exported, tied: bool) -> None:
     e = exported(tied)

@@ -30,8 +30,9 @@ LAYERS: tuple[frozenset[str], ...] = (
     # The standard library only: what every layer and a host Python without torch may import.
     frozenset({PACKAGE_INIT, "errors", "checkpoint_files"}),
     # ops: torch and our extensions only; cli: the standard library only (one-line errors, exit
-    # codes, atomic outputs), so that every layer and entry point may use it
-    frozenset({"ops", "cli"}),
+    # codes, atomic outputs), so that every layer and entry point may use it; mcore_compat: the
+    # supported megatron-core releases' differences, which every layer above may need
+    frozenset({"ops", "cli", "mcore_compat"}),
     # cpu_compat patches megatron-core for CPU, the model builder applies it; quant's layers are
     # what the model's spec puts in its linear slots when a run quantizes.
     frozenset({"cpu_compat", "quant"}),

@@ -64,6 +64,7 @@ from megatron.apertus.checkpoint_files import (
     latest_iteration,
 )
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.mcore_compat import check_checkpoint_readable
 from megatron.apertus.model.config import ApertusConfig
 
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -322,6 +323,10 @@ def load(
     and exchange it. Returns the training state and whether the optimizer state was restored.
     """
     directory = resolve_checkpoint(path)
+    try:
+        check_checkpoint_readable(directory)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _check_shapes(chunks, directory, model)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     trained = has_optimizer_states(directory)  # a training checkpoint: it holds RNG states too

@@ -10,7 +10,8 @@ is used:
    (``device="cuda"``, ``device=0``, ``.cuda()``, ``.to("cuda")``, ``pin_memory=True``) to
    CPU and reports CPU float tensors as their ``torch.cuda.*Tensor`` type names;
 2. CPU stand-ins for the handful of ``torch.cuda`` functions megatron-core calls outright
-   (``current_device``, ``set_device``, ``synchronize``, RNG state, memory statistics);
+   (``current_device``, ``set_device``, ``synchronize``, ``current_stream``, RNG state,
+   memory statistics);
 3. the CUDA RNG tracker's state accessors redirected to the CPU generator, so that
    ``get_cuda_rng_tracker().fork()`` keeps its semantics (a separate, restorable stream).
 
@@ -86,6 +87,9 @@ def _patch_torch_cuda() -> None:
     cuda.max_memory_allocated = lambda *_a, **_k: 0
     cuda.reset_peak_memory_stats = lambda *_a, **_k: None
     cuda.empty_cache = lambda: None
+    # megatron-core 0.19 asks for the current stream before every gradient reduction (to wait
+    # on CUDA-graph events that never exist on CPU); torch's CPU stream is the no-op stand-in.
+    cuda.current_stream = torch.cpu.current_stream
 
 
 def _patch_rng_tracker() -> None:

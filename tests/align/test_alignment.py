@@ -19,7 +19,7 @@ from megatron.apertus.data.chat import encode_conversation, parse_messages
 from megatron.apertus.data.chat_demo import docstring_preferences, docstring_rewards
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import LogitStoreError
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.training.loop import train
 from tests.conftest import PRETRAIN, REPO, run_entry
 

@@ -16,7 +16,7 @@ from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.model import ParallelConfig
-from megatron.apertus.model.config import ConfigError
+from megatron.apertus.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -58,9 +58,9 @@ def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tupl
 
 @pytest.mark.parametrize(
     "name, extra, nproc",
-    [("one-process", [], 1),
-     ("tp2", ["--tensor-model-parallel-size", "2"], 2),
-     ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
+    [pytest.param("one-process", [], 1, marks=pytest.mark.smoke),
+     pytest.param("tp2", ["--tensor-model-parallel-size", "2"], 2, marks=pytest.mark.smoke),
+     pytest.param("pp2", ["--pipeline-model-parallel-size", "2"], 2, marks=pytest.mark.smoke),
      # Background saves at every step, the one the stop asks for too.
      ("async-save", ["--async-save", "--save-interval", "1"], 1),
      ("dp2-async-fully-parallel", ["--async-save", "--save-interval", "2",

@@ -5,7 +5,8 @@ Three families, one interface (:class:`Tokenizer`):
 * ``TekkenTokenizer``: Mistral's tekken JSON (the Apertus family, 131072 tokens). The default
   is the ``tekken_240718.json`` that ships inside the ``mistral-common`` wheel, so demos and
   tests use a real production tokenizer offline.
-* ``HuggingFaceTokenizer``: a ``tokenizer.json`` (or a directory holding one).
+* ``HuggingFaceTokenizer``: a ``tokenizer.json``, a directory holding one, or a hub name
+  (``org/name``) found in the local Hugging Face cache.
 * ``SentencePieceTokenizer``: a ``.model`` file.
 
 Raw text is always tokenized as text: a literal ``</s>`` in a web page stays the characters
@@ -78,6 +79,31 @@ class Tokenizer(ABC):
         return self.decode(ids)
 
 
+def cached_hub_snapshot(name: str) -> Path:
+    """The cached snapshot directory of the hub repository ``name`` holding its tokenizer.json.
+
+    Megatron-LM's ``HuggingFaceTokenizer`` takes hub names; compute nodes are offline, so the
+    name is looked up only where ``transformers`` looks with the hub offline: huggingface_hub's
+    cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``), at the revision ``main`` points to. Nothing
+    is downloaded; a missing entry is one line naming the cache and the command that fills it.
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(name, "tokenizer.json")
+    except HFValidationError:  # neither an existing path nor a hub name
+        raise ConfigError(f"--tokenizer-model {name}: no such file or directory") from None
+    if isinstance(cached, str):
+        return Path(cached).parent
+    raise ConfigError(
+        f"--tokenizer-model {name}: no such file or directory, and the Hugging Face cache "
+        f"{constants.HF_HUB_CACHE} holds no tokenizer of that hub name (nothing is downloaded "
+        f"here); fill the cache where the hub is reachable, with the same HF_HOME or "
+        f"HF_HUB_CACHE: `hf download {name} tokenizer.json tokenizer_config.json`"
+    )
+
+
 class TekkenTokenizer(Tokenizer):
     def __init__(self, path: str | os.PathLike) -> None:
         from mistral_common.tokens.tokenizers.tekken import Tekkenizer
@@ -107,13 +133,7 @@ class HuggingFaceTokenizer(Tokenizer):
     def __init__(self, path: str | os.PathLike) -> None:
         from tokenizers import Tokenizer as FastTokenizer
 
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(
-                f"--tokenizer-model {path}: no such file or directory; a Hugging Face hub name is "
-                f"not downloaded here (compute nodes are usually offline): fetch a local copy, "
-                f"e.g. `huggingface-cli download {path} --local-dir DIR`, and pass DIR"
-            )
+        path = Path(path) if Path(path).exists() else cached_hub_snapshot(str(path))
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise ConfigError(f"--tokenizer-model {path}: no tokenizer.json in it")

@@ -28,14 +28,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
-
 from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.mcore_compat import rampup_calculator
 from megatron.apertus.model.config import (
     ApertusConfig,
     ParallelConfig,
@@ -154,10 +153,8 @@ class TrainingConfig:
         gbs, samples = self.global_batch_size, self.train_samples
         if not self.rampup_batch_size:
             return math.ceil(samples / gbs)
-        start, increment, ramp = self.rampup_batch_size
-        calculator = RampupBatchsizeNumMicroBatchesCalculator(
-            gbs, self.micro_batch_size, dp, False, 1, start, increment, ramp
-        )  # rank 1: no log lines
+        ramp = self.rampup_batch_size[2]
+        calculator = rampup_calculator(self.rampup_batch_size, gbs, self.micro_batch_size, dp)
         consumed = steps = 0
         while consumed < samples and consumed <= ramp:
             calculator.update(consumed, consistency_check=False)

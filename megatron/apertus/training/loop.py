@@ -30,7 +30,6 @@ from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
     get_current_running_global_batch_size,
     get_num_microbatches,
-    init_num_microbatches_calculator,
     update_num_microbatches,
 )
 from megatron.core.transformer.module import Float16Module
@@ -47,6 +46,7 @@ from megatron.apertus.data.batches import (
 from megatron.apertus.data.datasets import build_datasets
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.mcore_compat import init_num_microbatches_calculator
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import ParallelConfig, dtype_from_name
 from megatron.apertus.model.engine import (

@@ -1,0 +1,165 @@
+"""The one place where our code meets the differences between megatron-core releases.
+
+Two lines are supported from one code base: megatron-core 0.16.x (Python >= 3.10; tested on
+3.11) and 0.19.x (Python >= 3.12). Every call whose spelling or meaning differs between them goes
+through a function here, so the rest of the package is written once; each difference is listed
+in ``docs/megatron_core_changes.md`` ("Two megatron-core lines").
+
+Importing this module checks the installed release and refuses an unsupported one with one line
+naming it and the supported ones: an untested megatron-core fails loudly at start, not deep
+inside a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from megatron.core import package_info
+from packaging.version import Version
+
+SUPPORTED = ((Version("0.16.0"), Version("0.17")), (Version("0.19.0"), Version("0.20")))
+"""Half-open ranges of megatron-core releases we test; ``setup.py`` states the same ranges."""
+
+MCORE_VERSION = Version(package_info.__version__)
+STEP_SCHEDULE = MCORE_VERSION >= Version("0.19.0")
+"""megatron-core 0.19 replaced the linear batch-size ramp-up (``--rampup-batch-size``) by step
+schedules; ``init_num_microbatches_calculator`` then ignores ``rampup_batch_size``."""
+
+
+COMMON_IN_SHARDS = MCORE_VERSION >= Version("0.19.0")
+"""megatron-core 0.19 keeps a torch_dist checkpoint's common state inside its shard files and
+writes no ``common.pt``; 0.16 reads the common state from ``common.pt`` only (0.19 reads both)."""
+
+
+def check_checkpoint_readable(directory: Path) -> None:
+    """Refuse, in one line, a 0.19 checkpoint under 0.16, which would fail deep in torch.load."""
+    written_by_019 = (directory / "metadata.json").is_file() and not (
+        directory / "common.pt"
+    ).is_file()
+    if written_by_019 and not COMMON_IN_SHARDS:
+        raise ValueError(
+            f"{directory} was written by megatron-core 0.19 (its common state is inside the shard "
+            f"files, no common.pt), which megatron-core {MCORE_VERSION} cannot read: load it "
+            f"with megatron-core 0.19.x (docs/install.md)"
+        )
+
+
+def supported_text() -> str:
+    return ", ".join(f"{low.major}.{low.minor}.x" for low, _ in SUPPORTED)
+
+
+def is_supported(version: Version) -> bool:
+    return any(low <= version < high for low, high in SUPPORTED)
+
+
+if not is_supported(MCORE_VERSION):
+    raise ImportError(
+        f"megatron-core {MCORE_VERSION} is installed; megatron-apertus supports "
+        f"{supported_text()} (see docs/install.md)"
+    )
+
+
+def rampup_step_schedule(
+    start: int, increment: int, ramp_samples: int, global_batch_size: int
+) -> str:
+    """Megatron-LM's ``--rampup-batch-size START INCREMENT SAMPLES`` as a 0.19 step schedule.
+
+    The ramp (megatron-core <= 0.18, ``RampupBatchsizeNumMicroBatchesCalculator``) uses
+    ``START + int(consumed / (SAMPLES / n)) * INCREMENT`` for ``n = (GBS - START) / INCREMENT``
+    increments while ``consumed <= SAMPLES``, then GBS. Consumed counts are integers, so each
+    increment takes effect at the smallest integer count that this float expression moves to it:
+    that count is its threshold, and the batch sizes agree at every consumed count.
+    """
+    if (global_batch_size - start) % increment:
+        raise ValueError(
+            f"--rampup-batch-size: GBS - START ({global_batch_size - start}) is not a multiple "
+            f"of INCREMENT ({increment})"
+        )
+    increments = (global_batch_size - start) // increment
+    per_increment = ramp_samples / increments
+    thresholds = {0: start}  # a later increment at the same count replaces an earlier one
+    for k in range(1, increments + 1):
+        threshold = max(1, int(k * per_increment) - 1)
+        while threshold <= ramp_samples and int(threshold / per_increment) < k:
+            threshold += 1
+        if threshold > ramp_samples:  # the last increment: taken once past the ramp
+            threshold = ramp_samples + 1
+        thresholds[threshold] = start + k * increment
+    return " ".join(f"{threshold}:{size}" for threshold, size in thresholds.items())
+
+
+def init_num_microbatches_calculator(
+    rank: int,
+    rampup_batch_size: list[int] | None,
+    global_batch_size: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    decrease_batch_size_if_needed: bool = False,
+) -> None:
+    """megatron-core's global micro-batch calculator, with Megatron-LM's ramp-up on both lines."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    if not (STEP_SCHEDULE and rampup_batch_size):
+        nmc.init_num_microbatches_calculator(
+            rank,
+            rampup_batch_size,
+            global_batch_size,
+            micro_batch_size,
+            data_parallel_size,
+            decrease_batch_size_if_needed=decrease_batch_size_if_needed,
+        )
+        return
+    _refuse_decrease_with_ramp(decrease_batch_size_if_needed)
+    nmc.init_num_microbatches_calculator(
+        rank,
+        None,
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        step_batch_size_schedule=rampup_step_schedule(*rampup_batch_size, global_batch_size),
+    )
+
+
+def rampup_calculator(
+    rampup_batch_size: list[int], global_batch_size: int, micro_batch_size: int, dp: int
+) -> Any:
+    """A stand-alone calculator of the ramp-up (no log lines), to count a run's steps."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    start, increment, ramp_samples = rampup_batch_size
+    if STEP_SCHEDULE:
+        schedule = rampup_step_schedule(start, increment, ramp_samples, global_batch_size)
+        return nmc.StepBatchsizeNumMicroBatchesCalculator(micro_batch_size, dp, False, 1, schedule)
+    return nmc.RampupBatchsizeNumMicroBatchesCalculator(
+        global_batch_size, micro_batch_size, dp, False, 1, start, increment, ramp_samples
+    )
+
+
+def _refuse_decrease_with_ramp(decrease: bool) -> None:
+    if decrease:
+        raise ValueError(
+            f"--decrease-batch-size-if-needed with --rampup-batch-size is not supported on "
+            f"megatron-core {MCORE_VERSION} (its step schedules refuse it); use 0.16.x or "
+            f"drop one of the two flags"
+        )
+
+
+class _GPTModelDeprecationFilter(logging.Filter):
+    """megatron-core 0.19 logs "GPTModel IS DEPRECATED" from every model chunk it builds."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "GPTModel IS DEPRECATED" not in record.getMessage()
+
+
+def quiet_release_notices() -> None:
+    """Hide the notices of newer releases that ask for a migration we document instead.
+
+    ``GPTModel`` is deprecated in favour of ``HybridModel`` in 0.19 but still maintained there;
+    ``docs/megatron_core_changes.md`` says why we keep it.
+    """
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_GPTModelDeprecationFilter())
+
+
+quiet_release_notices()
