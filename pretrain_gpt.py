@@ -30,8 +30,8 @@ from megatron.apertus.training.megatron_flags import add_megatron_flags, refusal
 from megatron.apertus.training.run_log import configure_logging
 
 
-def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """The run a command line describes; exits 2 with one line per flag it cannot honour.
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of this entry point.
 
     As in Megatron-LM, flags are never abbreviated: ``--xielu`` is a flag of its own, not a
     prefix of ``--xielu-beta``.
@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
              "else 1) and exit without reading data or building the model; exit 1 when the "
              "layout cannot run" + C.ADDITION_MARK,
     )  # fmt: skip
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """The run a command line describes; exits 2 with one line per flag it cannot honour."""
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     refused = refusals(args)
