@@ -204,7 +204,6 @@ def profile_step(trainer) -> dict:
     }
 
 
-
 def measure(argv: list[str], warmup: int, timed: int, profile: bool = False) -> dict:
     """Step times of a real Trainer; runs in the child process."""
     import torch
@@ -303,8 +302,13 @@ def loss_run(argv: list[str], log_json: Path, label: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=SMALL_MODELS, choices=list(MICRO_BATCH))
-    parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, choices=list(CONFIGS),
-                        help="throughput configurations (none: only the loss comparison)")
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=DEFAULT_CONFIGS,
+        choices=list(CONFIGS),
+        help="throughput configurations (none: only the loss comparison)",
+    )
     parser.add_argument("--seq-length", type=int, default=4096)
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     parser.add_argument("--warmup", type=int, default=3)

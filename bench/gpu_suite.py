@@ -73,7 +73,9 @@ MANYLINUX = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]  # fmt: skip
 SITE = Path("/tmp/apertus-site")
 TE_SITE = Path("/tmp/site")
-RESUME_TEST = "tests/gpu/test_transformer_engine.py::test_fp8_trains_is_deterministic_and_resumes_exactly"
+RESUME_TEST = (
+    "tests/gpu/test_transformer_engine.py::test_fp8_trains_is_deterministic_and_resumes_exactly"
+)
 ATTENTION_LOG = REPO / "docs" / "device_runs" / "2026-11-24_h100_gpu_path.log"
 """A recorded TE debug log: what the dry run's attention parser reads."""
 DEFAULT_METRICS_INTERVAL = 10
@@ -165,7 +167,9 @@ def setup(ctx: Context, te_checks: bool) -> bool:
     if install.exists():
         skip = {} if te_checks else {"TE_SKIP_SMOKE": "1", "TE_SKIP_FATBIN_CHECK": "1"}
         if ctx.dry:
-            ctx.write_log(f"would run: {' '.join(f'{k}={v}' for k, v in skip.items())} bash {install}")
+            ctx.write_log(
+                f"would run: {' '.join(f'{k}={v}' for k, v in skip.items())} bash {install}"
+            )
         else:
             code, _ = ctx.call(["bash", str(install)], limit_s=420, env=skip)
             ok &= code == 0
@@ -240,13 +244,24 @@ def stage_limit(ctx: Context) -> float:
     return min(STAGE_LIMIT_S - (time.monotonic() - ctx.stage_started), ctx.remaining_s())
 
 
+PYTEST_COUNT = re.compile(
+    r"(\d+) (passed|failed|skipped|deselected|errors?|warnings?|xfailed|xpassed)"
+)
+PYTEST_COLLECTED = re.compile(r"(\d+)(?:/\d+)? tests? collected")
+
+
 def pytest_counts(output: str) -> dict:
-    """``{"passed": n, "failed": n, ...}`` from pytest's last summary line."""
-    lines = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|error|"
-                                                                 r"tests? collected)", line)]  # fmt: skip
+    """``{"passed": n, "failed": n, ...}`` (``collected`` with ``--collect-only``) from pytest's
+    last summary line."""
+    lines = [line for line in output.splitlines()
+             if PYTEST_COUNT.search(line) or PYTEST_COLLECTED.search(line)]  # fmt: skip
     if not lines:
         return {}
-    return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", lines[-1])}
+    counts = {word: int(n) for n, word in PYTEST_COUNT.findall(lines[-1])}
+    collected = PYTEST_COLLECTED.search(lines[-1])
+    if collected:
+        counts["collected"] = int(collected.group(1))
+    return counts
 
 
 def run_pytest(ctx: Context, targets: list[str], env: dict | None = None) -> dict:
@@ -296,7 +311,7 @@ def attention_stage(ctx: Context, stage: Stage) -> dict:
     backends = selected_backends(output)
     probe = next((json.loads(line[len(SUITE_RESULT):]) for line in output.splitlines()
                   if line.startswith(SUITE_RESULT)), {})  # fmt: skip
-    fast = bool(backends) and all(b != "UnfusedDotProductAttention" for b in backends.values())
+    fast = set(backends) == set(PROBES) and "UnfusedDotProductAttention" not in backends.values()
     return {"status": status(code == 0 and fast, code, ctx), "backends": backends, **probe}
 
 
@@ -385,8 +400,8 @@ def bench_stage(ctx: Context, name: str, flags: list[str], derive=None) -> dict:
 
 def check_bench_argv(ctx: Context, argv: list[str]) -> dict:
     """Parse the benchmark's flags and every trainer command line they start."""
-    from pretrain_gpt import build_parser
     from megatron.apertus.training.megatron_flags import refusals
+    from pretrain_gpt import build_parser
 
     args = bench.build_parser().parse_args(argv)
     planned = bench.planned_trainer_argvs(args)
@@ -424,8 +439,9 @@ def train_step_8b_stage(ctx: Context, stage: Stage) -> dict:
     flags = ["--models", bench.EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
              "--steps", "4", "--configs", *EIGHT_B_CONFIGS]  # fmt: skip
     pairs = [("te-bf16-packed", c) for c in EIGHT_B_CONFIGS[1:]]
-    return bench_stage(ctx, stage.name, flags,
-                       lambda r: {"speedup_over_bf16": tokens_ratio(r, pairs)})
+    return bench_stage(
+        ctx, stage.name, flags, lambda r: {"speedup_over_bf16": tokens_ratio(r, pairs)}
+    )
 
 
 def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
@@ -442,26 +458,35 @@ def train_step_small_stage(ctx: Context, stage: Stage) -> dict:
     flags = ["--warmup", "2", "--steps", "4", "--configs", "te-bf16", "te-bf16-packed",
              "te-fp8-tensorwise-packed", "te-fp8-delayed-packed"]  # fmt: skip
     large = bench_stage(ctx, "train-step-1.5b", ["--models", "apertus-v1.1-1.5b", *flags])
-    small = bench_stage(ctx, "train-step-0.5b", ["--models", "apertus-v1.1-0.5b", *flags[:5],
-                                                 "te-bf16-packed", "te-fp8-delayed-packed"])
+    small = bench_stage(
+        ctx,
+        "train-step-0.5b",
+        ["--models", "apertus-v1.1-0.5b", *flags[:5], "te-bf16-packed", "te-fp8-delayed-packed"],
+    )
     statuses = {large["status"], small["status"]}
     worst = next(s for s in ("cut", "failed", "dry", "ok") if s in statuses)
-    return {"status": worst, "bench": large.get("bench", large),
-            "bench_0.5b": small.get("bench", small)}
+    return {
+        "status": worst,
+        "bench": large.get("bench", large),
+        "bench_0.5b": small.get("bench", small),
+    }
+
+
+LOSS_FLAGS = ["--configs", "--loss-steps", "300", "--loss-configs", "te-bf16-packed",
+              "te-fp8-tensorwise-packed"]  # fmt: skip
+"""No throughput rows; the two loss runs (their configs take the attention stage's verdict)."""
 
 
 def fp8_loss_stage(ctx: Context, stage: Stage) -> dict:
     """bf16 against FP8 (tensorwise) over 300 steps of the 0.5B on the same data, each with the
     GEMM-input statistics (kurtosis, under/overflow); in the dry run, two tiny CPU runs."""
     if ctx.dry:
-        check_bench_argv(ctx, ["--configs", "--loss-steps", "300"])
+        check_bench_argv(ctx, LOSS_FLAGS)
         return {"status": "dry", "bench": dry_loss_runs(ctx)}
-    result = bench_stage(ctx, stage.name, ["--configs", "--loss-steps", "300"])
+    result = bench_stage(ctx, stage.name, LOSS_FLAGS)
     runs = result.get("bench", {}).get("loss_comparison", [])
     if len(runs) == 2 and all("valid_loss" in run for run in runs):
-        result["valid_loss_relative_difference"] = (
-            runs[1]["valid_loss"] / runs[0]["valid_loss"] - 1
-        )
+        result["valid_loss_relative_difference"] = runs[1]["valid_loss"] / runs[0]["valid_loss"] - 1
     return result
 
 
@@ -489,10 +514,20 @@ def determinism_stage(ctx: Context, stage: Stage) -> dict:
     """tokens/s with and without ``--deterministic-mode`` (TE bf16 and FP8 delayed, 1.5B)."""
     configs = ["te-bf16-packed", "te-bf16-packed-deterministic", "te-fp8-delayed-packed",
                "te-fp8-delayed-packed-deterministic"]  # fmt: skip
-    flags = ["--models", "apertus-v1.1-1.5b", "--warmup", "2", "--steps", "4", "--configs", *configs]
+    flags = [
+        "--models",
+        "apertus-v1.1-1.5b",
+        "--warmup",
+        "2",
+        "--steps",
+        "4",
+        "--configs",
+        *configs,
+    ]
     pairs = [(configs[0], configs[1]), (configs[2], configs[3])]
-    return bench_stage(ctx, stage.name, flags,
-                       lambda r: {"deterministic_over_default": tokens_ratio(r, pairs)})
+    return bench_stage(
+        ctx, stage.name, flags, lambda r: {"deterministic_over_default": tokens_ratio(r, pairs)}
+    )
 
 
 def metrics_overhead(result: dict, interval: int = DEFAULT_METRICS_INTERVAL) -> dict:
@@ -511,7 +546,16 @@ def metrics_overhead_stage(ctx: Context, stage: Stage) -> dict:
     """``--log-intermediate-metrics`` cost (TE bf16 and FP8 delayed, 1.5B)."""
     configs = ["te-bf16-packed", "te-bf16-packed-metrics", "te-fp8-delayed-packed",
                "te-fp8-delayed-packed-metrics"]  # fmt: skip
-    flags = ["--models", "apertus-v1.1-1.5b", "--warmup", "2", "--steps", "4", "--configs", *configs]
+    flags = [
+        "--models",
+        "apertus-v1.1-1.5b",
+        "--warmup",
+        "2",
+        "--steps",
+        "4",
+        "--configs",
+        *configs,
+    ]
     return bench_stage(ctx, stage.name, flags, metrics_overhead)
 
 
@@ -519,7 +563,9 @@ STAGES = [
     Stage("attention", "TE attention backend, unpacked and packed (THD)", 1.5, attention_stage),
     Stage("pytest-gpu", "pytest -m gpu tests/gpu tests/ops", 4, pytest_gpu_stage),
     Stage("fp8-resume", "FP8 delayed scaling: deterministic, exact resume", 2.5, fp8_resume_stage),
-    Stage("train-step-8b", "8B layer shapes: bf16 vs FP8 recipes, bf16 ends", 7, train_step_8b_stage),
+    Stage(
+        "train-step-8b", "8B layer shapes: bf16 vs FP8 recipes, bf16 ends", 7, train_step_8b_stage
+    ),
     Stage("fp8-loss", "bf16 vs FP8 loss over 300 steps, with kurtosis", 7, fp8_loss_stage),
     Stage("train-step-small", "1.5B / 0.5B TE rows with TE's attention", 7, train_step_small_stage),
     Stage("fp8-profile", "8B layer shapes: kernel time by category", 4, fp8_profile_stage),
@@ -548,19 +594,17 @@ def done_in_tree(tree: Path, stage: str) -> bool:
     return False
 
 
-def select(names: list[str], tree: Path, max_stages: int) -> tuple[list[Stage], list[str]]:
-    """The stages to run and why others are left: named ones as given; else the pending ones
-    in order of value, at most ``max_stages``."""
+def select(names: list[str], tree: Path) -> tuple[list[Stage], list[str]]:
+    """The candidate stages and why others are left: named ones as given; else the ones without
+    results in the tree, in order of value."""
     if names:
         return [stage_named(n) for n in names], []
     pending, notes = [], []
     for stage in STAGES:
         if done_in_tree(tree, stage.name):
             notes.append(f"{stage.name}: has results in the tree (name it to run it again)")
-        elif len(pending) < max_stages:
-            pending.append(stage)
         else:
-            notes.append(f"{stage.name}: for the next call ({max_stages} stages a call)")
+            pending.append(stage)
     return pending, notes
 
 
@@ -716,7 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="no GPU: all but the GPU calls")
     parser.add_argument("--budget-s", type=float, default=570,
                         help="seconds this call may use (a device command has 600)")  # fmt: skip
-    parser.add_argument("--max-stages", type=int, default=(CALL_FILES - 2) // 2)
+    parser.add_argument("--max-stages", type=int, default=(CALL_FILES - 2) // 2,
+                        help="stages a call runs at most (two files each come back)")  # fmt: skip
     parser.add_argument("--te-checks", action="store_true",
                         help="install_te.sh's fat-binary load and smoke test too")  # fmt: skip
     parser.add_argument("--tree", type=Path, default=REPO, help="where results are looked up")
@@ -744,7 +789,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     unknown = [n for n in args.stages if n not in {s.name for s in STAGES}]
     if unknown:
-        parser.error(f"unknown stage {unknown[0]!r}; choose among {', '.join(s.name for s in STAGES)}")
+        parser.error(
+            f"unknown stage {unknown[0]!r}; choose among {', '.join(s.name for s in STAGES)}"
+        )
     if args.list:
         for stage in STAGES:
             done = "done" if done_in_tree(args.tree, stage.name) else "pending"
@@ -758,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(out=args.out, tree=args.tree, dry=args.dry_run, env=env,
                   started=time.monotonic(), budget_s=args.budget_s, log=args.out / "setup.log")  # fmt: skip
     ctx.log.write_text("")
-    stages, notes = select(args.stages, args.tree, len(STAGES) if args.dry_run else args.max_stages)
+    stages, notes = select(args.stages, args.tree)
     for note in notes:
         ctx.write_log(note)
     if not stages:
@@ -767,13 +814,17 @@ def main(argv: list[str] | None = None) -> int:
     if not setup(ctx, args.te_checks):
         ctx.write_log("setup failed; see above")
         return 1
-    failed = False
+    failed, ran = False, 0
+    most = len(STAGES) if args.dry_run else args.max_stages
     for stage in stages:
-        if not args.dry_run and ctx.remaining_s() < stage.minutes * 60:
+        if ran == most:
+            ctx.write_log(f"{stage.name}: for the next call ({most} stages a call)")
+        elif not args.dry_run and ctx.remaining_s() < stage.minutes * 60:
             ctx.write_log(f"{stage.name}: not started, {ctx.remaining_s():.0f} s left of the "
                           f"budget and it takes ~{stage.minutes:g} min")  # fmt: skip
-            continue
-        failed |= run_stage(ctx, stage)["status"] not in ("ok", "dry")
+        else:
+            ran += 1
+            failed |= run_stage(ctx, stage)["status"] not in ("ok", "dry")
     return 1 if failed else 0
 
 
