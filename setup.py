@@ -6,7 +6,10 @@ namespace shared with the installed ``megatron.core`` and must never get an ``__
 Kernels: every ``csrc/<op>/`` directory builds
   * ``megatron.apertus.ops._<op>_cpu`` from ``csrc/<op>/*_cpu.cpp`` (always, OpenMP), and
   * ``megatron.apertus.ops._<op>_cuda`` from ``csrc/<op>/*.cu`` + ``*_cuda.cpp`` when torch is a
-    CUDA build and nvcc is found (set ``APERTUS_SKIP_CUDA=1`` to skip).
+    CUDA build and nvcc is found (set ``APERTUS_SKIP_CUDA=1`` to skip), for the GPU architectures
+    of ``TORCH_CUDA_ARCH_LIST`` (default ``9.0``, Hopper; ``"9.0;10.0"`` adds Blackwell B200/GB200,
+    ``10.0a`` its arch-specific code, ``+PTX`` a JIT fallback), as torch's ``BuildExtension``
+    reads it.
 torch must be importable while building: install with ``pip install --no-build-isolation``.
 """
 
@@ -55,6 +58,11 @@ def _check_environment() -> None:
         )
 
 
+DEFAULT_CUDA_ARCHS = "9.0"
+"""Without ``TORCH_CUDA_ARCH_LIST`` torch would build for the GPU of the build machine (or, with
+none, every architecture it knows): name Hopper instead, the GPUs the kernels are tuned for."""
+
+
 def _extensions() -> tuple[list, dict]:
     try:
         import torch
@@ -81,9 +89,11 @@ def _extensions() -> tuple[list, dict]:
             f"kernels set CUDA_HOME to a toolkit matching torch's CUDA {torch.version.cuda}.",
             file=sys.stderr,
         )
+    if want_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        print(f"setup.py: CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']} "
+              "(TORCH_CUDA_ARCH_LIST)", file=sys.stderr)  # fmt: skip
     cxx = ["-O3", "-fopenmp", "-std=c++17"]
-    # TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0") is read by torch's CUDAExtension; without it: H100.
-    arch = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else ["-gencode=arch=compute_90,code=sm_90"]
     extensions = []
     only = set(filter(None, os.environ.get("APERTUS_OPS", "").split(",")))  # e.g. "xielu"
     for op_dir in sorted(p for p in (ROOT / "csrc").glob("*") if p.is_dir()):
@@ -108,7 +118,7 @@ def _extensions() -> tuple[list, dict]:
             extensions.append(CUDAExtension(
                 f"megatron.apertus.ops._{op}_cuda", cuda_sources, depends=headers,
                 extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math", *arch]},
+                                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
             ))  # fmt: skip
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=False)}
 

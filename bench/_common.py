@@ -113,10 +113,15 @@ def _cpu_peak(fn: Callable[[], object]) -> int:
     return max(peak, proc.memory_info().rss) - base
 
 
-def write_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}_{device_tag()}.json"
+def write_results(
+    name: str, rows: list[dict], extra: dict | None = None, directory: Path = RESULTS
+) -> Path:
+    """``<directory>/<name>_<device>.json``, written under a temporary name and renamed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}_{device_tag()}.json"
     payload = {"benchmark": name, "machine": machine(), "git_commit": git_commit(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}  # fmt: skip
-    path.write_text(json.dumps(payload, indent=2))
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps(payload, indent=2))
+    partial.replace(path)
     return path

@@ -1,0 +1,832 @@
+"""Every GPU figure ``docs/gpu.md`` still owes, from one command on a fresh GPU machine.
+
+    python3 bench/gpu_suite.py --out $OUT                 # the next pending stages that fit
+    python3 bench/gpu_suite.py --out $OUT fp8-resume      # this stage, even if it has results
+    python bench/gpu_suite.py --dry-run --out /tmp/suite  # on CPU: everything but the GPU calls
+    python bench/gpu_suite.py --collect DIR               # a device reply's files into the tree
+    python bench/gpu_suite.py --prepare                   # the carried folders, on this machine
+
+What the command carries (ignored folders of the repository root, made by ``--prepare``):
+
+* ``.tebundle/``: Transformer Engine 2.20.2 for sm_90 (``shared/tools/te-device/bundle``: the
+  pruned core library, TE's wheels, its torch extension prebuilt for torch 2.11.0+cu130 /
+  Python 3.12, ``install_te.sh``);
+* ``.whl/``: wheels the GPU image lacks, for CPython 3.12 (``WHEELS``): megatron-core,
+  mistral-common (the tekken tokenizer) and their dependencies, zstandard;
+* ``.kernels/``: our CUDA and CPU kernels (``csrc/``) prebuilt for the device's torch, Python,
+  architecture and sources, as the suite returns them after building them once
+  (``kernels_<stamp>.tar.gz``); without a matching one the suite builds them (1-3 min).
+
+Setup on the device: ``install_te.sh`` (its fat-binary load and smoke test only with
+``--te-checks``), ``pip install --target`` of the wheels, the kernels; then the stages, in order of
+value (``STAGES``). Each stage runs under its own limit (``STAGE_LIMIT_S``, 9 min), and writes
+``$OUT/<stage>.log`` and ``$OUT/<stage>.json`` as it finishes, so a call cut short still returns
+every finished stage. A device call returns at most 8 files: setup's log, a kernel archive and
+three stages. Without stage names the suite runs the stages with no results in the tree yet
+(``bench/results/gpu_suite_<stage>_<device>.json``, written by ``--collect``), as many as fit
+``--budget-s``; named stages run even when they have results.
+
+``--dry-run`` runs the same path without a GPU: the setup commands are printed, pytest collects
+the very tests a stage would run, every trainer command line a stage would start is parsed by
+``pretrain_gpt.py``'s parser, the attention check's parser reads a recorded TE debug log, and the
+FP8-loss stage trains the tiny model twice on CPU and plots the recorded result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+import bench_train_step as bench  # noqa: E402
+
+STAGE_LIMIT_S = 540
+"""Each stage stops after 9 minutes: one stage never takes a whole 10-minute device call."""
+CALL_FILES = 8
+"""Files one device call brings back."""
+SUITE_RESULT = "SUITE_RESULT "
+TE_BUNDLE = "shared/tools/te-device/bundle"
+"""The TE bundle, relative to the parent of the repository root."""
+WHEELS = [
+    "megatron-core==0.16.1", "mistral-common==1.13.1", "pydantic-extra-types==2.11.1",
+    "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0",
+    "rpds-py==2026.9.1", "zstandard==0.25.0",
+]  # fmt: skip
+"""Python packages the GPU image lacks (its list: the device notes' KINDS.md)."""
+MANYLINUX = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]  # fmt: skip
+SITE = Path("/tmp/apertus-site")
+TE_SITE = Path("/tmp/site")
+RESUME_TEST = (
+    "tests/gpu/test_transformer_engine.py::test_fp8_trains_is_deterministic_and_resumes_exactly"
+)
+ATTENTION_LOG = REPO / "docs" / "device_runs" / "2026-11-24_h100_gpu_path.log"
+"""A recorded TE debug log: what the dry run's attention parser reads."""
+DEFAULT_METRICS_INTERVAL = 10
+"""``--log-intermediate-metrics-interval``'s default (``--log-interval``'s default)."""
+
+
+# -- running commands ---------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """One invocation: where outputs go, the environment of the commands, the clock."""
+
+    out: Path
+    tree: Path
+    dry: bool
+    env: dict
+    started: float
+    budget_s: float
+    log: Path | None = None
+    stage_started: float = 0.0
+
+    def remaining_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started)
+
+    def write_log(self, text: str) -> None:
+        print(text, end="" if text.endswith("\n") else "\n", flush=True)
+        if self.log is not None:
+            with self.log.open("a") as f:
+                f.write(text if text.endswith("\n") else text + "\n")
+
+    def call(self, argv: list[str], *, limit_s: float, env: dict | None = None) -> tuple[int, str]:
+        """Run ``argv`` in its own process group, its output streamed into the stage log; on the
+        limit the whole group is killed (returns code 124)."""
+        self.write_log(f"$ {' '.join(argv)}")
+        proc = subprocess.Popen(argv, cwd=REPO, env={**self.env, **(env or {})},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        lines: list[str] = []
+
+        def pump() -> None:
+            for raw in proc.stdout:
+                lines.append(raw.decode(errors="replace"))
+                self.write_log(lines[-1])
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(timeout=max(limit_s, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = 124
+        reader.join(timeout=30)
+        self.write_log(f"[exit {code}]")
+        return code, "".join(lines)
+
+
+def python() -> str:
+    return sys.executable
+
+
+# -- setup on the device ------------------------------------------------------------------------
+
+
+def kernel_stamp(torch_version: str, arch: str) -> str:
+    """Which prebuilt kernels fit: torch, Python, architecture and the kernel sources."""
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "csrc").rglob("*")):
+        if path.suffix in (".cu", ".cuh", ".cpp", ".h"):
+            digest.update(path.relative_to(REPO).as_posix().encode() + path.read_bytes())
+    digest.update((REPO / "setup.py").read_bytes())
+    py = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    safe = re.sub(r"[^A-Za-z0-9.]+", "-", f"torch{torch_version}-{py}-sm{arch}")
+    return f"{safe}-{digest.hexdigest()[:12]}"
+
+
+def env_from_script(script: Path) -> dict:
+    """The environment after ``source script`` (install_te.sh's te_env.sh)."""
+    out = subprocess.run(["bash", "-c", f'source "{script}" && env -0'], capture_output=True,
+                         check=True).stdout.decode()  # fmt: skip
+    return dict(line.split("=", 1) for line in out.split("\0") if "=" in line)
+
+
+def setup(ctx: Context, te_checks: bool) -> bool:
+    """TE, the wheels and the kernels; False when something the stages need is missing."""
+    ok = True
+    install = REPO / ".tebundle" / "install_te.sh"
+    if install.exists():
+        skip = {} if te_checks else {"TE_SKIP_SMOKE": "1", "TE_SKIP_FATBIN_CHECK": "1"}
+        if ctx.dry:
+            ctx.write_log(
+                f"would run: {' '.join(f'{k}={v}' for k, v in skip.items())} bash {install}"
+            )
+        else:
+            code, _ = ctx.call(["bash", str(install)], limit_s=420, env=skip)
+            ok &= code == 0
+            if code == 0:
+                ctx.env.update(env_from_script(TE_SITE / "te_env.sh"))
+    else:
+        ctx.write_log(f"no {install.relative_to(REPO)}: TE must already be importable")
+    wheels = sorted((REPO / ".whl").glob("*.whl"))
+    if wheels:
+        argv = [python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target",
+                str(SITE), *map(str, wheels)]  # fmt: skip
+        if ctx.dry:
+            ctx.write_log(f"would run: {' '.join(argv[:12])} ... ({len(wheels)} wheels)")
+        else:
+            code, _ = ctx.call(argv, limit_s=180)
+            ok &= code == 0
+    else:
+        ctx.write_log("no .whl/: megatron-core and mistral-common must already be importable")
+    paths = [str(REPO), str(SITE), ctx.env.get("PYTHONPATH", "")]
+    ctx.env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return ok & setup_kernels(ctx)
+
+
+def setup_kernels(ctx: Context) -> bool:
+    """Unpack matching prebuilt kernels from ``.kernels/``, else build them for this GPU and
+    return the archive in ``$OUT`` for the next call."""
+    if ctx.dry:
+        stamp = kernel_stamp("DEVICE-TORCH", "90")
+        ctx.write_log(f"would unpack .kernels/kernels_{stamp}.tar.gz or run: "
+                      f"TORCH_CUDA_ARCH_LIST=9.0 {python()} setup.py build_ext --inplace -j 4")  # fmt: skip
+        return True
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    stamp = kernel_stamp(torch.__version__, f"{major}{minor}")
+    archive = REPO / ".kernels" / f"kernels_{stamp}.tar.gz"
+    if archive.exists():
+        with tarfile.open(archive) as tar:
+            tar.extractall(REPO, filter="data")
+        ctx.write_log(f"kernels: unpacked {archive.name}")
+        return True
+    argv = [python(), "setup.py", "build_ext", "--inplace", "-j", "4"]
+    code, _ = ctx.call(argv, limit_s=400, env={"TORCH_CUDA_ARCH_LIST": f"{major}.{minor}",
+                                                "MAX_JOBS": str(os.cpu_count() or 8)})  # fmt: skip
+    if code:
+        return False
+    built = sorted((REPO / "megatron" / "apertus" / "ops").glob("_*.so"))
+    partial = ctx.out / f"kernels_{stamp}.tar.gz.part"
+    with tarfile.open(partial, "w:gz") as tar:
+        for path in built:
+            tar.add(path, arcname=str(path.relative_to(REPO)))
+    partial.rename(ctx.out / f"kernels_{stamp}.tar.gz")
+    ctx.write_log(f"kernels: built {[p.name for p in built]}; archive in $OUT")
+    return True
+
+
+# -- stages -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    what: str
+    minutes: float
+    """Expected wall time on an H100 (the suite starts a stage only when this much is left)."""
+    run: Callable[[Context, "Stage"], dict]
+
+
+def stage_limit(ctx: Context) -> float:
+    """Seconds the running stage has left: its own limit, within the call's budget."""
+    return min(STAGE_LIMIT_S - (time.monotonic() - ctx.stage_started), ctx.remaining_s())
+
+
+PYTEST_COUNT = re.compile(
+    r"(\d+) (passed|failed|skipped|deselected|errors?|warnings?|xfailed|xpassed)"
+)
+PYTEST_COLLECTED = re.compile(r"(\d+)(?:/\d+)? tests? collected")
+
+
+def pytest_counts(output: str) -> dict:
+    """``{"passed": n, "failed": n, ...}`` (``collected`` with ``--collect-only``) from pytest's
+    last summary line."""
+    lines = [line for line in output.splitlines()
+             if PYTEST_COUNT.search(line) or PYTEST_COLLECTED.search(line)]  # fmt: skip
+    if not lines:
+        return {}
+    counts = {word: int(n) for n, word in PYTEST_COUNT.findall(lines[-1])}
+    collected = PYTEST_COLLECTED.search(lines[-1])
+    if collected:
+        counts["collected"] = int(collected.group(1))
+    return counts
+
+
+def run_pytest(ctx: Context, targets: list[str], env: dict | None = None) -> dict:
+    """The GPU tests of ``targets``; in the dry run pytest collects them (same selection)."""
+    argv = [python(), "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *targets]
+    if ctx.dry:
+        argv.append("--collect-only")
+    code, output = ctx.call(argv, limit_s=stage_limit(ctx), env=env)
+    counts = pytest_counts(output)
+    ok = code == 0 and bool(counts)
+    return {"status": status(ok, code, ctx), "pytest": counts, "targets": targets}
+
+
+def status(ok: bool, code: int, ctx: Context) -> str:
+    if code == 124:
+        return "cut"
+    if ctx.dry:
+        return "dry" if ok else "failed"
+    return "ok" if ok else "failed"
+
+
+def selected_backends(output: str) -> dict[str, str]:
+    """TE's attention choice per probed layout: ``PROBE <layout>`` markers followed by TE's
+    ``Selected backend = X`` debug lines (``NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2``)."""
+    backends, layout = {}, "unlabelled"
+    for line in output.splitlines():
+        marker = re.match(r"PROBE (\S+)", line)
+        if marker:
+            layout = marker.group(1)
+        found = re.search(r"Selected backend = (\w+)", line)
+        if found:
+            backends.setdefault(layout, found.group(1))
+    return backends
+
+
+def attention_stage(ctx: Context, stage: Stage) -> dict:
+    """Which TE attention backend runs the 8B's and the 1.5B's heads, unpacked (sbhd) and packed
+    (thd): fused (cuDNN) or flash pass, TE's unfused fallback fails."""
+    if ctx.dry:
+        output = ATTENTION_LOG.read_text()
+        ctx.write_log(f"dry run: parsing the recorded TE debug log {ATTENTION_LOG.name}")
+        backends = selected_backends(output)
+        return {"status": "dry" if backends else "failed", "backends": backends}
+    env = {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"}
+    code, output = ctx.call([python(), __file__, "--probe-attention"], limit_s=stage_limit(ctx),
+                            env=env)  # fmt: skip
+    backends = selected_backends(output)
+    probe = next((json.loads(line[len(SUITE_RESULT):]) for line in output.splitlines()
+                  if line.startswith(SUITE_RESULT)), {})  # fmt: skip
+    fast = set(backends) == set(PROBES) and "UnfusedDotProductAttention" not in backends.values()
+    return {"status": status(code == 0 and fast, code, ctx), "backends": backends, **probe}
+
+
+PROBES = {  # layout: (heads, groups, head dim)
+    "8b-sbhd": (32, 8, 128),
+    "8b-thd": (32, 8, 128),
+    "1.5b-sbhd": (32, 8, 64),
+    "1.5b-thd": (32, 8, 64),
+}
+
+
+def probe_attention() -> None:
+    """Child process: one forward and backward of ``te.DotProductAttention`` per ``PROBES``
+    layout at seq 4096, bf16, causal; the packed ones with three documents (THD ``cu_seqlens``)."""
+    import torch
+    import transformer_engine
+    import transformer_engine.pytorch as te
+
+    seq, docs = 4096, [1000, 1500, 1596]
+    for layout, (heads, groups, dim) in PROBES.items():
+        packed = layout.endswith("thd")
+        print(f"PROBE {layout}", flush=True)
+        attn = te.DotProductAttention(heads, dim, num_gqa_groups=groups, attention_dropout=0.0,
+                                      qkv_format="thd" if packed else "sbhd",
+                                      attn_mask_type="padding_causal" if packed else "causal")  # fmt: skip
+        shape = (seq, heads, dim) if packed else (seq, 2, heads, dim)
+        kv_shape = (*shape[:-2], groups, dim)
+        q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kwargs = {}
+        if packed:
+            cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device="cuda",
+                              dtype=torch.int32)  # fmt: skip
+            kwargs = {"cu_seqlens_q": cu, "cu_seqlens_kv": cu, "max_seqlen_q": max(docs),
+                      "max_seqlen_kv": max(docs)}  # fmt: skip
+        attn(q, k, v, **kwargs).float().sum().backward()
+        torch.cuda.synchronize()
+    cudnn = torch.backends.cudnn.version()
+    print(SUITE_RESULT + json.dumps({"torch_cudnn": cudnn, "te": transformer_engine.__version__,
+                                     "cudnn_home": os.environ.get("CUDNN_HOME")}), flush=True)  # fmt: skip
+
+
+def pytest_gpu_stage(ctx: Context, stage: Stage) -> dict:
+    """Every GPU test but the FP8 resume (a stage of its own)."""
+    return run_pytest(ctx, ["tests/gpu", "tests/ops", "--deselect", RESUME_TEST])
+
+
+def fp8_resume_stage(ctx: Context, stage: Stage) -> dict:
+    """FP8 (delayed scaling) runs twice bitwise alike and resumes exactly; the test itself sets
+    ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` for the resumed leg."""
+    return run_pytest(ctx, [RESUME_TEST])
+
+
+def attention_suffix(ctx: Context) -> str:
+    """``-sdpa`` (PyTorch's flash / varlen attention between TE's linears) when the attention
+    stage found TE on its unfused fallback, which runs out of memory on packed samples."""
+    tree = sorted(results_dir(ctx.tree).glob("gpu_suite_attention_*.json"))
+    for path in [ctx.out / "attention.json", *tree]:
+        if path.exists():
+            backends = json.loads(path.read_text()).get("backends", {})
+            return "-sdpa" if "UnfusedDotProductAttention" in backends.values() else ""
+    return ""
+
+
+def bench_stage(ctx: Context, name: str, flags: list[str], derive=None) -> dict:
+    """``bench_train_step.py`` with ``flags`` (configs take the attention stage's verdict), its
+    JSON read back. In the dry run every trainer command line it would start is parsed."""
+    suffix = attention_suffix(ctx)
+    flags = [f"{f}{suffix}" if f in bench.CONFIGS and f.startswith("te-") else f for f in flags]
+    work = Path("/tmp/gpu_suite") / name
+    argv = [*flags, "--name", f"train_step_{name}", "--results-dir", str(work),
+            "--out", str(work / "runs")]  # fmt: skip
+    if ctx.dry:
+        return {"status": "dry", **check_bench_argv(ctx, argv)}
+    shutil.rmtree(work, ignore_errors=True)
+    code, _ = ctx.call([python(), str(REPO / "bench" / "bench_train_step.py"), *argv],
+                       limit_s=stage_limit(ctx))  # fmt: skip
+    files = sorted(work.glob(f"train_step_{name}_*.json"))
+    result = json.loads(files[0].read_text()) if files else {}
+    rows = result.get("rows", []) + result.get("loss_comparison", [])
+    ok = code == 0 and bool(rows) and not any("error" in row for row in rows)
+    derived = derive(result) if derive and result else {}
+    return {"status": status(ok, code, ctx), "bench": result, **derived}
+
+
+def check_bench_argv(ctx: Context, argv: list[str]) -> dict:
+    """Parse the benchmark's flags and every trainer command line they start."""
+    from megatron.apertus.training.megatron_flags import refusals
+    from pretrain_gpt import build_parser
+
+    args = bench.build_parser().parse_args(argv)
+    planned = bench.planned_trainer_argvs(args)
+    parser = build_parser()
+    for trainer_argv in planned:
+        refused = refusals(parser.parse_args(trainer_argv))
+        if refused:
+            raise SystemExit(f"gpu_suite.py: {' '.join(trainer_argv)}: {refused[0]}")
+    ctx.write_log(f"dry run: bench_train_step.py {' '.join(argv)}: {len(planned)} trainer "
+                  f"command lines parsed")  # fmt: skip
+    return {"planned": planned}
+
+
+def tokens_ratio(result: dict, pairs: list[tuple[str, str]]) -> dict[str, float]:
+    """tokens/s of the second config over the first, per pair (same model, same call)."""
+    by_config = {row["config"]: row for row in result.get("rows", []) if "error" not in row}
+    ratios = {}
+    for base, other in pairs:
+        for suffix in ("", "-sdpa"):
+            a, b = by_config.get(base + suffix), by_config.get(other + suffix)
+            if a and b:
+                ratios[f"{other}{suffix} / {base}{suffix}"] = (
+                    b["tokens_per_s_per_gpu"] / a["tokens_per_s_per_gpu"]
+                )
+    return ratios
+
+
+EIGHT_B_CONFIGS = ["te-bf16-packed",
+                   *(f"te-fp8-{r}-packed{e}" for r in bench.FP8 for e in ("", "-bf16-ends"))]  # fmt: skip
+
+
+def train_step_8b_stage(ctx: Context, stage: Stage) -> dict:
+    """bf16 against FP8 (tensorwise, delayed, blockwise; all layers or bf16 ends) at the 8B's
+    layer shapes; the bf16 row and the best FP8 row are profiled by kernel category."""
+    flags = ["--models", bench.EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
+             "--steps", "4", "--configs", *EIGHT_B_CONFIGS]  # fmt: skip
+    pairs = [("te-bf16-packed", c) for c in EIGHT_B_CONFIGS[1:]]
+    return bench_stage(
+        ctx, stage.name, flags, lambda r: {"speedup_over_bf16": tokens_ratio(r, pairs)}
+    )
+
+
+def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
+    """Where a step's time goes at the 8B's layer shapes, bf16 against FP8: kernel time by
+    category (GEMMs, FP8 casts / transposes / amax, attention, xIELU, loss, norms, optimizer)."""
+    flags = ["--models", bench.EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
+             "--steps", "2", "--profile", "--configs", "te-bf16-packed",
+             "te-fp8-tensorwise-packed", "te-fp8-delayed-packed"]  # fmt: skip
+    return bench_stage(ctx, stage.name, flags)
+
+
+def train_step_small_stage(ctx: Context, stage: Stage) -> dict:
+    """The 1.5B and 0.5B TE rows again, with TE's own attention (fused / flash)."""
+    flags = ["--warmup", "2", "--steps", "4", "--configs", "te-bf16", "te-bf16-packed",
+             "te-fp8-tensorwise-packed", "te-fp8-delayed-packed"]  # fmt: skip
+    large = bench_stage(ctx, "train-step-1.5b", ["--models", "apertus-v1.1-1.5b", *flags])
+    small = bench_stage(
+        ctx,
+        "train-step-0.5b",
+        ["--models", "apertus-v1.1-0.5b", *flags[:5], "te-bf16-packed", "te-fp8-delayed-packed"],
+    )
+    statuses = {large["status"], small["status"]}
+    worst = next(s for s in ("cut", "failed", "dry", "ok") if s in statuses)
+    return {
+        "status": worst,
+        "bench": large.get("bench", large),
+        "bench_0.5b": small.get("bench", small),
+    }
+
+
+LOSS_FLAGS = ["--configs", "--loss-steps", "300", "--loss-configs", "te-bf16-packed",
+              "te-fp8-tensorwise-packed"]  # fmt: skip
+"""No throughput rows; the two loss runs (their configs take the attention stage's verdict)."""
+
+
+def fp8_loss_stage(ctx: Context, stage: Stage) -> dict:
+    """bf16 against FP8 (tensorwise) over 300 steps of the 0.5B on the same data, each with the
+    GEMM-input statistics (kurtosis, under/overflow); in the dry run, two tiny CPU runs."""
+    if ctx.dry:
+        check_bench_argv(ctx, LOSS_FLAGS)
+        return {"status": "dry", "bench": dry_loss_runs(ctx)}
+    result = bench_stage(ctx, stage.name, LOSS_FLAGS)
+    runs = result.get("bench", {}).get("loss_comparison", [])
+    if len(runs) == 2 and all("valid_loss" in run for run in runs):
+        result["valid_loss_relative_difference"] = runs[1]["valid_loss"] / runs[0]["valid_loss"] - 1
+    return result
+
+
+def dry_loss_runs(ctx: Context) -> dict:
+    """Two real CPU runs of the tiny model with the loss stage's metrics (fp32; FP8 needs a GPU),
+    recorded the way the GPU stage records them: what the dry run plots."""
+    work = Path("/tmp/gpu_suite") / "fp8-loss-dry"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    runs = []
+    for seed in (1234, 1235):
+        log_json = work / f"loss_tiny_{seed}.json"
+        argv = ["--model-preset", "tiny", "--device", "cpu", "--precision", "fp32",
+                "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+                "--train-iters", "3", "--lr", "1e-3", "--seed", str(seed), "--eval-iters", "1",
+                "--log-interval", "1", "--log-json", str(log_json), *bench.LOSS_METRICS[:-1],
+                "1"]  # fmt: skip
+        ctx.write_log(f"$ pretrain_gpt.py {' '.join(argv)}")
+        label = {"model": "tiny", "config": f"cpu-fp32-seed{seed}", "steps": 3}
+        runs.append(bench.loss_run(argv, log_json, label))
+    return {"rows": [], "loss_comparison": runs}
+
+
+def determinism_stage(ctx: Context, stage: Stage) -> dict:
+    """tokens/s with and without ``--deterministic-mode`` (TE bf16 and FP8 delayed, 1.5B)."""
+    configs = ["te-bf16-packed", "te-bf16-packed-deterministic", "te-fp8-delayed-packed",
+               "te-fp8-delayed-packed-deterministic"]  # fmt: skip
+    flags = [
+        "--models",
+        "apertus-v1.1-1.5b",
+        "--warmup",
+        "2",
+        "--steps",
+        "4",
+        "--configs",
+        *configs,
+    ]
+    pairs = [(configs[0], configs[1]), (configs[2], configs[3])]
+    return bench_stage(
+        ctx, stage.name, flags, lambda r: {"deterministic_over_default": tokens_ratio(r, pairs)}
+    )
+
+
+def metrics_overhead(result: dict, interval: int = DEFAULT_METRICS_INTERVAL) -> dict:
+    """Overhead of a hooked step (every step hooked in the ``-metrics`` rows), and of
+    ``--log-intermediate-metrics`` at its default interval (one hooked step in ``interval``)."""
+    hooked = {}
+    for name, ratio in tokens_ratio(result, [("te-bf16-packed", "te-bf16-packed-metrics"),
+                                             ("te-fp8-delayed-packed", "te-fp8-delayed-packed-metrics")]).items():  # fmt: skip
+        step_cost = 1 / ratio - 1
+        hooked[name] = {"hooked_step_overhead": step_cost,
+                        f"overhead_at_interval_{interval}": step_cost / interval}  # fmt: skip
+    return {"metrics_overhead": hooked}
+
+
+def metrics_overhead_stage(ctx: Context, stage: Stage) -> dict:
+    """``--log-intermediate-metrics`` cost (TE bf16 and FP8 delayed, 1.5B)."""
+    configs = ["te-bf16-packed", "te-bf16-packed-metrics", "te-fp8-delayed-packed",
+               "te-fp8-delayed-packed-metrics"]  # fmt: skip
+    flags = [
+        "--models",
+        "apertus-v1.1-1.5b",
+        "--warmup",
+        "2",
+        "--steps",
+        "4",
+        "--configs",
+        *configs,
+    ]
+    return bench_stage(ctx, stage.name, flags, metrics_overhead)
+
+
+STAGES = [
+    Stage("attention", "TE attention backend, unpacked and packed (THD)", 1.5, attention_stage),
+    Stage("pytest-gpu", "pytest -m gpu tests/gpu tests/ops", 4, pytest_gpu_stage),
+    Stage("fp8-resume", "FP8 delayed scaling: deterministic, exact resume", 2.5, fp8_resume_stage),
+    Stage(
+        "train-step-8b", "8B layer shapes: bf16 vs FP8 recipes, bf16 ends", 7, train_step_8b_stage
+    ),
+    Stage("fp8-loss", "bf16 vs FP8 loss over 300 steps, with kurtosis", 7, fp8_loss_stage),
+    Stage("train-step-small", "1.5B / 0.5B TE rows with TE's attention", 7, train_step_small_stage),
+    Stage("fp8-profile", "8B layer shapes: kernel time by category", 4, fp8_profile_stage),
+    Stage("determinism", "--deterministic-mode cost in tokens/s", 4, determinism_stage),
+    Stage("metrics-overhead", "--log-intermediate-metrics overhead", 4, metrics_overhead_stage),
+]
+"""In order of value."""
+
+
+def stage_named(name: str) -> Stage:
+    return next(s for s in STAGES if s.name == name)
+
+
+# -- selection and results ----------------------------------------------------------------------
+
+
+def results_dir(tree: Path) -> Path:
+    return tree / "bench" / "results"
+
+
+def done_in_tree(tree: Path, stage: str) -> bool:
+    """A stage counts as done once a GPU result of it with status ``ok`` is in the tree."""
+    for path in results_dir(tree).glob(f"gpu_suite_{stage}_*.json"):
+        if json.loads(path.read_text()).get("status") == "ok":
+            return True
+    return False
+
+
+def select(names: list[str], tree: Path) -> tuple[list[Stage], list[str]]:
+    """The candidate stages and why others are left: named ones as given; else the ones without
+    results in the tree, in order of value."""
+    if names:
+        return [stage_named(n) for n in names], []
+    pending, notes = [], []
+    for stage in STAGES:
+        if done_in_tree(tree, stage.name):
+            notes.append(f"{stage.name}: has results in the tree (name it to run it again)")
+        else:
+            pending.append(stage)
+    return pending, notes
+
+
+def device_tag(dry: bool) -> str:
+    if dry:
+        return "dry"
+    from _common import device_tag as tag
+
+    return tag()
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Under a temporary name, renamed when complete."""
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps(payload, indent=2))
+    partial.replace(path)
+
+
+def run_stage(ctx: Context, stage: Stage) -> dict:
+    ctx.log = ctx.out / f"{stage.name}.log"
+    ctx.log.write_text("")
+    ctx.write_log(f"== {stage.name}: {stage.what}")
+    start = ctx.stage_started = time.monotonic()
+    try:
+        result = stage.run(ctx, stage)
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, SystemExit) as err:
+        ctx.write_log(f"{stage.name}: {type(err).__name__}: {err}")
+        result = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+    from _common import git_commit, machine
+
+    payload = {"stage": stage.name, "what": stage.what, **result,
+               "wall_s": time.monotonic() - start, "device": device_tag(ctx.dry),
+               "machine": machine(), "git_commit": git_commit(),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    write_json(ctx.out / f"{stage.name}.json", payload)
+    ctx.write_log(f"== {stage.name}: {payload['status']} in {payload['wall_s']:.0f} s")
+    return payload
+
+
+# -- bringing a reply home ----------------------------------------------------------------------
+
+
+def plot_fp8_loss(payload: dict, path: Path) -> Path:
+    """Losses of the bf16 and FP8 runs, and per GEMM the largest kurtosis and e4m3 underflow
+    share over layers, against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in payload["bench"]["loss_comparison"] if "history" in r]
+    if not runs:
+        raise ValueError("no recorded run with a history to plot")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for run, color in zip(runs, ("tab:blue", "tab:red", "tab:green")):
+        history = run["history"]
+        for name, style in (("train/loss", "-"), ("valid/loss", "o")):
+            if name in history:
+                steps, values = zip(*history[name])
+                axes[0].plot(steps, values, style, color=color, label=f"{run['config']} {name}")
+        for ax, statistic in ((axes[1], "kurtosis"), (axes[2], "underflow")):
+            for gemm, style in zip(("qkv", "proj", "fc1", "fc2"), ("-", "--", ":", "-.")):
+                series = per_step_max(history, gemm, statistic)
+                if series:
+                    ax.plot(*zip(*series), style, color=color, label=f"{run['config']} {gemm}")
+    axes[0].set(xlabel="step", ylabel="loss", title="loss")
+    axes[1].set(xlabel="step", ylabel="max over layers", title="GEMM-input kurtosis", yscale="log")
+    axes[2].set(xlabel="step", ylabel="max over layers", title="e4m3 underflow share")
+    for ax in axes:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    partial = path.with_name(path.stem + ".part.png")
+    fig.savefig(partial, dpi=110)
+    plt.close(fig)
+    partial.replace(path)
+    return path
+
+
+def per_step_max(history: dict, gemm: str, statistic: str) -> list[tuple[int, float]]:
+    """``max over layers of intermediate/layer*/{gemm}/{statistic}`` per recorded step."""
+    pattern = re.compile(rf"intermediate/layer\d+/{gemm}/{statistic}$")
+    by_step: dict[int, float] = {}
+    for name, points in history.items():
+        if pattern.match(name):
+            for step, value in points:
+                by_step[step] = max(by_step.get(step, float("-inf")), value)
+    return sorted(by_step.items())
+
+
+def collect(reply: Path, tree: Path) -> list[Path]:
+    """A device reply's files into the tree: each stage's JSON to ``bench/results/`` (and its
+    benchmark JSON beside it), its log to ``docs/device_runs/``, the FP8-loss plot to ``docs/``,
+    a kernel archive to ``.kernels/``."""
+    written = []
+    for stage_json in sorted(reply.glob("*.json")):
+        payload = json.loads(stage_json.read_text())
+        if "stage" not in payload:
+            continue
+        stage, tag, day = payload["stage"], payload["device"], payload["date"].split()[0]
+        target = results_dir(tree) / f"gpu_suite_{stage}_{tag}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_json(target, payload)
+        written.append(target)
+        log = stage_json.with_suffix(".log")
+        if log.exists():
+            log_target = tree / "docs" / "device_runs" / f"{day}_{tag}_{stage}.log"
+            log_target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, log_target)
+            written.append(log_target)
+        if stage == "fp8-loss" and payload.get("bench", {}).get("loss_comparison"):
+            written.append(plot_fp8_loss(payload, tree / "docs" / f"fp8_vs_bf16_loss_{tag}.png"))
+    for archive in reply.glob("kernels_*.tar.gz"):
+        (tree / ".kernels").mkdir(exist_ok=True)
+        written.append(Path(shutil.copyfile(archive, tree / ".kernels" / archive.name)))
+    return written
+
+
+# -- preparing the carried folders --------------------------------------------------------------
+
+
+def prepare(tree: Path) -> None:
+    """``.tebundle/`` and ``.whl/`` in the repository root, ignored by git."""
+    exclude = Path(subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=tree,
+                                  capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    exclude = exclude if exclude.is_absolute() else tree / exclude
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    lines = exclude.read_text().splitlines() if exclude.exists() else []
+    with exclude.open("a") as f:
+        for folder in ("/.tebundle/", "/.whl/", "/.kernels/"):
+            if folder not in lines:
+                f.write(folder + "\n")
+    bundle = tree.parent / TE_BUNDLE
+    if not bundle.exists():
+        bundle = REPO.parents[1] / TE_BUNDLE  # a worktree under <root>/wt/<name>
+    shutil.rmtree(tree / ".tebundle", ignore_errors=True)
+    shutil.copytree(bundle, tree / ".tebundle")
+    for path in (tree / ".tebundle").rglob("*"):
+        path.chmod(path.stat().st_mode | 0o200)  # the shared copy is read-only
+    platforms = [arg for p in MANYLINUX for arg in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+                    *platforms, "-d", str(tree / ".whl"), *WHEELS], check=True)  # fmt: skip
+    print(f"prepared {tree / '.tebundle'} and {tree / '.whl'} (carry them with .kernels)")
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("stages", nargs="*", help="stages to run (default: the pending ones)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu_suite")))
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: all but the GPU calls")
+    parser.add_argument("--budget-s", type=float, default=570,
+                        help="seconds this call may use (a device command has 600)")  # fmt: skip
+    parser.add_argument("--max-stages", type=int, default=(CALL_FILES - 2) // 2,
+                        help="stages a call runs at most (two files each come back)")  # fmt: skip
+    parser.add_argument("--te-checks", action="store_true",
+                        help="install_te.sh's fat-binary load and smoke test too")  # fmt: skip
+    parser.add_argument("--tree", type=Path, default=REPO, help="where results are looked up")
+    parser.add_argument("--list", action="store_true", help="the stages and whether they are done")
+    parser.add_argument("--collect", type=Path, metavar="DIR", help="a device reply's files")
+    parser.add_argument("--prepare", action="store_true", help="make .tebundle/ and .whl/")
+    parser.add_argument("--probe-attention", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.probe_attention:
+        probe_attention()
+        return 0
+    if args.collect:
+        if not args.collect.is_dir():
+            parser.error(f"--collect {args.collect}: no such directory")
+        for path in collect(args.collect, args.tree):
+            print(f"wrote {path}")
+        return 0
+    if args.prepare:
+        prepare(args.tree)
+        return 0
+    unknown = [n for n in args.stages if n not in {s.name for s in STAGES}]
+    if unknown:
+        parser.error(
+            f"unknown stage {unknown[0]!r}; choose among {', '.join(s.name for s in STAGES)}"
+        )
+    if args.list:
+        for stage in STAGES:
+            done = "done" if done_in_tree(args.tree, stage.name) else "pending"
+            print(f"{stage.name:18s} {done:8s} ~{stage.minutes:g} min  {stage.what}")
+        return 0
+    if not args.dry_run and len(args.stages) > args.max_stages:
+        parser.error(f"{len(args.stages)} stages named; a device call returns {CALL_FILES} files, "
+                     f"enough for {args.max_stages} stages (--max-stages)")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ctx = Context(out=args.out, tree=args.tree, dry=args.dry_run, env=env,
+                  started=time.monotonic(), budget_s=args.budget_s, log=args.out / "setup.log")  # fmt: skip
+    ctx.log.write_text("")
+    stages, notes = select(args.stages, args.tree)
+    for note in notes:
+        ctx.write_log(note)
+    if not stages:
+        ctx.write_log("nothing to run: every stage has results (name stages to run them again)")
+        return 0
+    if not setup(ctx, args.te_checks):
+        ctx.write_log("setup failed; see above")
+        return 1
+    failed, ran = False, 0
+    most = len(STAGES) if args.dry_run else args.max_stages
+    for stage in stages:
+        if ran == most:
+            ctx.write_log(f"{stage.name}: for the next call ({most} stages a call)")
+        elif not args.dry_run and ctx.remaining_s() < stage.minutes * 60:
+            ctx.write_log(f"{stage.name}: not started, {ctx.remaining_s():.0f} s left of the "
+                          f"budget and it takes ~{stage.minutes:g} min")  # fmt: skip
+        else:
+            ran += 1
+            failed |= run_stage(ctx, stage)["status"] not in ("ok", "dry")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
