@@ -99,7 +99,6 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             config.engine,
             device=resolve_device(config.training.device),
             num_layers=config.model.num_layers,
-            context_parallel_size=config.parallel.context_parallel_size,
         )
     except (ConfigError, ValueError) as err:
         parser.error(str(err))

@@ -23,6 +23,7 @@ from megatron.apertus.model.config import (
     ConfigError,
     ParallelConfig,
     padded_vocab_size,
+    validate_context_parallel,
     virtual_stages,
 )
 from megatron.apertus.model.presets import PRESETS, preset
@@ -512,6 +513,7 @@ def parallel_from_arguments(args: argparse.Namespace, model: ApertusConfig) -> P
     """The layout flags; Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` becomes the
     number of virtual stages per pipeline rank."""
     parallel = from_arguments(ParallelConfig, args)
+    validate_context_parallel(model, parallel)
     per_stage = args.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
         return parallel
