@@ -84,3 +84,24 @@ def shard_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
         ),
         **counts,
     )  # fmt: skip
+
+
+def gather_tokens(local: torch.Tensor, batch: Batch, cp_rank: int, cp_size: int, group):
+    """The inverse of :func:`shard_batch` for a per-token output ``local`` [b, s_local, ...]:
+    every CP rank's share gathered into ``batch``'s whole-sequence order [b, s, ...] (padding
+    dropped). Every rank of ``group`` (the CP group) must call it."""
+    if cp_size == 1:
+        return local
+    shares = [torch.empty_like(local) for _ in range(cp_size)]
+    torch.distributed.all_gather(shares, local.contiguous(), group=group)
+    everything = torch.cat(shares, dim=1)
+    params = batch.packed_seq_params
+    out = local.new_empty((local.shape[0], batch.tokens.shape[1], *local.shape[2:]))
+    if params is None:
+        out[:, sequence_partition(batch.tokens.shape[1], cp_size).reshape(-1)] = everything
+        return out
+    sources, real, cu_padded = padded_document_sources(params.cu_seqlens_q, cp_size)
+    order = document_partition(cu_padded, cp_size).reshape(-1)
+    keep = real[order]
+    out[:, sources[order][keep]] = everything[:, keep.to(everything.device)]
+    return out

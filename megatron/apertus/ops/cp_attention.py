@@ -18,8 +18,9 @@ and backward, over any ``torch.distributed`` backend (gloo on CPU, NCCL on CUDA)
   with their log-sum-exp. The backward pass recomputes the tiles from the saved log-sum-exp and
   sends each block's K/V gradient around the ring with the block until it is home.
 * ``a2a`` (all-to-all, "Ulysses"): an all-to-all turns [local tokens, all heads] into [all
-  tokens, ``1/N`` of the heads], each rank attends over the whole sequence for its heads, and the
-  inverse all-to-all brings the result back. Needs heads divisible by ``N``; key/value heads that
+  tokens, ``1/N`` of the heads], each rank puts the tokens back in sequence order and attends over
+  each document for its heads with the same causal SDPA calls one process makes, and the inverse
+  all-to-all brings the result back. Needs heads divisible by ``N``; key/value heads that
   are not are repeated per query head first (their gradients summed back by autograd).
 
 Shapes: ``q`` [b, heads, s_local, d]; ``k``, ``v`` [b, groups, s_local, d] (GQA: ``heads`` a
@@ -275,10 +276,24 @@ def all_to_all_attention(q, k, v, index, doc_start, scale, group) -> torch.Tenso
         )
     if k.shape[1] % size:  # fewer key/value heads than ranks: give each query head its own
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    qs, ks, vs = (_HeadsToSequence.apply(t, group) for t in (q, k, v))
     order = index.reshape(-1)  # the gathered tokens: rank 0's, then rank 1's, ...
-    out = reference_attention(qs, ks, vs, allowed(order, order, doc_start), scale)
-    return _SequenceToHeads.apply(out, group)
+    to_global = torch.argsort(order)
+    qs, ks, vs = (_HeadsToSequence.apply(t, group)[:, :, to_global] for t in (q, k, v))
+    out = causal_per_document(qs, ks, vs, doc_start, scale)
+    return _SequenceToHeads.apply(out[:, :, order], group)
+
+
+def causal_per_document(q, k, v, doc_start: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal SDPA over each document of a whole sequence in its own order: the very calls one
+    process makes (so a2a gives the bytes of CP=1 where the kernel does)."""
+    gqa = k.shape[1] != q.shape[1]
+    starts = torch.unique_consecutive(doc_start).tolist() + [doc_start.numel()]
+    outputs = [
+        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                       scale=scale, enable_gqa=gqa)
+        for a, b in zip(starts[:-1], starts[1:])
+    ]  # fmt: skip
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 # -- dispatch --------------------------------------------------------------------------------------
@@ -300,8 +315,8 @@ def context_parallel_attention(
     ``index`` [N, s_local]: every CP rank's global token indices (:func:`sequence_partition`,
     :func:`document_partition`); ``doc_start`` [S]: first token of each token's document.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if comm_type == "p2p":
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return RingAttention.apply(q, k, v, index, doc_start, scale, group)
     if comm_type == "a2a":
         return all_to_all_attention(q, k, v, index, doc_start, scale, group)
