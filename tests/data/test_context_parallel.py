@@ -77,6 +77,7 @@ def test_unpacked_shares_are_megatrons_chunks(batch_config):
         share = shard_batch(full, rank, 2)
         index = sequence_partition(SEQ, 2)[rank]
         assert index.tolist() == list(range(12 * rank, 12 * rank + 12)) + list(
-            range(36 - 12 * rank, 48 - 12 * rank))  # chunks i and 3 - i of four
+            range(36 - 12 * rank, 48 - 12 * rank)
+        )  # chunks i and 3 - i of four
         assert torch.equal(share.tokens, full.tokens[:, index])
         assert torch.equal(share.position_ids, full.position_ids[:, index])

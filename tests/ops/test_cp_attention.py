@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron.apertus.ops import cp_attention
 from megatron.apertus.ops.cp_attention import (
     RingAttention,
     allowed,
@@ -26,6 +27,8 @@ FP32_TOL = 2e-6
 """Largest error relative to the largest magnitude of the compared tensor (fp32 round-off)."""
 BATCH, HEADS, GROUPS, DIM = 2, 4, 2, 8
 SEQ = 32
+TILE = 3
+"""Tile extent in these tests: chunks of 4 to 20 tokens cut into several uneven pieces each."""
 DOCUMENTS = [8, 40, 16]
 """Packed document lengths, multiples of 2 x CP for CP 2 and 4; the 40-token one spans the
 chunks of the unpacked split, so a leak across documents would change the result."""
@@ -50,6 +53,7 @@ def test_partition_refuses_indivisible_length():
 
 
 def _gradcheck_worker(rank: int, world: int, init_file: str, results) -> None:
+    cp_attention.TILE = TILE
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         cu = torch.tensor([0, 4, 12])
@@ -122,6 +126,7 @@ def _compare(layout, comm_type: str, group, *, leak: bool = False) -> float:
 
 def _worker(rank: int, world: int, init_file: str, results) -> None:
     torch.set_num_threads(1)
+    cp_attention.TILE = TILE
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))

@@ -14,7 +14,8 @@ Two ways to attend, both exact (the same softmax as one process, to fp32 round-o
 and backward, over any ``torch.distributed`` backend (gloo on CPU, NCCL on CUDA):
 
 * ``p2p`` (ring): K/V blocks travel around the CP ring; each rank attends its queries to every
-  block, skips (query half, key half) tiles that the mask empties, and merges the partial results
+  block in tiles (query piece, key piece; each a piece of one chunk of at most ``TILE`` tokens),
+  skips the tiles that the mask empties, and merges the partial results
   with their log-sum-exp. The backward pass recomputes the tiles from the saved log-sum-exp and
   sends each block's K/V gradient around the ring with the block until it is home.
 * ``a2a`` (all-to-all, "Ulysses"): an all-to-all turns [local tokens, all heads] into [all
@@ -46,7 +47,9 @@ def sequence_partition(seq_length: int, cp_size: int) -> torch.Tensor:
     if seq_length % (2 * cp_size):
         raise ValueError(f"sequence length {seq_length} is not divisible by 2 x CP ({cp_size})")
     chunks = torch.arange(seq_length).view(2 * cp_size, -1)
-    return torch.stack([torch.cat([chunks[r], chunks[2 * cp_size - 1 - r]]) for r in range(cp_size)])
+    return torch.stack(
+        [torch.cat([chunks[r], chunks[2 * cp_size - 1 - r]]) for r in range(cp_size)]
+    )
 
 
 def document_partition(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -125,16 +128,24 @@ def _tile_backward(q, k, v, mask, scale, lse, d_out, delta):
     return dq, dk, dv
 
 
-def _halves(length: int) -> list[slice]:
-    """A rank's two chunks (one half each): the tiles whose mask may be empty or full."""
+TILE = 1024
+"""Largest query or key extent of a tile: bounds the fp32 scores a tile materialises
+(heads x TILE x TILE) however long the sequence."""
+
+
+def _pieces(length: int) -> list[slice]:
+    """A rank's two chunks (one half each: the tiles whose mask may be empty or full), each cut
+    into pieces of at most :data:`TILE` tokens."""
     half = length // 2
-    return [slice(0, half), slice(half, length)] if half else [slice(0, length)]
+    halves = [(0, half), (half, length)] if half else [(0, length)]
+    return [slice(start, min(start + TILE, end))
+            for begin, end in halves for start in range(begin, end, TILE)]  # fmt: skip
 
 
 def _tiles(q_index, k_index, doc_start):
     """(query slice, key slice, mask) of every tile of a block that has something to attend."""
-    for qs in _halves(len(q_index)):
-        for ks in _halves(len(k_index)):
+    for qs in _pieces(len(q_index)):
+        for ks in _pieces(len(k_index)):
             mask = allowed(q_index[qs], k_index[ks], doc_start)
             if mask.any():
                 yield qs, ks, mask
