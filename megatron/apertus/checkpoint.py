@@ -152,11 +152,24 @@ def _model_state(chunks) -> dict:
 
 
 def _layout() -> list[int]:
+    """PP, TP, DP (and CP when above 1) sizes: RNG states have one owner per rank of these."""
+    cp = parallel_state.get_context_parallel_world_size()
     return [
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_data_parallel_world_size(),
-    ]
+    ] + ([cp] if cp > 1 else [])
+
+
+def _layout_ranks() -> tuple[int, ...]:
+    """This rank's place in :func:`_layout`."""
+    ranks = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    cp = parallel_state.get_context_parallel_world_size()
+    return ranks + ((parallel_state.get_context_parallel_rank(),) if cp > 1 else ())
 
 
 def _rng_state() -> ShardedObject:
@@ -168,13 +181,7 @@ def _rng_state() -> ShardedObject:
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    shape = tuple(_layout())
-    offset = (
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_data_parallel_rank(),
-    )
-    return ShardedObject("rng_state", state, shape, offset, replica_id=0)
+    return ShardedObject("rng_state", state, tuple(_layout()), _layout_ranks(), replica_id=0)
 
 
 def _restore_rng(state: dict) -> None:

@@ -69,7 +69,8 @@ def set_seed(seed: int) -> None:
 
 
 def initialize(parallel: ParallelConfig, *, device: str, seed: int, model=None) -> int:
-    """Set up everything a training or conversion process needs; returns the data-parallel size.
+    """Set up everything a training or conversion process needs; returns the data-parallel size
+    (context-parallel ranks share their data and are not counted in it).
 
     ``model`` (an :class:`ApertusConfig`) is checked against the layout before any group exists.
     """
@@ -83,6 +84,7 @@ def initialize(parallel: ParallelConfig, *, device: str, seed: int, model=None) 
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         **({} if timeout is None else {"distributed_timeout_minutes": timeout}),
     )
     set_seed(seed)

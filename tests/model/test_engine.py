@@ -16,9 +16,9 @@ TE_OK = lambda: None  # noqa: E731
 TE_MISSING = lambda: "Transformer Engine is not installed"  # noqa: E731
 
 
-def check(engine: EngineConfig, *, device="cuda", te=TE_OK, gpu=HOPPER, cp=1, layers=4) -> str:
-    return validate_engine(engine, device=device, num_layers=layers, context_parallel_size=cp,
-                           te_error=te, capability=lambda: gpu)  # fmt: skip
+def check(engine: EngineConfig, *, device="cuda", te=TE_OK, gpu=HOPPER, layers=4) -> str:
+    return validate_engine(engine, device=device, num_layers=layers, te_error=te,
+                           capability=lambda: gpu)  # fmt: skip
 
 
 def test_default_is_te_on_cuda_when_it_imports_else_local():
@@ -43,8 +43,6 @@ def test_default_is_te_on_cuda_when_it_imports_else_local():
          "--fp8-format e4m3 needs a GPU of compute capability >= 8.9"),
         (EngineConfig(fp8_format="e4m3", fp8_recipe="mxfp8"), dict(gpu=HOPPER),
          "--fp8-recipe mxfp8 needs a Blackwell GPU"),
-        (EngineConfig(transformer_impl="local"), dict(cp=2),
-         "--context-parallel-size 2 needs --transformer-impl transformer_engine"),
         (EngineConfig(fp8_format="e4m3", first_last_layers_bf16=True,
                       num_layers_at_start_in_bf16=3, num_layers_at_end_in_bf16=2), {},
          "--num-layers-at-start-in-bf16 (3) + --num-layers-at-end-in-bf16 (2)"),
@@ -89,7 +87,11 @@ def test_context_parallel_size_is_validated():
     [
         (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
         (["--fp8-format", "e4m3"], "--fp8-format e4m3 needs --transformer-impl transformer_engine"),
-        (["--context-parallel-size", "2"], "--context-parallel-size 2 needs"),
+        (["--cp-comm-type", "ring"], "--cp-comm-type must be one of p2p, a2a"),
+        (["--context-parallel-size", "3", "--seq-length", "64"],
+         "--seq-length (64) is not divisible by 2 x --context-parallel-size (3)"),
+        (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
+          "--num-query-groups", "2"], "--cp-comm-type a2a: the 2 attention heads"),
         (["--log-intermediate-metrics", "skew"], "--log-intermediate-metrics: unknown skew"),
     ],
 )

@@ -9,6 +9,10 @@ Two layouts:
   varlen flash-attention call (``torch.nn.attention.varlen.varlen_attn``); elsewhere (CPU,
   fp32) through one SDPA call per segment, the exact reference. Neither builds a dense mask,
   and a segment's result does not depend on its neighbours.
+
+Under context parallelism (``--context-parallel-size`` > 1) each rank holds chunks ``i`` and
+``2N-1-i`` of the sequence (of every document when packed) and attends through
+:mod:`megatron.apertus.ops.cp_attention` (ring ``p2p`` or ``a2a``, ``config.cp_comm_type``).
 """
 
 from __future__ import annotations
@@ -19,10 +23,18 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.apertus.ops.cp_attention import (
+    context_parallel_attention,
+    document_partition,
+    document_starts,
+    sequence_partition,
+)
 
 
 @functools.cache
@@ -67,8 +79,16 @@ class SDPAttention(MegatronModule):
         pg_collection=None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not support context parallelism")
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            self.cp_group = (
+                pg_collection.cp
+                if pg_collection is not None
+                else parallel_state.get_context_parallel_group()
+            )
+            if config.attention_dropout > 0 or (attention_dropout or 0) > 0:
+                raise ValueError("context-parallel attention has no attention dropout")
+        self.cp_comm_type = cp_comm_type or config.cp_comm_type or "p2p"
         self.softmax_scale = softmax_scale
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
@@ -99,6 +119,8 @@ class SDPAttention(MegatronModule):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("SDPAttention takes no attention_bias")
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask, packed_seq_params)
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         seq, batch, heads, dim = query.shape
@@ -107,6 +129,27 @@ class SDPAttention(MegatronModule):
         mask = None if attention_mask is None else ~attention_mask
         out = self._sdpa(q, k, v, mask)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
+
+    def _context_parallel(self, query, key, value, mask, params: PackedSeqParams | None):
+        """This rank's chunks attending to the whole sequence of the CP group."""
+        if mask is not None:
+            raise ValueError("context-parallel attention takes no explicit attention mask")
+        cp = self.cp_group.size()
+        if params is not None:  # thd [t, heads, d]: one packed row
+            cu = params.cu_seqlens_q.cpu()
+            index, doc_start = document_partition(cu, cp), document_starts(cu)
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        else:  # sbhd: one causal sequence per sample
+            total = query.shape[0] * cp
+            index, doc_start = sequence_partition(total, cp), torch.zeros(total, dtype=torch.long)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        index, doc_start = index.to(query.device), doc_start.to(query.device)
+        out = context_parallel_attention(q, k, v, index=index, doc_start=doc_start,
+                                         group=self.cp_group, comm_type=self.cp_comm_type,
+                                         scale=self.softmax_scale)  # fmt: skip
+        if params is not None:
+            return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _packed(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
         """[t, heads, d] -> [t, heads * d], attending within each ``cu_seqlens`` segment."""

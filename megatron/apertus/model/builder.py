@@ -79,6 +79,7 @@ def transformer_config(
         # Overlapped p2p (megatron-core's overlap_p2p_comm) is unbatched by definition.
         batch_p2p_comm=not (cpu_compat.is_enabled() or overrides.get("overlap_p2p_comm", False)),
         context_parallel_size=parallel.context_parallel_size,
+        cp_comm_type=parallel.cp_comm_type,
         cuda_graph_scope=[],  # megatron-core's default "full" only warns that it is deprecated
         **transformer_config_fields(engine or EngineConfig(), transformer_impl),
         **overrides,

@@ -19,6 +19,10 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
 
 
+CP_COMM_TYPES = ("p2p", "a2a")
+"""Context-parallel attention exchanges this fork runs (Megatron-LM's names)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ApertusConfig:
     """The Apertus decoder: xIELU MLP, QK-norm, GQA, RoPE with llama3 scaling, RMSNorm."""
@@ -119,9 +123,20 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     """Interleaved pipeline: model chunks (virtual stages) per pipeline rank."""
     sequence_parallel: bool = False
-    """With tensor parallelism: split norms and activations along the sequence as well."""
-    context_parallel_size: int = 1
-    """Processes that split each sequence (context parallelism)."""
+    context_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks that share each sequence (context parallelism): the sequence is cut "
+            "into 2 x this many chunks and rank i keeps chunks i and 2CP-1-i"
+        },
+    )
+    cp_comm_type: str = field(
+        default="p2p",
+        metadata={
+            "help": "attention under context parallelism: p2p (K/V passed around a ring) or a2a "
+            "(all-to-all between heads and sequence)"
+        },
+    )
     distributed_timeout_minutes: int | None = field(
         default=None,
         metadata={
@@ -145,6 +160,10 @@ class ParallelConfig:
             raise ConfigError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
                 f"(got PP={self.pipeline_model_parallel_size}, virtual stages={vp})"
+            )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(
+                f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
@@ -196,12 +215,31 @@ def validate_layout(model: ApertusConfig, parallel: ParallelConfig, world_size: 
             f"--num-layers ({model.num_layers}) is not divisible by {what}: every pipeline stage "
             "needs the same number of layers"
         )
-    if world_size % (tp * pp):
+    validate_context_parallel(model, parallel)
+    cp = parallel.context_parallel_size
+    if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-            f"--pipeline-model-parallel-size ({pp}); the rest is the data-parallel size"
+            f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}); the rest is "
+            "the data-parallel size"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
+
+
+def validate_context_parallel(model: ApertusConfig, parallel: ParallelConfig) -> None:
+    """The sequence splits into 2 x CP equal chunks; a2a splits each TP rank's heads over CP."""
+    cp = parallel.context_parallel_size
+    if model.seq_length % (2 * cp):
+        raise ConfigError(
+            f"--seq-length ({model.seq_length}) is not divisible by 2 x --context-parallel-size "
+            f"({cp}): each rank keeps two of 2 x CP equal chunks"
+        )
+    heads = model.num_attention_heads // parallel.tensor_model_parallel_size
+    if cp > 1 and parallel.cp_comm_type == "a2a" and heads % cp:
+        raise ConfigError(
+            f"--cp-comm-type a2a: the {heads} attention heads per tensor-parallel rank are not "
+            f"divisible by --context-parallel-size ({cp}); use --cp-comm-type p2p"
+        )
 
 
 def virtual_stages(num_layers: int, pipeline: int, layers_per_virtual_stage: int) -> int | None:

@@ -153,7 +153,6 @@ def validate_engine(
     *,
     device: str,
     num_layers: int,
-    context_parallel_size: int = 1,
     te_error: Callable[[], str | None] = transformer_engine_error,
     capability: Callable[[], tuple[int, int] | None] = cuda_capability,
 ) -> str:
@@ -176,16 +175,6 @@ def validate_engine(
         raise ConfigError(
             f"--attention-backend {engine.attention_backend} needs --transformer-impl "
             "transformer_engine (the local implementation attends through PyTorch SDPA/varlen)"
-        )
-    if context_parallel_size > 1 and impl == "local":
-        raise ConfigError(
-            f"--context-parallel-size {context_parallel_size} needs --transformer-impl "
-            "transformer_engine (the local attention has no context parallelism)"
-        )
-    if context_parallel_size > 1:
-        raise ConfigError(
-            f"--context-parallel-size {context_parallel_size}: the data loader does not yet split "
-            "sequences over context-parallel ranks; use 1"
         )
     if engine.fp8:
         _validate_fp8(engine, impl, num_layers, capability)

@@ -39,6 +39,7 @@ from megatron.apertus.model.config import (
     ApertusConfig,
     ParallelConfig,
     padded_vocab_size,
+    validate_context_parallel,
     virtual_stages,
 )
 from megatron.apertus.model.engine import EngineConfig, validate_engine
@@ -612,6 +613,7 @@ def parallel_from_arguments(args: argparse.Namespace, model: ApertusConfig) -> P
     """The layout flags; Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` becomes the
     number of virtual stages per pipeline rank."""
     parallel = from_arguments(ParallelConfig, args)
+    validate_context_parallel(model, parallel)
     per_stage = args.num_layers_per_virtual_pipeline_stage
     if per_stage is None:
         return parallel
@@ -715,6 +717,5 @@ def run_from_arguments(args: argparse.Namespace) -> RunConfig:
         config.engine,
         device=resolve_device(config.training.device),
         num_layers=config.model.num_layers,
-        context_parallel_size=config.parallel.context_parallel_size,
     )
     return config

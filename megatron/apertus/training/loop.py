@@ -80,6 +80,7 @@ from megatron.apertus.training.step import (
     StepResult,
     StepShape,
     reduce_quantities,
+    data_and_context_parallel_group,
     run_microbatches,
     synced_parameters,
     train_step,
@@ -125,6 +126,7 @@ def _is_reporting_rank() -> bool:
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_context_parallel_rank() == 0
     )
 
 
@@ -165,7 +167,8 @@ def _check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> No
             f"{flag} ({size}) is {fits} --micro-batch-size ({t.micro_batch_size}) x "
             f"data-parallel size ({dp} = world size {torch.distributed.get_world_size()} / "
             f"(--tensor-model-parallel-size {layout.tensor_model_parallel_size} x "
-            f"--pipeline-model-parallel-size {layout.pipeline_model_parallel_size}))"
+            f"--pipeline-model-parallel-size {layout.pipeline_model_parallel_size} x "
+            f"--context-parallel-size {layout.context_parallel_size}))"
         )
     if t.rampup_batch_size is not None and (
         start > t.global_batch_size or (t.global_batch_size - start) % increment
@@ -176,9 +179,25 @@ def _check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> No
         )
 
 
+def _check_context_parallel(cfg: RunConfig) -> None:
+    """Refuse, naming the flag, what context parallelism cannot serve: objectives over whole
+    sequences, and packed documents between pipeline stages (padding each document to 2 x CP
+    tokens makes the micro-batch's length vary, the stages' messages have a fixed shape)."""
+    cp = cfg.parallel.context_parallel_size
+    if cp == 1:
+        return
+    if cfg.align.align_objective is not None:
+        raise ConfigError(f"--align-objective {cfg.align.align_objective} has no context "
+                          f"parallelism (--context-parallel-size {cp}): it scores whole sequences")  # fmt: skip
+    if cfg.dataset.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--reset-attention-mask with --context-parallel-size {cp} runs without "
+                          "pipeline stages: use --pipeline-model-parallel-size 1")  # fmt: skip
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, hooks: dict | None = None) -> None:
         self.cfg = cfg
+        _check_context_parallel(cfg)
         self.hooks = hooks or {}
         if cfg.checkpoint.save:
             checkpoint.check_save_dir(cfg.checkpoint.save)
@@ -190,7 +209,6 @@ class Trainer:
             cfg.engine,
             device=self.device_name,
             num_layers=cfg.model.num_layers,
-            context_parallel_size=cfg.parallel.context_parallel_size,
         )
         if cfg.engine.deterministic_mode:
             enable_deterministic_mode()
@@ -635,7 +653,7 @@ class Trainer:
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
         total = torch.stack([entry["lm loss"] for entry in reported]).double().sum(0)
-        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        torch.distributed.all_reduce(total, group=data_and_context_parallel_group())
         quantities = reduce_quantities(reported)
         for name, value in quantities.items():
             self.metrics.record(f"valid/{metric_name(name)}", self.state.iteration, value)

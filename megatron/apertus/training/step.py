@@ -2,7 +2,9 @@
 
 The loss is summed over tokens and divided by the number of loss tokens of the *whole*
 global batch (``calculate_per_token_loss``), so micro-batching, data parallelism and
-masked positions all give the same gradient as one big batch would.
+masked positions all give the same gradient as one big batch would. Context-parallel ranks each
+compute the loss sum of their share of the tokens (:func:`shard_batch`); the sums and counts are
+reduced over the data- and context-parallel group, as megatron-core reduces the gradients.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
+from megatron.apertus.data.context_parallel import shard_batch
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -142,7 +145,8 @@ def _loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
 
 def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
     """megatron-core forward step: per-token losses and the function that reduces them."""
-    batch = next(data_iterator)
+    batch = shard_batch(next(data_iterator), parallel_state.get_context_parallel_rank(),
+                        parallel_state.get_context_parallel_world_size())  # fmt: skip
     device = next(model.parameters()).device
     teacher = {}
     if batch.teacher is not None:  # distillation (needs the fused output-layer loss)
@@ -172,11 +176,12 @@ def packed_seq_params_to(
 
 
 def _reduce(losses: list[dict], key: str) -> torch.Tensor | None:
-    """Sum a reported pair over micro-batches and data-parallel ranks, on the last stage."""
+    """Sum a reported pair over micro-batches and data- and context-parallel ranks, on the last
+    stage."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     total = torch.stack([entry[key] for entry in losses]).sum(0)
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_reduce(total, group=data_and_context_parallel_group())
     return total
 
 
@@ -190,6 +195,11 @@ def reduce_quantities(losses: list[dict]) -> dict[str, float]:
         total = _reduce(losses, key)
         means[key[len(QUANTITY_PREFIX) :]] = (total[0] / total[1].clamp(min=1)).item()
     return means
+
+
+def data_and_context_parallel_group():
+    """The ranks whose loss sums make up the global batch's (megatron-core's ``dp_cp``)."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _all_finite(loss: torch.Tensor | None, device: torch.device) -> bool:

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from megatron.apertus import checkpoint, parallel
 from megatron.apertus.data.batches import Batch, BatchConfig, collate
+from megatron.apertus.data.context_parallel import gather_tokens, shard_batch
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import (
@@ -113,7 +114,8 @@ def teacher_identifier(load: str, model: ApertusConfig) -> str:
 def _forward_step(data_iterator: Iterator[Batch], model):
     """One micro-batch; the last stage's output is already its top-k, which the schedule keeps
     as it is when there is no loss function."""
-    batch = next(data_iterator)
+    batch = shard_batch(next(data_iterator), parallel_state.get_context_parallel_rank(),
+                        parallel_state.get_context_parallel_world_size())  # fmt: skip
     device = next(model.parameters()).device
     output = model(
         batch.tokens.to(device),
@@ -178,6 +180,7 @@ class TeacherRunner:
         return (
             parallel_state.is_pipeline_last_stage(ignore_virtual=True)
             and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
         )
 
     def _header(self) -> StoreHeader:
@@ -224,7 +227,16 @@ class TeacherRunner:
         )
         if int(count):
             dist.broadcast(blocks, source, group=group)
-        return blocks.tolist()
+        return self._from_first_context_rank(blocks.tolist())
+
+    def _from_first_context_rank(self, blocks: list[int]) -> list[int]:
+        """Context-parallel ranks share the writer of their first rank, and so its blocks."""
+        group = parallel_state.get_context_parallel_group()
+        if group.size() == 1:
+            return blocks
+        shared = [blocks]
+        dist.broadcast_object_list(shared, dist.get_global_rank(group, 0), group=group)
+        return shared[0]
 
     def block_topk(self, positions: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """Teacher top-k ids [n, s, k] and log-probabilities of the samples at ``positions``."""
@@ -244,12 +256,23 @@ class TeacherRunner:
                 forward_only=True,
                 collect_non_loss_data=True,
             )
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            outputs = [self._whole_sequence(batch, output) for batch, output in zip(batches, outputs)]
         if not self.is_writer:
             return None
         k = self.cfg.logits.topk
         ids = torch.cat([o[0].reshape(-1, seq, k) for o in outputs])[: len(positions)]
         logprobs = torch.cat([o[1].reshape(-1, seq, k) for o in outputs])[: len(positions)]
         return ids.cpu().numpy(), logprobs.cpu().numpy()
+
+    @staticmethod
+    def _whole_sequence(batch: Batch, output: tuple[torch.Tensor, torch.Tensor]):
+        """A micro-batch's (ids, log-probabilities) over the whole sequence, from the CP ranks'
+        shares."""
+        rank = parallel_state.get_context_parallel_rank()
+        size = parallel_state.get_context_parallel_world_size()
+        group = parallel_state.get_context_parallel_group()
+        return tuple(gather_tokens(t, batch, rank, size, group) for t in output)
 
     def run(self) -> None:
         pending = self.pending_blocks()

@@ -1,0 +1,167 @@
+"""Context parallelism end to end: CP=2 and CP=4 (p2p and a2a, and CP=2 x TP=2) on gloo processes
+reproduce the one-process losses and gradient norms of the same steps from the same initial
+checkpoint, for unpacked samples, packed documents with Goldfish, distillation from stored teacher
+logits and SFT loss masks on packed chat documents; a run saved at CP=2 resumes at CP=1 and CP=4
+on the uninterrupted trajectory; teacher logits generated at CP=2 are the same bytes as at CP=1.
+
+Tolerances as tests/parallel/test_layout_parity.py: CP changes only the order of the attention's
+sums (the ring merges per-block softmaxes) and of the loss and gradient reductions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from megatron.apertus.data.chat_demo import docstring_conversations
+from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+
+GENERATE = REPO / "tools" / "generate_teacher_logits.py"
+CHAT_TOOL = REPO / "tools" / "preprocess_chat.py"
+COMMON = [
+    "--model-preset", "tiny", "--seed", "7", "--lr", "3e-3", "--global-batch-size", "4",
+    "--micro-batch-size", "2", "--eval-iters", "1", "--log-interval", "1", "--adam-eps", "1e-4",
+    "--seq-length", "64", "--device", "cpu",
+]  # fmt: skip
+STEPS = 3
+RTOL = 2e-6
+GRAD_NORM_RTOL = 5e-4
+PACKED = ["--reset-attention-mask", "--reset-position-ids"]
+GOLDFISH = ["--goldfish-loss", "--goldfish-k", "4", "--goldfish-h", "13"]
+TOPK = ["--topk", "8", "--samples-per-block", "4"]
+GENERATION = ["--seed", "7", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-iters",
+              "1", "--train-iters", str(STEPS), "--seq-length", "64", "--device", "cpu"]  # fmt: skip
+"""The runs' samples, in the order the students read them."""
+
+
+def _cp(size: int, comm: str = "p2p") -> list[str]:
+    return ["--context-parallel-size", str(size), "--cp-comm-type", comm]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The shared initial checkpoint (also the teacher of the distillation case)."""
+    root = tmp_path_factory.mktemp("cp")
+    run_entry(PRETRAIN, COMMON + ["--train-iters", "0", "--eval-iters", "0",
+                                  "--save", str(root / "init")])  # fmt: skip
+    return root
+
+
+def _run(root, name: str, args: list[str], nproc: int = 1, steps: int = STEPS) -> dict:
+    out = root / f"{name}.json"
+    run_entry(PRETRAIN, COMMON + args + ["--train-iters", str(steps), "--load", str(root / "init"),
+                                         "--log-json", str(out)], nproc=nproc)  # fmt: skip
+    return read_json(out)
+
+
+def _assert_same_run(got: dict, expected: dict) -> None:
+    steps, losses = series(got, "train/loss")
+    ref_steps, ref_losses = series(expected, "train/loss")
+    assert steps == ref_steps == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=0)
+    np.testing.assert_allclose(series(got, "train/grad_norm")[1],
+                               series(expected, "train/grad_norm")[1], rtol=GRAD_NORM_RTOL)  # fmt: skip
+    np.testing.assert_allclose(series(got, "valid/loss")[1], series(expected, "valid/loss")[1],
+                               rtol=RTOL)  # fmt: skip
+    assert ref_losses[-1] < ref_losses[0]  # the steps train: equality proves something
+
+
+@pytest.fixture(scope="module")
+def unpacked(root):
+    return _run(root, "unpacked", [])
+
+
+@pytest.mark.parametrize(
+    "name, args, nproc",
+    [
+        ("cp2-p2p", _cp(2), 2),
+        ("cp2-a2a", _cp(2, "a2a"), 2),
+        ("cp4-p2p", _cp(4), 4),
+        ("cp2-tp2", _cp(2) + ["--tensor-model-parallel-size", "2"], 4),
+    ],
+)
+def test_unpacked_context_parallel_matches_one_process(root, unpacked, name, args, nproc):
+    _assert_same_run(_run(root, name, args, nproc), unpacked)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_pipeline_stages_matches_one_process(root, unpacked):
+    args = _cp(2) + ["--pipeline-model-parallel-size", "2"]
+    _assert_same_run(_run(root, "cp2-pp2", args, 4), unpacked)
+
+
+@pytest.fixture(scope="module")
+def packed_goldfish(root):
+    return _run(root, "packed", PACKED + GOLDFISH)
+
+
+@pytest.mark.parametrize(
+    "name, args, nproc", [("packed-cp2-p2p", _cp(2), 2), ("packed-cp4-a2a", _cp(4, "a2a"), 4)]
+)
+def test_packed_documents_with_goldfish_match_one_process(root, packed_goldfish, name, args, nproc):
+    got = _run(root, name, PACKED + GOLDFISH + args, nproc)
+    _assert_same_run(got, packed_goldfish)
+
+
+def _store_digest(store) -> dict[str, str]:
+    files = sorted(p for p in store.rglob("*") if p.is_file())
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+@pytest.fixture(scope="module")
+def logits(root):
+    """The initial checkpoint's top-k logits over the runs' samples, generated at CP=1."""
+    store = root / "logits"
+    run_entry(
+        GENERATE, ["--load", str(root / "init"), "--logits-dir", str(store), *TOPK, *GENERATION]
+    )
+    return store
+
+
+def test_teacher_logits_at_cp2_are_the_same_bytes(root, logits):
+    store = root / "logits-cp2"
+    run_entry(GENERATE, ["--load", str(root / "init"), "--logits-dir", str(store), *TOPK,
+                         *GENERATION, *_cp(2, "a2a")], nproc=2)  # fmt: skip
+    assert _store_digest(store) == _store_digest(logits)
+
+
+def test_distillation_from_stored_logits_matches_one_process(root, logits):
+    distil = ["--distill-logits-path", str(logits), "--kd-alpha", "0.9"] + GOLDFISH
+    _assert_same_run(_run(root, "distill-cp2", distil + _cp(2), 2), _run(root, "distill", distil))
+
+
+@pytest.fixture(scope="module")
+def chats(root):
+    """Packed chat documents with assistant-only loss masks (tools/preprocess_chat.py)."""
+    source = root / "chats.jsonl"
+    records = docstring_conversations()[:200]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    run_entry(CHAT_TOOL, ["--input", str(source), "--output-prefix", str(root / "chats")])
+    return str(root / "chats_chat_document")
+
+
+def test_sft_masks_on_packed_chats_match_one_process(root, chats):
+    sft = PACKED + ["--sft", "--data-path", chats, "--eval-iters", "0"]
+    expected, got = _run(root, "sft", sft), _run(root, "sft-cp2", sft + _cp(2), 2)
+    steps, losses = series(got, "train/loss")
+    assert steps == series(expected, "train/loss")[0] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(losses, series(expected, "train/loss")[1], rtol=RTOL, atol=0)
+    np.testing.assert_allclose(series(got, "train/grad_norm")[1],
+                               series(expected, "train/grad_norm")[1], rtol=GRAD_NORM_RTOL)  # fmt: skip
+
+
+def test_saved_at_cp2_resumes_at_cp1_and_cp4(root, unpacked):
+    save = root / "resume-cp2"
+    run_entry(PRETRAIN, COMMON + _cp(2) + ["--train-iters", str(STEPS), "--load", str(root / "init"),
+                                           "--save", str(save), "--exit-interval", "1"], nproc=2)  # fmt: skip
+    _, expected = series(unpacked, "train/loss")
+    for size in (1, 4):
+        out = root / f"resumed-cp{size}.json"
+        run_entry(PRETRAIN, COMMON + _cp(size) + ["--train-iters", str(STEPS), "--load", str(save),
+                                                  "--log-json", str(out)], nproc=size)  # fmt: skip
+        resumed = [(i, loss) for i, loss in zip(*series(read_json(out), "train/loss")) if i > 1]
+        assert [i for i, _ in resumed] == list(range(2, STEPS + 1))
+        np.testing.assert_allclose([loss for _, loss in resumed], expected[1:], rtol=RTOL, atol=0)
