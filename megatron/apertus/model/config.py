@@ -96,6 +96,10 @@ class ApertusConfig:
         return cls(**values)
 
 
+CP_COMM_TYPES = ("p2p", "a2a")
+"""Megatron-LM's ``--cp-comm-type`` values this code models."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """How the model is split: tensor, pipeline (optionally interleaved) and data parallel, and
@@ -106,6 +110,13 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    cp_comm_type: str = field(
+        default="p2p",
+        metadata={
+            "help": "how context-parallel ranks exchange attention inputs: p2p (key/value blocks "
+            "passed around the ring) or a2a (all-to-all between sequence and head splits)"
+        },
+    )
     distributed_timeout_minutes: int | None = field(
         default=None,
         metadata={
@@ -124,6 +135,10 @@ class ParallelConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(
+                f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
+            )
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or self.pipeline_model_parallel_size == 1):
             raise ConfigError(
@@ -180,12 +195,14 @@ def validate_layout(model: ApertusConfig, parallel: ParallelConfig, world_size: 
             f"--num-layers ({model.num_layers}) is not divisible by {what}: every pipeline stage "
             "needs the same number of layers"
         )
-    if world_size % (tp * pp):
+    cp = parallel.context_parallel_size
+    if world_size % (tp * pp * cp):
+        context = f" x --context-parallel-size ({cp})" if cp > 1 else ""
         raise ConfigError(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-            f"--pipeline-model-parallel-size ({pp}); the rest is the data-parallel size"
+            f"--pipeline-model-parallel-size ({pp}){context}; the rest is the data-parallel size"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
 def virtual_stages(num_layers: int, pipeline: int, layers_per_virtual_stage: int) -> int | None:
