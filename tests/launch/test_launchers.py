@@ -118,6 +118,22 @@ def test_training_command_gets_the_launchers_contract(tmp_path):
     assert slurm.Run(run_dir=tmp_path, command=teacher).training_command() == teacher
 
 
+def test_a_phase_started_with_finetune_resumes_its_own_state(tmp_path):
+    """``--finetune --no-load-rng --load PREVIOUS`` takes the weights of another run once; after
+    the first checkpoint of this run, restarts load everything of their own."""
+    save = tmp_path / "checkpoints"
+    command = ["pretrain_gpt.py", "--save", str(save), "--load", "/stage-8k", "--finetune",
+               "--no-load-rng", "--no-load-optim", "--train-iters", "9"]  # fmt: skip
+    first = slurm.Run(run_dir=tmp_path, command=command).training_command()
+    assert slurm.flag_value(first, "--load") == "/stage-8k"
+    assert {"--finetune", "--no-load-rng", "--no-load-optim"} <= set(first)
+    _save_dir(tmp_path, 4, ["iter_0000004"])
+    resumed = slurm.Run(run_dir=tmp_path, command=command).training_command()
+    assert slurm.flag_value(resumed, "--load") == str(save)
+    assert not {"--finetune", "--no-load-rng", "--no-load-optim"} & set(resumed)
+    assert slurm.flag_value(resumed, "--train-iters") == "9"
+
+
 def test_container_runtimes(monkeypatch, tmp_path):
     repo, run_dir = Path("/repo"), tmp_path
     monkeypatch.delenv("APERTUS_CONTAINER_IMAGE", raising=False)
