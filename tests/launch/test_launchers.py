@@ -21,6 +21,8 @@ SETTINGS = {  # what a user exports before submitting the real runs
     "APERTUS_DATA": "0.7 /data/web_text_document 0.3 /data/code_text_document",
     "APERTUS_TEACHER_CHECKPOINT": "/checkpoints/apertus-8b",
     "APERTUS_LOGITS_DIR": "/data/teacher-logits",
+    "APERTUS_PRETRAINED_CHECKPOINT": "/checkpoints/apertus-8b",
+    "APERTUS_LONG_CONTEXT_DATA_8K": "0.7 /data/stage5_8k 0.2 /data/fineweb_long_8k 0.1 /data/books_8k",
 }
 
 
@@ -38,9 +40,10 @@ def test_every_launcher_passes_the_planner(script, tmp_path):
     result, shape, recorded = check(script, [], env, gpu_memory_gib=None, usable_fraction=0.9)
     assert result.ok, result.problems
     assert recorded["run_dir"] == str(tmp_path)
-    assert shape.tasks == {"pretrain_apertus_8b": 1024, "pretrain_apertus_70b": 4096}.get(
+    assert shape.tasks == {"pretrain_apertus_8b": 1024, "pretrain_apertus_70b": 4096,
+                           "long_context_apertus_8b": 2048, "long_context_apertus_70b": 2048}.get(
         script.stem, shape.tasks
-    )
+    )  # fmt: skip
 
 
 def test_invalid_layout_is_refused_before_sbatch(monkeypatch, capsys, tmp_path):
