@@ -39,7 +39,8 @@ def test_every_launcher_passes_the_planner(script, tmp_path):
     )
     result, shape, recorded = check(script, [], env, gpu_memory_gib=None, usable_fraction=0.9)
     assert result.ok, result.problems
-    assert recorded["run_dir"] == str(tmp_path)
+    stage = "8k" if script.stem.startswith("long_context") else ""  # one run directory per stage
+    assert recorded["run_dir"] == str(tmp_path / stage if stage else tmp_path)
     assert shape.tasks == {"pretrain_apertus_8b": 1024, "pretrain_apertus_70b": 4096,
                            "long_context_apertus_8b": 2048, "long_context_apertus_70b": 2048}.get(
         script.stem, shape.tasks
