@@ -149,3 +149,27 @@ def test_a_stage_that_saved_resumes_its_own_checkpoint(tmp_path):
     resumed = run.training_command()
     assert slurm.flag_value(resumed, "--load") == str(tmp_path / "16k" / "checkpoints")
     assert "--finetune" not in resumed and "--no-load-rng" not in resumed
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("model", ["8b", "70b"])
+def test_dry_run_plans_each_stage_for_slurms_task_count(model, stage, tmp_path, capsys,
+                                                        monkeypatch):  # fmt: skip
+    """``srun ... pretrain_gpt.py STAGE_FLAGS --dry-run`` on 512 nodes of 4 tasks: the layout
+    plan, nothing read. Stages with CP > 1 run once the trainer accepts CP on CPU."""
+    tp, pp, dp, cp = TABLE_5[model][stage]
+    if cp > 1 and not _cp_on_cpu():
+        pytest.skip("pretrain_gpt.py refuses --context-parallel-size > 1 with the local layers")
+    _, _, recorded = plan_stage(model, stage, tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2048")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x512)")
+    argv = recorded["command"][1:] + ["--device", "cpu", "--transformer-impl", "local", "--dry-run"]
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.parse_args(argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0, out
+    context = f" x CP {cp} (p2p)" if cp > 1 else ""
+    assert f"TP {tp} x PP {pp} (virtual stages {5 if pp > 1 else 1}){context} x DP {dp}" in out
+    assert "OK: the layout is valid" in out
+    assert not (tmp_path / stage).exists(), "a dry run writes nothing"
