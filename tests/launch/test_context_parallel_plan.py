@@ -64,6 +64,22 @@ def test_cp_buffers_and_traffic_from_the_model_dimensions():
     assert eight_b(1).cp_traffic_per_step == 0 and eight_b(1).peak.cp_buffers == 0
 
 
+def test_block_recomputation_repeats_the_traffic_of_its_layers_only():
+    """70B, TP4 PP8 with 5 virtual stages of 2 layers, CP 8, the first layer of each recomputed:
+    10 layers per GPU, 5 of them twice; 8192 tokens per rank, 2 x 256 key/value channels."""
+    flags = ["--model-preset", "apertus-70b", "--precision", "bf16", "--tensor-model-parallel-size",
+             "4", "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage",
+             "2", "--sequence-parallel", "--context-parallel-size", "8", "--micro-batch-size", "1",
+             "--global-batch-size", "256", "--seq-length", "65536", "--max-position-embeddings",
+             "65536", "--train-iters", "10", "--recompute-granularity", "full",
+             "--recompute-method", "block", "--recompute-num-layers", "1"]  # fmt: skip
+    result = plan(run_from_args(flags), Cluster(gpus=2048, **GH200))
+    assert result.ok, result.problems
+    block = 2 * 2 * (8 * 128 // 4) * (65536 // 8)
+    assert result.microbatches == 32
+    assert result.cp_traffic_per_step == (3 * 10 + 5) * (8 - 1) * block * 32
+
+
 def test_a2a_moves_queries_keys_values_and_output():
     """CP 2 (2 query groups per TP rank split over 2): forward and backward each move q, k, v
     and the output, (CP - 1) / CP of them."""

@@ -309,16 +309,23 @@ def cp_traffic_bytes(run: Run, microbatches: int) -> float:
     cp = run.parallel.context_parallel_size
     if cp == 1:
         return 0.0
-    shape, model = _shape(run), run.model
-    forwards = 2 if run.recompute.granularity in ("selective", "full") else 1
+    shape, model, recompute = _shape(run), run.model, run.recompute
+    pp = run.parallel.pipeline_model_parallel_size
+    vp = run.parallel.virtual_pipeline_model_parallel_size or 1
+    layers = model.num_layers // pp
+    recomputed = 0  # layers whose forward (and its communication) runs twice
+    if recompute.granularity == "selective" or (
+        recompute.granularity == "full" and recompute.method == "uniform"
+    ):
+        recomputed = layers
+    elif recompute.granularity == "full":  # the first num_layers of each of the vp model chunks
+        recomputed = min(recompute.num_layers, layers // vp) * vp
     if run.parallel.cp_comm_type == "p2p":
-        per_layer = (forwards + 2) * (cp - 1) * memory.kv_block_bytes(model, shape)
-    else:
-        tensors = shape.dtype_bytes * 2 * model.hidden_size / shape.tp * shape.tokens
-        tensors += memory.kv_block_bytes(model, shape)
-        per_layer = (forwards + 1) * tensors * (cp - 1) / cp
-    layers = model.num_layers // run.parallel.pipeline_model_parallel_size
-    return per_layer * layers * microbatches
+        passes = 3 * layers + recomputed  # forward, backward (blocks and their gradients)
+        return passes * (cp - 1) * memory.kv_block_bytes(model, shape) * microbatches
+    tensors = shape.dtype_bytes * 2 * model.hidden_size / shape.tp * shape.tokens
+    tensors += memory.kv_block_bytes(model, shape)
+    return (2 * layers + recomputed) * tensors * (cp - 1) / cp * microbatches
 
 
 def plan(run: Run, cluster: Cluster) -> Plan:
