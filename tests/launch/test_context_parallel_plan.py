@@ -88,9 +88,9 @@ def test_a2a_moves_queries_keys_values_and_output():
     tokens = 65536 // 2
     tensors = 2 * tokens * (2 * 4096 + 2 * 8 * 128) // 4
     assert result.cp_traffic_per_step == pytest.approx(2 * tensors / 2 * 32 * result.microbatches)
-    assert cp_traffic_bytes(result.run, 1) > cp_traffic_bytes(eight_b(2).run, 1), (
-        "with 8 query groups for 32 heads, p2p moves less than a2a"
-    )
+    assert cp_traffic_bytes(result.run, 1) > cp_traffic_bytes(
+        eight_b(2).run, 1
+    ), "with 8 query groups for 32 heads, p2p moves less than a2a"
 
 
 def test_cp_makes_the_64k_8b_layout_fit():
@@ -98,7 +98,9 @@ def test_cp_makes_the_64k_8b_layout_fit():
         4, "--global-batch-size", "512", gpus=2048
     )
     (line,) = refused.problems
-    assert line.startswith("pipeline stage 0 needs 120.") and "more than the 86.4 GiB usable" in line
+    assert (
+        line.startswith("pipeline stage 0 needs 120.") and "more than the 86.4 GiB usable" in line
+    )
     assert fits.ok, fits.problems
     assert "CP 4 (p2p)" in format_plan(fits) and "CP traffic" in format_plan(fits)
 
@@ -143,4 +145,6 @@ def test_sweep_keeps_the_tokens_per_step():
     assert by_key[65536, 4].peak.activations / GIB < by_key[65536, 1].peak.activations / GIB / 3
     table = format_sweep(rows, name="apertus-8b")
     assert "| 64k | 4 | 128 | 1 |" in table and "| 64k | 1 | 512 |" in table
-    assert "refused: global batch 128 not a multiple of micro-batch x DP 512; needs 120 GiB" in table
+    assert (
+        "refused: global batch 128 not a multiple of micro-batch x DP 512; needs 120 GiB" in table
+    )

@@ -52,8 +52,8 @@ def environment(run_dir: Path, **extra: str) -> dict[str, str]:
 
 def plan_stage(model: str, stage: str, run_dir: Path):
     """The stage's plan and dry-run record, the stages before it finished."""
-    for earlier in STAGES[: STAGES.index(stage)]:
-        finish(run_dir, earlier)
+    for before in STAGES[: STAGES.index(stage)]:
+        finish(run_dir, before)
     result, shape, recorded = check(script(model), [], environment(run_dir), gpu_memory_gib=None,
                                     usable_fraction=0.9)  # fmt: skip
     return result, shape, recorded
@@ -99,7 +99,9 @@ def test_stage_flags_mean_the_recipe_in_pretrain_gpt(model, stage, tmp_path):
         argv += ["--context-parallel-size", "1"]  # the planner test above checks the CP layout
     cfg = pretrain_gpt.parse_args(argv)
     previous = STAGES[STAGES.index(stage) - 1] if stage != "8k" else None
-    initial = str(tmp_path / previous / "checkpoints") if previous else "/checkpoints/apertus-pretrained"
+    initial = (
+        str(tmp_path / previous / "checkpoints") if previous else "/checkpoints/apertus-pretrained"
+    )
     assert (cfg.checkpoint.load, cfg.checkpoint.finetune, cfg.checkpoint.no_load_rng) == (
         initial, True, True)  # fmt: skip
     assert cfg.checkpoint.save == str(tmp_path / stage / "checkpoints")

@@ -132,7 +132,9 @@ def peaks(tmp_path_factory):
             return cache[seq, cp]
         flags = PEAK_FLAGS + ["--seq-length", str(seq), "--context-parallel-size", str(cp)]
         out = tmp_path_factory.mktemp(f"peak-{seq}-{cp}") / "peak.json"
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
+        }
         env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
         launcher = [sys.executable] if cp == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp)]  # fmt: skip

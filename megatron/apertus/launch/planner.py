@@ -217,8 +217,10 @@ def _placement_problems(run: Run, cluster: Cluster) -> list[str]:
             f"--tensor-model-parallel-size ({tp}) does not divide GPUs per node "
             f"({cluster.gpus_per_node}): tensor-parallel groups would span nodes"
         )
-    if run.parallel.context_parallel_size == 1 and run.parallel.sequence_parallel and (
-        run.model.seq_length % tp
+    if (
+        run.parallel.context_parallel_size == 1
+        and run.parallel.sequence_parallel
+        and (run.model.seq_length % tp)
     ):
         problems.append(
             f"--seq-length ({run.model.seq_length}) is not divisible by "
