@@ -7,6 +7,10 @@
 
 The flags after ``--`` are the run's own (``pretrain_gpt.py``'s names; others are ignored).
 Exits 1, listing every broken constraint, when the layout cannot run.
+
+With ``--sweep-seq-lengths`` and ``--sweep-cp`` it prints one Markdown table instead: the run
+at each sequence length and context-parallel size, its tokens per step kept (the global batch
+becomes tokens / sequence length), as docs/long_context.md shows for Apertus 8B and 70B.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ import argparse
 
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.launch.planner import Cluster, format_plan, plan, run_from_command
+from megatron.apertus.launch.planner import (
+    Cluster,
+    format_plan,
+    format_sweep,
+    plan,
+    run_from_command,
+    sweep,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,17 +42,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--entry", default="pretrain_gpt.py",
                         help="entry point the flags are for (tools/generate_teacher_logits.py: "
                              "forward only)")  # fmt: skip
+    parser.add_argument("--sweep-seq-lengths", type=int, nargs="+", metavar="SEQ",
+                        help="plan the run at each of these sequence lengths (tokens per step "
+                             "kept) and print one table")  # fmt: skip
+    parser.add_argument("--sweep-cp", type=int, nargs="+", default=[1], metavar="CP",
+                        help="context-parallel sizes for --sweep-seq-lengths")  # fmt: skip
     parser.add_argument("run_flags", nargs=argparse.REMAINDER, help="-- then the run's flags")
     args = parser.parse_args(argv)
     flags = args.run_flags[1:] if args.run_flags[:1] == ["--"] else args.run_flags
+    preset = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--model-preset"), "")
     try:
         cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                           gpu_memory_gib=args.gpu_memory_gib, usable_fraction=args.usable_fraction)  # fmt: skip
+        if args.sweep_seq_lengths:
+            print(format_sweep(sweep(flags, cluster, args.sweep_seq_lengths, args.sweep_cp),
+                               name=preset))  # fmt: skip
+            return 0
         run = run_from_command([args.entry, *flags])
     except ConfigError as err:
         parser.error(str(err))
     result = plan(run, cluster)
-    preset = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--model-preset"), "")
     print(format_plan(result, name=preset))
     return 0 if result.ok else 1
 

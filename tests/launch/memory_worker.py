@@ -32,17 +32,32 @@ def _status(field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
 
 
-def _random_batches(run, count: int):
+def _local_positions(seq: int, cp: int, cp_rank: int):
+    """Global positions of the tokens a context-parallel rank holds: chunks ``cp_rank`` and
+    ``2 cp - 1 - cp_rank`` of ``2 cp`` (Megatron's load-balanced split; all of them at CP 1)."""
     import torch
+
+    chunk = seq // (2 * cp)
+    positions = torch.arange(seq).view(2 * cp, chunk)
+    return positions[[cp_rank, 2 * cp - 1 - cp_rank]].flatten() if cp > 1 else positions.flatten()
+
+
+def _random_batches(run, count: int):
+    """Random tokens at this rank's share of each sequence (the planner's unit of activations)."""
+    import torch
+    from megatron.core import parallel_state
 
     from megatron.apertus.data.batches import Batch
 
     generator = torch.Generator().manual_seed(0)
-    b, s = run.training.micro_batch_size, run.model.seq_length
+    cp = run.parallel.context_parallel_size
+    cp_rank = parallel_state.get_context_parallel_rank() if cp > 1 else 0
+    positions = _local_positions(run.model.seq_length, cp, cp_rank)
+    b, s = run.training.micro_batch_size, positions.numel()
     for _ in range(count):
         tokens = torch.randint(0, run.model.vocab_size, (b, s), generator=generator)
         yield Batch(tokens=tokens, labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(b, s),
-                    position_ids=torch.arange(s).expand(b, s).contiguous())  # fmt: skip
+                    position_ids=positions.expand(b, s).contiguous())  # fmt: skip
 
 
 def _build(run):

@@ -21,6 +21,8 @@ SETTINGS = {  # what a user exports before submitting the real runs
     "APERTUS_DATA": "0.7 /data/web_text_document 0.3 /data/code_text_document",
     "APERTUS_TEACHER_CHECKPOINT": "/checkpoints/apertus-8b",
     "APERTUS_LOGITS_DIR": "/data/teacher-logits",
+    "APERTUS_PRETRAINED_CHECKPOINT": "/checkpoints/apertus-8b",
+    "APERTUS_LONG_CONTEXT_DATA_8K": "0.7 /data/stage5_8k 0.2 /data/fineweb_long_8k 0.1 /data/books_8k",
 }
 
 
@@ -37,10 +39,12 @@ def test_every_launcher_passes_the_planner(script, tmp_path):
     )
     result, shape, recorded = check(script, [], env, gpu_memory_gib=None, usable_fraction=0.9)
     assert result.ok, result.problems
-    assert recorded["run_dir"] == str(tmp_path)
-    assert shape.tasks == {"pretrain_apertus_8b": 1024, "pretrain_apertus_70b": 4096}.get(
+    stage = "8k" if script.stem.startswith("long_context") else ""  # one run directory per stage
+    assert recorded["run_dir"] == str(tmp_path / stage if stage else tmp_path)
+    assert shape.tasks == {"pretrain_apertus_8b": 1024, "pretrain_apertus_70b": 4096,
+                           "long_context_apertus_8b": 2048, "long_context_apertus_70b": 2048}.get(
         script.stem, shape.tasks
-    )
+    )  # fmt: skip
 
 
 def test_invalid_layout_is_refused_before_sbatch(monkeypatch, capsys, tmp_path):
@@ -116,6 +120,22 @@ def test_training_command_gets_the_launchers_contract(tmp_path):
     assert slurm.flag_value(resumed, "--load") == str(save) and resumed.count("--load") == 1
     teacher = ["tools/generate_teacher_logits.py", "--load", "/teacher", "--topk", "256"]
     assert slurm.Run(run_dir=tmp_path, command=teacher).training_command() == teacher
+
+
+def test_a_phase_started_with_finetune_resumes_its_own_state(tmp_path):
+    """``--finetune --no-load-rng --load PREVIOUS`` takes the weights of another run once; after
+    the first checkpoint of this run, restarts load everything of their own."""
+    save = tmp_path / "checkpoints"
+    command = ["pretrain_gpt.py", "--save", str(save), "--load", "/stage-8k", "--finetune",
+               "--no-load-rng", "--no-load-optim", "--train-iters", "9"]  # fmt: skip
+    first = slurm.Run(run_dir=tmp_path, command=command).training_command()
+    assert slurm.flag_value(first, "--load") == "/stage-8k"
+    assert {"--finetune", "--no-load-rng", "--no-load-optim"} <= set(first)
+    _save_dir(tmp_path, 4, ["iter_0000004"])
+    resumed = slurm.Run(run_dir=tmp_path, command=command).training_command()
+    assert slurm.flag_value(resumed, "--load") == str(save)
+    assert not {"--finetune", "--no-load-rng", "--no-load-optim"} & set(resumed)
+    assert slurm.flag_value(resumed, "--train-iters") == "9"
 
 
 def test_container_runtimes(monkeypatch, tmp_path):

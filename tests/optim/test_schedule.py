@@ -133,6 +133,15 @@ def test_checkpoint_schedule_wins_when_asked_and_mismatch_fails_otherwise():
         _scheduler(longer).load_state_dict(original.state_dict())
 
 
+def test_wsd_without_cooldown_keeps_the_peak_to_the_end():
+    """``--lr-wsd-decay-iters 0`` (the Apertus long-context stages): Megatron-LM's WSD with no
+    cooldown, the linear warmup then the peak lr up to the last step."""
+    scheduler = _scheduler(dict(lr_decay_style="WSD", lr_warmup_iters=10, lr_wsd_decay_iters=0))
+    assert _lr_at(scheduler, 20) == pytest.approx(MAX_LR / 2)
+    assert _lr_at(scheduler, 20) == MAX_LR
+    assert _lr_at(scheduler, 360) == MAX_LR  # sample 400, the end of the run
+
+
 @pytest.mark.parametrize(
     "schedule, message",
     [

@@ -20,6 +20,14 @@ selective recomputation of ``core_attn`` only saves the log-sum-exp), no dropout
 non-gated xIELU MLP (two f-wide tensors). The table was read off the saved-tensor hooks of the
 real layer and is tested against them (``tests/launch/test_memory.py``).
 
+Context parallelism (CP ranks share one sequence, Megatron's split into 2 x CP chunks): every
+tensor above holds the rank's seq / CP tokens, so activations, RoPE tables and the loss buffers
+fall by CP. What CP adds is a working set of one layer at a time (``cp_buffer_bytes``): with
+``p2p`` the ring's send/receive buffers, two blocks of keys and values in forward and two of
+keys, values and their gradients in backward; with ``a2a`` the query, key, value and output
+tensors in their head-split layout while attention runs. Gradients are reduced, and with the
+distributed optimizer its states sharded, over data-parallel x context-parallel ranks.
+
 Pipelining: with 1F1B, pipeline rank r holds min(PP - r, M) micro-batches in flight; with
 interleaving, min(2 (PP - r - 1) + (VP - 1) PP + 1, M VP) model chunks (megatron-core's warmup
 plus one). Not modelled: transient buffers (an op's temporaries, communication buffers, the CUDA
@@ -78,10 +86,18 @@ class Shape:
     """Bytes per activation element (the training dtype)."""
     device: str = "cuda"
     """Where it runs (the fused loss sizes its chunks by device)."""
+    context_parallel: int = 1
+    """Ranks that share each sequence (``--context-parallel-size``)."""
+    cp_comm_type: str = "p2p"
+
+    @property
+    def local_seq_length(self) -> int:
+        """Tokens of each sequence on this rank."""
+        return self.seq_length // self.context_parallel
 
     @property
     def tokens(self) -> int:
-        return self.seq_length * self.micro_batch_size
+        return self.local_seq_length * self.micro_batch_size
 
     @property
     def seq_split(self) -> int:
@@ -153,9 +169,30 @@ def layer_activation_bytes(model: ApertusConfig, shape: Shape, *, selective: boo
         + (0 if selective else FP32 * nh / t)  # SDPA log-sum-exp
         + 2 * p * f / t  # xIELU input (fc1 output) and fc2 input
     )
-    rope_tables = 4 * shape.seq_length * model.kv_channels * p  # cos and sin for q and k
+    rope_tables = 4 * shape.local_seq_length * model.kv_channels * p  # cos and sin for q and k
     xielu_alphas = 2 * p
     return per_token * shape.tokens + rope_tables + xielu_alphas
+
+
+def kv_block_bytes(model: ApertusConfig, shape: Shape) -> float:
+    """Keys and values of this rank's tokens in one layer (what the CP ring passes on)."""
+    kv = model.kv_channels * model.num_query_groups
+    return 2 * shape.dtype_bytes * kv / shape.tp * shape.tokens
+
+
+def cp_buffer_bytes(model: ApertusConfig, shape: Shape) -> float:
+    """Working set context parallelism adds while one layer's attention runs (0 without CP).
+
+    ``p2p``: double-buffered ring transfers, peaking in backward where the keys and values and
+    their gradients both travel (4 key/value blocks). ``a2a``: queries, keys, values and the
+    output in the all-to-all's other layout (same bytes as the local tensors).
+    """
+    if shape.context_parallel == 1:
+        return 0.0
+    if shape.cp_comm_type == "p2p":
+        return 4 * kv_block_bytes(model, shape)
+    h = model.hidden_size
+    return shape.dtype_bytes * 2 * h / shape.tp * shape.tokens + kv_block_bytes(model, shape)
 
 
 def layer_input_bytes(model: ApertusConfig, shape: Shape) -> float:
@@ -212,10 +249,13 @@ class StageMemory:
     optimizer: float
     activations: float
     loss_buffers: float
+    cp_buffers: float = 0.0
+    """Context parallelism's communication working set (``cp_buffer_bytes``)."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.loss_buffers
+        return (self.weights + self.gradients + self.optimizer + self.activations
+                + self.loss_buffers + self.cp_buffers)  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -226,6 +266,8 @@ class Workload:
     optimizer: str = "ademamix"
     distributed_optimizer: bool = True
     data_parallel: int = 1
+    """Ranks the distributed optimizer shards its states over (data-parallel x context-parallel,
+    as megatron-core's ``dp_cp`` group)."""
     microbatches: int = 1
     recompute: Recompute = Recompute()
     forward_only: bool = False
@@ -276,4 +318,4 @@ def stage_memory(
         loss = loss_buffer_bytes(model, shape)
     return StageMemory(pipeline_rank=pipeline_rank, parameters=parameters, weights=weights,
                        gradients=gradients, optimizer=optimizer, activations=activations,
-                       loss_buffers=loss)  # fmt: skip
+                       loss_buffers=loss, cp_buffers=cp_buffer_bytes(model, shape))  # fmt: skip

@@ -5,15 +5,20 @@ parser) and a cluster (GPUs, GPUs per node, memory per GPU) it checks, naming th
 constraint:
 
 * the model split (``validate_layout``: heads, query groups, MLP columns and vocabulary over TP;
-  layers over PP x virtual stages; GPUs over TP x PP);
+  layers over PP x virtual stages; GPUs over TP x PP x CP);
 * the batch: global batch (and every ramp-up batch) divisible by micro-batch x DP; with virtual
   stages, micro-batches per step divisible by PP (megatron-core's interleaved schedule);
 * the placement: a TP group inside one node; the sequence over TP with sequence parallelism;
+* context parallelism: the sequence into 2 x CP chunks (Megatron's load-balanced split), each
+  rank's share over TP with sequence parallelism, and with ``a2a`` the heads and query groups of
+  a TP rank over CP;
 * memory: the fullest pipeline stage (``memory.stage_memory``) within the usable share of a GPU.
 
 It reports the per-GPU memory (weights, gradients, optimizer states, activations with the
-chosen recomputation and the alternatives) and model FLOPs per step (``flops_per_token``, the
-same count the training log uses for MFU).
+chosen recomputation and the alternatives), model FLOPs per step (``flops_per_token``, the
+same count the training log uses for MFU) and, with CP, the bytes each GPU sends per step for
+attention (``cp_traffic_bytes``). ``sweep`` plans one run at several sequence lengths and CP
+sizes with the tokens per step held fixed (the long-context table).
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ class Plan:
     """Total bytes of the fullest stage for each recomputation choice."""
     flops_per_step: float | None = None
     train_iters: int | None = None
+    cp_traffic_per_step: float = 0.0
+    """Bytes each GPU sends per step for context-parallel attention (``cp_traffic_bytes``)."""
 
     @property
     def ok(self) -> bool:
@@ -171,15 +178,47 @@ def _batch_problems(run: Run, dp: int) -> list[str]:
     return problems
 
 
+def _context_problems(run: Run) -> list[str]:
+    """The sequence and heads over context-parallel ranks (none without CP)."""
+    par, model = run.parallel, run.model
+    cp, tp, seq = par.context_parallel_size, par.tensor_model_parallel_size, model.seq_length
+    if cp == 1:
+        return []
+    if seq % (2 * cp):
+        return [f"--seq-length ({seq}) is not divisible by 2 x --context-parallel-size ({cp}): "
+                "each context-parallel rank holds 2 of 2 x CP equal chunks"]  # fmt: skip
+    problems = []
+    if par.sequence_parallel and (seq // cp) % tp:
+        problems.append(
+            f"--seq-length ({seq}) / --context-parallel-size ({cp}) = {seq // cp} tokens per "
+            f"rank is not divisible by --tensor-model-parallel-size ({tp}), which "
+            "--sequence-parallel splits them over"
+        )
+    if par.cp_comm_type == "a2a":
+        for value, arg in ((model.num_attention_heads, "--num-attention-heads"),
+                           (model.num_query_groups, "--num-query-groups")):  # fmt: skip
+            if (value // tp) % cp:
+                problems.append(
+                    f"--cp-comm-type a2a: {arg} ({value}) / --tensor-model-parallel-size ({tp}) "
+                    f"= {value // tp} per rank is not divisible by --context-parallel-size "
+                    f"({cp}), over which the all-to-all splits them"
+                )
+    return problems
+
+
 def _placement_problems(run: Run, cluster: Cluster) -> list[str]:
     tp = run.parallel.tensor_model_parallel_size
-    problems = []
+    problems = _context_problems(run)
     if cluster.gpus_per_node % tp and cluster.gpus > cluster.gpus_per_node:
         problems.append(
             f"--tensor-model-parallel-size ({tp}) does not divide GPUs per node "
             f"({cluster.gpus_per_node}): tensor-parallel groups would span nodes"
         )
-    if run.parallel.sequence_parallel and run.model.seq_length % tp:
+    if (
+        run.parallel.context_parallel_size == 1
+        and run.parallel.sequence_parallel
+        and (run.model.seq_length % tp)
+    ):
         problems.append(
             f"--seq-length ({run.model.seq_length}) is not divisible by "
             f"--tensor-model-parallel-size ({tp}), which --sequence-parallel splits it over"
@@ -218,6 +257,8 @@ def _shape(run: Run) -> Shape:
         sequence_parallel=run.parallel.sequence_parallel,
         dtype_bytes=memory.DTYPE_BYTES[run.training.precision],
         device="cpu" if run.training.device == "cpu" else "cuda",
+        context_parallel=run.parallel.context_parallel_size,
+        cp_comm_type=run.parallel.cp_comm_type,
     )
 
 
@@ -226,7 +267,7 @@ def _stages(run: Run, dp: int, microbatches: int, recompute: Recompute) -> list[
         precision=run.training.precision,
         optimizer=run.optimizer.optimizer,
         distributed_optimizer=run.optimizer.use_distributed_optimizer,
-        data_parallel=dp,
+        data_parallel=dp * run.parallel.context_parallel_size,
         microbatches=microbatches,
         recompute=recompute,
         forward_only=run.forward_only,
@@ -253,6 +294,37 @@ def _hardware_flops(run: Run, tokens: int) -> float:
         )
         layers = min(layers, recompute.num_layers * chunks)
     return model + layers * (2 * memory.layer_parameters(m, 1) * tokens + attention_forward)
+
+
+def cp_traffic_bytes(run: Run, microbatches: int) -> float:
+    """Bytes one GPU sends per step for context-parallel attention, summed over its layers.
+
+    ``p2p``: each layer's forward passes the rank's key/value block CP - 1 steps around the
+    ring; its backward passes the blocks again with their gradients (2 x); recomputation that
+    repeats core attention (selective, full) repeats the forward. ``a2a``: four all-to-alls in
+    forward (queries, keys, values to head-split, the output back) and four in backward, each
+    sending (CP - 1) / CP of its tensor.
+    """
+    cp = run.parallel.context_parallel_size
+    if cp == 1:
+        return 0.0
+    shape, model, recompute = _shape(run), run.model, run.recompute
+    pp = run.parallel.pipeline_model_parallel_size
+    vp = run.parallel.virtual_pipeline_model_parallel_size or 1
+    layers = model.num_layers // pp
+    recomputed = 0  # layers whose forward (and its communication) runs twice
+    if recompute.granularity == "selective" or (
+        recompute.granularity == "full" and recompute.method == "uniform"
+    ):
+        recomputed = layers
+    elif recompute.granularity == "full":  # the first num_layers of each of the vp model chunks
+        recomputed = min(recompute.num_layers, layers // vp) * vp
+    if run.parallel.cp_comm_type == "p2p":
+        passes = 3 * layers + recomputed  # forward, backward (blocks and their gradients)
+        return passes * (cp - 1) * memory.kv_block_bytes(model, shape) * microbatches
+    tensors = shape.dtype_bytes * 2 * model.hidden_size / shape.tp * shape.tokens
+    tensors += memory.kv_block_bytes(model, shape)
+    return (2 * layers + recomputed) * tensors * (cp - 1) / cp * microbatches
 
 
 def plan(run: Run, cluster: Cluster) -> Plan:
@@ -282,6 +354,7 @@ def plan(run: Run, cluster: Cluster) -> Plan:
         },
         flops_per_step=flops_per_token(run.model) * t.global_batch_size * run.model.seq_length,
         train_iters=t.total_iterations(dp) if not problems else None,
+        cp_traffic_per_step=cp_traffic_bytes(run, microbatches),
     )
     return replace(result, problems=problems + _memory_problem(result))
 
@@ -312,11 +385,13 @@ def format_plan(p: Plan, *, name: str = "") -> str:
     ]
     if p.data_parallel is not None:
         tokens = t.global_batch_size * run.model.seq_length
+        context = (f" x CP {par.context_parallel_size} ({par.cp_comm_type})"
+                   if par.context_parallel_size > 1 else "")  # fmt: skip
         lines += [
             f"  parallelism  TP {par.tensor_model_parallel_size} x PP "
             f"{par.pipeline_model_parallel_size} (virtual stages "
-            f"{par.virtual_pipeline_model_parallel_size or 1}) x DP {p.data_parallel}; sequence "
-            f"parallel {'on' if par.sequence_parallel else 'off'}",
+            f"{par.virtual_pipeline_model_parallel_size or 1}){context} x DP {p.data_parallel}; "
+            f"sequence parallel {'on' if par.sequence_parallel else 'off'}",
             f"  batch        micro-batch {t.micro_batch_size} x {p.microbatches} micro-batches x DP "
             f"{p.data_parallel} = global batch {t.global_batch_size} x {run.model.seq_length} "
             f"tokens = {tokens / 1e6:.2f} M tokens per step"
@@ -330,6 +405,9 @@ def format_plan(p: Plan, *, name: str = "") -> str:
             f"  FLOPs/step   model {p.flops_per_step:.3e} ({p.flops_per_step / cluster.gpus:.3e} per "
             f"GPU); with recomputation {hardware:.3e}"
         )
+        if par.context_parallel_size > 1:
+            lines.append(f"  CP traffic   {p.cp_traffic_per_step / GIB:.2f} GiB sent per GPU per "
+                         f"step ({par.cp_comm_type}, attention inputs and their gradients)")  # fmt: skip
         if p.train_iters is not None:
             lines.append(f"  run          {p.train_iters} steps, "
                          f"{p.flops_per_step * p.train_iters:.3e} model FLOPs")  # fmt: skip
@@ -345,7 +423,9 @@ def _memory_lines(p: Plan) -> list[str]:
     run, peak = p.run, p.peak
     moments = memory.OPTIMIZER_MOMENTS[run.optimizer.optimizer]
     master = "fp32 master + " if run.training.precision != "fp32" else ""
-    sharding = f" / DP {p.data_parallel}" if run.optimizer.use_distributed_optimizer else ""
+    cp = run.parallel.context_parallel_size
+    shards = f"DP x CP {p.data_parallel * cp}" if cp > 1 else f"DP {p.data_parallel}"
+    sharding = f" / {shards}" if run.optimizer.use_distributed_optimizer else ""
     rows = [
         (f"weights ({run.training.precision})", peak.weights),
         ("gradients (fp32 DDP buffer)", peak.gradients),
@@ -353,6 +433,8 @@ def _memory_lines(p: Plan) -> list[str]:
          peak.optimizer),
         (f"activations (recompute {_recompute_name(run.recompute)})", peak.activations),
         ("fused output layer + loss (dX, dW, a chunk of logits)", peak.loss_buffers),
+        *([(f"context-parallel {run.parallel.cp_comm_type} buffers (one layer)",
+            peak.cp_buffers)] if run.parallel.context_parallel_size > 1 else []),
         ("total", peak.total),
     ]  # fmt: skip
     stages = ", ".join(
@@ -397,3 +479,91 @@ def dry_run(argv: list[str], device: str) -> NoReturn:
     if os.environ.get("RANK", "0") == "0":
         print(format_plan(result, name="dry run"))
     sys.exit(0 if result.ok else 1)
+
+
+# -- the long-context table ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    seq_length: int
+    context_parallel: int
+    plan: Plan
+    a2a_traffic_per_step: float | None
+    """The same layout's traffic with ``--cp-comm-type a2a``; None where a2a cannot split it."""
+
+
+def sweep(flags: list[str], cluster: Cluster, seq_lengths: list[int],
+          cp_sizes: list[int]) -> list[SweepRow]:  # fmt: skip
+    """``flags``' run planned at each sequence length and CP size, with the tokens per step of
+    ``flags`` kept: the global batch becomes tokens / sequence length (Apertus keeps its global
+    batch in tokens through the long-context phase)."""
+    base = run_from_args(flags)
+    tokens = base.training.global_batch_size * base.model.seq_length
+    rows = []
+    for seq in seq_lengths:
+        for cp in cp_sizes:
+            if tokens % seq:
+                raise ConfigError(f"--seq-length {seq} does not divide the {tokens} tokens per step "
+                                  "of --global-batch-size x --seq-length")  # fmt: skip
+            varied = flags + ["--seq-length", str(seq), "--max-position-embeddings", str(seq),
+                              "--global-batch-size", str(tokens // seq),
+                              "--context-parallel-size", str(cp)]  # fmt: skip
+            result = plan(run_from_args(varied), cluster)
+            a2a = plan(run_from_args(varied + ["--cp-comm-type", "a2a"]), cluster)
+            a2a_ok = not any("--cp-comm-type a2a" in problem for problem in a2a.problems)
+            rows.append(SweepRow(seq_length=seq, context_parallel=cp, plan=result,
+                                 a2a_traffic_per_step=a2a.cp_traffic_per_step if a2a_ok else None))  # fmt: skip
+    return rows
+
+
+def _verdict(p: Plan) -> str:
+    """Every broken constraint of a table row, shortened to fit a cell."""
+    if p.ok:
+        return "fits"
+    reasons = []
+    for problem in p.problems:
+        if "GiB per GPU" in problem:
+            usable = p.cluster.gpu_memory_gib * p.cluster.usable_fraction
+            full = p.recompute_alternatives.get("full uniform 1", float("inf")) / GIB
+            reasons.append(f"needs {p.peak.total / GIB:.0f} GiB > {usable:.1f} usable"
+                           + ("; fits with full recomputation" if full <= usable else ""))  # fmt: skip
+        elif problem.startswith("--global-batch-size") and "data-parallel size" in problem:
+            t = p.run.training
+            reasons.append(f"global batch {t.global_batch_size} not a multiple of micro-batch x DP "
+                           f"{t.micro_batch_size * p.data_parallel}")  # fmt: skip
+        else:
+            reasons.append(problem)
+    return "refused: " + "; ".join(reasons)
+
+
+def format_sweep(rows: list[SweepRow], *, name: str = "") -> str:
+    """The sweep as a Markdown table (memory of the fullest stage per GPU, traffic per GPU)."""
+    first = rows[0].plan
+    par = first.run.parallel
+    lines = [
+        f"{name or 'model'}: TP {par.tensor_model_parallel_size} x PP "
+        f"{par.pipeline_model_parallel_size}, {first.cluster.gpus} GPUs of "
+        f"{first.cluster.gpu_memory_gib:g} GiB ({first.cluster.gpus_per_node} per node), "
+        f"{first.run.training.global_batch_size * first.run.model.seq_length / 2**20:.0f} Mi "
+        f"tokens per step, recompute {_recompute_name(first.run.recompute)}",
+        "",
+        "| seq | CP | DP | micro-batches | activations GiB | CP buffers GiB | total GiB | "
+        "total, full recompute GiB | CP traffic/step p2p GiB | a2a GiB | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        p = row.plan
+        if p.peak is None:
+            lines.append(f"| {row.seq_length // 1024}k | {row.context_parallel} | | | | | | | | | "
+                         f"{_verdict(p)} |")  # fmt: skip
+            continue
+        a2a = "n/a" if row.a2a_traffic_per_step is None else f"{row.a2a_traffic_per_step / GIB:.2f}"
+        full = p.recompute_alternatives["full uniform 1"] / GIB
+        lines.append(
+            f"| {row.seq_length // 1024}k | {row.context_parallel} | {p.data_parallel} | "
+            f"{p.microbatches} | {p.peak.activations / GIB:.1f} | {p.peak.cp_buffers / GIB:.2f} | "
+            f"{p.peak.total / GIB:.1f} | {full:.1f} | {p.cp_traffic_per_step / GIB:.2f} | {a2a} | "
+            f"{_verdict(p)} |"
+        )
+    return "\n".join(lines)

@@ -46,6 +46,10 @@ NETWORK_DEFAULTS = {
     "NCCL_DEBUG": "WARN",
 }
 """Set for the tasks unless the job's environment already sets them (site settings win)."""
+INITIAL_LOAD_FLAGS = ("--finetune", "--no-load-optim", "--no-load-rng")
+"""Megatron-LM switches that start a new phase from another run's checkpoint (weights only, or
+without its optimizer or RNG states); with them on every restart, a resubmitted job would
+start the phase over from its own latest checkpoint."""
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.I)
 DEFAULT_MAX_RESUBMISSIONS = 20
 
@@ -119,7 +123,9 @@ class Run:
     def training_command(self) -> list[str]:
         """The command with the launcher's contract: signal handler, trigger directory, and
         ``--load`` of the save directory once it holds a checkpoint (resumption wins over an
-        initial ``--load``)."""
+        initial ``--load``, and the flags that say how to take that initial checkpoint,
+        ``INITIAL_LOAD_FLAGS``, go with it: a resumed run loads its own optimizer, RNG and
+        iteration)."""
         command = self.command
         if self.save_dir is None:
             return command
@@ -127,6 +133,7 @@ class Run:
         command = with_flag(command, "--trigger-path", str(self.trigger_dir))
         if self.latest() is not None:
             command = with_flag(command, "--load", str(self.save_dir))
+            command = [arg for arg in command if arg not in INITIAL_LOAD_FLAGS]
         return command
 
 

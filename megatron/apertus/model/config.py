@@ -111,6 +111,10 @@ class ApertusConfig:
         return cls(**values)
 
 
+CP_COMM_TYPES = ("p2p", "a2a")
+"""Megatron-LM's ``--cp-comm-type`` values this code models."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """How the model is split: tensor, pipeline (optionally interleaved) and data parallel, and
@@ -155,6 +159,10 @@ class ParallelConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(
+                f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
+            )
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or self.pipeline_model_parallel_size == 1):
             raise ConfigError(

@@ -103,8 +103,9 @@ class ScheduleConfig:
                 )
             if (iters or 0) < 0 or (samples or 0) < 0:
                 raise ValueError(f"--lr-{_dash(what)}-iters/-samples must be >= 0")
-        wsd_length = self.lr_wsd_decay_iters or self.lr_wsd_decay_samples
-        if self.lr_decay_style == "WSD" and not wsd_length:
+        # 0 is a length (Megatron-LM's: no cooldown, the peak lr to the end); only None is none.
+        no_length = self.lr_wsd_decay_iters is None and self.lr_wsd_decay_samples is None
+        if self.lr_decay_style == "WSD" and no_length:
             raise ValueError(
                 "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples"
             )
