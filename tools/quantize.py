@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 GROUPS = ("training", "data", "dataset", "quant")
 """The config groups of ``pretrain_gpt.py`` this tool reads (GPTQ: the store's run, to find its
 samples)."""
