@@ -19,7 +19,6 @@ import sys
 
 from megatron.apertus.cli import ArgumentParser, run
 
-
 GROUPS = ("training", "data", "dataset", "quant")
 """The config groups of ``pretrain_gpt.py`` this tool reads (GPTQ: the store's run, to find its
 samples)."""

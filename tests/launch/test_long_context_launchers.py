@@ -14,7 +14,7 @@ from megatron.apertus.launch import slurm
 from megatron.apertus.launch.submit import check
 from megatron.apertus.model.config import ConfigError
 from megatron.apertus.model.engine import EngineConfig, validate_engine
-from megatron.apertus.training.checkpoint_files import TRACKER
+from megatron.apertus.checkpoint_files import TRACKER
 from tests.conftest import REPO
 
 SLURM_DIR = REPO / "examples" / "slurm"

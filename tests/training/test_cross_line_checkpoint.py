@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.apertus.training import checkpoint
+from megatron.apertus import checkpoint
 from tests.conftest import PRETRAIN, read_json, run_entry, series
 from tests.training.test_resume import COMMON, ITERS
 

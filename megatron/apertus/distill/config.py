@@ -13,8 +13,10 @@ from megatron.apertus.ops.sparse_kl import DEFAULT_TAIL, TAIL_MODES
 class DistillConfig:
     distill_logits_path: Optional[str] = field(
         default=None,
-        metadata={"ours": True,
-                  "help": "teacher top-k logits (tools/generate_teacher_logits.py) to distil from"},
+        metadata={
+            "ours": True,
+            "help": "teacher top-k logits (tools/generate_teacher_logits.py) to distil from",
+        },
     )
     kd_alpha: float = field(
         default=0.9,
@@ -22,8 +24,7 @@ class DistillConfig:
     )
     kd_tail: str = field(
         default=DEFAULT_TAIL,
-        metadata={"ours": True,
-                  "help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)}"},
+        metadata={"ours": True, "help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)}"},
     )
 
     def __post_init__(self) -> None:

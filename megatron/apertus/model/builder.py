@@ -109,11 +109,11 @@ def build_model_chunk(
     model_class, head = FusedLossGPTModel if fused_loss else GPTModel, {}
     if topk is not None:
         model_class, head = TopKGPTModel, {"topk": topk, "chunk_rows": topk_chunk_rows}
+    spec = apertus_block_spec(model, config, vp_stage, xielu_impl=xielu_impl, quant=quant)
     return model_class(
         **head,
         config=config,
-        transformer_layer_spec=apertus_block_spec(model, config, vp_stage, xielu_impl=xielu_impl,
-                                                  quant=quant),  # fmt: skip
+        transformer_layer_spec=spec,
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(
@@ -149,8 +149,7 @@ def build_model(
     tconfig = transformer_config(model, parallel, **config)
     chunks = tconfig.virtual_pipeline_model_parallel_size or 1
     vp = [None] if chunks == 1 else list(range(chunks))
+    head = dict(fused_loss=fused_loss, quant=quant, topk=topk, topk_chunk_rows=topk_chunk_rows)
     return [
-        build_model_chunk(model, tconfig, vp_stage=v, xielu_impl=xielu_impl, fused_loss=fused_loss,
-                          quant=quant, topk=topk, topk_chunk_rows=topk_chunk_rows)  # fmt: skip
-        for v in vp
+        build_model_chunk(model, tconfig, vp_stage=v, xielu_impl=xielu_impl, **head) for v in vp
     ]

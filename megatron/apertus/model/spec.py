@@ -60,9 +60,7 @@ def _linear(module: type, quantized: type, quant: QuantConfig | None):
     return ModuleSpec(module=quantized, params={"quant": quant})
 
 
-def _attention_spec(
-    model: ApertusConfig, *, qkv, core: type, proj, norm: type
-) -> ModuleSpec:
+def _attention_spec(model: ApertusConfig, *, qkv, core: type, proj, norm: type) -> ModuleSpec:
     """Causal self-attention from one implementation's modules; ``norm`` is the QK-norm."""
     return ModuleSpec(
         module=SelfAttention,

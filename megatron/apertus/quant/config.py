@@ -19,7 +19,7 @@ class QuantConfig:
             "ours": True,
             "help": f"fake-quantize the decoder's linear layers on every forward pass "
             f"(straight-through gradient): {', '.join(FORMATS)}; int* are weight-only, fp8 and "
-            "nvfp4 quantize weights and activations"
+            "nvfp4 quantize weights and activations",
         },
     )
     quant_group_size: int = field(

@@ -78,7 +78,8 @@ class TrainingConfig:
     eval_iters: int = _help("validation batches per validation pass", 4)
     device: str = _help("auto, cpu or cuda", "auto", ours=True)
     precision: Optional[str] = _help(
-        "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)", None,
+        "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)",
+        None,
         ours=True,
     )
     bf16: bool = _switch("Megatron-LM's --precision bf16")
@@ -122,7 +123,8 @@ class TrainingConfig:
     )
     xielu_impl: str = _help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
     fused_output_loss: bool = _help(
-        "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)", True,
+        "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)",
+        True,
         ours=True,
     )
 
@@ -530,7 +532,6 @@ def add_model_arguments(parser: argparse.ArgumentParser, title: str) -> None:
         help="the model's vocabulary is the tokenizer's, padded to a multiple of this x "
         "--tensor-model-parallel-size (Megatron-LM's rule; with --vocab-size: checked to be one)",
     )
-
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser, title: str) -> None:

@@ -57,6 +57,7 @@ from megatron.apertus.training.step import packed_seq_params_to
 
 log = logging.getLogger("apertus.distill")
 
+
 @dataclass(kw_only=True, frozen=True)
 class LogitsConfig:
     logits_dir: str | None = field(
