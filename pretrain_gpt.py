@@ -18,7 +18,6 @@ from megatron.apertus.training import config as C
 from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
 from megatron.apertus.training.optimizer import check_schedule
-from megatron.apertus.training.optimizer import check_schedule
 from megatron.apertus.training.run_log import configure_logging
 
 
