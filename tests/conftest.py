@@ -1,14 +1,27 @@
-"""Shared helpers: run our entry points as real subprocesses (one process or torchrun)."""
+"""Shared helpers: run our entry points as real subprocesses (one process or torchrun), the one
+fixture that builds tiny fp32 models on the CPU in this process (:func:`tiny_cpu`), and the
+``process`` marker that ``make test-fast`` leaves out.
+
+A test is marked ``process`` when it, one of its fixtures, or a function of ``tests/`` they call
+(followed through the names their code uses) reaches ``run_entry``, ``subprocess``,
+``multiprocessing`` or torch's process spawning: what it uses decides its tier, not a list.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
+from megatron.apertus import checkpoint, parallel
+from megatron.apertus.model import ApertusConfig, ParallelConfig, preset, transformer_config
+from megatron.apertus.model.builder import build_model
 from megatron.apertus.training.metrics import read_history
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,3 +59,93 @@ def series(history: dict, name: str) -> tuple[list[int], list[float]]:
     """Iterations and values of one recorded metric (``--log-json`` stores [iteration, value])."""
     pairs = history.get(name, [])
     return [int(i) for i, _ in pairs], [float(v) for _, v in pairs]
+
+
+class TinyCPU:
+    """Models of one process on the CPU, fp32, built the way the package builds them
+    (:func:`megatron.apertus.model.builder.build_model`); ``model`` is the tiny preset."""
+
+    def __init__(self, model: ApertusConfig) -> None:
+        self.model = model
+
+    def config(self, model: ApertusConfig | None = None, **fields):
+        """megatron-core's TransformerConfig of ``model`` (default: the tiny preset)."""
+        return transformer_config(
+            model or self.model, ParallelConfig(), use_cpu_initialization=True, **fields
+        )
+
+    def build(self, model: ApertusConfig | None = None, *, load=None, fused_loss: bool = False,
+              **fields):  # fmt: skip
+        """The one chunk of ``model`` (default: the checkpoint ``load``'s model, else the tiny
+        preset); with ``load``, holding that checkpoint's weights."""
+        if model is None:
+            model = self.model if load is None else checkpoint.load_model_config(load)
+        (chunk,) = build_model(model, ParallelConfig(), fused_loss=fused_loss,
+                               use_cpu_initialization=True, **fields)  # fmt: skip
+        if load is not None:
+            checkpoint.load_model(load, [chunk])
+        return chunk
+
+
+@contextlib.contextmanager
+def cpu_models() -> Iterator[TinyCPU]:
+    """One-process CPU parallel state (seed 0) and a :class:`TinyCPU` to build models in it,
+    torn down on exit; for helpers that load checkpoints outside a test's own scope."""
+    model = preset("tiny")
+    parallel.initialize(ParallelConfig(), device="cpu", seed=0, model=model)
+    try:
+        yield TinyCPU(model)
+    finally:
+        parallel.shutdown()
+
+
+@pytest.fixture
+def tiny_cpu() -> Iterator[TinyCPU]:
+    """:func:`cpu_models` for the duration of one test."""
+    with cpu_models() as models:
+        yield models
+
+
+PROCESS_NAMES = frozenset({"run_entry", "subprocess", "Popen", "multiprocessing", "spawn"})
+"""Names whose use in a test's code means that the test starts processes."""
+PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing")
+
+
+def _starts_processes(code: types.CodeType, scope: dict, seen: set) -> bool:
+    """Whether ``code`` (or a function of ``tests/`` it names, recursively) starts processes."""
+    if code in seen:
+        return False
+    seen.add(code)
+    for name in code.co_names:
+        if name in PROCESS_NAMES:
+            return True
+        target = scope.get(name)
+        target = getattr(target, "__wrapped__", target)  # through functools' caches
+        if getattr(target, "__module__", None) in PROCESS_MODULES:
+            return True
+        if isinstance(target, types.FunctionType) and target.__module__.startswith("tests"):
+            if _starts_processes(target.__code__, target.__globals__, seen):
+                return True
+    return any(
+        _starts_processes(const, scope, seen)
+        for const in code.co_consts
+        if isinstance(const, types.CodeType)
+    )
+
+
+def _uses_processes(item: pytest.Item) -> bool:
+    functions = [getattr(item, "obj", None)]
+    for name in getattr(item, "fixturenames", ()):
+        functions += [d.func for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
+    seen: set = set()
+    return any(
+        _starts_processes(f.__code__, f.__globals__, seen)
+        for f in functions
+        if isinstance(f, types.FunctionType)
+    )
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if _uses_processes(item):
+            item.add_marker(pytest.mark.process)
