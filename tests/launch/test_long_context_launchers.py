@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 import pretrain_gpt
+from megatron.apertus.checkpoint_files import TRACKER
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch import slurm
 from megatron.apertus.launch.submit import check
-from megatron.apertus.model.config import ConfigError
-from megatron.apertus.model.engine import EngineConfig, validate_engine
-from megatron.apertus.checkpoint_files import TRACKER
 from tests.conftest import REPO
 
 SLURM_DIR = REPO / "examples" / "slurm"
@@ -77,15 +76,6 @@ def test_each_stage_passes_the_planner_with_the_published_layout(model, stage, t
     assert par.sequence_parallel and t.micro_batch_size == 1
 
 
-def _cp_on_cpu() -> bool:
-    """Whether ``pretrain_gpt.py`` accepts context parallelism with the local layers yet."""
-    try:
-        validate_engine(EngineConfig(), device="cpu", num_layers=4, context_parallel_size=2)
-    except ConfigError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("model", ["8b", "70b"])
 def test_stage_flags_mean_the_recipe_in_pretrain_gpt(model, stage, tmp_path):
@@ -95,8 +85,6 @@ def test_stage_flags_mean_the_recipe_in_pretrain_gpt(model, stage, tmp_path):
     Goldfish and document masking as in pretraining."""
     _, _, recorded = plan_stage(model, stage, tmp_path)
     argv = recorded["command"][1:] + ["--device", "cpu", "--transformer-impl", "local"]
-    if TABLE_5[model][stage][3] > 1 and not _cp_on_cpu():
-        argv += ["--context-parallel-size", "1"]  # the planner test above checks the CP layout
     cfg = pretrain_gpt.parse_args(argv)
     previous = STAGES[STAGES.index(stage) - 1] if stage != "8k" else None
     initial = (
@@ -158,10 +146,8 @@ def test_a_stage_that_saved_resumes_its_own_checkpoint(tmp_path):
 def test_dry_run_plans_each_stage_for_slurms_task_count(model, stage, tmp_path, capsys,
                                                         monkeypatch):  # fmt: skip
     """``srun ... pretrain_gpt.py STAGE_FLAGS --dry-run`` on 512 nodes of 4 tasks: the layout
-    plan, nothing read. Stages with CP > 1 run once the trainer accepts CP on CPU."""
+    plan, nothing read."""
     tp, pp, dp, cp = TABLE_5[model][stage]
-    if cp > 1 and not _cp_on_cpu():
-        pytest.skip("pretrain_gpt.py refuses --context-parallel-size > 1 with the local layers")
     _, _, recorded = plan_stage(model, stage, tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "2048")

@@ -101,25 +101,6 @@ MEASURED = [(256, 1), (1024, 1), (256, 2), (1024, 2)]
 """(sequence length, context-parallel size) of the peak-memory measurements."""
 
 
-def _cp_runs_on_cpu() -> bool:
-    """Whether the trainer runs context parallelism with the local (CPU) attention yet."""
-    from megatron.apertus.model.config import ConfigError
-    from megatron.apertus.model.engine import EngineConfig, validate_engine
-
-    try:
-        validate_engine(EngineConfig(), device="cpu", num_layers=4, context_parallel_size=2)
-    except ConfigError:
-        return False
-    return True
-
-
-def _needs_cp(cp: int):
-    return pytest.mark.skipif(
-        cp > 1 and not _cp_runs_on_cpu(),
-        reason="the trainer refuses --context-parallel-size > 1 on CPU: no CP run to measure",
-    )
-
-
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory):
     """(seq, cp) -> (measured peak growth of the fullest rank, the planner's estimate), in
@@ -156,7 +137,7 @@ def peaks(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "seq, cp", [pytest.param(seq, cp, marks=_needs_cp(cp)) for seq, cp in MEASURED],
+    "seq, cp", MEASURED,
     ids=[f"seq{seq}-cp{cp}" for seq, cp in MEASURED],
 )  # fmt: skip
 def test_estimate_within_15_percent_of_measured_peak_memory(peaks, seq, cp):
@@ -165,7 +146,7 @@ def test_estimate_within_15_percent_of_measured_peak_memory(peaks, seq, cp):
     assert abs(estimate - measured) / measured < 0.15
 
 
-@pytest.mark.parametrize("cp", [pytest.param(cp, marks=_needs_cp(cp)) for cp in (1, 2)])
+@pytest.mark.parametrize("cp", [1, 2])
 def test_memory_added_by_a_longer_sequence_matches_the_estimate(peaks, cp):
     """From 256 to 1024 tokens per sequence the activations quadruple: the estimate's growth
     is the measured growth within 15%, at each context-parallel size."""
@@ -174,7 +155,6 @@ def test_memory_added_by_a_longer_sequence_matches_the_estimate(peaks, cp):
     assert abs((long_estimate - short_estimate) - (long - short)) / (long - short) < 0.15
 
 
-@_needs_cp(2)
 def test_memory_saved_by_context_parallelism_matches_the_estimate(peaks):
     """At 1024 tokens, CP 2 against CP 1: each rank's saving, measured and estimated."""
     (one, one_estimate), (two, two_estimate) = peaks(1024, 1), peaks(1024, 2)
