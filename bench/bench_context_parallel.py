@@ -1,7 +1,7 @@
 """Context parallelism on CPU: step time and peak memory per rank against CP=1 at the same global
 sequence length.
 
-    python bench/bench_context_parallel.py                       # 4096 tokens, CP 1 and 2
+    python bench/bench_context_parallel.py                       # 1024 tokens, CP 1 and 2
     python bench/bench_context_parallel.py --seq-length 4096 --cp 1 2 4
 
 Each configuration is a real training run (``pretrain_gpt.py`` under torchrun, gloo, one thread
@@ -72,11 +72,11 @@ def run(seq_length: int, cp: int, comm: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--comm", nargs="+", default=["p2p", "a2a"])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
     rows = []
     for cp in args.cp:
