@@ -165,7 +165,8 @@ def test_our_writer_writes_megatron_core_bytes(tmp_path, tekken, dtype):
     from megatron.apertus.data.indexed_writer import IndexedDatasetWriter
 
     top = np.iinfo(dtype).max
-    documents = [[np.asarray(tekken.encode(d), dtype=dtype)] for d in DOCS[:5]]
+    # real ids, folded into the dtype's range for uint16 (a vocabulary below 65500)
+    documents = [[(np.asarray(tekken.encode(d)) % (int(top) + 1)).astype(dtype)] for d in DOCS[:5]]
     documents.append([np.asarray([top, 0, 1], dtype=dtype), np.asarray([top], dtype=dtype)])
     theirs = IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=dtype)
     ours = IndexedDatasetWriter(str(tmp_path / "ours.bin"), dtype=dtype)
@@ -178,6 +179,6 @@ def test_our_writer_writes_megatron_core_bytes(tmp_path, tekken, dtype):
         assert (tmp_path / f"ours{suffix}").read_bytes() == (
             tmp_path / f"theirs{suffix}"
         ).read_bytes()
-    assert [d.tolist() for d in read_documents(str(tmp_path / "ours"))] == [
-        np.concatenate(s).tolist() for s in documents
-    ]
+    sequences = [d.tolist() for d in read_documents(str(tmp_path / "ours"))]  # one per entry
+    assert sequences == [s.tolist() for document in documents for s in document]
+    assert IndexedDataset(str(tmp_path / "ours")).document_indices.tolist() == [0, 1, 2, 3, 4, 5, 7]
