@@ -26,7 +26,6 @@ from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.data.preprocess import (
-    Summary,
     add_corpus_arguments,
     corpus_config,
     format_summary,
@@ -66,9 +65,9 @@ def _remove_outputs(prefix: str, objective: str) -> None:
             Path(name + suffix).unlink(missing_ok=True)
 
 
-def _check_written(summary: Summary, args: argparse.Namespace) -> None:
-    """Refuse a run that kept no example, or whose lines carry reference log-probabilities only
-    in part."""
+def _check_reference(args: argparse.Namespace) -> None:
+    """Refuse a run whose lines carry reference log-probabilities only in part (a run that kept
+    no example is refused by ``preprocess`` itself)."""
     from megatron.apertus.align.data import (
         output_datasets,
         partial_reference_error,
@@ -76,9 +75,6 @@ def _check_written(summary: Summary, args: argparse.Namespace) -> None:
     )
 
     inputs = ", ".join(args.input)
-    if summary.documents == 0:
-        raise ValueError(f"{inputs}: every line was rejected ({summary.rejected_lines} lines), "
-                         "no example written")  # fmt: skip
     tokens, _ = output_datasets(args.output_prefix, args.objective)["tokens"]
     values = stored_reference(tokens)
     error = None if values is None else partial_reference_error(values)
@@ -100,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = preprocess(config, encoder)
     print(format_summary(summary, time.perf_counter() - start).replace("documents", "examples"))
     try:
-        _check_written(summary, args)
+        _check_reference(args)
     except ValueError as err:
         _remove_outputs(args.output_prefix, args.objective)
         print(f"preprocess_preferences.py: error: {err}", file=sys.stderr)

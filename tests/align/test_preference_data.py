@@ -118,8 +118,8 @@ def test_a_file_whose_every_line_is_rejected_is_an_error(tmp_path):
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"preprocess_preferences.py: error: {source}: every line was rejected (2 lines), no "
-        "example written"
+        f"preprocess_preferences.py: error: --input {source}: all 2 lines were rejected (1 chosen "
+        "and rejected are identical, 1 empty prompt); nothing written"
     )
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl"], "nothing left behind"
