@@ -856,7 +856,14 @@ def train(cfg: RunConfig, hooks: dict | None = None) -> dict:
         if os.environ.get("RANK", "0") == "0":
             log.info(done)
         return {"completed": True}
-    trainer = Trainer(cfg, hooks)
+    try:
+        trainer = Trainer(cfg, hooks)
+    except BaseException:
+        # A refusal found while building (a flag the data contradicts) must not leave the
+        # process groups behind: a library caller or a test in the same process starts anew.
+        destroy_num_microbatches_calculator()
+        parallel.shutdown()
+        raise
     try:
         return trainer.run()
     finally:
