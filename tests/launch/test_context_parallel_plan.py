@@ -107,23 +107,27 @@ def test_cp_makes_the_64k_8b_layout_fit():
 
 @pytest.mark.parametrize(
     "extra, gpus, message",
-    [(["--context-parallel-size", "3"], 512,
+    [(["--context-parallel-size", "3", "--seq-length", "65532"], 512,
       "world size (512) is not divisible by --tensor-model-parallel-size (4) x "
       "--pipeline-model-parallel-size (1) x --context-parallel-size (3)"),
-     (["--context-parallel-size", "4", "--seq-length", "65532"], 512,
-      "--seq-length (65532) is not divisible by 2 x --context-parallel-size (4)"),
      (["--context-parallel-size", "4", "--seq-length", "65512"], 512,
       "--seq-length (65512) / --context-parallel-size (4) = 16378 tokens per rank is not "
       "divisible by --tensor-model-parallel-size (4)"),
      (["--context-parallel-size", "4", "--cp-comm-type", "a2a"], 512,
       "--cp-comm-type a2a: --num-query-groups (8) / --tensor-model-parallel-size (4) = 2 per rank "
       "is not divisible by --context-parallel-size (4)")],
-    ids=["world-size", "seq-over-2cp", "seq-per-rank-over-tp", "a2a-query-groups"],
+    ids=["world-size", "seq-per-rank-over-tp", "a2a-query-groups"],
 )  # fmt: skip
 def test_refusals_name_the_flags(extra, gpus, message):
     result = plan(run_from_args(EIGHT_B_64K + extra), Cluster(gpus=gpus, **GH200))
     assert any(problem.startswith(message) for problem in result.problems), result.problems
     assert "REFUSED:" in format_plan(result)
+
+
+def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused_when_parsed():
+    with pytest.raises(ConfigError, match=r"--seq-length \(65532\) is not divisible by 2 x "
+                                          r"--context-parallel-size \(4\)"):  # fmt: skip
+        run_from_args(EIGHT_B_64K + ["--context-parallel-size", "4", "--seq-length", "65532"])
 
 
 def test_unknown_cp_comm_type_is_refused():
