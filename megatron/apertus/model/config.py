@@ -127,6 +127,7 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     """Interleaved pipeline: model chunks (virtual stages) per pipeline rank."""
     sequence_parallel: bool = False
+    """With tensor parallelism: split norms and activations along the sequence as well."""
     context_parallel_size: int = field(
         default=1,
         metadata={
