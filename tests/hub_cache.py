@@ -73,7 +73,7 @@ def offline_hf_home(hf_home: Path) -> Iterator[Path]:
         yield hf_home / "hub"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def apertus_hf_home(tmp_path_factory) -> Path:
     """An ``HF_HOME`` whose hub cache holds the Apertus 8B and 70B repositories' tokenizer."""
     hf_home = tmp_path_factory.mktemp("hf_home")
