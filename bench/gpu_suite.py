@@ -210,8 +210,10 @@ def setup_kernels(ctx: Context) -> bool:
     if archive.exists():
         with tarfile.open(archive) as tar:
             tar.extractall(REPO, filter="data")
-        ctx.write_log(f"kernels: unpacked {archive.name}")
-        return True
+        if kernels_load(ctx):
+            ctx.write_log(f"kernels: unpacked {archive.name}")
+            return True
+        ctx.write_log(f"kernels: {archive.name} does not load here; building them")
     argv = [python(), "setup.py", "build_ext", "--inplace", "-j", "4"]
     code, _ = ctx.call(argv, limit_s=400, env={"TORCH_CUDA_ARCH_LIST": f"{major}.{minor}",
                                                 "MAX_JOBS": str(os.cpu_count() or 8)})  # fmt: skip
@@ -225,6 +227,18 @@ def setup_kernels(ctx: Context) -> bool:
     partial.rename(ctx.out / f"kernels_{stamp}.tar.gz")
     ctx.write_log(f"kernels: built {[p.name for p in built]}; archive in $OUT")
     return True
+
+
+def kernels_load(ctx: Context) -> bool:
+    """Whether the CUDA kernels in the tree import on this machine (an archive built elsewhere
+    may miss a library the device has under another name)."""
+    modules = [f"megatron.apertus.ops.{p.name.split('.')[0]}"
+               for p in (REPO / "megatron" / "apertus" / "ops").glob("_*_cuda*.so")]  # fmt: skip
+    if not modules:
+        return False
+    code, _ = ctx.call([python(), "-c", "; ".join(f"import {m}" for m in ["torch", *modules])],
+                       limit_s=120)  # fmt: skip
+    return code == 0
 
 
 # -- stages -------------------------------------------------------------------------------------

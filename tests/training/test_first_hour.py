@@ -151,7 +151,8 @@ def test_a_missing_or_broken_half_of_a_dataset_is_named(tmp_path, files, flag, e
 def test_a_global_batch_that_does_not_split_into_micro_batches_is_refused():
     assert refused(["--global-batch-size", "5", "--micro-batch-size", "2"]) == (
         "--global-batch-size (5) is not divisible by --micro-batch-size (2) x data-parallel size "
-        "(1 = world size 1 / (--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1))"
+        "(1 = world size 1 / (--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1 "
+        "x --context-parallel-size 1))"
     )
 
 
@@ -173,4 +174,4 @@ def test_a_hub_tokenizer_name_says_to_pass_a_local_copy():
     line = refused(["--tokenizer-type", "HuggingFaceTokenizer",
                     "--tokenizer-model", "swiss-ai/Apertus-8B-2509"])  # fmt: skip
     assert line.startswith("--tokenizer-model swiss-ai/Apertus-8B-2509: no such file or directory")
-    assert "huggingface-cli download swiss-ai/Apertus-8B-2509 --local-dir DIR" in line
+    assert "`hf download swiss-ai/Apertus-8B-2509 tokenizer.json tokenizer_config.json`" in line

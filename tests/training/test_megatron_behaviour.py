@@ -186,4 +186,4 @@ def test_a_schedule_that_does_not_fit_the_run_is_refused_naming_the_flags(flags,
     with pytest.raises(SystemExit) as stopped:
         pretrain_gpt.parse_args(TINY + flags.split())
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f": error: {expected}")
+    assert f": error: {expected} (see " in capsys.readouterr().err.splitlines()[-1]
