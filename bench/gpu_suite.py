@@ -54,8 +54,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-import bench_train_step as bench  # noqa: E402
-
 STAGE_LIMIT_S = 540
 """Each stage stops after 9 minutes: one stage never takes a whole 10-minute device call."""
 CALL_FILES = 8
@@ -71,6 +69,9 @@ WHEELS = [
 """Python packages the GPU image lacks (its list: the device notes' KINDS.md)."""
 MANYLINUX = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]  # fmt: skip
+SLIM_WHEELS = {"pycountry==26.2.16": "pycountry/locales"}
+"""Pure-Python packages carried unpacked without their bulk (the wheel's part named here), so
+that everything fits one call's 64 MiB: pycountry's translations are 8 MB and never read."""
 SITE = Path("/tmp/apertus-site")
 TE_SITE = Path("/tmp/site")
 RESUME_TEST = (
@@ -138,6 +139,14 @@ def python() -> str:
     return sys.executable
 
 
+def bench_module():
+    """``bench/bench_train_step.py``, imported once megatron-core is importable: on the device,
+    only after setup has installed the carried wheels."""
+    import bench_train_step
+
+    return bench_train_step
+
+
 # -- setup on the device ------------------------------------------------------------------------
 
 
@@ -189,7 +198,9 @@ def setup(ctx: Context, te_checks: bool) -> bool:
             ok &= code == 0
     else:
         ctx.write_log("no .whl/: megatron-core and mistral-common must already be importable")
-    paths = [str(REPO), str(SITE), ctx.env.get("PYTHONPATH", "")]
+    sites = [str(SITE), str(REPO / ".whl" / "pure")]
+    sys.path[:0] = sites  # this process imports the benchmark (and megatron-core) after setup
+    paths = [str(REPO), *sites, ctx.env.get("PYTHONPATH", "")]
     ctx.env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return ok & setup_kernels(ctx)
 
@@ -395,7 +406,7 @@ def bench_stage(ctx: Context, name: str, flags: list[str], derive=None) -> dict:
     """``bench_train_step.py`` with ``flags`` (configs take the attention stage's verdict), its
     JSON read back. In the dry run every trainer command line it would start is parsed."""
     suffix = attention_suffix(ctx)
-    flags = [f"{f}{suffix}" if f in bench.CONFIGS and f.startswith("te-") else f for f in flags]
+    flags = [f"{f}{suffix}" if f in bench_module().CONFIGS and f.startswith("te-") else f for f in flags]
     work = Path("/tmp/gpu_suite") / name
     argv = [*flags, "--name", f"train_step_{name}", "--results-dir", str(work),
             "--out", str(work / "runs")]  # fmt: skip
@@ -417,6 +428,7 @@ def check_bench_argv(ctx: Context, argv: list[str]) -> dict:
     from megatron.apertus.training.megatron_flags import refusals
     from pretrain_gpt import build_parser
 
+    bench = bench_module()
     args = bench.build_parser().parse_args(argv)
     planned = bench.planned_trainer_argvs(args)
     parser = build_parser()
@@ -443,16 +455,21 @@ def tokens_ratio(result: dict, pairs: list[tuple[str, str]]) -> dict[str, float]
     return ratios
 
 
-EIGHT_B_CONFIGS = ["te-bf16-packed",
-                   *(f"te-fp8-{r}-packed{e}" for r in bench.FP8 for e in ("", "-bf16-ends"))]  # fmt: skip
+def eight_b_configs() -> list[str]:
+    """TE bf16, then every FP8 recipe with all layers in FP8 and (where the recipe allows it)
+    with bf16 first and last layers."""
+    configs = bench_module().CONFIGS
+    return ["te-bf16-packed", *(c for c in configs if c.startswith("te-fp8-")
+                                and c.endswith(("-packed", "-packed-bf16-ends")))]  # fmt: skip
 
 
 def train_step_8b_stage(ctx: Context, stage: Stage) -> dict:
     """bf16 against FP8 (tensorwise, delayed, blockwise; all layers or bf16 ends) at the 8B's
-    layer shapes; the bf16 row and the best FP8 row are profiled by kernel category."""
-    flags = ["--models", bench.EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
-             "--steps", "4", "--configs", *EIGHT_B_CONFIGS]  # fmt: skip
-    pairs = [("te-bf16-packed", c) for c in EIGHT_B_CONFIGS[1:]]
+    layer shapes."""
+    configs = eight_b_configs()
+    flags = ["--models", bench_module().EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
+             "--steps", "4", "--configs", *configs]  # fmt: skip
+    pairs = [("te-bf16-packed", c) for c in configs[1:]]
     return bench_stage(
         ctx, stage.name, flags, lambda r: {"speedup_over_bf16": tokens_ratio(r, pairs)}
     )
@@ -461,7 +478,7 @@ def train_step_8b_stage(ctx: Context, stage: Stage) -> dict:
 def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
     """Where a step's time goes at the 8B's layer shapes, bf16 against FP8: kernel time by
     category (GEMMs, FP8 casts / transposes / amax, attention, xIELU, loss, norms, optimizer)."""
-    flags = ["--models", bench.EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
+    flags = ["--models", bench_module().EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
              "--steps", "2", "--profile", "--configs", "te-bf16-packed",
              "te-fp8-tensorwise-packed", "te-fp8-delayed-packed"]  # fmt: skip
     return bench_stage(ctx, stage.name, flags)
@@ -510,7 +527,7 @@ def dry_loss_runs(ctx: Context) -> dict:
     work = Path("/tmp/gpu_suite") / "fp8-loss-dry"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    runs = []
+    bench, runs = bench_module(), []
     for seed in (1234, 1235):
         log_json = work / f"loss_tiny_{seed}.json"
         argv = ["--model-preset", "tiny", "--device", "cpu", "--precision", "fp32",
@@ -739,6 +756,22 @@ def collect(reply: Path, tree: Path) -> list[Path]:
 # -- preparing the carried folders --------------------------------------------------------------
 
 
+def unpack_slim_wheels(wheels: Path) -> None:
+    """``SLIM_WHEELS`` unpacked into ``wheels/pure`` without their bulk (a wheel is a zip)."""
+    import tempfile
+    import zipfile
+
+    pure = wheels / "pure"
+    shutil.rmtree(pure, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        "--only-binary=:all:", "-d", tmp, *SLIM_WHEELS], check=True)  # fmt: skip
+        bulk = tuple(SLIM_WHEELS.values())
+        for wheel in Path(tmp).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(pure, [n for n in archive.namelist() if not n.startswith(bulk)])
+
+
 def prepare(tree: Path) -> None:
     """``.tebundle/`` and ``.whl/`` in the repository root, ignored by git."""
     exclude = Path(subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=tree,
@@ -761,6 +794,7 @@ def prepare(tree: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                     "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                     *platforms, "-d", str(tree / ".whl"), *WHEELS], check=True)  # fmt: skip
+    unpack_slim_wheels(tree / ".whl")
     print(f"prepared {tree / '.tebundle'} and {tree / '.whl'} (carry them with .kernels)")
 
 

@@ -43,7 +43,7 @@ def test_default_is_te_on_cuda_when_it_imports_else_local():
          "--fp8-format e4m3 needs a GPU of compute capability >= 8.9"),
         (EngineConfig(fp8_format="e4m3", fp8_recipe="mxfp8"), dict(gpu=HOPPER),
          "--fp8-recipe mxfp8 needs a Blackwell GPU"),
-        (EngineConfig(fp8_format="e4m3", first_last_layers_bf16=True,
+        (EngineConfig(fp8_format="e4m3", fp8_recipe="tensorwise", first_last_layers_bf16=True,
                       num_layers_at_start_in_bf16=3, num_layers_at_end_in_bf16=2), {},
          "--num-layers-at-start-in-bf16 (3) + --num-layers-at-end-in-bf16 (2)"),
     ],
@@ -69,6 +69,8 @@ def test_fp8_is_accepted_from_ada_on(gpu):
         (dict(fp8_amax_compute_algo="mean"), "--fp8-amax-compute-algo"),
         (dict(transformer_impl="te"), "--transformer-impl"),
         (dict(fp8_param_gather=True), "--fp8-param-gather needs --fp8-format"),
+        (dict(fp8_format="hybrid", first_last_layers_bf16=True),
+         "--first-last-layers-bf16 does not work with --fp8-recipe delayed"),
         (dict(fp8_amax_history_len=0), "--fp8-amax-history-len"),
     ],
 )

@@ -105,6 +105,12 @@ class EngineConfig:
         for flag in ("fp8_param_gather", "first_last_layers_bf16"):
             if getattr(self, flag) and self.fp8_format is None:
                 raise ConfigError(f"--{flag.replace('_', '-')} needs --fp8-format")
+        if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
+            # megatron-core wraps the whole block in one FP8 autocast under delayed scaling
+            raise ConfigError(
+                "--first-last-layers-bf16 does not work with --fp8-recipe delayed (one FP8 "
+                "region spans every layer): use tensorwise or blockwise"
+            )
 
     @property
     def fp8(self) -> bool:

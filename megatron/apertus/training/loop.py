@@ -116,6 +116,15 @@ def _source_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def _package_version() -> str | None:
+    """The installed megatron-apertus version; None when the code runs from a checkout that was
+    never installed (the commit then identifies it)."""
+    try:
+        return importlib.metadata.version("megatron-apertus")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 class TrainingStopped(RuntimeError):
     """Too many consecutive non-finite steps; the last good state was saved."""
 
@@ -692,7 +701,7 @@ class Trainer:
             "consumed_tokens": self.state.consumed_samples * self.cfg.model.seq_length,
             "seq_length": self.cfg.model.seq_length,
             "command": list(sys.argv),
-            "version": importlib.metadata.version("megatron-apertus"),
+            "version": _package_version(),
             "git_commit": _source_commit(),
         }
 
