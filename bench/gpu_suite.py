@@ -542,32 +542,29 @@ def dry_loss_runs(ctx: Context) -> dict:
     return {"rows": [], "loss_comparison": runs}
 
 
+def variant_pairs(variant: str) -> list[tuple[str, str]]:
+    """TE bf16 and FP8 delayed (packed), each without and with ``-<variant>``."""
+    return [(base, f"{base}-{variant}") for base in ("te-bf16-packed", "te-fp8-delayed-packed")]
+
+
+def variant_flags(variant: str) -> list[str]:
+    """The benchmark's flags for ``variant_pairs`` on the 1.5B."""
+    configs = [config for pair in variant_pairs(variant) for config in pair]
+    return ["--models", "apertus-v1.1-1.5b", "--warmup", "2", "--steps", "4", "--configs", *configs]
+
+
 def determinism_stage(ctx: Context, stage: Stage) -> dict:
     """tokens/s with and without ``--deterministic-mode`` (TE bf16 and FP8 delayed, 1.5B)."""
-    configs = ["te-bf16-packed", "te-bf16-packed-deterministic", "te-fp8-delayed-packed",
-               "te-fp8-delayed-packed-deterministic"]  # fmt: skip
-    flags = [
-        "--models",
-        "apertus-v1.1-1.5b",
-        "--warmup",
-        "2",
-        "--steps",
-        "4",
-        "--configs",
-        *configs,
-    ]
-    pairs = [(configs[0], configs[1]), (configs[2], configs[3])]
-    return bench_stage(
-        ctx, stage.name, flags, lambda r: {"deterministic_over_default": tokens_ratio(r, pairs)}
-    )
+    pairs = variant_pairs("deterministic")
+    return bench_stage(ctx, stage.name, variant_flags("deterministic"),
+                       lambda r: {"deterministic_over_default": tokens_ratio(r, pairs)})  # fmt: skip
 
 
 def metrics_overhead(result: dict, interval: int = DEFAULT_METRICS_INTERVAL) -> dict:
     """Overhead of a hooked step (every step hooked in the ``-metrics`` rows), and of
     ``--log-intermediate-metrics`` at its default interval (one hooked step in ``interval``)."""
     hooked = {}
-    for name, ratio in tokens_ratio(result, [("te-bf16-packed", "te-bf16-packed-metrics"),
-                                             ("te-fp8-delayed-packed", "te-fp8-delayed-packed-metrics")]).items():  # fmt: skip
+    for name, ratio in tokens_ratio(result, variant_pairs("metrics")).items():
         step_cost = 1 / ratio - 1
         hooked[name] = {"hooked_step_overhead": step_cost,
                         f"overhead_at_interval_{interval}": step_cost / interval}  # fmt: skip
@@ -576,19 +573,7 @@ def metrics_overhead(result: dict, interval: int = DEFAULT_METRICS_INTERVAL) -> 
 
 def metrics_overhead_stage(ctx: Context, stage: Stage) -> dict:
     """``--log-intermediate-metrics`` cost (TE bf16 and FP8 delayed, 1.5B)."""
-    configs = ["te-bf16-packed", "te-bf16-packed-metrics", "te-fp8-delayed-packed",
-               "te-fp8-delayed-packed-metrics"]  # fmt: skip
-    flags = [
-        "--models",
-        "apertus-v1.1-1.5b",
-        "--warmup",
-        "2",
-        "--steps",
-        "4",
-        "--configs",
-        *configs,
-    ]
-    return bench_stage(ctx, stage.name, flags, metrics_overhead)
+    return bench_stage(ctx, stage.name, variant_flags("metrics"), metrics_overhead)
 
 
 STAGES = [
