@@ -15,13 +15,14 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from megatron.apertus import checkpoint, parallel
 from megatron.apertus.model import ApertusConfig, ParallelConfig, preset, transformer_config
 from megatron.apertus.model.builder import build_model
+from megatron.apertus.training import step as step_module
 from megatron.apertus.training.metrics import read_history
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +86,29 @@ class TinyCPU:
         if load is not None:
             checkpoint.load_model(load, [chunk])
         return chunk
+
+
+@contextlib.contextmanager
+def after_backward(hook: Callable[[int, list], None]) -> Iterator[None]:
+    """Within the block, ``hook(n, model_chunks)`` runs after the n-th training backward pass and
+    before its optimizer step (gradients are in ``main_grad``): how tests inject faults into a
+    real run. Evaluation passes (forward only) are not counted."""
+    original = step_module.run_microbatches
+    passes = 0
+
+    def with_hook(model, data_iterators, shape, *, forward_only: bool):
+        nonlocal passes
+        losses = original(model, data_iterators, shape, forward_only=forward_only)
+        if not forward_only:
+            passes += 1
+            hook(passes, model)
+        return losses
+
+    step_module.run_microbatches = with_hook
+    try:
+        yield
+    finally:
+        step_module.run_microbatches = original
 
 
 @contextlib.contextmanager

@@ -11,14 +11,14 @@ import torch
 import pretrain_gpt
 from megatron.apertus import checkpoint
 from megatron.apertus.training.loop import TrainingStopped, train
-from tests.conftest import PRETRAIN, read_json, run_entry, series
+from tests.conftest import PRETRAIN, after_backward, read_json, run_entry, series
 
 BASE = ["--model-preset", "tiny", "--global-batch-size", "4", "--micro-batch-size", "2",
         "--eval-iters", "1", "--log-interval", "1", "--lr", "3e-3"]  # fmt: skip
 
 
 def poison(at: set[int]):
-    """A grad hook that writes NaN into one gradient at the given iterations."""
+    """An ``after_backward`` hook that writes NaN into one gradient at the given iterations."""
 
     def hook(iteration: int, model) -> None:
         if iteration in at:
@@ -35,7 +35,8 @@ def test_nan_gradient_skips_the_step_and_training_goes_on(tmp_path):
         poison({2})(iteration, model)
 
     cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "4", "--save", str(tmp_path)])
-    history = train(cfg, hooks={"grads": hook})
+    with after_backward(hook):
+        history = train(cfg)
     norms = dict(history["train/grad_norm"])
     assert set(norms) == {1, 3, 4}, "the poisoned step has no finite norm to record"
     # Weights seen at iteration 3 equal those at iteration 2: the update of step 2 was skipped.
@@ -49,7 +50,8 @@ def test_repeated_nan_stops_with_the_last_good_state_saved(tmp_path):
         BASE + ["--train-iters", "8", "--save", str(tmp_path), "--max-skipped-steps", "3"]
     )
     with pytest.raises(TrainingStopped, match="3 consecutive steps") as err:
-        train(cfg, hooks={"grads": poison({3, 4, 5, 6, 7, 8})})
+        with after_backward(poison({3, 4, 5, 6, 7, 8})):
+            train(cfg)
     assert str(tmp_path) in str(err.value)
     assert checkpoint.latest_iteration(tmp_path) == 5  # iterations 3-5 skipped: weights of step 2
 

@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import pretrain_gpt
 from megatron.apertus import checkpoint
 from megatron.apertus.training.loop import train
-from tests.conftest import PRETRAIN, run_entry
+from tests.conftest import PRETRAIN, after_backward, run_entry
 from tests.training.test_first_hour import TINY, refused
 
 BASE = ["--model-preset", "tiny", "--global-batch-size", "4", "--micro-batch-size", "2",
@@ -90,7 +90,8 @@ def test_skipped_and_nan_iterations_are_counted_over_the_interval(tmp_path, capl
     cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "3", "--log-interval", "3",
                                           "--eval-iters", "0"])  # fmt: skip
     with caplog.at_level(logging.INFO, logger="apertus"):
-        history = train(cfg, hooks={"grads": poison})
+        with after_backward(poison):
+            history = train(cfg)
     matches = [m for line in _lines(caplog) if (m := re.search(
         r"iteration +(\d+)/.*lm loss: (\S+) \|.*skipped iterations: +(\d+) \| "
         r"number of nan iterations: +(\d+) \|", line))]  # fmt: skip

@@ -22,7 +22,7 @@ from megatron.apertus import checkpoint
 from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.training.loop import Trainer, train
-from tests.conftest import PRETRAIN, cpu_models, read_json, run_entry, series
+from tests.conftest import PRETRAIN, after_backward, cpu_models, read_json, run_entry, series
 from tests.training.test_first_hour import refused
 
 BASE = (
@@ -44,12 +44,12 @@ def trained(tmp_path_factory):
     """A checkpoint after 3 iterations (its RNG advanced by the hook), the torch RNG state it
     saved, and the losses of the uninterrupted run of 5 iterations."""
     root = tmp_path_factory.mktemp("flags")
-    train(
-        pretrain_gpt.parse_args(
-            BASE + ["--train-iters", "5", "--exit-interval", "3", "--save", str(root / "ckpt")]
-        ),
-        hooks={"grads": _rng_hook},
-    )
+    with after_backward(_rng_hook):
+        train(
+            pretrain_gpt.parse_args(
+                BASE + ["--train-iters", "5", "--exit-interval", "3", "--save", str(root / "ckpt")]
+            )
+        )
     saved_rng = torch.get_rng_state()
     ckpt, log = root / "ckpt", root / "full.json"
     run_entry(
@@ -189,7 +189,8 @@ def test_manual_gc_disables_the_collector_and_collects_at_the_interval(eval_flag
     )
     gc.callbacks.append(on_gc)
     try:
-        train(cfg, hooks={"grads": on_step})
+        with after_backward(on_step):
+            train(cfg)
     finally:
         gc.callbacks.remove(on_gc)
     first, last = events.index("it1 (gc off)"), events.index("it5 (gc off)")

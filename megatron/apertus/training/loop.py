@@ -204,10 +204,9 @@ def _check_context_parallel(cfg: RunConfig) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, hooks: dict | None = None) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         _check_context_parallel(cfg)
-        self.hooks = hooks or {}
         if cfg.checkpoint.save:
             checkpoint.check_save_dir(cfg.checkpoint.save)
         elif cfg.logging.log_progress:
@@ -513,8 +512,7 @@ class Trainer:
         measure = self._measures_gemm_inputs(iteration)
         if measure:
             self.gemm_monitor.attach()
-        result = train_step(self.model, self.optimizer, iterators, self._shape(),
-                            grad_hook=self.hooks.get("grads"), iteration=iteration)  # fmt: skip
+        result = train_step(self.model, self.optimizer, iterators, self._shape())
         if measure:
             for name, value in self.gemm_monitor.detach().items():
                 self.metrics.record(f"intermediate/{name}", iteration, value)
@@ -858,7 +856,7 @@ def finished_run(cfg: RunConfig) -> str | None:
     return f"the run is already finished: {found} is at {reached}; nothing to do"
 
 
-def train(cfg: RunConfig, hooks: dict | None = None) -> dict:
+def train(cfg: RunConfig) -> dict:
     """Run training as configured; returns the recorded history (losses on the last stage)."""
     done = finished_run(cfg)
     if done is not None:
@@ -866,7 +864,7 @@ def train(cfg: RunConfig, hooks: dict | None = None) -> dict:
             log.info(done)
         return {"completed": True}
     try:
-        trainer = Trainer(cfg, hooks)
+        trainer = Trainer(cfg)
     except BaseException:
         # A refusal found while building (a flag the data contradicts) must not leave the
         # process groups behind: a library caller or a test in the same process starts anew.

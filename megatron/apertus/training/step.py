@@ -14,7 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -259,22 +259,16 @@ def train_step(
     optimizer: MegatronOptimizer,
     data_iterators: list[Iterator[Batch]],
     shape: StepShape,
-    *,
-    grad_hook: Callable | None = None,
-    iteration: int = 0,
 ) -> StepResult:
     """Forward and backward over ``num_microbatches``, then one optimizer step.
 
     ``data_iterators`` holds one iterator per model chunk (interleaved pipeline schedules run
     the chunks' micro-batches in their own orders), each over the same samples.
-    ``grad_hook(iteration, model)`` runs after the backward pass (tests inject faults there).
     """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = run_microbatches(model, data_iterators, shape, forward_only=False)
-    if grad_hook is not None:
-        grad_hook(iteration, model)
     loss, goldfish = _reduce(losses, "lm loss"), _reduce(losses, "goldfish")
     device = next(model[0].parameters()).device
     updated, grad_norm = optimizer_step(optimizer, _all_finite(loss, device))
