@@ -5,6 +5,9 @@
 * the docstrings of the standard library's modules (tests excluded), one document per module
   (~375 documents, ~1.6M characters with Python 3.11).
 
+Both come from the running interpreter, so the text, and with it a run's losses, differ between
+Python versions (Python 3.11 gives 454 documents, 3.12 gives 418).
+
 Together (``training_documents``) about half a million tokens: enough for the demo to train
 for a few hundred steps without repeating its data. The corpus is written as JSON lines and
 preprocessed with the same code users run (``tools/preprocess_data.py``), once per tokenizer.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 from pathlib import Path
 
 from megatron.apertus.data.preprocess import PreprocessConfig, output_prefix, preprocess
@@ -71,10 +75,13 @@ def write_jsonl(path: Path, documents: list[str]) -> Path:
 
 
 def embedded_corpus_prefix(cache: Path, tokenizer: Tokenizer, *, build: bool = True) -> Path:
-    """``PREFIX`` of the embedded corpus tokenized by ``tokenizer`` (preprocessed if missing)."""
-    tag = hashlib.sha256(
-        str(getattr(tokenizer, "path", type(tokenizer).__name__)).encode()
-    ).hexdigest()[:12]
+    """``PREFIX`` of the embedded corpus tokenized by ``tokenizer`` (preprocessed if missing).
+
+    The corpus is this interpreter's documentation, which changes between Python releases, so
+    the cache is keyed by the Python version as well as the tokenizer: two interpreters sharing
+    a cache never train on each other's text."""
+    source = f"{getattr(tokenizer, 'path', type(tokenizer).__name__)}|{platform.python_version()}"
+    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
     directory = cache / f"embedded-v3-{tag}"
     prefix = Path(output_prefix(str(directory / "python_docs"), "text"))
     if build and not prefix.with_suffix(".idx").is_file():
