@@ -380,8 +380,10 @@ class LoggingConfig:
     )
     log_loss_scale_to_tensorboard: bool = _help(
         "record the loss scale (1.0 unless fp16 scales it) as TensorBoard's and wandb's "
-        "loss-scale (Megatron-LM's --no-log-loss-scale-to-tensorboard: not)",
+        "loss-scale; --no-log-loss-scale-to-tensorboard: not (Megatron-LM has only that "
+        "form; the positive form is ours)",
         True,
+        ours=True,
     )
     log_memory_to_tensorboard: bool = _switch(
         "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "
