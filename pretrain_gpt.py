@@ -2,6 +2,9 @@
 
 python pretrain_gpt.py --model-preset tiny --train-iters 50 --global-batch-size 8
 torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2 ...
+
+torch and megatron-core load after the flags are parsed: ``--help`` and argument errors are
+instant.
 """
 
 from __future__ import annotations
@@ -11,14 +14,10 @@ import os
 import sys
 
 from megatron.apertus.cli import ArgumentParser
-from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.launch.planner import dry_run
 from megatron.apertus.training import config as C
-from megatron.apertus.training.loop import RunConfig, TrainingStopped, train
+from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
-from megatron.apertus.training.optimizer import check_schedule
-from megatron.apertus.training.run_log import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         parser.error(f"{len(refused)} flags cannot be honoured:\n  " + "\n  ".join(refused))
     if refused:
         parser.error(refused[0])
+    from megatron.apertus.launch.planner import dry_run
+    from megatron.apertus.training.optimizer import check_schedule
+
     try:
         restored = C.apply_checkpoint_args(args)
         if restored and os.environ.get("RANK", "0") == "0":
@@ -69,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    from megatron.apertus.distill.logit_store import LogitStoreError
+    from megatron.apertus.training.loop import TrainingStopped, train
+    from megatron.apertus.training.run_log import configure_logging
+
     configure_logging(config.checkpoint.save)
     try:
         train(config)

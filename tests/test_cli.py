@@ -1,6 +1,6 @@
 """The promise of every entry point (``megatron/apertus/cli.py``): argument errors in one line,
 user errors in one line with exit 2, interruptions in one line, no partial output; and ``--help``
-and argument errors of the data tools without torch or megatron-core."""
+and argument errors of every entry point without torch or megatron-core."""
 
 from __future__ import annotations
 
@@ -16,11 +16,9 @@ from megatron.apertus import cli
 from tests.conftest import REPO
 
 TOOLS = sorted(REPO.glob("tools/*.py")) + sorted(REPO.glob("tools/checkpoint/*.py"))
-LIGHT_TOOLS = ["preprocess_data", "preprocess_chat", "preprocess_preferences", "tokenize_corpus",
-               "merge_datasets", "build_mixture", "data_config", "make_chat_demo",
-               "average_checkpoints", "fuse_norms"]  # fmt: skip
-"""Tools whose ``--help`` and argument errors must not import torch: they start in well under a
-second (``bench/bench_startup.py`` measures them all)."""
+ENTRY_POINTS = [*TOOLS, REPO / "pretrain_gpt.py"]
+"""Their ``--help`` and argument errors import neither torch nor megatron-core: they start in well
+under a second (``bench/bench_startup.py`` measures them all)."""
 
 
 def load_tool(path: Path):
@@ -30,7 +28,7 @@ def load_tool(path: Path):
     return module
 
 
-@pytest.mark.parametrize("path", [*TOOLS, REPO / "pretrain_gpt.py"], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", ENTRY_POINTS, ids=lambda p: p.stem)
 def test_an_unknown_flag_is_one_line_not_the_usage(path, capsys):
     module = load_tool(path)
     with pytest.raises(SystemExit) as exit_:
@@ -45,14 +43,14 @@ def test_an_unknown_flag_is_one_line_not_the_usage(path, capsys):
     assert ": error: " in err and err.rstrip().endswith("--help)")
 
 
-def heavy_modules_after(name: str, args: list[str]) -> str:
-    """The last line a tool run prints through the probe: which of torch and megatron-core the
-    run imported."""
+def heavy_modules_after(script: Path, args: list[str]) -> str:
+    """The last line a run of ``script`` prints through the probe: which of torch and
+    megatron-core the run imported."""
     probe = (
         "import runpy, sys\n"
-        f"sys.argv = ['{name}.py', *sys.argv[1:]]\n"
+        f"sys.argv = ['{script.name}', *sys.argv[1:]]\n"
         "try:\n"
-        f"    runpy.run_path({str(REPO / 'tools' / (name + '.py'))!r}, run_name='__main__')\n"
+        f"    runpy.run_path({str(script)!r}, run_name='__main__')\n"
         "except SystemExit:\n"
         "    pass\n"
         "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
@@ -63,18 +61,26 @@ def heavy_modules_after(name: str, args: list[str]) -> str:
     return proc.stdout.strip().splitlines()[-1] + proc.stderr[-300:]
 
 
-@pytest.mark.parametrize("name", LIGHT_TOOLS)
-def test_help_and_argument_errors_import_neither_torch_nor_megatron_core(name):
+@pytest.mark.parametrize("path", ENTRY_POINTS, ids=lambda p: p.stem)
+def test_help_and_argument_errors_import_neither_torch_nor_megatron_core(path):
     for args in (["--help"], ["--no-such-flag"]):
-        assert heavy_modules_after(name, args).startswith("[]"), args
+        assert heavy_modules_after(path, args).startswith("[]"), args
 
 
 def test_preprocessing_imports_neither_torch_nor_megatron_core(tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text('{"text": "Tokenized without torch."}\n')
     args = ["--input", str(source), "--output-prefix", str(tmp_path / "x")]
-    assert heavy_modules_after("preprocess_data", args).startswith("[]")
+    assert heavy_modules_after(REPO / "tools" / "preprocess_data.py", args).startswith("[]")
     assert (tmp_path / "x_text_document.bin").stat().st_size > 0
+
+
+def test_checkpoint_strictness_choices_match_megatron_core():
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron.apertus.training.megatron_flags import STRICTNESS
+
+    assert STRICTNESS == tuple(s.value for s in StrictHandling)
 
 
 def test_preference_constants_match_the_library():

@@ -44,8 +44,7 @@ TITLES = {"parallel": "teacher parallelism", "training": "the student's run (ord
 
 
 def parse_args(argv: list[str] | None = None):
-    from megatron.apertus.checkpoint import load_model_config
-    from megatron.apertus.training.teacher_logits import GenerationConfig, LogitsConfig
+    from megatron.apertus.training.teacher_logits_config import GenerationConfig, LogitsConfig
 
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,6 +58,8 @@ def parse_args(argv: list[str] | None = None):
     C.add_run_arguments(parser, GROUPS, titles=TITLES)
     C.add_arguments(parser, LogitsConfig, title="teacher logits")
     args = parser.parse_args(argv)
+    from megatron.apertus.checkpoint import load_model_config  # torch: after argument errors
+
     try:
         model: ApertusConfig = load_model_config(args.load)
         if args.model_preset is not None:
@@ -77,10 +78,10 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    config = parse_args(argv)
     from megatron.apertus.distill.logit_store import LogitStoreError
     from megatron.apertus.training.teacher_logits import generate
 
-    config = parse_args(argv)
     try:
         generate(config)
     except (ConfigError, LogitStoreError) as err:

@@ -19,14 +19,6 @@ import argparse
 
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.launch.planner import (
-    Cluster,
-    format_plan,
-    format_sweep,
-    plan,
-    run_from_command,
-    sweep,
-)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +41,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="context-parallel sizes for --sweep-seq-lengths")  # fmt: skip
     parser.add_argument("run_flags", nargs=argparse.REMAINDER, help="-- then the run's flags")
     args = parser.parse_args(argv)
+    # The planner's memory model needs torch: loaded after --help and argument errors.
+    from megatron.apertus.launch.planner import (
+        Cluster,
+        format_plan,
+        format_sweep,
+        plan,
+        run_from_command,
+        sweep,
+    )
+
     flags = args.run_flags[1:] if args.run_flags[:1] == ["--"] else args.run_flags
     preset = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--model-preset"), "")
     try:

@@ -1,4 +1,9 @@
-"""Flags of offline alignment (DPO, QRPO) after supervised fine-tuning."""
+"""Flags of offline alignment (DPO, QRPO) after supervised fine-tuning.
+
+The names of the objectives and their options live here, not in
+:mod:`~megatron.apertus.align.losses` (which re-exports them): the flags serve ``--help``, which
+must not import torch.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron.apertus.align.losses import (
-    LENGTH_NORMALIZATIONS,
-    LOG_PARTITIONS,
-    OBJECTIVES,
-    TRANSFORMS,
-)
+OBJECTIVES = ("dpo", "qrpo")
+TRANSFORMS = ("identity", "log", "normal-icdf")
+LOG_PARTITIONS = ("exact", "approx")
+LENGTH_NORMALIZATIONS = ("beta", "loss")
 
 
 def _help(text: str, default):

@@ -52,10 +52,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-OBJECTIVES = ("dpo", "qrpo")
-TRANSFORMS = ("identity", "log", "normal-icdf")
-LOG_PARTITIONS = ("exact", "approx")
-LENGTH_NORMALIZATIONS = ("beta", "loss")
+from megatron.apertus.align.config import (  # noqa: F401
+    LENGTH_NORMALIZATIONS,
+    LOG_PARTITIONS,
+    OBJECTIVES,
+    TRANSFORMS,
+)
 
 
 def sequence_log_ratio(

@@ -10,6 +10,9 @@ documents, with no split. Samples are megatron-core
 
 Every local prefix must name a ``.bin``/``.idx`` pair with a Megatron index header; this is
 checked before megatron-core opens them (it would assert), naming the flag and the file.
+
+torch and megatron-core are imported by the functions that use them: :class:`DatasetConfig`
+serves ``--help`` and argument errors, which must not pay for them.
 """
 
 from __future__ import annotations
@@ -18,18 +21,14 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
-from megatron.core.datasets.object_storage_utils import is_object_storage_path
-from megatron.core.datasets.utils import get_blend_from_list
-
-from megatron.apertus.data.corpus import embedded_corpus_prefix
-from megatron.apertus.data.sft import ChatGPTDataset, check_mask_pair
-from megatron.apertus.data.tokenizer import Tokenizer
 from megatron.apertus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from megatron.apertus.data.tokenizer import Tokenizer
 
 log = logging.getLogger("apertus.data")
 
@@ -114,6 +113,10 @@ def data_path_of(config: DatasetConfig) -> list[str]:
 
 def resolve_blend(config: DatasetConfig, tokenizer: Tokenizer) -> list[str]:
     """The data path to train on; the embedded corpus is preprocessed once by rank 0."""
+    import torch.distributed as dist
+
+    from megatron.apertus.data.corpus import embedded_corpus_prefix
+
     if data_path := data_path_of(config):
         return data_path
     cache = Path(config.data_cache_path) if config.data_cache_path else default_cache_dir()
@@ -127,6 +130,11 @@ def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
     """Refuse a prefix of ``blend`` (Megatron's ``[WEIGHT] PREFIX ...`` list, given as ``flag``)
     whose ``.bin`` or ``.idx`` is missing, or whose ``.idx`` is not a Megatron index (with
     ``sft``, the same for its loss mask)."""
+    from megatron.core.datasets.object_storage_utils import is_object_storage_path
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from megatron.apertus.data.sft import check_mask_pair
+
     prefixes, _ = get_blend_from_list(blend)
     for prefix in prefixes:
         if not is_object_storage_path(prefix):
@@ -136,6 +144,8 @@ def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
 
 
 def _check_pair(flag: str, prefix: str) -> None:
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
     bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
     if not bin_path.is_file() and not idx_path.is_file():
         hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
@@ -177,6 +187,7 @@ def check_split_sizes(
     :data:`MAX_EPOCHS` passes over it; the message names the split, its documents and tokens
     in each dataset, and what was asked."""
     from megatron.core.datasets.indexed_dataset import _IndexReader
+    from megatron.core.datasets.object_storage_utils import is_object_storage_path
 
     prefixes, weights = config.blend
     weights = weights or [1.0] * len(prefixes)
@@ -216,6 +227,14 @@ def build_datasets(
 ) -> list[GPTDataset | None]:
     """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0 or
     when the split gives that part no documents)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from megatron.apertus.data.sft import ChatGPTDataset
+
     cache = config.data_cache_path or str(default_cache_dir() / "indices")
     if config.per_split:
         parts = (config.train_data_path, config.valid_data_path, config.test_data_path)

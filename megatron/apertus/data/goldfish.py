@@ -20,7 +20,8 @@ Two hash rules, selected by ``--goldfish-hash``:
     top 53 bits, read as a fraction in [0, 1), are below ``1/k``. The expected drop rate is
     exactly 1/k and windows that share ids in other orders do not collide.
 
-Masks are new tensors; cached dataset arrays are never modified.
+Masks are new tensors; cached dataset arrays are never modified. torch is imported by the
+functions that use it: :class:`GoldfishConfig` serves ``--help``, which must not pay for it.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 APERTUS_TABLE_SIZE = 1_000_003
 APERTUS_TABLE_SEED = 2971215073
@@ -62,11 +67,15 @@ class GoldfishConfig:
 
 @functools.cache
 def apertus_table() -> torch.Tensor:
+    import torch
+
     generator = torch.Generator().manual_seed(APERTUS_TABLE_SEED)
     return torch.rand(APERTUS_TABLE_SIZE, generator=generator)
 
 
 def _apertus_drop(windows: torch.Tensor, k: int) -> torch.Tensor:
+    import torch
+
     key = torch.remainder(windows.prod(dim=-1), APERTUS_TABLE_SIZE)
     return apertus_table()[key] < 1.0 / k
 
@@ -82,6 +91,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def _mix64_drop(windows: torch.Tensor, k: int) -> torch.Tensor:
+    import torch
+
     ids = windows.numpy().astype(np.uint64)
     with np.errstate(over="ignore"):
         acc = np.zeros(ids.shape[:-1], dtype=np.uint64)
@@ -96,6 +107,8 @@ def goldfish_drop_mask(
 ) -> torch.Tensor:
     """Boolean [..., s] mask of the label positions to drop from the loss; with
     ``config.exempt_special``, positions whose label is one of ``special_ids`` are kept."""
+    import torch
+
     labels = labels.detach().to("cpu", torch.int64)
     drop = torch.zeros(labels.shape, dtype=torch.bool)
     if labels.shape[-1] < config.h:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.ops.sparse_kl import DEFAULT_TAIL, TAIL_MODES
+from megatron.apertus.ops.constants import DEFAULT_TAIL, TAIL_MODES
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -11,12 +11,13 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
+from megatron.apertus.ops.constants import XIELU_BETA, XIELU_EPS
+
+if TYPE_CHECKING:
+    import torch
 
 
 CP_COMM_TYPES = ("p2p", "a2a")
@@ -286,6 +287,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    import torch  # here, not at the top: the configs above serve --help without torch
+
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if name not in dtypes:
         raise ConfigError(f"unknown precision {name!r}; choose one of {', '.join(dtypes)}")

@@ -3,7 +3,8 @@
 
 Everything here is decided and checked *before* anything is allocated, and each refusal names
 the flag and what is missing, because a wrong choice found after model construction costs a
-cluster job's queue time. Transformer Engine is imported lazily: the CPU build never has it.
+cluster job's queue time. Transformer Engine is imported lazily: the CPU build never has it; torch
+and megatron-core too, so that the flags of this module cost ``--help`` no start-up time.
 
 Choices:
 
@@ -24,9 +25,6 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
-
-import torch
-from megatron.core.transformer.enums import AttnBackend
 
 from megatron.apertus.errors import ConfigError
 
@@ -135,6 +133,8 @@ def transformer_engine_error() -> str | None:
 
 def cuda_capability() -> tuple[int, int] | None:
     """Compute capability of the current GPU (None without CUDA)."""
+    import torch
+
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability()
@@ -224,6 +224,8 @@ def _capability_name(cap: tuple[int, int] | None) -> str:
 
 def transformer_config_fields(engine: EngineConfig, impl: str) -> dict:
     """The TransformerConfig fields that carry these choices."""
+    from megatron.core.transformer.enums import AttnBackend
+
     fields: dict[str, Any] = {
         "transformer_impl": impl,
         "deterministic_mode": engine.deterministic_mode,
@@ -251,6 +253,8 @@ def enable_deterministic_mode() -> None:
     then). Cost: see docs/gpu.md. Our own CUDA kernels reduce in a fixed order and need no
     switch.
     """
+    import torch
+
     os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"  # TE attention's backward
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS split-K reductions
     os.environ.setdefault("NCCL_ALGO", "Ring")  # one reduction order across runs

@@ -52,8 +52,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-TAIL_MODES = ("ignore", "renormalize", "rest_bucket", "label")
-DEFAULT_TAIL = "label"
+from megatron.apertus.ops.constants import DEFAULT_TAIL, TAIL_MODES
+
 DEFAULT_ALPHA = 0.9
 IMPLS = ("auto", "reference", "torch", "cpu", "cuda")
 

@@ -33,8 +33,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-XIELU_BETA = 0.5
-XIELU_EPS = -1e-6
+from megatron.apertus.ops.constants import XIELU_BETA, XIELU_EPS
+
 XIELU_ALPHA_P_INIT = 0.8
 XIELU_ALPHA_N_INIT = 0.8
 

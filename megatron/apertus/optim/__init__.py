@@ -1,20 +1,28 @@
 """Optimizers and learning-rate schedules on megatron-core (docs/ademamix_wsd.md).
 
 ``ademamix`` holds the update (torch only); ``builder`` wraps it in megatron-core's optimizer
-stack; ``schedule`` is megatron-core's ``OptimizerParamScheduler`` configured for WSD.
+stack; ``schedule`` holds the schedule's flags and ``param_scheduler`` megatron-core's
+``OptimizerParamScheduler`` configured for WSD. Each name loads its module on first use: the
+flags' dataclasses serve ``--help``, which must not import torch or megatron-core.
 """
 
-from megatron.apertus.optim.ademamix import AdEMAMix, StepScalars, ademamix_reference_step
-from megatron.apertus.optim.builder import AdEMAMixSettings, get_apertus_optimizer
-from megatron.apertus.optim.schedule import ParamScheduler, ScheduleConfig, build_scheduler
+import importlib
 
-__all__ = [
-    "AdEMAMix",
-    "AdEMAMixSettings",
-    "ParamScheduler",
-    "ScheduleConfig",
-    "StepScalars",
-    "ademamix_reference_step",
-    "build_scheduler",
-    "get_apertus_optimizer",
-]
+_MODULES = {
+    "AdEMAMix": "ademamix",
+    "StepScalars": "ademamix",
+    "ademamix_reference_step": "ademamix",
+    "AdEMAMixSettings": "builder",
+    "get_apertus_optimizer": "builder",
+    "ScheduleConfig": "schedule",
+    "ParamScheduler": "param_scheduler",
+    "build_scheduler": "param_scheduler",
+}
+
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

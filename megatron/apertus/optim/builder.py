@@ -11,28 +11,20 @@ the same process groups, and the same wrappers (``FP32Optimizer``,
 In both cases each group's ``weight_decay`` is set to ``weight_decay * wd_mult`` at once:
 megatron-core leaves that to the first step of ``OptimizerParamScheduler``, so without a scheduler
 its Adam decays norms too.
+
+megatron-core and torch are imported by the functions that build: :class:`AdEMAMixSettings`
+serves ``--help``, which must not pay for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from megatron.core import parallel_state
-from megatron.core.optimizer import (
-    ChainedOptimizer,
-    Float16OptimizerWithFloat16Params,
-    FP32Optimizer,
-    MegatronOptimizer,
-    OptimizerConfig,
-    _get_param_groups_and_buffers,
-    get_megatron_optimizer,
-)
-from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_pg_rank, get_pg_size
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 
-from megatron.apertus.optim.ademamix import AdEMAMix
-from megatron.apertus.optim.distrib_optimizer import AdEMAMixDistributedOptimizer
+    from megatron.apertus.optim.ademamix import AdEMAMix
 
 
 def _help(text: str, default):
@@ -74,6 +66,8 @@ def get_apertus_optimizer(
     ``model_chunks`` are megatron-core ``DistributedDataParallel`` modules. Collective: every rank
     calls it.
     """
+    from megatron.core.optimizer import get_megatron_optimizer
+
     if config.optimizer == "ademamix":
         optimizer = _ademamix_optimizer(config, model_chunks, ademamix or AdEMAMixSettings())
     elif ademamix is not None:
@@ -103,6 +97,8 @@ def _check_supported(config: OptimizerConfig, model_chunks: list) -> None:
 
 def _grad_scaler(config: OptimizerConfig):
     """megatron-core's choice: a constant scale if given, dynamic for fp16, none otherwise."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
     if config.loss_scale:
         return ConstantGradScaler(config.loss_scale)
     if config.fp16:
@@ -125,6 +121,19 @@ def _init_state(optimizer: AdEMAMix, config: OptimizerConfig | None = None) -> N
 def _ademamix_optimizer(
     config: OptimizerConfig, model_chunks: list, settings: AdEMAMixSettings
 ) -> MegatronOptimizer:
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import (
+        ChainedOptimizer,
+        Float16OptimizerWithFloat16Params,
+        FP32Optimizer,
+        _get_param_groups_and_buffers,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    from megatron.apertus.optim.ademamix import AdEMAMix
+    from megatron.apertus.optim.distrib_optimizer import AdEMAMixDistributedOptimizer
+
     _check_supported(config, model_chunks)
     groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, True)
     param_groups, buffers = _get_param_groups_and_buffers(

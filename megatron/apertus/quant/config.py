@@ -1,4 +1,8 @@
-"""Flags of quantization-aware training (``pretrain_gpt.py --quant-format FORMAT``)."""
+"""Flags of quantization-aware training (``pretrain_gpt.py --quant-format FORMAT``).
+
+The format names live here, not in :mod:`~megatron.apertus.quant.formats` (which re-exports
+them): the flags serve ``--help``, which must not import torch.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.quant.formats import ACTIVATION_FORMATS, FORMATS, INT_BITS
+
+INT_BITS = {"int2": 2, "int3": 3, "int4": 4, "int6": 6}
+ACTIVATION_FORMATS = ("fp8", "nvfp4")
+"""Formats that quantize the layer inputs as well as the weights."""
+FORMATS = (*INT_BITS, *ACTIVATION_FORMATS)
 
 FP8_SCALINGS = ("tensor", "channel")
 

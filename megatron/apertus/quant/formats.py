@@ -34,13 +34,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from megatron.apertus.quant.config import ACTIVATION_FORMATS, FORMATS, INT_BITS  # noqa: F401
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
-INT_BITS = {"int2": 2, "int3": 3, "int4": 4, "int6": 6}
-ACTIVATION_FORMATS = ("fp8", "nvfp4")
-"""Formats that quantize the layer inputs as well as the weights."""
-FORMATS = (*INT_BITS, *ACTIVATION_FORMATS)
 
 Reduce = Callable[[Tensor], Tensor]
 """Max-reduction of a local amax over the tensor-parallel ranks sharing it (identity on one)."""

@@ -11,6 +11,10 @@ group's title. ``pretrain_gpt.py`` adds and reads every group (:func:`add_run_ar
 :func:`run_from_arguments`), the tools and the launch planner name the groups they need. A new
 field of a registered dataclass becomes a flag with no other edit; a new group is one field
 here. ``tests/training/test_cli_snapshot.py`` freezes the resulting command line.
+
+This module and the config modules it reads import neither torch nor megatron-core: the flags
+serve ``--help`` and argument errors, which must start at once. What needs them (a ramp-up's
+steps, the device, GEMM statistics' names) imports them where it is used.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.mcore_compat import rampup_calculator
 from megatron.apertus.model.config import (
     ApertusConfig,
     ParallelConfig,
@@ -44,10 +47,9 @@ from megatron.apertus.model.config import (
 )
 from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.model.presets import PRESETS, preset
-from megatron.apertus.optim import AdEMAMixSettings, ScheduleConfig
-from megatron.apertus.parallel import resolve_device
+from megatron.apertus.optim.builder import AdEMAMixSettings
+from megatron.apertus.optim.schedule import ScheduleConfig
 from megatron.apertus.quant.config import QuantConfig
-from megatron.apertus.training.gemm_metrics import STATISTICS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -156,6 +158,8 @@ class TrainingConfig:
         gbs, samples = self.global_batch_size, self.train_samples
         if not self.rampup_batch_size:
             return math.ceil(samples / gbs)
+        from megatron.apertus.mcore_compat import rampup_calculator
+
         ramp = self.rampup_batch_size[2]
         calculator = rampup_calculator(self.rampup_batch_size, gbs, self.micro_batch_size, dp)
         consumed = steps = 0
@@ -380,8 +384,10 @@ class LoggingConfig:
     )
     log_loss_scale_to_tensorboard: bool = _help(
         "record the loss scale (1.0 unless fp16 scales it) as TensorBoard's and wandb's "
-        "loss-scale (Megatron-LM's --no-log-loss-scale-to-tensorboard: not)",
+        "loss-scale; --no-log-loss-scale-to-tensorboard: not (Megatron-LM has only that "
+        "form; the positive form is ours)",
         True,
+        ours=True,
     )
     log_memory_to_tensorboard: bool = _switch(
         "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "
@@ -402,6 +408,8 @@ class LoggingConfig:
         if self.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ConfigError("--wandb-project needs wandb, which is not installed: "
                               "pip install 'megatron-apertus[wandb]'")  # fmt: skip
+        from megatron.apertus.training.gemm_metrics import STATISTICS
+
         unknown = sorted(set(self.log_intermediate_metrics or ()) - set(STATISTICS))
         if unknown:
             raise ConfigError(
@@ -709,6 +717,8 @@ def groups_from_arguments(
 
 def run_from_arguments(args: argparse.Namespace) -> RunConfig:
     """The whole run, checked across groups (overlap flags, engine against device and layout)."""
+    from megatron.apertus.parallel import resolve_device
+
     config = RunConfig(**groups_from_arguments(args))
     config.communication.check(
         distributed_optimizer=config.optimizer.use_distributed_optimizer,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -39,7 +38,7 @@ from tqdm import tqdm
 from megatron.apertus import checkpoint, parallel
 from megatron.apertus.data.batches import Batch, BatchConfig, collate
 from megatron.apertus.data.context_parallel import gather_tokens, shard_batch
-from megatron.apertus.data.datasets import DatasetConfig, build_datasets
+from megatron.apertus.data.datasets import build_datasets
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import (
     LogitStoreWriter,
@@ -48,58 +47,13 @@ from megatron.apertus.distill.logit_store import (
     sample_key,
 )
 from megatron.apertus.distill.targets import sample_tokens
-from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.config import ApertusConfig, ParallelConfig, dtype_from_name
-from megatron.apertus.training.config import DataConfig, TrainingConfig
+from megatron.apertus.model.config import ApertusConfig, dtype_from_name
 from megatron.apertus.training.run_log import warn_if_slow_precision
 from megatron.apertus.training.step import packed_seq_params_to
+from megatron.apertus.training.teacher_logits_config import GenerationConfig
 
 log = logging.getLogger("apertus.distill")
-
-
-@dataclass(kw_only=True, frozen=True)
-class LogitsConfig:
-    logits_dir: str | None = field(
-        default=None, metadata={"help": "store directory to write (or resume); required"}
-    )
-    topk: int = field(
-        default=256, metadata={"help": "teacher ids and probabilities kept per token"}
-    )
-    samples_per_block: int | None = field(
-        default=None, metadata={"help": "samples per stored block (default: about 131k tokens)"}
-    )
-    teacher_name: str | None = field(
-        default=None, metadata={"help": "teacher identifier in the header (default: from --load)"}
-    )
-    topk_chunk_rows: int | None = field(
-        default=None,
-        metadata={
-            "help": "Apertus addition: tokens whose logits the last stage holds at once "
-            "(default: a multiple of 64 giving about 256 MiB of logits)"
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if not self.logits_dir:
-            raise ConfigError("--logits-dir is required")
-        if self.topk < 1:
-            raise ConfigError(f"--topk must be at least 1, got {self.topk}")
-        if self.topk_chunk_rows is not None and self.topk_chunk_rows < 1:
-            raise ConfigError(f"--topk-chunk-rows must be at least 1, got {self.topk_chunk_rows}")
-
-
-@dataclass(kw_only=True)
-class GenerationConfig:
-    load: str
-    """The teacher checkpoint (save directory or iter_* directory)."""
-    model: ApertusConfig
-    parallel: ParallelConfig
-    training: TrainingConfig
-    """The *student's* run: batch sizes, seed and length define the consumption order."""
-    data: DataConfig
-    dataset: DatasetConfig
-    logits: LogitsConfig
 
 
 def teacher_identifier(load: str, model: ApertusConfig) -> str:

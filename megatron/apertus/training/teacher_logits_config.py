@@ -1,0 +1,56 @@
+"""Flags and configuration of the teacher-logit runner (``tools/generate_teacher_logits.py``),
+apart from the runner (:mod:`megatron.apertus.training.teacher_logits`) so that ``--help`` and
+argument errors need neither torch nor megatron-core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron.apertus.data.datasets import DatasetConfig
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.training.config import DataConfig, TrainingConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class LogitsConfig:
+    logits_dir: str | None = field(
+        default=None, metadata={"help": "store directory to write (or resume); required"}
+    )
+    topk: int = field(
+        default=256, metadata={"help": "teacher ids and probabilities kept per token"}
+    )
+    samples_per_block: int | None = field(
+        default=None, metadata={"help": "samples per stored block (default: about 131k tokens)"}
+    )
+    teacher_name: str | None = field(
+        default=None, metadata={"help": "teacher identifier in the header (default: from --load)"}
+    )
+    topk_chunk_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Apertus addition: tokens whose logits the last stage holds at once "
+            "(default: a multiple of 64 giving about 256 MiB of logits)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.logits_dir:
+            raise ConfigError("--logits-dir is required")
+        if self.topk < 1:
+            raise ConfigError(f"--topk must be at least 1, got {self.topk}")
+        if self.topk_chunk_rows is not None and self.topk_chunk_rows < 1:
+            raise ConfigError(f"--topk-chunk-rows must be at least 1, got {self.topk_chunk_rows}")
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    load: str
+    """The teacher checkpoint (save directory or iter_* directory)."""
+    model: ApertusConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    """The *student's* run: batch sizes, seed and length define the consumption order."""
+    data: DataConfig
+    dataset: DatasetConfig
+    logits: LogitsConfig
