@@ -109,7 +109,8 @@ def read_step(logits: Path, samples: int, rounds: int) -> dict:
         reader.read(range(r * samples, (r + 1) * samples))
         times.append(time.perf_counter() - start)
     h = reader.header
-    return {"store": str(logits), "kind": h.kind, "k": h.k, "samples": samples, "tokens": samples * h.seq_length,
+    return {"store": str(logits), "kind": h.kind, "k": h.k, "samples": samples,
+            "tokens": samples * h.seq_length,
             "read_ms": 1e3 * statistics.median(times)}  # fmt: skip
 
 
@@ -126,7 +127,8 @@ def main() -> None:
     for tokens, hidden, k in SHAPES[args.device]:
         row = compare(tokens, hidden, k, args.rounds, args.device)
         rows.append(row)
-        print(f"N={tokens} H={hidden} {row['store']} k={row['k']}: CE {row['cross_entropy_ms']:.0f} ms, distillation "
+        print(f"N={tokens} H={hidden} {row['store']} k={row['k']}: "
+              f"CE {row['cross_entropy_ms']:.0f} ms, distillation "
               f"{row['distillation_ms']:.0f} ms (+{100 * row['extra_fraction']:.1f}%)")  # fmt: skip
     extra = {"load_average_1_5_15min": os.getloadavg()}
     if (args.logits / "index.bin").is_file():

@@ -45,8 +45,9 @@ def per_row_gradient(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
     """The fused loss's d/dx of every row (alpha = 1: the KL term alone)."""
     x = x.clone().requires_grad_()
     rows = x.shape[0]
-    loss, _ = fused_linear_sparse_kd(x, weight, ids, probs, torch.zeros(rows, dtype=torch.long),
-                                     torch.ones(rows), alpha=1.0, tail=tail, impl="cpu")  # fmt: skip
+    labels, mask = torch.zeros(rows, dtype=torch.long), torch.ones(rows)
+    loss, _ = fused_linear_sparse_kd(x, weight, ids, probs, labels, mask, alpha=1.0, tail=tail,
+                                     impl="cpu")  # fmt: skip
     loss.backward()
     return x.grad.double()
 

@@ -31,9 +31,9 @@ DRAWS = 64
 
 
 def generate_sampled(teacher: Path, out: Path, *, nproc: int = 1, extra: list[str] = ()) -> str:
-    proc = run_entry(GENERATE, ["--load", str(teacher), "--logits-dir", str(out), "--sampling",
-                                "random", "--samples", str(DRAWS), "--samples-per-block",
-                                str(SAMPLES_PER_BLOCK), *STUDENT_DATA, *extra], nproc=nproc)  # fmt: skip
+    args = ["--load", str(teacher), "--logits-dir", str(out), "--sampling", "random", "--samples",
+            str(DRAWS), "--samples-per-block", str(SAMPLES_PER_BLOCK), *STUDENT_DATA, *extra]
+    proc = run_entry(GENERATE, args, nproc=nproc)
     return proc.stdout + proc.stderr
 
 
@@ -64,7 +64,9 @@ def test_draws_follow_the_teachers_distribution(teacher, sampled):  # noqa: F811
         assert abs((w_c - p_c).sum()) < 4 * standard_error + 1e-9, (w_c.sum(), p_c.sum())
 
 
-def test_draws_do_not_depend_on_layout_or_block_size_and_resume(teacher, sampled, tmp_path):  # noqa: F811
+def test_draws_do_not_depend_on_layout_or_block_size_and_resume(
+    teacher, sampled, tmp_path  # noqa: F811
+):
     """TP=2 (inverse CDF over the vocabulary shards) and another block size read the same
     rows; DP=2 writes the same bytes; a lost block is regenerated to the same bytes."""
     tp2, small_blocks = tmp_path / "tp2", tmp_path / "small_blocks"
@@ -94,8 +96,8 @@ def test_student_distils_from_a_sampled_store_and_resumes(sampled, tmp_path):
     run_entry(PRETRAIN, STUDENT + distil + ["--log-json", str(tmp_path / "full.json")])
     save = tmp_path / "ckpt"
     run_entry(PRETRAIN, STUDENT + distil + ["--save", str(save), "--exit-interval", "3"])
-    run_entry(PRETRAIN, STUDENT + distil + ["--save", str(save), "--load", str(save),
-                                            "--log-json", str(tmp_path / "resumed.json")])  # fmt: skip
+    resumed = ["--save", str(save), "--load", str(save), "--log-json", str(tmp_path / "resumed.json")]
+    run_entry(PRETRAIN, STUDENT + distil + resumed)
     full = series(read_json(tmp_path / "full.json"), "train/loss")
     assert full == series(read_json(tmp_path / "resumed.json"), "train/loss")
     assert len(full[0]) == 6 and all(np.isfinite(full[1]))

@@ -166,7 +166,9 @@ class StoreHeader:
         if not self.k <= self.vocab_size < 2**31:  # ranks are int32
             raise ValueError(f"need k ({self.k}) <= vocab_size ({self.vocab_size}) < 2**31")
         if self.kind not in KINDS:
-            raise ValueError(f"StoreHeader.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            raise ValueError(
+                f"StoreHeader.kind must be one of {', '.join(KINDS)}, got {self.kind!r}"
+            )
         if (self.kind == "sampled") != (self.seed is not None):
             raise ValueError("StoreHeader.seed is given for, and only for, a sampled store")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(
@@ -311,7 +313,8 @@ def parse_meta(
     head = dict(zip(_BLOCK_HEAD_FIELDS, _BLOCK_HEAD.unpack(head_bytes)))
     positions = header.block_positions(block)
     expected = {
-        "magic": BLOCK_MAGICS[header.kind], "version": FORMAT_VERSION, "levels": header.levels, "block": block,
+        "magic": BLOCK_MAGICS[header.kind], "version": FORMAT_VERSION, "levels": header.levels,
+        "block": block,
         "first_position": positions.start, "samples": len(positions),
         "seq_length": header.seq_length, "k": header.k, "vocab_size": header.vocab_size,
     }  # fmt: skip
@@ -362,7 +365,8 @@ def block_bytes(block: int, header: StoreHeader, keys: np.ndarray, encoded) -> b
     directory["frame_sizes"] = encoded.frame_sizes
     directory["escapes"] = encoded.escapes
     directory["crc"] = [zlib.crc32(p) for p in encoded.payloads]
-    head = _BLOCK_HEAD.pack(BLOCK_MAGICS[header.kind], FORMAT_VERSION, header.levels, block, positions.start, n,
+    head = _BLOCK_HEAD.pack(BLOCK_MAGICS[header.kind], FORMAT_VERSION, header.levels, block,
+                            positions.start, n,
                             header.seq_length, header.k, header.vocab_size, encoded.table_size,
                             len(encoded.tables), meta_size + int(lengths.sum()))  # fmt: skip
     meta = head + directory.tobytes() + encoded.tables
