@@ -9,7 +9,9 @@ one step's teacher targets from a store (decode; in training this overlaps the p
 background thread). The two losses alternate round by round, so load from other processes hits
 both alike. Shapes on CPU (fp32): the demo student (hidden 64) and the CPU shape of the kernel
 benchmark (2048 tokens, hidden 512), V = 131072, k = 64 and 256. On CUDA (bf16): one micro-batch of
-8 x 2048 tokens at the hidden sizes of the Apertus-v1.1 0.5B, 1.5B and 4B students, k = 256.
+8 x 2048 tokens at the hidden sizes of the Apertus-v1.1 0.5B, 1.5B and 4B students, k = 256. The
+``sampled`` rows are a sampled store's targets (``--sampling random``): 12 distinct ids per token
+with weights count / 32 summing to 1, and no tail term.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from _common import write_results  # noqa: E402
 from megatron.apertus.ops.sparse_kl import fused_linear_sparse_kd
 
 VOCAB = 131072
-SHAPES = {  # tokens, hidden, k
-    "cpu": [(2048, 64, 64), (2048, 64, 256), (2048, 512, 256)],
-    "cuda": [(16384, 1024, 256), (16384, 2048, 256), (16384, 3072, 256)],
-}
+SHAPES = {  # tokens, hidden, k (a sampled store's rows: 12 distinct ids of 32 draws, k=12)
+    "cpu": [(2048, 64, 64), (2048, 64, 256), (2048, 64, "sampled"), (2048, 512, 256),
+            (2048, 512, "sampled")],
+    "cuda": [(16384, 1024, 256), (16384, 1024, "sampled"), (16384, 2048, 256),
+             (16384, 3072, 256)],
+}  # fmt: skip
+SAMPLED_DISTINCT, SAMPLED_DRAWS = 12, 32
 DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
@@ -44,27 +49,41 @@ def peaked_teacher(tokens: int, k: int, device: str) -> tuple[torch.Tensor, torc
     return ids, probs.expand(tokens, k).contiguous()
 
 
+def sampled_teacher(tokens: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as a sampled store returns them: SAMPLED_DISTINCT distinct ids per row with weights
+    count / SAMPLED_DRAWS (counts >= 1, summing to the draws)."""
+    ids, _ = peaked_teacher(tokens, SAMPLED_DISTINCT, device)
+    extra = torch.multinomial(torch.ones(tokens, SAMPLED_DISTINCT, device=device),
+                              SAMPLED_DRAWS - SAMPLED_DISTINCT, replacement=True)  # fmt: skip
+    counts = 1 + torch.zeros(tokens, SAMPLED_DISTINCT, device=device).scatter_add_(
+        1, extra, torch.ones_like(extra, dtype=torch.float32))
+    return ids, counts / SAMPLED_DRAWS
+
+
 def loss_step(x, weight, labels, mask, teacher) -> float:
     """Forward + backward of the fused loss; seconds."""
     x.grad = weight.grad = None
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     sync()
     start = time.perf_counter()
-    ids, probs, alpha = teacher if teacher is not None else (None, None, 0.0)
-    loss, _ = fused_linear_sparse_kd(x, weight, ids, probs, labels, mask, alpha=alpha)
+    ids, probs, alpha, tail = teacher if teacher is not None else (None, None, 0.0, "label")
+    loss, _ = fused_linear_sparse_kd(x, weight, ids, probs, labels, mask, alpha=alpha, tail=tail)
     loss.backward()
     sync()
     return time.perf_counter() - start
 
 
-def compare(tokens: int, hidden: int, k: int, rounds: int, device: str) -> dict:
+def compare(tokens: int, hidden: int, k: int | str, rounds: int, device: str) -> dict:
     dtype = DTYPES[device]
     x = torch.randn(tokens, hidden, dtype=dtype, device=device, requires_grad=True)
     weight = (torch.randn(VOCAB, hidden, device=device) * 0.02).to(dtype).requires_grad_()
     labels = torch.randint(0, VOCAB, (tokens,), device=device)
     mask = torch.ones(tokens, device=device)
-    ids, probs = peaked_teacher(tokens, k, device)
-    cases = {"cross_entropy": None, "distillation": (ids, probs, 0.9)}
+    if k == "sampled":  # no tail: the weights sum to 1 (targets.TeacherLogits.tail)
+        teacher = (*sampled_teacher(tokens, device), 0.9, "ignore")
+    else:
+        teacher = (*peaked_teacher(tokens, k, device), 0.9, "label")
+    cases = {"cross_entropy": None, "distillation": teacher}
     times = {name: [] for name in cases}
     for round_ in range(rounds + 1):  # round 0 warms up
         for name, teacher in cases.items():
@@ -72,7 +91,9 @@ def compare(tokens: int, hidden: int, k: int, rounds: int, device: str) -> dict:
             if round_:
                 times[name].append(seconds)
     ce, kd = (statistics.median(times[n]) for n in cases)
-    return {"tokens": tokens, "hidden": hidden, "vocab": VOCAB, "k": k, "dtype": str(dtype),
+    store = f"sampled ({SAMPLED_DISTINCT} of {SAMPLED_DRAWS} draws)" if k == "sampled" else "topk"
+    return {"tokens": tokens, "hidden": hidden, "vocab": VOCAB, "store": store,
+            "k": SAMPLED_DISTINCT if k == "sampled" else k, "dtype": str(dtype),
             "cross_entropy_ms": 1e3 * ce, "distillation_ms": 1e3 * kd,
             "extra_ms": 1e3 * (kd - ce), "extra_fraction": kd / ce - 1}  # fmt: skip
 
@@ -88,7 +109,8 @@ def read_step(logits: Path, samples: int, rounds: int) -> dict:
         reader.read(range(r * samples, (r + 1) * samples))
         times.append(time.perf_counter() - start)
     h = reader.header
-    return {"store": str(logits), "k": h.k, "samples": samples, "tokens": samples * h.seq_length,
+    return {"store": str(logits), "kind": h.kind, "k": h.k, "samples": samples,
+            "tokens": samples * h.seq_length,
             "read_ms": 1e3 * statistics.median(times)}  # fmt: skip
 
 
@@ -105,7 +127,8 @@ def main() -> None:
     for tokens, hidden, k in SHAPES[args.device]:
         row = compare(tokens, hidden, k, args.rounds, args.device)
         rows.append(row)
-        print(f"N={tokens} H={hidden} k={k}: CE {row['cross_entropy_ms']:.0f} ms, distillation "
+        print(f"N={tokens} H={hidden} {row['store']} k={row['k']}: "
+              f"CE {row['cross_entropy_ms']:.0f} ms, distillation "
               f"{row['distillation_ms']:.0f} ms (+{100 * row['extra_fraction']:.1f}%)")  # fmt: skip
     extra = {"load_average_1_5_15min": os.getloadavg()}
     if (args.logits / "index.bin").is_file():

@@ -1,6 +1,7 @@
 """Teacher top-k logit storage on real teacher logits: size, speed and error of three formats.
 
     python bench/bench_logit_storage.py [--teacher-checkpoint SAVE_DIR] [--k 256] [--device cuda]
+        [--draws 12 32]
 
 The teacher runs over held-out real text (the last 10% of the embedded corpus's documents,
 the demo's validation split, tokenized with tekken) cut into samples of its sequence length;
@@ -20,7 +21,8 @@ meaningful on a machine shared with other jobs. KL is KL(p || p')
 per token between the exact and the decoded top-k distributions, both renormalised over the
 top-k ids; ``mass_err_max`` is the largest error of a row's top-k mass S. The store rows
 time the real file path (``LogitStoreWriter.write_block`` with fsync, ``LogitStoreReader.read``
-with crc checks).
+with crc checks). The sampled rows store, for the same tokens, ``--draws`` ids drawn from the
+teacher's full distribution (``--sampling random``), through the same file path.
 """
 
 from __future__ import annotations
@@ -72,8 +74,14 @@ def held_out_samples(seq_length: int) -> np.ndarray:
     return tokens[: n * seq_length].reshape(n, seq_length)
 
 
-def teacher_topk(checkpoint: Path, k: int, device: str, batch: int = 8) -> tuple[np.ndarray, ...]:
-    """(tokens [n, T], ids int64 [n, T, k], logprobs float32 [n, T, k]) of the fp32 teacher."""
+def teacher_topk(
+    checkpoint: Path, k: int, device: str, draws: int, batch: int = 8
+) -> tuple[np.ndarray, ...]:
+    """(tokens [n, T], ids int64 [n, T, k], logprobs float32 [n, T, k], sampled int64
+    [n, T, draws]) of the fp32 teacher; the draws as the generator makes them (inverse CDF at
+    ``draw_uniforms`` of seed 0 and each sample's index)."""
+    from megatron.apertus.model.topk import global_samples
+
     from megatron.apertus import parallel
     from megatron.apertus.checkpoint import load_model, load_model_config
     from megatron.apertus.model import ParallelConfig
@@ -89,7 +97,7 @@ def teacher_topk(checkpoint: Path, k: int, device: str, batch: int = 8) -> tuple
         load_model(checkpoint, [chunk])
         chunk.eval()
         tokens = held_out_samples(model.seq_length)
-        ids, logprobs = [], []
+        ids, logprobs, sampled = [], [], []
         positions = torch.arange(model.seq_length, device=device).unsqueeze(0)
         with torch.no_grad():
             for start in range(0, len(tokens), batch):
@@ -98,7 +106,12 @@ def teacher_topk(checkpoint: Path, k: int, device: str, batch: int = 8) -> tuple
                 top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
                 ids.append(top.indices.cpu().numpy())
                 logprobs.append(top.values.cpu().numpy())
-        return tokens, np.concatenate(ids), np.concatenate(logprobs)
+                uniforms = np.stack([logit_store.draw_uniforms(0, p, model.seq_length, draws)
+                                     for p in range(start, start + len(x))])  # fmt: skip
+                drawn = global_samples(logits.reshape(-1, logits.shape[-1]),
+                                       torch.from_numpy(uniforms.reshape(-1, draws)).to(device))
+                sampled.append(drawn.view(len(x), model.seq_length, draws).long().cpu().numpy())
+        return tokens, np.concatenate(ids), np.concatenate(logprobs), np.concatenate(sampled)
     finally:
         parallel.shutdown()
 
@@ -290,6 +303,36 @@ def store_path(tokens, ids, logprobs, header: logit_store.StoreHeader, repeat: i
             "encode_tokens_per_s": rows / enc, "decode_tokens_per_s": rows / dec}  # fmt: skip
 
 
+def sampled_store_path(tokens, draws: np.ndarray, label: str, repeat: int) -> dict:
+    """A sampled store (``--sampling random``) of the same tokens: bytes, distinct ids per
+    token, write_sampled_block / read speed through the real files."""
+    n, seq_length, samples = draws.shape
+    header = logit_store.StoreHeader(k=samples, vocab_size=VOCAB, seq_length=seq_length,
+                                     num_samples=n, samples_per_block=n, teacher="bench",
+                                     dataset_hash="bench", kind="sampled", seed=0)  # fmt: skip
+    keys = np.array([logit_store.sample_key(t) for t in tokens], dtype=np.uint64)
+    write, read = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = logit_store.LogitStoreWriter(tmp, header)
+        for _ in range(repeat):
+            write.append(cpu_seconds(lambda: writer.write_sampled_block(0, keys, draws))[0])
+        writer.finalize()
+        size = logit_store.block_path(tmp, 0).stat().st_size
+        reader = logit_store.LogitStoreReader(tmp)
+        for _ in range(repeat):
+            seconds, batch = cpu_seconds(lambda: reader.read(range(n)))
+            read.append(seconds)
+    rows = n * seq_length
+    distinct = float((batch.probs > 0).sum(-1).float().mean())
+    enc, dec = statistics.median(write), statistics.median(read)
+    name = f"sampled, {samples} draws (store files)"
+    print(f"{name:38s} {size / rows:7.1f} B/token  enc {rows / enc:9,.0f}  dec {rows / dec:9,.0f}"
+          f" tokens/s  {distinct:.1f} distinct ids/token", flush=True)  # fmt: skip
+    return {"data": label, "format": name, "tokens": rows, "draws": samples,
+            "distinct_ids_per_token": distinct, "bytes_per_token": size / rows,
+            "encode_tokens_per_s": rows / enc, "decode_tokens_per_s": rows / dec}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -299,6 +342,8 @@ def main() -> None:
     )
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--draws", type=int, nargs="+", default=[12, 32],
+                        help="draws per token of the sampled stores (one row each)")
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -311,7 +356,8 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = teacher_checkpoint(args.teacher_checkpoint)
     torch.set_num_threads(2)
-    tokens, ids, logprobs = teacher_topk(checkpoint, args.k, args.device)
+    tokens, ids, logprobs, sampled = teacher_topk(checkpoint, args.k, args.device,
+                                                  max(args.draws))  # fmt: skip
     torch.set_num_threads(1)  # the formats are compared on one core
     label = f"teacher {checkpoint} on held-out text"
     rows = compare(label, ids, logprobs, args.repeat)
@@ -320,6 +366,9 @@ def main() -> None:
                                      samples_per_block=n, teacher=str(checkpoint),
                                      dataset_hash="bench")  # fmt: skip
     rows.append({"data": label, **store_path(tokens, ids, logprobs, header, args.repeat)})
+    for draws in args.draws:  # the first ``draws`` of each token's are a store of that size
+        rows.append(sampled_store_path(tokens, np.ascontiguousarray(sampled[..., :draws]), label,
+                                       args.repeat))  # fmt: skip
     if args.stress_samples:
         stress = synthetic_stress(args.stress_samples, seq_length, k)
         rows += compare("synthetic stress (near-uniform id sets)", *stress, args.repeat)

@@ -1,11 +1,15 @@
-"""Generate a teacher's top-k logits over a student's training data (docs/distillation.md).
+"""Generate a teacher's top-k logits, or ids drawn from it, over a student's training data
+(docs/distillation.md).
 
 Give the teacher checkpoint and the *student's* data and batch flags: the store then holds,
-at position i, the teacher's top-k for the i-th sample the student will consume.
+at position i, the teacher's top-k for the i-th sample the student will consume; with
+``--sampling random --samples N``, N ids drawn from the teacher's distribution at each token
+instead (distinct ids and counts: an unbiased sparse target).
 
     python tools/generate_teacher_logits.py --load TEACHER_SAVE_DIR --logits-dir LOGITS \\
         --data-path PREFIX --seq-length 4096 --global-batch-size 1024 --train-iters 1000 \\
-        --seed 1234 [--topk 256] [--tensor-model-parallel-size 2 ...]
+        --seed 1234 [--topk 256 | --sampling random --samples 32] \\
+        [--tensor-model-parallel-size 2 ...]
     torchrun --nproc-per-node 8 tools/generate_teacher_logits.py ...   # DP x TP x PP ranks
 
 The teacher's architecture is read from its checkpoint; ``--seq-length`` may override it (the

@@ -24,7 +24,8 @@ class DistillConfig:
     )
     kd_tail: str = field(
         default=DEFAULT_TAIL,
-        metadata={"ours": True, "help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)}"},
+        metadata={"ours": True, "help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)} "
+                  "(a sampled store has none)"},
     )
 
     def __post_init__(self) -> None:

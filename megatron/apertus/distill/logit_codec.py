@@ -254,3 +254,132 @@ class BlockDecoder:
         if len(raw) != size:
             raise ValueError(f"a frame decodes to {len(raw)} bytes, expected {size}")
         return np.frombuffer(raw, np.uint8)
+
+
+# -- sampled rows: distinct token ids drawn from the teacher and how often each was drawn --------
+
+
+MAX_DRAWS = 0xFFFF
+"""Draws per position of a sampled store: a count and a row length fit 16 bits."""
+
+
+def encode_sampled_block(
+    draws: np.ndarray, *, samples: int, vocab_size: int, zstd_level: int
+) -> EncodedBlock:
+    """Encode ``samples`` samples of sampled rows: ``draws`` int [rows, N], N token ids drawn
+    i.i.d. from the teacher at each position (rows = samples * positions, sample-major).
+
+    Each row is stored as its distinct ids (rank differences, as for top-k) and the count of
+    each; the counts sum to N. Per sample, three zstd frames: the number of distinct ids of
+    every row (uint16 planes), the rank differences (uint16 planes), the counts - 1 (uint16
+    planes) followed by the escape excesses. The tables frame holds the rank table only."""
+    draws = np.asarray(draws).astype(np.int64, copy=False)
+    if draws.ndim != 2 or not 1 <= draws.shape[1] <= MAX_DRAWS:
+        raise ValueError(f"draws must be [rows, N] with 1 <= N <= {MAX_DRAWS}, got {draws.shape}")
+    outside = (draws < 0) | (draws >= vocab_size)
+    if outside.any():
+        row = _first_bad_row(outside)
+        raise RowError(row, f"drawn ids outside the vocabulary [0, {vocab_size}): "
+                            f"{draws[row][outside[row]][:4]}")  # fmt: skip
+    rows, n = draws.shape
+    ordered = np.sort(draws, axis=1)
+    first = np.ones_like(ordered, dtype=bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    distinct = first.sum(axis=1)
+    unique_ids = ordered[first]  # row-major: each row's distinct ids, ascending
+    starts = np.flatnonzero(first.ravel())
+    counts = np.diff(np.append(starts, rows * n))
+    table, rank_of = _rank_table(unique_ids, vocab_size)
+    ranks = rank_of[unique_ids]
+    row_of = np.repeat(np.arange(rows), distinct)
+    order = np.lexsort((ranks, row_of))  # each row sorted by rank
+    ranks, counts = ranks[order], counts[order]
+    row_start = np.concatenate([[0], np.cumsum(distinct)[:-1]])
+    diffs = np.diff(ranks, prepend=-1)
+    diffs[row_start] = ranks[row_start] + 1
+    compressor = zstandard.ZstdCompressor(level=zstd_level)
+    tables = compressor.compress(_planes(table))
+    per_sample = rows // samples
+    payloads, sizes = [], np.zeros((samples, 2), dtype=np.uint32)
+    escapes = np.zeros(samples, dtype=np.uint32)
+    bounds = np.concatenate([[0], np.cumsum(distinct)])
+    for s in range(samples):
+        lo, hi = bounds[s * per_sample], bounds[(s + 1) * per_sample]
+        part = slice(s * per_sample, (s + 1) * per_sample)
+        d = diffs[lo:hi]
+        escaped = d >= ESCAPE
+        excess = (d[escaped] - ESCAPE).astype(np.uint32)
+        streams = [
+            _planes(distinct[part].astype(np.uint16)),
+            _planes(np.minimum(d, ESCAPE).astype(np.uint16)),
+            _planes((counts[lo:hi] - 1).astype(np.uint16)) + _planes(excess),
+        ]
+        frames = [compressor.compress(stream) for stream in streams]
+        sizes[s] = len(frames[0]), len(frames[1])
+        escapes[s] = len(excess)
+        payloads.append(b"".join(frames))
+    return EncodedBlock(tables, len(table), payloads, sizes, escapes)
+
+
+def padding_ids(ids: np.ndarray, distinct: np.ndarray, vocab_size: int) -> np.ndarray:
+    """For rows ``ids [T, N]`` whose first ``distinct[r]`` entries are distinct ids, the
+    smallest ids not in the row, [T, N] (entry j is the j-th of them): the row's free slots
+    take these with weight 0, so every row's ids stay distinct, as the loss requires."""
+    t, n = ids.shape
+    candidates = np.arange(min(2 * n, vocab_size), dtype=np.int64)
+    used = np.arange(n)[None, :] < distinct[:, None]
+    member = ((candidates[None, :, None] == ids[:, None, :]) & used[:, None, :]).any(axis=2)
+    free_first = np.argsort(member, axis=1, kind="stable")[:, :n]
+    return candidates[free_first]
+
+
+class SampledBlockDecoder:
+    """Decodes the sampled rows of one block; holds its rank table."""
+
+    def __init__(self, tables: bytes, table_size: int, *, positions: int, draws: int,
+                 vocab_size: int) -> None:  # fmt: skip
+        raw = _decompressor().decompress(tables)
+        if len(raw) != 4 * table_size:
+            raise ValueError(f"tables decode to {len(raw)} bytes, expected {4 * table_size}")
+        ids = _unplanes(raw, np.uint32, table_size)
+        self.table = np.concatenate([[0], ids.astype(np.int64)])
+        self.positions, self.draws, self.vocab_size = positions, draws, vocab_size
+
+    def decode(
+        self, payload: bytes, frame_sizes: tuple[int, int], escapes: int, ids: np.ndarray,
+        probs: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Decode one sample into ``ids`` (int64 [T, N]) and ``probs`` (float32 [T, N]): each
+        row's distinct ids with weight count / N, then padding ids (:func:`padding_ids`) with
+        weight 0. Returns nothing; the number of distinct ids of row r is the count of its
+        non-zero weights."""
+        t, n = self.positions, self.draws
+        view = memoryview(payload)
+        first, second = frame_sizes
+        distinct = _unplanes(self._stream(view[:first], 2 * t), np.uint16, t).astype(np.int64)
+        if distinct.min(initial=1) < 1 or distinct.max(initial=1) > n:
+            raise ValueError(f"a row holds outside [1, {n}] distinct ids")
+        total = int(distinct.sum())
+        diffs = _unplanes(self._stream(view[first : first + second], 2 * total), np.uint16,
+                          total).astype(np.int64)  # fmt: skip
+        extra = self._stream(view[first + second :], 2 * total + 4 * escapes)
+        counts = _unplanes(extra, np.uint16, total).astype(np.int64) + 1
+        if escapes:
+            excess = _unplanes(memoryview(extra)[2 * total :], np.uint32, escapes)
+            diffs[np.flatnonzero(diffs == ESCAPE)] += excess.astype(np.int64)
+        row_start = np.concatenate([[0], np.cumsum(distinct)[:-1]])
+        cumulative = np.cumsum(diffs)
+        ranks = cumulative - np.repeat(cumulative[row_start] - diffs[row_start], distinct)
+        if ranks.max(initial=0) >= len(self.table) or ranks.min(initial=1) < 1:
+            raise ValueError("rank outside the block's table")
+        if not np.array_equal(np.add.reduceat(counts, row_start), np.full(t, n)):
+            raise ValueError(f"a row's counts do not sum to {n} draws")
+        used = np.arange(n)[None, :] < distinct[:, None]
+        ids[used] = self.table[ranks]
+        probs[...] = 0.0
+        probs[used] = counts / np.float32(n)
+        ids[~used] = padding_ids(ids, distinct, self.vocab_size)[
+            np.arange(n)[None, :] < (n - distinct)[:, None]
+        ]
+
+    _stream = staticmethod(BlockDecoder._stream)

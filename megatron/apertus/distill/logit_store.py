@@ -46,7 +46,15 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequ
 
 import numpy as np
 
-from megatron.apertus.distill.logit_codec import BlockDecoder, CodecParams, RowError, encode_block
+from megatron.apertus.distill.logit_codec import (
+    MAX_DRAWS,
+    BlockDecoder,
+    CodecParams,
+    RowError,
+    SampledBlockDecoder,
+    encode_block,
+    encode_sampled_block,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -54,10 +62,17 @@ if TYPE_CHECKING:
 FORMAT = "apertus-teacher-topk"
 FORMAT_VERSION = 1
 CODEC = "rank-diff8+sqrt8/zstd"
+SAMPLED_CODEC = "rank-diff16+count16/zstd"
+KINDS = ("topk", "sampled")
+"""``topk``: the teacher's k most likely ids and their probabilities. ``sampled``: N ids drawn
+i.i.d. from the teacher's distribution, stored as the distinct ids and their counts (an
+unbiased estimate of the distribution; docs/distillation.md)."""
+CODECS = {"topk": CODEC, "sampled": SAMPLED_CODEC}
 BLOCK_TOKENS = 131072
 """Target tokens per block: the unit of writing, resuming and checksumming."""
 HEADER_FILE, INDEX_FILE, BLOCK_DIR = "header.json", "index.bin", "blocks"
 BLOCK_MAGIC, INDEX_MAGIC = b"APTKBLK\0", b"APTKIDX\0"
+BLOCK_MAGICS = {"topk": BLOCK_MAGIC, "sampled": b"APSMBLK\0"}
 DIGEST_SIZE = 16
 
 # Block file: fixed header, directory (one record per sample), tables frame, digest, payloads.
@@ -97,6 +112,13 @@ def sample_key(tokens: np.ndarray) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def draw_uniforms(seed: int, position: int, seq_length: int, draws: int) -> np.ndarray:
+    """The uniforms in [0, 1) (float64 [seq_length, draws]) behind the draws of a sampled store
+    at sample ``position``: a function of the seed and the position alone, so a regenerated
+    block, any parallel layout and any block size give the same draws."""
+    return np.random.default_rng([seed, position]).random((seq_length, draws))
+
+
 def default_samples_per_block(seq_length: int, tokens: int = BLOCK_TOKENS) -> int:
     """Samples per block so that a block holds about ``tokens`` tokens."""
     return max(1, round(tokens / seq_length))
@@ -115,7 +137,7 @@ class StoreHeader:
     """What a store holds and for which data; written to ``header.json``."""
 
     k: int
-    """Teacher ids (and probabilities) per position."""
+    """Teacher ids (and probabilities) per position; of a sampled store: the draws N."""
     vocab_size: int
     seq_length: int
     """Positions per sample (every sample has exactly this many)."""
@@ -130,6 +152,10 @@ class StoreHeader:
     levels: int = CodecParams.levels
     zstd_level: int = CodecParams.zstd_level
     format_version: int = FORMAT_VERSION
+    kind: str = "topk"
+    """One of :data:`KINDS`; a header without the field is a top-k store."""
+    seed: int | None = None
+    """Of a sampled store: the seed of the draws (with the position, it fixes them)."""
 
     def __post_init__(self) -> None:
         for name in ("k", "vocab_size", "seq_length", "num_samples", "samples_per_block"):
@@ -139,6 +165,17 @@ class StoreHeader:
             object.__setattr__(self, name, int(value))  # numpy ints would not serialise
         if not self.k <= self.vocab_size < 2**31:  # ranks are int32
             raise ValueError(f"need k ({self.k}) <= vocab_size ({self.vocab_size}) < 2**31")
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"StoreHeader.kind must be one of {', '.join(KINDS)}, got {self.kind!r}"
+            )
+        if (self.kind == "sampled") != (self.seed is not None):
+            raise ValueError("StoreHeader.seed is given for, and only for, a sampled store")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(
+                self.seed, numbers.Integral) or self.seed < 0):  # fmt: skip
+            raise ValueError(f"StoreHeader.seed must be a non-negative int, got {self.seed!r}")
+        if self.kind == "sampled" and self.k > MAX_DRAWS:
+            raise ValueError(f"a sampled store draws at most {MAX_DRAWS} ids per position")
         if not self.teacher or not self.dataset_hash:
             raise ValueError("StoreHeader.teacher and .dataset_hash must be non-empty")
         CodecParams(self.levels, self.zstd_level)  # validates them
@@ -158,7 +195,10 @@ class StoreHeader:
         return range(start, min(start + self.samples_per_block, self.num_samples))
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "codec": CODEC, **dataclasses.asdict(self)}, indent=2)
+        fields = {"format": FORMAT, "codec": CODECS[self.kind], **dataclasses.asdict(self)}
+        if self.kind == "topk":  # top-k headers stay byte-identical to those without kinds
+            del fields["kind"], fields["seed"]
+        return json.dumps(fields, indent=2)
 
     @classmethod
     def from_json(cls, text: str, source: str) -> StoreHeader:
@@ -166,12 +206,13 @@ class StoreHeader:
             fields = json.loads(text)
         except json.JSONDecodeError as err:
             raise LogitStoreError(f"{source}: not valid JSON ({err})") from None
-        if (
-            not isinstance(fields, dict)
-            or fields.pop("format", None) != FORMAT
-            or fields.pop("codec", None) != CODEC
-        ):
-            raise LogitStoreError(f"{source}: not a {FORMAT} store with codec {CODEC}")
+        kind = fields.get("kind", "topk") if isinstance(fields, dict) else None
+        if kind not in KINDS:
+            raise LogitStoreError(f"{source}: unknown kind of store {kind!r} (this code reads "
+                                  f"{', '.join(KINDS)})")  # fmt: skip
+        if fields.pop("format", None) != FORMAT or fields.pop("codec", None) != CODECS[kind]:
+            raise LogitStoreError(f"{source}: not a {FORMAT} store of kind {kind} with codec "
+                                  f"{CODECS[kind]}")  # fmt: skip
         if fields.get("format_version") != FORMAT_VERSION:
             raise LogitStoreError(
                 f"{source}: format version {fields.get('format_version')}, this code reads "
@@ -272,7 +313,8 @@ def parse_meta(
     head = dict(zip(_BLOCK_HEAD_FIELDS, _BLOCK_HEAD.unpack(head_bytes)))
     positions = header.block_positions(block)
     expected = {
-        "magic": BLOCK_MAGIC, "version": FORMAT_VERSION, "levels": header.levels, "block": block,
+        "magic": BLOCK_MAGICS[header.kind], "version": FORMAT_VERSION, "levels": header.levels,
+        "block": block,
         "first_position": positions.start, "samples": len(positions),
         "seq_length": header.seq_length, "k": header.k, "vocab_size": header.vocab_size,
     }  # fmt: skip
@@ -323,7 +365,8 @@ def block_bytes(block: int, header: StoreHeader, keys: np.ndarray, encoded) -> b
     directory["frame_sizes"] = encoded.frame_sizes
     directory["escapes"] = encoded.escapes
     directory["crc"] = [zlib.crc32(p) for p in encoded.payloads]
-    head = _BLOCK_HEAD.pack(BLOCK_MAGIC, FORMAT_VERSION, header.levels, block, positions.start, n,
+    head = _BLOCK_HEAD.pack(BLOCK_MAGICS[header.kind], FORMAT_VERSION, header.levels, block,
+                            positions.start, n,
                             header.seq_length, header.k, header.vocab_size, encoded.table_size,
                             len(encoded.tables), meta_size + int(lengths.sum()))  # fmt: skip
     meta = head + directory.tobytes() + encoded.tables
@@ -440,6 +483,7 @@ class LogitStoreWriter:
                 f"rank {self.rank} of {self.world_size} does not own block {block} "
                 f"(block % world_size = {block % self.world_size})"
             )
+        self._check_kind(block, "topk")
         positions = self.block_positions(block)
         shape = (len(positions), self.header.seq_length, self.header.k)
         sample_keys = np.asarray(sample_keys, dtype=np.uint64)
@@ -449,14 +493,39 @@ class LogitStoreWriter:
                 f"{list(sample_keys.shape)}, {list(ids.shape)}, {list(logprobs.shape)}"
             )
         rows = shape[0] * shape[1]
+        self._write(block, sample_keys, lambda: encode_block(
+            ids.reshape(rows, -1), logprobs.reshape(rows, -1), samples=shape[0],
+            vocab_size=self.header.vocab_size, params=self.header.codec))  # fmt: skip
+
+    def write_sampled_block(self, block: int, sample_keys: np.ndarray, draws: np.ndarray) -> None:
+        """Encode and atomically write block ``block`` of a sampled store. ``draws``: int
+        [n, seq_length, N] ids drawn i.i.d. from the teacher at each position (any order)."""
+        self._check_kind(block, "sampled")
+        positions = self.block_positions(block)
+        shape = (len(positions), self.header.seq_length, self.header.k)
+        sample_keys = np.asarray(sample_keys, dtype=np.uint64)
+        if sample_keys.shape != shape[:1] or draws.shape != shape:
+            raise LogitStoreError(f"block {block}: expected keys [{shape[0]}] and draws "
+                                  f"{list(shape)}; got {list(sample_keys.shape)}, "
+                                  f"{list(draws.shape)}")  # fmt: skip
+        rows = shape[0] * shape[1]
+        self._write(block, sample_keys, lambda: encode_sampled_block(
+            draws.reshape(rows, -1), samples=shape[0], vocab_size=self.header.vocab_size,
+            zstd_level=self.header.zstd_level))  # fmt: skip
+
+    def _check_kind(self, block: int, kind: str) -> None:
+        if self.header.kind != kind:
+            raise LogitStoreError(f"block {block}: {kind} rows given to a {self.header.kind} store")
+
+    def _write(self, block: int, sample_keys: np.ndarray, encode: Callable) -> None:
+        positions = self.block_positions(block)
         try:
-            encoded = encode_block(ids.reshape(rows, -1), logprobs.reshape(rows, -1),
-                                   samples=shape[0], vocab_size=self.header.vocab_size,
-                                   params=self.header.codec)  # fmt: skip
+            encoded = encode()
         except RowError as err:
-            position = positions[err.row // shape[1]]
+            t = self.header.seq_length
             raise LogitStoreError(
-                f"block {block}, sample at position {position}, token {err.row % shape[1]}: {err}"
+                f"block {block}, sample at position {positions[err.row // t]}, token "
+                f"{err.row % t}: {err}"
             ) from None
         atomic_write(
             block_path(self.directory, block),
@@ -588,7 +657,10 @@ class LogitStoreReader:
         return positions
 
     def read(self, positions: Sequence[int], *, pin_memory: bool = False) -> TopKBatch:
-        """Top-k ids and probabilities of the samples at ``positions`` (any order, repeats ok)."""
+        """Top-k ids and probabilities of the samples at ``positions`` (any order, repeats ok).
+
+        Of a sampled store: each position's distinct drawn ids with weights count / N (a row
+        sums to 1), then padding ids of weight 0, as wide as the batch's most distinct ids."""
         import torch
 
         positions = self._positions(positions)
@@ -602,6 +674,9 @@ class LogitStoreReader:
         for block in np.unique(blocks):
             where = np.flatnonzero(blocks == block)
             self._decode(int(block), positions[where], where, ids_np, probs_np)
+        if h.kind == "sampled":  # the slots past the batch's most distinct ids are all padding
+            width = max(int((probs_np > 0).sum(axis=2).max(initial=1)), 1)
+            ids, probs = ids[..., :width], probs[..., :width]
         return TopKBatch(np.array(self.keys[positions]), ids, probs)
 
     def _decode(
@@ -653,9 +728,13 @@ class LogitStoreReader:
         if self.verify and meta.digest != record["digest"]:
             raise LogitStoreError(f"{path} (block {block}): digest differs from the index's")
         h = self.header
-        decoder = BlockDecoder(
-            meta.tables, meta.table_size, positions=h.seq_length, k=h.k, levels=h.levels
-        )
+        if h.kind == "sampled":
+            decoder = SampledBlockDecoder(meta.tables, meta.table_size, positions=h.seq_length,
+                                          draws=h.k, vocab_size=h.vocab_size)  # fmt: skip
+        else:
+            decoder = BlockDecoder(
+                meta.tables, meta.table_size, positions=h.seq_length, k=h.k, levels=h.levels
+            )
         opened = _OpenBlock(meta, decoder)
         with self._lock:
             self._cache[block] = opened

@@ -97,8 +97,9 @@ class TeacherLogits:
                         f"trains on {dataset_hash}; checking samples")  # fmt: skip
         positions = np.unique(np.linspace(first, last - 1, SPOT_CHECKS).round().astype(int))
         self._check_keys(dataset, positions.tolist())
+        kind = f"{header.k} draws (sampled)" if header.kind == "sampled" else f"top-{header.k}"
         log.info(f"teacher logits {self.config.distill_logits_path}: teacher {header.teacher}, "
-                 f"top-{header.k}, {header.num_samples} samples; {len(positions)} spot checks "
+                 f"{kind}, {header.num_samples} samples; {len(positions)} spot checks "
                  f"passed")  # fmt: skip
 
     def _check_keys(self, dataset, positions: Sequence[int]) -> None:
@@ -143,7 +144,14 @@ class TeacherLogits:
         expected = np.array([sample_key(sample_tokens(s)) for s in samples], dtype=np.uint64)
         if not np.array_equal(batch.sample_keys.astype(np.uint64), expected):
             self._check_keys_of(positions, expected)
-        return TeacherTargets(batch.ids, batch.probs, self.config.kd_alpha, self.config.kd_tail)
+        return TeacherTargets(batch.ids, batch.probs, self.config.kd_alpha, self.tail)
+
+    @property
+    def tail(self) -> str:
+        """``--kd-tail``, for a top-k store. A sampled store's rows sum to 1 (no tail): the loss
+        is the cross-entropy to the drawn ids' counts / N, unbiased only without a tail term
+        (``label`` would add the label's cross-entropy where it was not drawn)."""
+        return "ignore" if self.reader.header.kind == "sampled" else self.config.kd_tail
 
     def _check_keys_of(self, positions: Sequence[int], expected: np.ndarray) -> None:
         try:

@@ -11,6 +11,8 @@ chunk's logits are bitwise the unchunked output layer's rows (docs/teacher_logit
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -46,6 +48,37 @@ def global_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         values, pick = values.topk(k, dim=-1)
         ids = ids.gather(-1, pick)
     return ids.int(), values - lse
+
+
+def global_samples(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Ids (int32 [rows, N]) drawn from softmax(logits) over the full vocabulary by inverse
+    CDF at ``uniforms`` (float64 [rows, N] in [0, 1)), from this rank's vocabulary shard
+    ``logits [rows, V_local]`` (tensor-parallel collectives).
+
+    The CDF runs in float64 over exp(z - global max): every rank holds the same shard totals, so
+    the shards' intervals partition [0, total) exactly and each draw lands on one rank; the
+    draws depend on the tensor-parallel size only through float64 rounding of the shard sums."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    vocab_local = logits.shape[-1]
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    row_max = logits.amax(-1, keepdim=True).double()
+    if group.size() > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    cdf = torch.exp(logits.double() - row_max).cumsum(-1)
+    totals = cdf[:, -1:].contiguous()
+    if group.size() > 1:
+        gathered = [torch.empty_like(totals) for _ in range(group.size())]
+        dist.all_gather(gathered, totals, group=group)
+        totals = torch.cat(gathered, -1)
+    bounds = torch.nn.functional.pad(totals.cumsum(-1), (1, 0))  # [rows, tp + 1], bounds[:, 0] = 0
+    point = uniforms.to(bounds) * bounds[:, -1:]
+    last = rank == group.size() - 1
+    mine = (point >= bounds[:, rank : rank + 1]) & (last | (point < bounds[:, rank + 1 : rank + 2]))
+    column = torch.searchsorted(cdf, (point - bounds[:, rank : rank + 1]).contiguous(), right=True)
+    ids = torch.where(mine, column.clamp_max(vocab_local - 1) + rank * vocab_local, -1)
+    if group.size() > 1:
+        dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=group)
+    return ids.int()
 
 
 def _gather_candidates(values, ids, group):
@@ -105,6 +138,19 @@ def chunked_topk(
     return ids, logprobs
 
 
+def chunked_samples(
+    hidden_states: torch.Tensor, weight: torch.Tensor, uniforms: torch.Tensor, chunk_rows: int
+) -> torch.Tensor:
+    """:func:`global_samples` of the logits ``hidden_states [s, b, h] @ weight.T`` at
+    ``uniforms [b, s, N]``: the drawn ids ``[b, s, N]``, one chunk's logits at a time."""
+    s, b, h = hidden_states.shape
+    rows = hidden_states.reshape(s * b, h)
+    u = uniforms.to(rows.device).transpose(0, 1).reshape(s * b, -1)
+    parts = [global_samples(torch.matmul(rows[c], weight.t()), u[c])
+             for c in row_chunks(s * b, chunk_rows)]  # fmt: skip
+    return torch.cat(parts).view(s, b, -1).transpose(0, 1)
+
+
 class TopKGPTModel(GPTModel):
     """megatron-core's GPTModel whose last stage returns the top-``topk`` ids and
     log-probabilities, computed by :func:`chunked_topk` from its final hidden states (after the
@@ -117,6 +163,13 @@ class TopKGPTModel(GPTModel):
     def __init__(self, *args, topk: int, chunk_rows: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.topk, self.chunk_rows = topk, chunk_rows
+        self._uniforms: deque[torch.Tensor] = deque()
+
+    def queue_uniforms(self, uniforms: list[torch.Tensor]) -> None:
+        """Draw instead of taking the top-k for the next ``len(uniforms)`` forward calls: call
+        i returns ``(ids,)``, ids [b, s, N] drawn from the teacher at ``uniforms[i]``, float64
+        [b, s, N] in [0, 1) in the layout of that call's tokens (a sampled store)."""
+        self._uniforms.extend(uniforms)
 
     def _postprocess(self, hidden_states: torch.Tensor, *args, **kwargs):
         if not self.post_process:
@@ -125,4 +178,6 @@ class TopKGPTModel(GPTModel):
             hidden_states = gather_from_sequence_parallel_region(hidden_states)
         weight = output_weight(self)
         rows = self.chunk_rows or default_topk_chunk_rows(weight.shape[0], weight.dtype)
+        if self._uniforms:
+            return (chunked_samples(hidden_states, weight, self._uniforms.popleft(), rows),)
         return chunked_topk(hidden_states, weight, self.topk, rows)

@@ -44,9 +44,11 @@ from megatron.apertus.distill.logit_store import (
     LogitStoreWriter,
     StoreHeader,
     default_samples_per_block,
+    draw_uniforms,
     sample_key,
 )
 from megatron.apertus.distill.targets import sample_tokens
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import ApertusConfig, dtype_from_name
 from megatron.apertus.training.run_log import warn_if_slow_precision
@@ -112,6 +114,9 @@ class TeacherRunner:
         self.batch = BatchConfig(
             eod=self.tokenizer.eod, pack_documents=cfg.dataset.reset_attention_mask
         )
+        if self.sampled and cfg.parallel.context_parallel_size > 1:
+            raise ConfigError("--sampling random runs the teacher without context parallelism: "
+                              "set --context-parallel-size 1")  # fmt: skip
         self.chunks = self._load_teacher()
         self.store_header = self._header()
         self.writer = self._writer()
@@ -138,10 +143,21 @@ class TeacherRunner:
             and parallel_state.get_context_parallel_rank() == 0
         )
 
+    @property
+    def sampled(self) -> bool:
+        return self.cfg.logits.sampling == "random"
+
+    @property
+    def sampling_seed(self) -> int:
+        seed = self.cfg.logits.sampling_seed
+        return self.cfg.training.seed if seed is None else seed
+
     def _header(self) -> StoreHeader:
         cfg = self.cfg
         return StoreHeader(
-            k=cfg.logits.topk,
+            k=cfg.logits.samples if self.sampled else cfg.logits.topk,
+            kind="sampled" if self.sampled else "topk",
+            seed=self.sampling_seed if self.sampled else None,
             vocab_size=cfg.model.vocab_size,
             seq_length=cfg.model.seq_length,
             num_samples=cfg.training.total_samples(),
@@ -193,13 +209,16 @@ class TeacherRunner:
         dist.broadcast_object_list(shared, dist.get_global_rank(group, 0), group=group)
         return shared[0]
 
-    def block_topk(self, positions: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
-        """Teacher top-k ids [n, s, k] and log-probabilities of the samples at ``positions``."""
+    def block_topk(self, positions: list[int]) -> tuple[np.ndarray, ...] | None:
+        """Teacher top-k ids [n, s, k] and log-probabilities of the samples at ``positions``;
+        of a sampled store, the drawn ids [n, s, N] alone."""
         micro = self.cfg.training.micro_batch_size
         batches = _micro_batches(self.dataset, positions, micro, self.batch)
         seq = self.cfg.model.seq_length
         packed = self.batch.pack_documents
         iterators = [iter(batches) for _ in self.chunks]
+        if self.sampled and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            self.chunks[-1].queue_uniforms(self._uniforms(positions, micro, batches))
         with torch.no_grad():
             outputs = get_forward_backward_func()(
                 forward_step_func=_forward_step,
@@ -215,10 +234,25 @@ class TeacherRunner:
             outputs = [self._whole_sequence(batch, output) for batch, output in zip(batches, outputs)]
         if not self.is_writer:
             return None
+        if self.sampled:
+            draws = torch.cat([o[0].reshape(-1, seq, o[0].shape[-1]) for o in outputs])
+            return (draws[: len(positions)].cpu().numpy(),)
         k = self.cfg.logits.topk
         ids = torch.cat([o[0].reshape(-1, seq, k) for o in outputs])[: len(positions)]
         logprobs = torch.cat([o[1].reshape(-1, seq, k) for o in outputs])[: len(positions)]
         return ids.cpu().numpy(), logprobs.cpu().numpy()
+
+    def _uniforms(self, positions: list[int], micro: int, batches: list[Batch]) -> list:
+        """Each micro-batch's uniforms [b, s, N] (packed: [1, b*s, N]), fixed by the sampling
+        seed and each sample's position alone (the padding repeats the last sample's)."""
+        padded = positions + [positions[-1]] * (-len(positions) % micro)
+        seq, draws = self.cfg.model.seq_length, self.cfg.logits.samples
+        result = []
+        for i, batch in enumerate(batches):
+            u = np.stack([draw_uniforms(self.sampling_seed, p, seq, draws)
+                          for p in padded[i * micro : (i + 1) * micro]])  # fmt: skip
+            result.append(torch.from_numpy(u).reshape(*batch.tokens.shape, draws))
+        return result
 
     @staticmethod
     def _whole_sequence(batch: Batch, output: tuple[torch.Tensor, torch.Tensor]):
@@ -240,7 +274,10 @@ class TeacherRunner:
             if result is not None:
                 keys = np.array([sample_key(sample_tokens(self.dataset[p])) for p in positions],
                                 dtype=np.uint64)  # fmt: skip
-                self.writer.write_block(block, keys, *result)
+                if self.sampled:
+                    self.writer.write_sampled_block(block, keys, *result)
+                else:
+                    self.writer.write_block(block, keys, *result)
             tokens += len(positions) * self.cfg.model.seq_length
             bar.set_postfix(tokens_s=f"{tokens / (time.perf_counter() - start):.0f}")
             bar.update()

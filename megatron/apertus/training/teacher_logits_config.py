@@ -12,6 +12,10 @@ from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.training.config import DataConfig, TrainingConfig
 
 
+SAMPLING = ("topk", "random")
+"""``--sampling`` values; a store's kind is ``topk`` or ``sampled`` (logit_store.KINDS)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class LogitsConfig:
     logits_dir: str | None = field(
@@ -33,10 +37,34 @@ class LogitsConfig:
             "(default: a multiple of 64 giving about 256 MiB of logits)"
         },
     )
+    sampling: str = field(
+        default="topk",
+        metadata={
+            "ours": True,
+            "help": "what the store keeps per token: topk (the --topk most likely ids and their "
+            "probabilities) or random (--samples ids drawn from the teacher, as distinct ids "
+            "and counts: unbiased, docs/distillation.md)",
+        },
+    )
+    samples: int = field(
+        default=32,
+        metadata={"ours": True, "help": "draws per token of --sampling random"},
+    )
+    sampling_seed: int | None = field(
+        default=None,
+        metadata={"ours": True, "help": "seed of --sampling random's draws (default: --seed)"},
+    )
 
     def __post_init__(self) -> None:
+        from megatron.apertus.distill.logit_codec import MAX_DRAWS
+
         if not self.logits_dir:
             raise ConfigError("--logits-dir is required")
+        if self.sampling not in SAMPLING:
+            raise ConfigError(f"--sampling must be one of {', '.join(SAMPLING)}, "
+                              f"got {self.sampling!r}")  # fmt: skip
+        if not 1 <= self.samples <= MAX_DRAWS:
+            raise ConfigError(f"--samples must be in [1, {MAX_DRAWS}], got {self.samples}")
         if self.topk < 1:
             raise ConfigError(f"--topk must be at least 1, got {self.topk}")
         if self.topk_chunk_rows is not None and self.topk_chunk_rows < 1:
