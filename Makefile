@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 KERNEL_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 
-.PHONY: demo quant-demo test test-fast install smoke
+.PHONY: demo quant-demo test test-fast install smoke format format-check
 
 $(STAMP): setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ quant-demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25
+
+# black formats the code (settings in pyproject.toml); CI runs format-check before the tests.
+format: $(STAMP)
+	$(PY) -m black -q .
+
+format-check: $(STAMP)
+	$(PY) -m black --check -q .
 
 # The unit tests that start no process (no subprocess, torchrun or Slurm): tests/conftest.py
 # marks the others "process". For daily work; CI runs `make test`.

@@ -32,12 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     C.add_run_arguments(parser)
     add_megatron_flags(parser)
     parser.add_argument(
-        "--dry-run", action="store_true",
+        "--dry-run",
+        action="store_true",
         help="check the flags, print the layout plan (memory and FLOPs per step) for the "
-             "processes this command runs as (torchrun's WORLD_SIZE, else Slurm's SLURM_NTASKS, "
-             "else 1) and exit without reading data or building the model; exit 1 when the "
-             "layout cannot run" + C.ADDITION_MARK,
-    )  # fmt: skip
+        "processes this command runs as (torchrun's WORLD_SIZE, else Slurm's SLURM_NTASKS, "
+        "else 1) and exit without reading data or building the model; exit 1 when the "
+        "layout cannot run" + C.ADDITION_MARK,
+    )
     return parser
 
 

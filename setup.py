@@ -91,8 +91,11 @@ def _extensions() -> tuple[list, dict]:
         )
     if want_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
-        print(f"setup.py: CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']} "
-              "(TORCH_CUDA_ARCH_LIST)", file=sys.stderr)  # fmt: skip
+        print(
+            f"setup.py: CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']} "
+            "(TORCH_CUDA_ARCH_LIST)",
+            file=sys.stderr,
+        )
     cxx = ["-O3", "-fopenmp", "-std=c++17"]
     extensions = []
     only = set(filter(None, os.environ.get("APERTUS_OPS", "").split(",")))  # e.g. "xielu"
@@ -115,11 +118,17 @@ def _extensions() -> tuple[list, dict]:
             )
         cuda_sources = rel(op_dir.glob("*.cu")) + rel(op_dir.glob("*_cuda.cpp"))
         if want_cuda and cuda_sources:
-            extensions.append(CUDAExtension(
-                f"megatron.apertus.ops._{op}_cuda", cuda_sources, depends=headers,
-                extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                                    "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
-            ))  # fmt: skip
+            extensions.append(
+                CUDAExtension(
+                    f"megatron.apertus.ops._{op}_cuda",
+                    cuda_sources,
+                    depends=headers,
+                    extra_compile_args={
+                        "cxx": ["-O3", "-std=c++17"],
+                        "nvcc": ["-O3", "-std=c++17", "--use_fast_math"],
+                    },
+                )
+            )
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=False)}
 
 
@@ -165,7 +174,7 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
-            "black",
+            "black==26.10.1",  # .ci/run checks the formatting: one black, one layout
             "isort",
             "lm-eval[hf]",
             "nltk",

@@ -37,8 +37,13 @@ def machine() -> dict:
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -119,8 +124,14 @@ def write_results(
     """``<directory>/<name>_<device>.json``, written under a temporary name and renamed."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}_{device_tag()}.json"
-    payload = {"benchmark": name, "machine": machine(), "git_commit": git_commit(),
-               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows, **(extra or {})}  # fmt: skip
+    payload = {
+        "benchmark": name,
+        "machine": machine(),
+        "git_commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "rows": rows,
+        **(extra or {}),
+    }
     partial = path.with_name(path.name + ".part")
     partial.write_text(json.dumps(payload, indent=2))
     partial.replace(path)

@@ -38,16 +38,33 @@ CASES = {
     "cpu": [("apertus-v1.1-0.5b", dict(num_layers=4, vocab_size=32768))],
     "cuda": [("apertus-v1.1-0.5b", {}), ("apertus-v1.1-1.5b", {})],
 }
-HYPER = dict(lr=6e-4, betas=(0.9, 0.999, 0.9999), alpha=8.0, alpha_warmup=100_000,
-             beta3_warmup=100_000, eps=1e-8, weight_decay=0.1)  # fmt: skip
+HYPER = dict(
+    lr=6e-4,
+    betas=(0.9, 0.999, 0.9999),
+    alpha=8.0,
+    alpha_warmup=100_000,
+    beta3_warmup=100_000,
+    eps=1e-8,
+    weight_decay=0.1,
+)
 
 
 def parameter_shapes(config: ApertusConfig) -> list[tuple[int, ...]]:
     """The unsharded model's parameter shapes, in megatron-core's order."""
     h, f, kv = config.hidden_size, config.ffn_hidden_size, config.kv_channels
     qkv = kv * (config.num_attention_heads + 2 * config.num_query_groups)
-    layer = [(h,), (qkv, h), (kv,), (kv,), (h, config.num_attention_heads * kv), (h,), (f, h),
-             (1,), (1,), (h, f)]  # fmt: skip
+    layer = [
+        (h,),
+        (qkv, h),
+        (kv,),
+        (kv,),
+        (h, config.num_attention_heads * kv),
+        (h,),
+        (f, h),
+        (1,),
+        (1,),
+        (h, f),
+    ]
     shapes = [(config.vocab_size, h), *layer * config.num_layers, (h,)]
     if config.untie_embeddings_and_output_weights:
         shapes.append((config.vocab_size, h))

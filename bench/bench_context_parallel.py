@@ -50,13 +50,41 @@ def run(seq_length: int, cp: int, comm: str, steps: int) -> dict:
     """One configuration's step times (seconds), losses and per-rank peak memory (bytes)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp),
-               "--standalone", str(REPO / "pretrain_gpt.py"), "--model-preset", "tiny",
-               "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
-               "--global-batch-size", "1", "--micro-batch-size", "1", "--train-iters", str(steps),
-               "--eval-iters", "0", "--log-interval", "1", "--device", "cpu", "--seed", "3",
-               "--context-parallel-size", str(cp), "--cp-comm-type", comm,
-               "--log-json", str(log)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(cp),
+            "--standalone",
+            str(REPO / "pretrain_gpt.py"),
+            "--model-preset",
+            "tiny",
+            "--seq-length",
+            str(seq_length),
+            "--max-position-embeddings",
+            str(seq_length),
+            "--global-batch-size",
+            "1",
+            "--micro-batch-size",
+            "1",
+            "--train-iters",
+            str(steps),
+            "--eval-iters",
+            "0",
+            "--log-interval",
+            "1",
+            "--device",
+            "cpu",
+            "--seed",
+            "3",
+            "--context-parallel-size",
+            str(cp),
+            "--cp-comm-type",
+            comm,
+            "--log-json",
+            str(log),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with open(Path(tmp) / "out.txt", "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -70,8 +98,9 @@ def run(seq_length: int, cp: int, comm: str, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--comm", nargs="+", default=["p2p", "a2a"])
@@ -83,19 +112,24 @@ def main() -> None:
         for comm in args.comm if cp > 1 else ["p2p"]:
             result = run(args.seq_length, cp, comm, args.steps)
             timed = result["step_seconds"][args.warmup :]
-            row = {"seq_length": args.seq_length, "cp": cp, "cp_comm_type": comm,
-                   "step_ms_p50": 1e3 * statistics.median(timed),
-                   "peak_memory_gib_per_rank": max(result["peak_rss"]) / 2**30,
-                   "peak_memory_gib_each_rank": [b / 2**30 for b in result["peak_rss"]],
-                   "losses": result["losses"]}  # fmt: skip
+            row = {
+                "seq_length": args.seq_length,
+                "cp": cp,
+                "cp_comm_type": comm,
+                "step_ms_p50": 1e3 * statistics.median(timed),
+                "peak_memory_gib_per_rank": max(result["peak_rss"]) / 2**30,
+                "peak_memory_gib_each_rank": [b / 2**30 for b in result["peak_rss"]],
+                "losses": result["losses"],
+            }
             rows.append(row)
             print(json.dumps(row))
     base = rows[0]
     for row in rows:
         row["step_time_vs_cp1"] = row["step_ms_p50"] / base["step_ms_p50"]
         row["memory_vs_cp1"] = row["peak_memory_gib_per_rank"] / base["peak_memory_gib_per_rank"]
-    path = write_results("context_parallel", rows, {"warmup_steps": args.warmup,
-                                                    "model": "tiny", "dtype": "fp32"})  # fmt: skip
+    path = write_results(
+        "context_parallel", rows, {"warmup_steps": args.warmup, "model": "tiny", "dtype": "fp32"}
+    )
     print(f"wrote {path}")
 
 

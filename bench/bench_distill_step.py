@@ -32,19 +32,27 @@ from megatron.apertus.ops.sparse_kl import fused_linear_sparse_kd
 
 VOCAB = 131072
 SHAPES = {  # tokens, hidden, k (a sampled store's rows: 12 distinct ids of 32 draws, k=12)
-    "cpu": [(2048, 64, 64), (2048, 64, 256), (2048, 64, "sampled"), (2048, 512, 256),
-            (2048, 512, "sampled")],
-    "cuda": [(16384, 1024, 256), (16384, 1024, "sampled"), (16384, 2048, 256),
-             (16384, 3072, 256)],
-}  # fmt: skip
+    "cpu": [
+        (2048, 64, 64),
+        (2048, 64, 256),
+        (2048, 64, "sampled"),
+        (2048, 512, 256),
+        (2048, 512, "sampled"),
+    ],
+    "cuda": [(16384, 1024, 256), (16384, 1024, "sampled"), (16384, 2048, 256), (16384, 3072, 256)],
+}
 SAMPLED_DISTINCT, SAMPLED_DRAWS = 12, 32
 DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
 def peaked_teacher(tokens: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct random ids per row and a decaying top-k distribution with 0.9 of the mass."""
-    ids = torch.cat([torch.rand(min(1024, tokens - start), VOCAB, device=device).topk(k).indices
-                     for start in range(0, tokens, 1024)])  # fmt: skip
+    ids = torch.cat(
+        [
+            torch.rand(min(1024, tokens - start), VOCAB, device=device).topk(k).indices
+            for start in range(0, tokens, 1024)
+        ]
+    )
     probs = torch.softmax(-torch.arange(k, dtype=torch.float32, device=device) / 8, 0) * 0.9
     return ids, probs.expand(tokens, k).contiguous()
 
@@ -53,10 +61,14 @@ def sampled_teacher(tokens: int, device: str) -> tuple[torch.Tensor, torch.Tenso
     """Rows as a sampled store returns them: SAMPLED_DISTINCT distinct ids per row with weights
     count / SAMPLED_DRAWS (counts >= 1, summing to the draws)."""
     ids, _ = peaked_teacher(tokens, SAMPLED_DISTINCT, device)
-    extra = torch.multinomial(torch.ones(tokens, SAMPLED_DISTINCT, device=device),
-                              SAMPLED_DRAWS - SAMPLED_DISTINCT, replacement=True)  # fmt: skip
+    extra = torch.multinomial(
+        torch.ones(tokens, SAMPLED_DISTINCT, device=device),
+        SAMPLED_DRAWS - SAMPLED_DISTINCT,
+        replacement=True,
+    )
     counts = 1 + torch.zeros(tokens, SAMPLED_DISTINCT, device=device).scatter_add_(
-        1, extra, torch.ones_like(extra, dtype=torch.float32))
+        1, extra, torch.ones_like(extra, dtype=torch.float32)
+    )
     return ids, counts / SAMPLED_DRAWS
 
 
@@ -92,10 +104,18 @@ def compare(tokens: int, hidden: int, k: int | str, rounds: int, device: str) ->
                 times[name].append(seconds)
     ce, kd = (statistics.median(times[n]) for n in cases)
     store = f"sampled ({SAMPLED_DISTINCT} of {SAMPLED_DRAWS} draws)" if k == "sampled" else "topk"
-    return {"tokens": tokens, "hidden": hidden, "vocab": VOCAB, "store": store,
-            "k": SAMPLED_DISTINCT if k == "sampled" else k, "dtype": str(dtype),
-            "cross_entropy_ms": 1e3 * ce, "distillation_ms": 1e3 * kd,
-            "extra_ms": 1e3 * (kd - ce), "extra_fraction": kd / ce - 1}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "hidden": hidden,
+        "vocab": VOCAB,
+        "store": store,
+        "k": SAMPLED_DISTINCT if k == "sampled" else k,
+        "dtype": str(dtype),
+        "cross_entropy_ms": 1e3 * ce,
+        "distillation_ms": 1e3 * kd,
+        "extra_ms": 1e3 * (kd - ce),
+        "extra_fraction": kd / ce - 1,
+    }
 
 
 def read_step(logits: Path, samples: int, rounds: int) -> dict:
@@ -109,9 +129,14 @@ def read_step(logits: Path, samples: int, rounds: int) -> dict:
         reader.read(range(r * samples, (r + 1) * samples))
         times.append(time.perf_counter() - start)
     h = reader.header
-    return {"store": str(logits), "kind": h.kind, "k": h.k, "samples": samples,
-            "tokens": samples * h.seq_length,
-            "read_ms": 1e3 * statistics.median(times)}  # fmt: skip
+    return {
+        "store": str(logits),
+        "kind": h.kind,
+        "k": h.k,
+        "samples": samples,
+        "tokens": samples * h.seq_length,
+        "read_ms": 1e3 * statistics.median(times),
+    }
 
 
 def main() -> None:
@@ -127,9 +152,11 @@ def main() -> None:
     for tokens, hidden, k in SHAPES[args.device]:
         row = compare(tokens, hidden, k, args.rounds, args.device)
         rows.append(row)
-        print(f"N={tokens} H={hidden} {row['store']} k={row['k']}: "
-              f"CE {row['cross_entropy_ms']:.0f} ms, distillation "
-              f"{row['distillation_ms']:.0f} ms (+{100 * row['extra_fraction']:.1f}%)")  # fmt: skip
+        print(
+            f"N={tokens} H={hidden} {row['store']} k={row['k']}: "
+            f"CE {row['cross_entropy_ms']:.0f} ms, distillation "
+            f"{row['distillation_ms']:.0f} ms (+{100 * row['extra_fraction']:.1f}%)"
+        )
     extra = {"load_average_1_5_15min": os.getloadavg()}
     if (args.logits / "index.bin").is_file():
         extra["teacher_targets_read"] = read_step(args.logits, 16, args.rounds)

@@ -83,8 +83,9 @@ def sampled_targets(logprobs: torch.Tensor, draws: int, first_position: int):
     from megatron.apertus.model.topk import global_samples
 
     b, s, v = logprobs.shape
-    uniforms = np.stack([logit_store.draw_uniforms(0, first_position + i, s, draws)
-                         for i in range(b)])  # fmt: skip
+    uniforms = np.stack(
+        [logit_store.draw_uniforms(0, first_position + i, s, draws) for i in range(b)]
+    )
     drawn = global_samples(logprobs.reshape(-1, v), torch.from_numpy(uniforms.reshape(-1, draws)))
     counts = torch.zeros(b * s, v).scatter_add_(1, drawn.long(), torch.ones(drawn.shape))
     top = counts.topk(draws, dim=-1)  # distinct ids, the drawn ones first, then zero weights
@@ -136,8 +137,11 @@ def held_out(student, samples: np.ndarray, batch: int) -> tuple[float, float]:
             correct.append((top.indices == labels).float().flatten())
     confidence, correct = torch.cat(confidence), torch.cat(correct)
     bins = (confidence * BINS).long().clamp_max(BINS - 1)
-    ece = sum((bins == b).sum() * (correct[bins == b].mean() - confidence[bins == b].mean()).abs()
-              for b in range(BINS) if (bins == b).any()) / len(confidence)  # fmt: skip
+    ece = sum(
+        (bins == b).sum() * (correct[bins == b].mean() - confidence[bins == b].mean()).abs()
+        for b in range(BINS)
+        if (bins == b).any()
+    ) / len(confidence)
     return float(torch.cat(losses).mean()), float(ece)
 
 
@@ -147,14 +151,19 @@ def store_bytes(mode: str, logprobs: torch.Tensor, draws: torch.Tensor | None) -
     if mode in ("cross-entropy", "full KD (online)"):
         return 0.0
     if mode.startswith("sampled"):
-        encoded = encode_sampled_block(draws.reshape(b * s, -1).numpy(), samples=b,
-                                       vocab_size=v, zstd_level=3)  # fmt: skip
+        encoded = encode_sampled_block(
+            draws.reshape(b * s, -1).numpy(), samples=b, vocab_size=v, zstd_level=3
+        )
     else:
         k = int(mode.split()[-1])
         top = logprobs.topk(k, dim=-1)
-        encoded = encode_block(top.indices.reshape(b * s, k).numpy(),
-                               top.values.reshape(b * s, k).numpy(), samples=b, vocab_size=v,
-                               params=CodecParams())  # fmt: skip
+        encoded = encode_block(
+            top.indices.reshape(b * s, k).numpy(),
+            top.values.reshape(b * s, k).numpy(),
+            samples=b,
+            vocab_size=v,
+            params=CodecParams(),
+        )
     size = len(encoded.tables) + sum(len(p) for p in encoded.payloads) + 36 * b + 88
     return size / (b * s)
 
@@ -190,13 +199,16 @@ def main() -> None:
     first = teacher_logprobs(teacher, torch.from_numpy(train[: args.batch, :-1]))
     draws = draws_for(first, args.distinct)
     modes = ["cross-entropy", "top-k 256", "top-k 12", f"sampled {draws} draws", "full KD (online)"]
-    print(f"{len(train)} training, {len(valid)} held-out samples of {teacher_config.seq_length} "
-          f"tokens; sampled: {draws} draws per token")  # fmt: skip
+    print(
+        f"{len(train)} training, {len(valid)} held-out samples of {teacher_config.seq_length} "
+        f"tokens; sampled: {draws} draws per token"
+    )
     rows = []
     for mode in modes:
         torch.manual_seed(0)
-        (student,) = build_model(student_config, layout, fused_loss=True,
-                                 use_cpu_initialization=True)  # fmt: skip
+        (student,) = build_model(
+            student_config, layout, fused_loss=True, use_cpu_initialization=True
+        )
         optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
         times, sizes, distinct = [], [], []
         for step in range(args.steps):
@@ -219,19 +231,31 @@ def main() -> None:
             optimizer.step()
             times.append(time.perf_counter() - began)
         loss, ece = held_out(student, valid, args.batch)
-        row = {"mode": mode, "held_out_loss": loss, "ece": ece,
-               "bytes_per_token": statistics.mean(sizes),
-               "step_s": statistics.median(times[1:])}  # fmt: skip
+        row = {
+            "mode": mode,
+            "held_out_loss": loss,
+            "ece": ece,
+            "bytes_per_token": statistics.mean(sizes),
+            "step_s": statistics.median(times[1:]),
+        }
         if distinct:
             row["distinct_ids_per_token"] = statistics.mean(distinct)
         rows.append(row)
-        print(f"{mode:22s} held-out {loss:.4f}  ECE {ece:.4f}  {row['bytes_per_token']:7.1f} "
-              f"B/token  step {row['step_s'] * 1e3:.0f} ms", flush=True)  # fmt: skip
+        print(
+            f"{mode:22s} held-out {loss:.4f}  ECE {ece:.4f}  {row['bytes_per_token']:7.1f} "
+            f"B/token  step {row['step_s'] * 1e3:.0f} ms",
+            flush=True,
+        )
     for row in rows:
         row["step_vs_ce"] = row["step_s"] / rows[0]["step_s"]
     parallel.shutdown()
-    extra = {"teacher_checkpoint": args.teacher_checkpoint, "steps": args.steps,
-             "batch": args.batch, "lr": args.lr, "draws": draws}  # fmt: skip
+    extra = {
+        "teacher_checkpoint": args.teacher_checkpoint,
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "draws": draws,
+    }
     print(f"wrote {write_results('kd_estimators', rows, extra)}")
 
 

@@ -56,8 +56,10 @@ def teacher_checkpoint(path: str | None) -> Path:
     """The given checkpoint, or the demo's teacher (``make demo`` writes it)."""
     checkpoint = Path(path) if path else DEMO_TEACHER
     if not (checkpoint / "latest_checkpointed_iteration.txt").is_file():
-        raise SystemExit(f"{checkpoint}: no checkpoint here; run `make demo` first "
-                         "or pass --teacher-checkpoint SAVE_DIR")  # fmt: skip
+        raise SystemExit(
+            f"{checkpoint}: no checkpoint here; run `make demo` first "
+            "or pass --teacher-checkpoint SAVE_DIR"
+        )
     return checkpoint
 
 
@@ -106,10 +108,16 @@ def teacher_topk(
                 top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
                 ids.append(top.indices.cpu().numpy())
                 logprobs.append(top.values.cpu().numpy())
-                uniforms = np.stack([logit_store.draw_uniforms(0, p, model.seq_length, draws)
-                                     for p in range(start, start + len(x))])  # fmt: skip
-                drawn = global_samples(logits.reshape(-1, logits.shape[-1]),
-                                       torch.from_numpy(uniforms.reshape(-1, draws)).to(device))
+                uniforms = np.stack(
+                    [
+                        logit_store.draw_uniforms(0, p, model.seq_length, draws)
+                        for p in range(start, start + len(x))
+                    ]
+                )
+                drawn = global_samples(
+                    logits.reshape(-1, logits.shape[-1]),
+                    torch.from_numpy(uniforms.reshape(-1, draws)).to(device),
+                )
                 sampled.append(drawn.view(len(x), model.seq_length, draws).long().cpu().numpy())
         return tokens, np.concatenate(ids), np.concatenate(logprobs), np.concatenate(sampled)
     finally:
@@ -136,8 +144,11 @@ def seed_decode(data: bytes, rows: int, k: int) -> Decoded:
 def nvidia_encode(ids: np.ndarray, logprobs: np.ndarray) -> bytes:
     """fp16 log-probabilities, ids as uint16 low bits + one packed bit 16, zstd level 3."""
     ids = ids.astype(np.int64).ravel()
-    raw = (logprobs.astype(np.float16).tobytes() + (ids & 0xFFFF).astype(np.uint16).tobytes()
-           + np.packbits((ids >> 16).astype(np.uint8)).tobytes())  # fmt: skip
+    raw = (
+        logprobs.astype(np.float16).tobytes()
+        + (ids & 0xFFFF).astype(np.uint16).tobytes()
+        + np.packbits((ids >> 16).astype(np.uint8)).tobytes()
+    )
     return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
@@ -154,8 +165,9 @@ def nvidia_decode(data: bytes, rows: int, k: int) -> Decoded:
 def ours_encode(ids: np.ndarray, logprobs: np.ndarray, header: logit_store.StoreHeader) -> bytes:
     """One block file's bytes (tables, frames, crc32s, digest), as the writer stores it."""
     n = header.num_samples
-    encoded = encode_block(ids, logprobs, samples=n, vocab_size=header.vocab_size,
-                           params=header.codec)  # fmt: skip
+    encoded = encode_block(
+        ids, logprobs, samples=n, vocab_size=header.vocab_size, params=header.codec
+    )
     return logit_store.block_bytes(0, header, np.zeros(n, np.uint64), encoded)
 
 
@@ -163,10 +175,10 @@ def ours_decode(data: bytes, header: logit_store.StoreHeader) -> Decoded:
     """Parse and check the block's metadata and every sample's crc32, decode every sample."""
     view = memoryview(data)
     read = lambda offset, size: bytes(view[offset : offset + size])  # noqa: E731
-    meta = logit_store.parse_meta(read, len(data),
-                                  Path("<memory>"), 0, header)  # fmt: skip
-    decoder = BlockDecoder(meta.tables, meta.table_size, positions=header.seq_length,
-                           k=header.k, levels=header.levels)  # fmt: skip
+    meta = logit_store.parse_meta(read, len(data), Path("<memory>"), 0, header)
+    decoder = BlockDecoder(
+        meta.tables, meta.table_size, positions=header.seq_length, k=header.k, levels=header.levels
+    )
     shape = (header.num_samples, header.seq_length, header.k)
     ids, probs = np.empty(shape, np.int64), np.empty(shape, np.float32)
     for s, entry in enumerate(meta.directory):
@@ -193,9 +205,12 @@ def kl_per_token(ids: np.ndarray, logprobs: np.ndarray, decoded: Decoded) -> dic
     p, p_d = t / mass[:, None], t_d / mass_d[:, None]
     with np.errstate(divide="ignore"):
         kl = np.where(p > 0, p * (np.log(p) - np.log(p_d)), 0.0).sum(1)
-    return {"kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
-            "kl_max": float(kl.max()),
-            "mass_err_max": float(np.abs(mass - mass_d).max())}  # fmt: skip
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_p99": float(np.quantile(kl, 0.99)),
+        "kl_max": float(kl.max()),
+        "mass_err_max": float(np.abs(mass - mass_d).max()),
+    }
 
 
 def cpu_seconds(fn: Callable[[], object]) -> tuple[float, object]:
@@ -219,20 +234,30 @@ def compare(data: str, ids3: np.ndarray, logprobs3: np.ndarray, repeat: int) -> 
     n, seq_length, k = ids3.shape
     ids, logprobs = ids3.reshape(-1, k), logprobs3.reshape(-1, k)
     rows = len(ids)
-    header = logit_store.StoreHeader(k=k, vocab_size=VOCAB, seq_length=seq_length, num_samples=n,
-                                     samples_per_block=n, teacher="bench",
-                                     dataset_hash="bench")  # fmt: skip
-    print(f"{data}: {n} samples x {seq_length} tokens, k={k}; top-1 probability mean "
-          f"{np.exp(logprobs[:, 0]).mean():.3f}, top-k mass mean "
-          f"{np.exp(logprobs).sum(1).mean():.3f}, "
-          f"{len(np.unique(ids))} distinct ids")  # fmt: skip
+    header = logit_store.StoreHeader(
+        k=k,
+        vocab_size=VOCAB,
+        seq_length=seq_length,
+        num_samples=n,
+        samples_per_block=n,
+        teacher="bench",
+        dataset_hash="bench",
+    )
+    print(
+        f"{data}: {n} samples x {seq_length} tokens, k={k}; top-1 probability mean "
+        f"{np.exp(logprobs[:, 0]).mean():.3f}, top-k mass mean "
+        f"{np.exp(logprobs).sum(1).mean():.3f}, "
+        f"{len(np.unique(ids))} distinct ids"
+    )
     formats = [
         Format("ours", lambda i, l: ours_encode(i, l, header), lambda b: ours_decode(b, header)),
-        Format("seed (fp32 probs + int32 ids, gzip 6)", seed_encode,
-               lambda b: seed_decode(b, rows, k)),
-        Format("fp16 logprobs + 17-bit ids, zstd 3", nvidia_encode,
-               lambda b: nvidia_decode(b, rows, k)),
-    ]  # fmt: skip
+        Format(
+            "seed (fp32 probs + int32 ids, gzip 6)", seed_encode, lambda b: seed_decode(b, rows, k)
+        ),
+        Format(
+            "fp16 logprobs + 17-bit ids, zstd 3", nvidia_encode, lambda b: nvidia_decode(b, rows, k)
+        ),
+    ]
     times = {f.name: ([], []) for f in formats}
     blobs, decoded = {}, {}
     for _ in range(repeat):
@@ -244,14 +269,24 @@ def compare(data: str, ids3: np.ndarray, logprobs3: np.ndarray, repeat: int) -> 
     results = []
     for f in formats:
         enc, dec = (statistics.median(t) for t in times[f.name])
-        row = {"data": data, "format": f.name, "tokens": rows, "k": k,
-               "bytes": len(blobs[f.name]), "bytes_per_token": len(blobs[f.name]) / rows,
-               "encode_tokens_per_s": rows / enc, "decode_tokens_per_s": rows / dec,
-               **kl_per_token(ids, logprobs, decoded[f.name])}  # fmt: skip
-        print(f"{f.name:38s} {row['bytes_per_token']:7.1f} B/token"
-              f"  enc {row['encode_tokens_per_s']:9,.0f}"
-              f"  dec {row['decode_tokens_per_s']:9,.0f} tokens/s  KL mean {row['kl_mean']:.2e}"
-              f" max {row['kl_max']:.2e}", flush=True)  # fmt: skip
+        row = {
+            "data": data,
+            "format": f.name,
+            "tokens": rows,
+            "k": k,
+            "bytes": len(blobs[f.name]),
+            "bytes_per_token": len(blobs[f.name]) / rows,
+            "encode_tokens_per_s": rows / enc,
+            "decode_tokens_per_s": rows / dec,
+            **kl_per_token(ids, logprobs, decoded[f.name]),
+        }
+        print(
+            f"{f.name:38s} {row['bytes_per_token']:7.1f} B/token"
+            f"  enc {row['encode_tokens_per_s']:9,.0f}"
+            f"  dec {row['decode_tokens_per_s']:9,.0f} tokens/s  KL mean {row['kl_mean']:.2e}"
+            f" max {row['kl_max']:.2e}",
+            flush=True,
+        )
         results.append(row)
     speedup = results[0]["decode_tokens_per_s"] / results[1]["decode_tokens_per_s"]
     results[0]["decode_speedup_vs_gzip"] = speedup
@@ -296,20 +331,35 @@ def store_path(tokens, ids, logprobs, header: logit_store.StoreHeader, repeat: i
             read.append(cpu_seconds(lambda: reader.read(range(header.num_samples)))[0])
     rows = ids.shape[0] * ids.shape[1]
     enc, dec = statistics.median(write), statistics.median(read)
-    print(f"{'ours, store files (write_block / read)':38s} enc {rows / enc:10,.0f}  dec "
-          f"{rows / dec:10,.0f} tokens/s", flush=True)  # fmt: skip
-    return {"format": "ours, store files (write_block / read)", "tokens": rows,
-            "bytes_per_token": size / rows,
-            "encode_tokens_per_s": rows / enc, "decode_tokens_per_s": rows / dec}  # fmt: skip
+    print(
+        f"{'ours, store files (write_block / read)':38s} enc {rows / enc:10,.0f}  dec "
+        f"{rows / dec:10,.0f} tokens/s",
+        flush=True,
+    )
+    return {
+        "format": "ours, store files (write_block / read)",
+        "tokens": rows,
+        "bytes_per_token": size / rows,
+        "encode_tokens_per_s": rows / enc,
+        "decode_tokens_per_s": rows / dec,
+    }
 
 
 def sampled_store_path(tokens, draws: np.ndarray, label: str, repeat: int) -> dict:
     """A sampled store (``--sampling random``) of the same tokens: bytes, distinct ids per
     token, write_sampled_block / read speed through the real files."""
     n, seq_length, samples = draws.shape
-    header = logit_store.StoreHeader(k=samples, vocab_size=VOCAB, seq_length=seq_length,
-                                     num_samples=n, samples_per_block=n, teacher="bench",
-                                     dataset_hash="bench", kind="sampled", seed=0)  # fmt: skip
+    header = logit_store.StoreHeader(
+        k=samples,
+        vocab_size=VOCAB,
+        seq_length=seq_length,
+        num_samples=n,
+        samples_per_block=n,
+        teacher="bench",
+        dataset_hash="bench",
+        kind="sampled",
+        seed=0,
+    )
     keys = np.array([logit_store.sample_key(t) for t in tokens], dtype=np.uint64)
     write, read = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -326,11 +376,21 @@ def sampled_store_path(tokens, draws: np.ndarray, label: str, repeat: int) -> di
     distinct = float((batch.probs > 0).sum(-1).float().mean())
     enc, dec = statistics.median(write), statistics.median(read)
     name = f"sampled, {samples} draws (store files)"
-    print(f"{name:38s} {size / rows:7.1f} B/token  enc {rows / enc:9,.0f}  dec {rows / dec:9,.0f}"
-          f" tokens/s  {distinct:.1f} distinct ids/token", flush=True)  # fmt: skip
-    return {"data": label, "format": name, "tokens": rows, "draws": samples,
-            "distinct_ids_per_token": distinct, "bytes_per_token": size / rows,
-            "encode_tokens_per_s": rows / enc, "decode_tokens_per_s": rows / dec}  # fmt: skip
+    print(
+        f"{name:38s} {size / rows:7.1f} B/token  enc {rows / enc:9,.0f}  dec {rows / dec:9,.0f}"
+        f" tokens/s  {distinct:.1f} distinct ids/token",
+        flush=True,
+    )
+    return {
+        "data": label,
+        "format": name,
+        "tokens": rows,
+        "draws": samples,
+        "distinct_ids_per_token": distinct,
+        "bytes_per_token": size / rows,
+        "encode_tokens_per_s": rows / enc,
+        "decode_tokens_per_s": rows / dec,
+    }
 
 
 def main() -> None:
@@ -342,8 +402,13 @@ def main() -> None:
     )
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--draws", type=int, nargs="+", default=[12, 32],
-                        help="draws per token of the sampled stores (one row each)")
+    parser.add_argument(
+        "--draws",
+        type=int,
+        nargs="+",
+        default=[12, 32],
+        help="draws per token of the sampled stores (one row each)",
+    )
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -356,19 +421,27 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = teacher_checkpoint(args.teacher_checkpoint)
     torch.set_num_threads(2)
-    tokens, ids, logprobs, sampled = teacher_topk(checkpoint, args.k, args.device,
-                                                  max(args.draws))  # fmt: skip
+    tokens, ids, logprobs, sampled = teacher_topk(checkpoint, args.k, args.device, max(args.draws))
     torch.set_num_threads(1)  # the formats are compared on one core
     label = f"teacher {checkpoint} on held-out text"
     rows = compare(label, ids, logprobs, args.repeat)
     n, seq_length, k = ids.shape
-    header = logit_store.StoreHeader(k=k, vocab_size=VOCAB, seq_length=seq_length, num_samples=n,
-                                     samples_per_block=n, teacher=str(checkpoint),
-                                     dataset_hash="bench")  # fmt: skip
+    header = logit_store.StoreHeader(
+        k=k,
+        vocab_size=VOCAB,
+        seq_length=seq_length,
+        num_samples=n,
+        samples_per_block=n,
+        teacher=str(checkpoint),
+        dataset_hash="bench",
+    )
     rows.append({"data": label, **store_path(tokens, ids, logprobs, header, args.repeat)})
     for draws in args.draws:  # the first ``draws`` of each token's are a store of that size
-        rows.append(sampled_store_path(tokens, np.ascontiguousarray(sampled[..., :draws]), label,
-                                       args.repeat))  # fmt: skip
+        rows.append(
+            sampled_store_path(
+                tokens, np.ascontiguousarray(sampled[..., :draws]), label, args.repeat
+            )
+        )
     if args.stress_samples:
         stress = synthetic_stress(args.stress_samples, seq_length, k)
         rows += compare("synthetic stress (near-uniform id sets)", *stress, args.repeat)

@@ -59,16 +59,20 @@ def datatrove_path(shards: list[Path], out: str, workers: int) -> int:
 
     cached_tokenizer("TekkenTokenizer", None)  # loaded once, inherited by the forked tasks
     files = [str(s) for s in shards]
-    pipeline = [ShardReader(files, ["text"]),
-                IndexedDatasetWriter(out, ["text"], "TekkenTokenizer", None, True, True, 10)]  # fmt: skip
-    LocalPipelineExecutor(pipeline, tasks=len(files), workers=workers, logging_dir=out + "/logs",
-                          start_method="fork").run()  # fmt: skip
+    pipeline = [
+        ShardReader(files, ["text"]),
+        IndexedDatasetWriter(out, ["text"], "TekkenTokenizer", None, True, True, 10),
+    ]
+    LocalPipelineExecutor(
+        pipeline, tasks=len(files), workers=workers, logging_dir=out + "/logs", start_method="fork"
+    ).run()
     return sum(json.loads(p.read_text())["tokens"] for p in Path(out).glob("*.meta.json"))
 
 
 def _hf_encode(texts: list[str]) -> int:
-    return sum(len(ids) + 2 for ids in (_HF["tok"].encode(t, add_special_tokens=False).ids
-                                        for t in texts))  # fmt: skip
+    return sum(
+        len(ids) + 2 for ids in (_HF["tok"].encode(t, add_special_tokens=False).ids for t in texts)
+    )
 
 
 _HF: dict = {}
@@ -112,20 +116,38 @@ def main() -> None:
         for i in range(4):
             shards.append(Path(tmp) / f"shard{i}.jsonl")
             shards[-1].write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[i::4]))
-        runs += [(f"datatrove, {w} worker(s)", w,
-                  lambda p, w=w: datatrove_path(shards, p + f"-dt{w}", w)) for w in (1, 2)]  # fmt: skip
-        runs += [(f"HF tokenizers loop, {w} worker(s)", w,
-                  lambda p, w=w: hf_loop(docs, w)) for w in (1, 2)]  # fmt: skip
+        runs += [
+            (
+                f"datatrove, {w} worker(s)",
+                w,
+                lambda p, w=w: datatrove_path(shards, p + f"-dt{w}", w),
+            )
+            for w in (1, 2)
+        ]
+        runs += [
+            (f"HF tokenizers loop, {w} worker(s)", w, lambda p, w=w: hf_loop(docs, w))
+            for w in (1, 2)
+        ]
         load_hf_tekken(tmp)
         for name, workers, fn in runs:
             start = time.perf_counter()
             tokens = fn(str(Path(tmp) / name.split()[0].strip(",")))
             seconds = time.perf_counter() - start
-            rows.append({"name": name, "workers": workers, "documents": len(docs), "tokens": tokens,
-                         "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds),
-                         "tokens_per_s_per_worker": round(tokens / seconds / workers)})  # fmt: skip
-            print(f"{name:36s} {tokens:8d} tokens {seconds:6.2f} s {tokens / seconds:10,.0f} tokens/s "
-                  f"{tokens / seconds / workers:10,.0f} tokens/s/worker")  # fmt: skip
+            rows.append(
+                {
+                    "name": name,
+                    "workers": workers,
+                    "documents": len(docs),
+                    "tokens": tokens,
+                    "seconds": round(seconds, 2),
+                    "tokens_per_s": round(tokens / seconds),
+                    "tokens_per_s_per_worker": round(tokens / seconds / workers),
+                }
+            )
+            print(
+                f"{name:36s} {tokens:8d} tokens {seconds:6.2f} s {tokens / seconds:10,.0f} tokens/s "
+                f"{tokens / seconds / workers:10,.0f} tokens/s/worker"
+            )
     path = write_results(
         "preprocess", rows, {"tokenizer": "tekken_240718 (131072)", "cores": os.cpu_count()}
     )

@@ -54,8 +54,10 @@ def timed(command: list[str], expect: int = 0) -> tuple[float, float]:
 
 def median_of(command: list[str], repeat: int, expect: int = 0) -> dict:
     runs = [timed(command, expect) for _ in range(repeat)]
-    return {"wall_s": round(statistics.median(w for w, _ in runs), 3),
-            "cpu_s": round(statistics.median(c for _, c in runs), 3)}  # fmt: skip
+    return {
+        "wall_s": round(statistics.median(w for w, _ in runs), 3),
+        "cpu_s": round(statistics.median(c for _, c in runs), 3),
+    }
 
 
 def write_corpus(path: Path, documents: list[str]) -> Path:
@@ -75,8 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--copies", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--megatron-style", nargs=2, metavar=("SOURCE", "PREFIX"),
-                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        "--megatron-style", nargs=2, metavar=("SOURCE", "PREFIX"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.megatron_style:
         return megatron_style(*args.megatron_style)
@@ -93,8 +96,10 @@ def main() -> None:
         for flag, expect in (("--help", 0), ("--no-such-flag", 2)):
             command = [python, str(script), flag]
             rows.append({"name": f"{name} {flag}", **median_of(command, args.repeat, expect)})
-            print(f"{rows[-1]['name']:56s} {rows[-1]['wall_s']:7.2f} s wall "
-                  f"{rows[-1]['cpu_s']:7.2f} s CPU")  # fmt: skip
+            print(
+                f"{rows[-1]['name']:56s} {rows[-1]['wall_s']:7.2f} s wall "
+                f"{rows[-1]['cpu_s']:7.2f} s CPU"
+            )
     over_budget = [row["name"] for row in rows if row["cpu_s"] > START_UP_BUDGET_S]
     with tempfile.TemporaryDirectory() as tmp:
         docs = embedded_documents()
@@ -102,13 +107,19 @@ def main() -> None:
         corpus = write_corpus(Path(tmp) / "corpus.jsonl", docs * args.copies)
         tool = [python, str(REPO / "tools" / "preprocess_data.py")]
         cases = [
-            ("preprocess_data.py start-up (1 document)",
-             tool + ["--input", str(one), "--output-prefix", f"{tmp}/one"]),
-            (f"preprocess_data.py, embedded corpus x{args.copies}",
-             tool + ["--input", str(corpus), "--output-prefix", f"{tmp}/ours"]),
-            (f"Megatron-LM's loop (megatron-core builder), embedded corpus x{args.copies}",
-             [python, __file__, "--megatron-style", str(corpus), f"{tmp}/theirs"]),
-        ]  # fmt: skip
+            (
+                "preprocess_data.py start-up (1 document)",
+                tool + ["--input", str(one), "--output-prefix", f"{tmp}/one"],
+            ),
+            (
+                f"preprocess_data.py, embedded corpus x{args.copies}",
+                tool + ["--input", str(corpus), "--output-prefix", f"{tmp}/ours"],
+            ),
+            (
+                f"Megatron-LM's loop (megatron-core builder), embedded corpus x{args.copies}",
+                [python, __file__, "--megatron-style", str(corpus), f"{tmp}/theirs"],
+            ),
+        ]
         for name, command in cases:
             rows.append({"name": name, **median_of(command, args.repeat)})
             print(f"{name:48s} {rows[-1]['wall_s']:7.2f} s wall {rows[-1]['cpu_s']:7.2f} s CPU")
@@ -116,12 +127,18 @@ def main() -> None:
         assert ours == Path(f"{tmp}/theirs.bin").read_bytes(), "the two wrote different tokens"
     speedup = {key: round(rows[-1][key] / rows[-2][key], 2) for key in ("wall_s", "cpu_s")}
     print(f"end to end: ours {speedup['wall_s']}x faster (wall), {speedup['cpu_s']}x (CPU)")
-    path = write_results("startup", rows, {"load_average_1min": round(load, 2),
-                                           "documents": len(docs) * args.copies,
-                                           "speedup_over_megatron_style": speedup,
-                                           "start_up_budget_cpu_s": START_UP_BUDGET_S,
-                                           "over_budget": over_budget,
-                                           "repeat": args.repeat})  # fmt: skip
+    path = write_results(
+        "startup",
+        rows,
+        {
+            "load_average_1min": round(load, 2),
+            "documents": len(docs) * args.copies,
+            "speedup_over_megatron_style": speedup,
+            "start_up_budget_cpu_s": START_UP_BUDGET_S,
+            "over_budget": over_budget,
+            "repeat": args.repeat,
+        },
+    )
     print(f"wrote {path}")
     if over_budget:
         sys.exit(f"over the start-up budget of {START_UP_BUDGET_S} s CPU: {', '.join(over_budget)}")

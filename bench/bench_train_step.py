@@ -53,10 +53,18 @@ PACKED = ["--reset-attention-mask", "--reset-position-ids", "--use-packed-seq-pa
 TE = ["--transformer-impl", "transformer_engine"]
 FP8 = {
     "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
-    "delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len",
-                "1024", "--fp8-amax-compute-algo", "max"],
+    "delayed": [
+        "--fp8-format",
+        "hybrid",
+        "--fp8-recipe",
+        "delayed",
+        "--fp8-amax-history-len",
+        "1024",
+        "--fp8-amax-compute-algo",
+        "max",
+    ],
     "blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
-}  # fmt: skip
+}
 BF16_ENDS = ["--first-last-layers-bf16"]
 """One layer at each end (Megatron-LM's default); not with delayed scaling, whose single FP8
 autocast around the whole block megatron-core cannot interrupt."""
@@ -66,18 +74,34 @@ CONFIGS = {
     "te-bf16": TE,
     "te-bf16-packed": [*TE, *PACKED],
     **{f"te-fp8-{recipe}-packed": [*TE, *PACKED, *flags] for recipe, flags in FP8.items()},
-    **{f"te-fp8-{recipe}-packed-bf16-ends": [*TE, *PACKED, *flags, *BF16_ENDS]
-       for recipe, flags in FP8.items() if recipe != "delayed"},
-}  # fmt: skip
+    **{
+        f"te-fp8-{recipe}-packed-bf16-ends": [*TE, *PACKED, *flags, *BF16_ENDS]
+        for recipe, flags in FP8.items()
+        if recipe != "delayed"
+    },
+}
 DETERMINISTIC = ["--deterministic-mode"]
-METRICS = ["--log-intermediate-metrics", "mean", "rms", "kurtosis", "underflow", "overflow",
-           "--log-intermediate-metrics-interval", "1"]  # fmt: skip
+METRICS = [
+    "--log-intermediate-metrics",
+    "mean",
+    "rms",
+    "kurtosis",
+    "underflow",
+    "overflow",
+    "--log-intermediate-metrics-interval",
+    "1",
+]
 for _name in ("te-bf16-packed", "te-fp8-delayed-packed"):
     CONFIGS[f"{_name}-deterministic"] = [*CONFIGS[_name], *DETERMINISTIC]
     CONFIGS[f"{_name}-metrics"] = [*CONFIGS[_name], *METRICS]
 SDPA = ["--attention-backend", "local"]  # TE's linears with PyTorch flash / varlen attention
-CONFIGS.update({f"{name}-sdpa": [*flags, *SDPA] for name, flags in list(CONFIGS.items())
-                if name.startswith("te-")})  # fmt: skip
+CONFIGS.update(
+    {
+        f"{name}-sdpa": [*flags, *SDPA]
+        for name, flags in list(CONFIGS.items())
+        if name.startswith("te-")
+    }
+)
 
 EIGHT_B_LAYERS = "apertus-8b-layers"
 """The 8B's layer shapes, cut to the layers one 80 GB GPU holds."""
@@ -86,8 +110,14 @@ GPU_80GB_GIB = 79.18
 so that rows of different machines compare."""
 MICRO_BATCH = {"apertus-v1.1-0.5b": 4, "apertus-v1.1-1.5b": 2, EIGHT_B_LAYERS: 1}
 SMALL_MODELS = ["apertus-v1.1-0.5b", "apertus-v1.1-1.5b"]
-DEFAULT_CONFIGS = ["local", "local-packed", "te-bf16", "te-bf16-packed",
-                   "te-fp8-tensorwise-packed", "te-fp8-delayed-packed"]  # fmt: skip
+DEFAULT_CONFIGS = [
+    "local",
+    "local-packed",
+    "te-bf16",
+    "te-bf16-packed",
+    "te-fp8-tensorwise-packed",
+    "te-fp8-delayed-packed",
+]
 GLOBAL_BATCH = 16
 RESULT_PREFIX = "BENCH_RESULT "
 
@@ -116,9 +146,16 @@ def layers_that_fit(seq: int, gpu_gib: float = GPU_80GB_GIB) -> int:
     usable = gpu_gib * cluster.usable_fraction * 2**30
     fits = 0
     for layers in range(1, PRESETS["apertus-8b"].num_layers + 1):
-        argv = run_args(EIGHT_B_LAYERS, "te-bf16", seq=seq, steps=1,
-                        micro=MICRO_BATCH[EIGHT_B_LAYERS], global_batch=GLOBAL_BATCH, extra=[],
-                        layers=layers)  # fmt: skip
+        argv = run_args(
+            EIGHT_B_LAYERS,
+            "te-bf16",
+            seq=seq,
+            steps=1,
+            micro=MICRO_BATCH[EIGHT_B_LAYERS],
+            global_batch=GLOBAL_BATCH,
+            extra=[],
+            layers=layers,
+        )
         result = plan(run_from_args(argv), cluster)
         if not result.ok or result.peak.total + fp8_weight_cache_bytes(result.run.model) > usable:
             break
@@ -140,19 +177,49 @@ def run_args(
     layers: int | None = None,
 ) -> list[str]:
     """``pretrain_gpt.py``'s flags for one configuration (``layers`` overrides the layer count)."""
-    models = model_args(model, seq) if layers is None else [
-        "--model-preset", "apertus-8b" if model == EIGHT_B_LAYERS else model,
-        "--num-layers", str(layers)]  # fmt: skip
+    models = (
+        model_args(model, seq)
+        if layers is None
+        else [
+            "--model-preset",
+            "apertus-8b" if model == EIGHT_B_LAYERS else model,
+            "--num-layers",
+            str(layers),
+        ]
+    )
     return [
-        *models, "--device", "cuda", "--precision", "bf16",
-        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
-        "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch),
-        "--train-iters", str(steps), "--seed", "1234", *CONFIGS[config], *extra,
-    ]  # fmt: skip
+        *models,
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--micro-batch-size",
+        str(micro),
+        "--global-batch-size",
+        str(global_batch),
+        "--train-iters",
+        str(steps),
+        "--seed",
+        "1234",
+        *CONFIGS[config],
+        *extra,
+    ]
 
 
-THROUGHPUT = ["--lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1000000",
-              "--eval-iters", "0"]  # fmt: skip
+THROUGHPUT = [
+    "--lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1000000",
+    "--eval-iters",
+    "0",
+]
 
 
 # -- one configuration (child process) ------------------------------------------------------------
@@ -183,8 +250,14 @@ def time_by_category(averages: list, device: str) -> dict[str, float]:
         if event.device_type != kind:
             continue
         us = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
-        name = next((label for label, pattern in KERNEL_CATEGORIES
-                     if re.search(pattern, event.key, re.IGNORECASE)), "other")  # fmt: skip
+        name = next(
+            (
+                label
+                for label, pattern in KERNEL_CATEGORIES
+                if re.search(pattern, event.key, re.IGNORECASE)
+            ),
+            "other",
+        )
         totals[name] = totals.get(name, 0.0) + us / 1e3
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
@@ -198,8 +271,10 @@ def profile_step(trainer) -> dict:
         trainer.step()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    kernels = sorted((e for e in averages if e.self_device_time_total > 0),
-                     key=lambda e: -e.self_device_time_total)[:10]  # fmt: skip
+    kernels = sorted(
+        (e for e in averages if e.self_device_time_total > 0),
+        key=lambda e: -e.self_device_time_total,
+    )[:10]
     return {
         "kernel_ms_by_category": time_by_category(averages, "cuda"),
         "top_kernels_ms": {e.key[:160]: e.self_device_time_total / 1e3 for e in kernels},
@@ -253,8 +328,17 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_child(argv: list[str], warmup: int, steps: int, profile: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--child", json.dumps(argv), "--warmup", str(warmup),
-           "--steps", str(steps), *(["--profile"] if profile else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        json.dumps(argv),
+        "--warmup",
+        str(warmup),
+        "--steps",
+        str(steps),
+        *(["--profile"] if profile else []),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=REPO)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -266,18 +350,45 @@ def run_child(argv: list[str], warmup: int, steps: int, profile: bool = False) -
 # -- bf16 against FP8 loss ------------------------------------------------------------------------
 
 
-LOSS_METRICS = ["--log-intermediate-metrics", "mean", "rms", "kurtosis", "underflow", "overflow",
-                "--log-intermediate-metrics-interval", "10"]  # fmt: skip
+LOSS_METRICS = [
+    "--log-intermediate-metrics",
+    "mean",
+    "rms",
+    "kurtosis",
+    "underflow",
+    "overflow",
+    "--log-intermediate-metrics-interval",
+    "10",
+]
 """Both loss runs record the GEMM-input statistics: what an FP8 run looks like beside bf16."""
 
 
 def loss_argv(model: str, config: str, steps: int, log_json: Path) -> list[str]:
     """Flags of one loss-comparison run (same data, seed and schedule for every config)."""
-    schedule = ["--lr", "6e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "30",
-                "--eval-iters", "8", "--log-interval", "50", "--log-json", str(log_json),
-                *LOSS_METRICS]  # fmt: skip
-    return run_args(model, config, seq=4096, steps=steps, micro=MICRO_BATCH[model],
-                    global_batch=8, extra=schedule)  # fmt: skip
+    schedule = [
+        "--lr",
+        "6e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "30",
+        "--eval-iters",
+        "8",
+        "--log-interval",
+        "50",
+        "--log-json",
+        str(log_json),
+        *LOSS_METRICS,
+    ]
+    return run_args(
+        model,
+        config,
+        seq=4096,
+        steps=steps,
+        micro=MICRO_BATCH[model],
+        global_batch=8,
+        extra=schedule,
+    )
 
 
 def loss_run(argv: list[str], log_json: Path, label: dict) -> dict:
@@ -286,8 +397,13 @@ def loss_run(argv: list[str], log_json: Path, label: dict) -> dict:
     from megatron.apertus.training.metrics import read_history
 
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv], cwd=REPO,
-                          capture_output=True, text=True, errors="replace")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        errors="replace",
+    )
     print(proc.stdout[-2500:], proc.stderr[-1500:] if proc.returncode else "", flush=True)
     if proc.returncode:
         return {**label, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
@@ -297,9 +413,12 @@ def loss_run(argv: list[str], log_json: Path, label: dict) -> dict:
         "valid_loss": history["valid/loss"][-1][1],
         "train_loss_last": history["train/loss"][-1][1],
         "wall_s": time.perf_counter() - start,
-        "history": {name: points for name, points in history.items()
-                    if name in ("train/loss", "valid/loss") or name.startswith("intermediate/")},
-    }  # fmt: skip
+        "history": {
+            name: points
+            for name, points in history.items()
+            if name in ("train/loss", "valid/loss") or name.startswith("intermediate/")
+        },
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,9 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default="train_step", help="results file stem")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_train_step")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where the JSON goes")
-    parser.add_argument("--profile", action="store_true",
-                        help="after the timed steps, profile one more: kernel time by category "
-                             "(GEMMs, FP8 casts and amax, attention, xIELU, loss, ...)")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile one more: kernel time by category "
+        "(GEMMs, FP8 casts and amax, attention, xIELU, loss, ...)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
@@ -342,9 +464,15 @@ def build_parser() -> argparse.ArgumentParser:
 def throughput_argv(args: argparse.Namespace, model: str, config: str) -> list[str]:
     """The trainer flags of one throughput row (one step more when profiled)."""
     steps = args.warmup + args.steps + int(args.profile)
-    return run_args(model, config, seq=args.seq_length, steps=steps,
-                    micro=MICRO_BATCH[model], global_batch=args.global_batch,
-                    extra=THROUGHPUT)  # fmt: skip
+    return run_args(
+        model,
+        config,
+        seq=args.seq_length,
+        steps=steps,
+        micro=MICRO_BATCH[model],
+        global_batch=args.global_batch,
+        extra=THROUGHPUT,
+    )
 
 
 def loss_log_json(args: argparse.Namespace, config: str) -> Path:
@@ -354,8 +482,10 @@ def loss_log_json(args: argparse.Namespace, config: str) -> Path:
 def planned_trainer_argvs(args: argparse.Namespace) -> list[list[str]]:
     """Every trainer command line this invocation runs, in order (for checks without a GPU)."""
     rows = [throughput_argv(args, m, c) for m in args.models for c in args.configs]
-    losses = [loss_argv(args.loss_model, c, args.loss_steps, loss_log_json(args, c))
-              for c in (args.loss_configs if args.loss_steps else [])]  # fmt: skip
+    losses = [
+        loss_argv(args.loss_model, c, args.loss_steps, loss_log_json(args, c))
+        for c in (args.loss_configs if args.loss_steps else [])
+    ]
     return rows + losses
 
 
@@ -373,9 +503,15 @@ def main() -> None:
     for model in args.models:
         for config in args.configs:
             argv = throughput_argv(args, model, config)
-            row = {"model": model, "config": config, "seq_length": args.seq_length,
-                   "micro_batch": MICRO_BATCH[model], "global_batch": args.global_batch,
-                   "argv": argv, **run_child(argv, args.warmup, args.steps, args.profile)}  # fmt: skip
+            row = {
+                "model": model,
+                "config": config,
+                "seq_length": args.seq_length,
+                "micro_batch": MICRO_BATCH[model],
+                "global_batch": args.global_batch,
+                "argv": argv,
+                **run_child(argv, args.warmup, args.steps, args.profile),
+            }
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
             # after every row: a cut-short run keeps its figures

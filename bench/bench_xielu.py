@@ -29,10 +29,13 @@ from megatron.apertus.ops.xielu import inverse_softplus, xielu, xielu_reference
 HBM_PEAK_BYTES_PER_S = 3.35e12
 CALLS_PER_SAMPLE = {"cpu": 1, "cuda": 10}
 CASES = {
-    "cpu": [((4, 512, 6144), torch.bfloat16), ((4, 512, 6144), torch.float32),
-            ((2, 64, 192), torch.float32)],
+    "cpu": [
+        ((4, 512, 6144), torch.bfloat16),
+        ((4, 512, 6144), torch.float32),
+        ((2, 64, 192), torch.float32),
+    ],
     "cuda": [((8, 4096, 21504), torch.bfloat16), ((2, 64, 192), torch.bfloat16)],
-}  # fmt: skip
+}
 
 
 def inputs(shape: tuple, dtype: torch.dtype, device: str) -> tuple:
@@ -101,8 +104,11 @@ def run(device: str, repeat: int) -> list[dict]:
     for shape, dtype in CASES[device]:
         x, dy, alpha_p, alpha_n = inputs(shape, dtype, device)
         bytes_moved = 5 * x.element_size() * x.numel()
-        base = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-                "pass": "forward+backward"}  # fmt: skip
+        base = {
+            "shape": list(shape),
+            "dtype": str(dtype).removeprefix("torch."),
+            "pass": "forward+backward",
+        }
         case = {}
         for name, fn in implementations(device).items():
             call = partial(forward_backward, fn, x, dy, alpha_p, alpha_n)
@@ -118,22 +124,27 @@ def run(device: str, repeat: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'shape':>18} {'dtype':>9} {'pass':>17} {'impl':>8} {'p50 ms':>9} {'GB/s':>8} "
-          f"{'peak MB':>9} {'vs eager':>9} {'vs compile':>10}")  # fmt: skip
+    print(
+        f"{'shape':>18} {'dtype':>9} {'pass':>17} {'impl':>8} {'p50 ms':>9} {'GB/s':>8} "
+        f"{'peak MB':>9} {'vs eager':>9} {'vs compile':>10}"
+    )
     for r in rows:
         peak = (
             r["peak_memory_bytes"] / 2**20 if r["peak_memory_bytes"] is not None else float("nan")
         )
-        print(f"{str(r['shape']):>18} {r['dtype']:>9} {r['pass']:>17} {r['impl']:>8} "
-              f"{r['p50_ms']:9.3f} {r['GB_per_s']:8.1f} {peak:9.1f} "
-              f"{r.get('speedup_vs_eager', float('nan')):9.2f} "
-              f"{r.get('speedup_vs_compile', float('nan')):10.2f}")  # fmt: skip
+        print(
+            f"{str(r['shape']):>18} {r['dtype']:>9} {r['pass']:>17} {r['impl']:>8} "
+            f"{r['p50_ms']:9.3f} {r['GB_per_s']:8.1f} {peak:9.1f} "
+            f"{r.get('speedup_vs_eager', float('nan')):9.2f} "
+            f"{r.get('speedup_vs_compile', float('nan')):10.2f}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"],
-                        default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--repeat", type=int, default=10)
     args = parser.parse_args()
     torch.manual_seed(0)

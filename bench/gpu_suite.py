@@ -62,13 +62,24 @@ SUITE_RESULT = "SUITE_RESULT "
 TE_BUNDLE = "shared/tools/te-device/bundle"
 """The TE bundle, relative to the parent of the repository root."""
 WHEELS = [
-    "megatron-core==0.16.1", "mistral-common==1.13.1", "pydantic-extra-types==2.11.1",
-    "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0",
-    "rpds-py==2026.9.1", "zstandard==0.25.0",
-]  # fmt: skip
+    "megatron-core==0.16.1",
+    "mistral-common==1.13.1",
+    "pydantic-extra-types==2.11.1",
+    "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
+    "zstandard==0.25.0",
+]
 """Python packages the GPU image lacks (its list: the device notes' KINDS.md)."""
-MANYLINUX = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]  # fmt: skip
+MANYLINUX = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 SLIM_WHEELS = {"pycountry==26.2.16": "pycountry/locales"}
 """Pure-Python packages carried unpacked without their bulk (the wheel's part named here), so
 that everything fits one call's 64 MiB: pycountry's translations are 8 MB and never read."""
@@ -112,9 +123,14 @@ class Context:
         """Run ``argv`` in its own process group, its output streamed into the stage log; on the
         limit the whole group is killed (returns code 124)."""
         self.write_log(f"$ {' '.join(argv)}")
-        proc = subprocess.Popen(argv, cwd=REPO, env={**self.env, **(env or {})},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env={**self.env, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         lines: list[str] = []
 
         def pump() -> None:
@@ -164,8 +180,9 @@ def kernel_stamp(torch_version: str, arch: str) -> str:
 
 def env_from_script(script: Path) -> dict:
     """The environment after ``source script`` (install_te.sh's te_env.sh)."""
-    out = subprocess.run(["bash", "-c", f'source "{script}" && env -0'], capture_output=True,
-                         check=True).stdout.decode()  # fmt: skip
+    out = subprocess.run(
+        ["bash", "-c", f'source "{script}" && env -0'], capture_output=True, check=True
+    ).stdout.decode()
     return dict(line.split("=", 1) for line in out.split("\0") if "=" in line)
 
 
@@ -188,9 +205,22 @@ def setup(ctx: Context, te_checks: bool) -> bool:
         ctx.write_log(f"no {install.relative_to(REPO)}: TE must already be importable")
     wheels = sorted((REPO / ".whl").glob("*.whl"))
     if wheels:
-        argv = [python(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target",
-                str(SITE), *map(str, wheels)]  # fmt: skip
+        argv = [
+            python(),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--disable-pip-version-check",
+            "--target",
+            str(SITE),
+            *map(str, wheels),
+        ]
         if ctx.dry:
             ctx.write_log(f"would run: {' '.join(argv[:12])} ... ({len(wheels)} wheels)")
         else:
@@ -210,8 +240,10 @@ def setup_kernels(ctx: Context) -> bool:
     return the archive in ``$OUT`` for the next call."""
     if ctx.dry:
         stamp = kernel_stamp("DEVICE-TORCH", "90")
-        ctx.write_log(f"would unpack .kernels/kernels_{stamp}.tar.gz or run: "
-                      f"TORCH_CUDA_ARCH_LIST=9.0 {python()} setup.py build_ext --inplace -j 4")  # fmt: skip
+        ctx.write_log(
+            f"would unpack .kernels/kernels_{stamp}.tar.gz or run: "
+            f"TORCH_CUDA_ARCH_LIST=9.0 {python()} setup.py build_ext --inplace -j 4"
+        )
         return True
     import torch
 
@@ -226,8 +258,11 @@ def setup_kernels(ctx: Context) -> bool:
             return True
         ctx.write_log(f"kernels: {archive.name} does not load here; building them")
     argv = [python(), "setup.py", "build_ext", "--inplace", "-j", "4"]
-    code, _ = ctx.call(argv, limit_s=400, env={"TORCH_CUDA_ARCH_LIST": f"{major}.{minor}",
-                                                "MAX_JOBS": str(os.cpu_count() or 8)})  # fmt: skip
+    code, _ = ctx.call(
+        argv,
+        limit_s=400,
+        env={"TORCH_CUDA_ARCH_LIST": f"{major}.{minor}", "MAX_JOBS": str(os.cpu_count() or 8)},
+    )
     if code:
         return False
     built = sorted((REPO / "megatron" / "apertus" / "ops").glob("_*.so"))
@@ -243,12 +278,15 @@ def setup_kernels(ctx: Context) -> bool:
 def kernels_load(ctx: Context) -> bool:
     """Whether the CUDA kernels in the tree import on this machine (an archive built elsewhere
     may miss a library the device has under another name)."""
-    modules = [f"megatron.apertus.ops.{p.name.split('.')[0]}"
-               for p in (REPO / "megatron" / "apertus" / "ops").glob("_*_cuda*.so")]  # fmt: skip
+    modules = [
+        f"megatron.apertus.ops.{p.name.split('.')[0]}"
+        for p in (REPO / "megatron" / "apertus" / "ops").glob("_*_cuda*.so")
+    ]
     if not modules:
         return False
-    code, _ = ctx.call([python(), "-c", "; ".join(f"import {m}" for m in ["torch", *modules])],
-                       limit_s=120)  # fmt: skip
+    code, _ = ctx.call(
+        [python(), "-c", "; ".join(f"import {m}" for m in ["torch", *modules])], limit_s=120
+    )
     return code == 0
 
 
@@ -279,8 +317,11 @@ PYTEST_COLLECTED = re.compile(r"(\d+)(?:/\d+)? tests? collected")
 def pytest_counts(output: str) -> dict:
     """``{"passed": n, "failed": n, ...}`` (``collected`` with ``--collect-only``) from pytest's
     last summary line."""
-    lines = [line for line in output.splitlines()
-             if PYTEST_COUNT.search(line) or PYTEST_COLLECTED.search(line)]  # fmt: skip
+    lines = [
+        line
+        for line in output.splitlines()
+        if PYTEST_COUNT.search(line) or PYTEST_COLLECTED.search(line)
+    ]
     if not lines:
         return {}
     counts = {word: int(n) for n, word in PYTEST_COUNT.findall(lines[-1])}
@@ -332,11 +373,18 @@ def attention_stage(ctx: Context, stage: Stage) -> dict:
         backends = selected_backends(output)
         return {"status": "dry" if backends else "failed", "backends": backends}
     env = {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"}
-    code, output = ctx.call([python(), __file__, "--probe-attention"], limit_s=stage_limit(ctx),
-                            env=env)  # fmt: skip
+    code, output = ctx.call(
+        [python(), __file__, "--probe-attention"], limit_s=stage_limit(ctx), env=env
+    )
     backends = selected_backends(output)
-    probe = next((json.loads(line[len(SUITE_RESULT):]) for line in output.splitlines()
-                  if line.startswith(SUITE_RESULT)), {})  # fmt: skip
+    probe = next(
+        (
+            json.loads(line[len(SUITE_RESULT) :])
+            for line in output.splitlines()
+            if line.startswith(SUITE_RESULT)
+        ),
+        {},
+    )
     fast = set(backends) == set(PROBES) and "UnfusedDotProductAttention" not in backends.values()
     return {"status": status(code == 0 and fast, code, ctx), "backends": backends, **probe}
 
@@ -360,9 +408,14 @@ def probe_attention() -> None:
     for layout, (heads, groups, dim) in PROBES.items():
         packed = layout.endswith("thd")
         print(f"PROBE {layout}", flush=True)
-        attn = te.DotProductAttention(heads, dim, num_gqa_groups=groups, attention_dropout=0.0,
-                                      qkv_format="thd" if packed else "sbhd",
-                                      attn_mask_type="padding_causal" if packed else "causal")  # fmt: skip
+        attn = te.DotProductAttention(
+            heads,
+            dim,
+            num_gqa_groups=groups,
+            attention_dropout=0.0,
+            qkv_format="thd" if packed else "sbhd",
+            attn_mask_type="padding_causal" if packed else "causal",
+        )
         shape = (seq, heads, dim) if packed else (seq, 2, heads, dim)
         kv_shape = (*shape[:-2], groups, dim)
         q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -370,15 +423,29 @@ def probe_attention() -> None:
         v = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kwargs = {}
         if packed:
-            cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device="cuda",
-                              dtype=torch.int32)  # fmt: skip
-            kwargs = {"cu_seqlens_q": cu, "cu_seqlens_kv": cu, "max_seqlen_q": max(docs),
-                      "max_seqlen_kv": max(docs)}  # fmt: skip
+            cu = torch.tensor(
+                [0, *torch.tensor(docs).cumsum(0).tolist()], device="cuda", dtype=torch.int32
+            )
+            kwargs = {
+                "cu_seqlens_q": cu,
+                "cu_seqlens_kv": cu,
+                "max_seqlen_q": max(docs),
+                "max_seqlen_kv": max(docs),
+            }
         attn(q, k, v, **kwargs).float().sum().backward()
         torch.cuda.synchronize()
     cudnn = torch.backends.cudnn.version()
-    print(SUITE_RESULT + json.dumps({"torch_cudnn": cudnn, "te": transformer_engine.__version__,
-                                     "cudnn_home": os.environ.get("CUDNN_HOME")}), flush=True)  # fmt: skip
+    print(
+        SUITE_RESULT
+        + json.dumps(
+            {
+                "torch_cudnn": cudnn,
+                "te": transformer_engine.__version__,
+                "cudnn_home": os.environ.get("CUDNN_HOME"),
+            }
+        ),
+        flush=True,
+    )
 
 
 def pytest_gpu_stage(ctx: Context, stage: Stage) -> dict:
@@ -407,15 +474,25 @@ def bench_stage(ctx: Context, name: str, flags: list[str], derive=None) -> dict:
     """``bench_train_step.py`` with ``flags`` (configs take the attention stage's verdict), its
     JSON read back. In the dry run every trainer command line it would start is parsed."""
     suffix = attention_suffix(ctx)
-    flags = [f"{f}{suffix}" if f in bench_module().CONFIGS and f.startswith("te-") else f for f in flags]
+    flags = [
+        f"{f}{suffix}" if f in bench_module().CONFIGS and f.startswith("te-") else f for f in flags
+    ]
     work = Path("/tmp/gpu_suite") / name
-    argv = [*flags, "--name", f"train_step_{name}", "--results-dir", str(work),
-            "--out", str(work / "runs")]  # fmt: skip
+    argv = [
+        *flags,
+        "--name",
+        f"train_step_{name}",
+        "--results-dir",
+        str(work),
+        "--out",
+        str(work / "runs"),
+    ]
     if ctx.dry:
         return {"status": "dry", **check_bench_argv(ctx, argv)}
     shutil.rmtree(work, ignore_errors=True)
-    code, _ = ctx.call([python(), str(REPO / "bench" / "bench_train_step.py"), *argv],
-                       limit_s=stage_limit(ctx))  # fmt: skip
+    code, _ = ctx.call(
+        [python(), str(REPO / "bench" / "bench_train_step.py"), *argv], limit_s=stage_limit(ctx)
+    )
     files = sorted(work.glob(f"train_step_{name}_*.json"))
     result = json.loads(files[0].read_text()) if files else {}
     rows = result.get("rows", []) + result.get("loss_comparison", [])
@@ -437,8 +514,10 @@ def check_bench_argv(ctx: Context, argv: list[str]) -> dict:
         refused = refusals(parser.parse_args(trainer_argv))
         if refused:
             raise SystemExit(f"gpu_suite.py: {' '.join(trainer_argv)}: {refused[0]}")
-    ctx.write_log(f"dry run: bench_train_step.py {' '.join(argv)}: {len(planned)} trainer "
-                  f"command lines parsed")  # fmt: skip
+    ctx.write_log(
+        f"dry run: bench_train_step.py {' '.join(argv)}: {len(planned)} trainer "
+        f"command lines parsed"
+    )
     return {"planned": planned}
 
 
@@ -460,16 +539,32 @@ def eight_b_configs() -> list[str]:
     """TE bf16, then every FP8 recipe with all layers in FP8 and (where the recipe allows it)
     with bf16 first and last layers."""
     configs = bench_module().CONFIGS
-    return ["te-bf16-packed", *(c for c in configs if c.startswith("te-fp8-")
-                                and c.endswith(("-packed", "-packed-bf16-ends")))]  # fmt: skip
+    return [
+        "te-bf16-packed",
+        *(
+            c
+            for c in configs
+            if c.startswith("te-fp8-") and c.endswith(("-packed", "-packed-bf16-ends"))
+        ),
+    ]
 
 
 def train_step_8b_stage(ctx: Context, stage: Stage) -> dict:
     """bf16 against FP8 (tensorwise, delayed, blockwise; all layers or bf16 ends) at the 8B's
     layer shapes."""
     configs = eight_b_configs()
-    flags = ["--models", bench_module().EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
-             "--steps", "4", "--configs", *configs]  # fmt: skip
+    flags = [
+        "--models",
+        bench_module().EIGHT_B_LAYERS,
+        "--global-batch",
+        "8",
+        "--warmup",
+        "2",
+        "--steps",
+        "4",
+        "--configs",
+        *configs,
+    ]
     pairs = [("te-bf16-packed", c) for c in configs[1:]]
     return bench_stage(
         ctx, stage.name, flags, lambda r: {"speedup_over_bf16": tokens_ratio(r, pairs)}
@@ -479,16 +574,37 @@ def train_step_8b_stage(ctx: Context, stage: Stage) -> dict:
 def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
     """Where a step's time goes at the 8B's layer shapes, bf16 against FP8: kernel time by
     category (GEMMs, FP8 casts / transposes / amax, attention, xIELU, loss, norms, optimizer)."""
-    flags = ["--models", bench_module().EIGHT_B_LAYERS, "--global-batch", "8", "--warmup", "2",
-             "--steps", "2", "--profile", "--configs", "te-bf16-packed",
-             "te-fp8-tensorwise-packed", "te-fp8-delayed-packed"]  # fmt: skip
+    flags = [
+        "--models",
+        bench_module().EIGHT_B_LAYERS,
+        "--global-batch",
+        "8",
+        "--warmup",
+        "2",
+        "--steps",
+        "2",
+        "--profile",
+        "--configs",
+        "te-bf16-packed",
+        "te-fp8-tensorwise-packed",
+        "te-fp8-delayed-packed",
+    ]
     return bench_stage(ctx, stage.name, flags)
 
 
 def train_step_small_stage(ctx: Context, stage: Stage) -> dict:
     """The 1.5B and 0.5B TE rows again, with TE's own attention (fused / flash)."""
-    flags = ["--warmup", "2", "--steps", "4", "--configs", "te-bf16", "te-bf16-packed",
-             "te-fp8-tensorwise-packed", "te-fp8-delayed-packed"]  # fmt: skip
+    flags = [
+        "--warmup",
+        "2",
+        "--steps",
+        "4",
+        "--configs",
+        "te-bf16",
+        "te-bf16-packed",
+        "te-fp8-tensorwise-packed",
+        "te-fp8-delayed-packed",
+    ]
     large = bench_stage(ctx, "train-step-1.5b", ["--models", "apertus-v1.1-1.5b", *flags])
     small = bench_stage(
         ctx,
@@ -504,8 +620,14 @@ def train_step_small_stage(ctx: Context, stage: Stage) -> dict:
     }
 
 
-LOSS_FLAGS = ["--configs", "--loss-steps", "300", "--loss-configs", "te-bf16-packed",
-              "te-fp8-tensorwise-packed"]  # fmt: skip
+LOSS_FLAGS = [
+    "--configs",
+    "--loss-steps",
+    "300",
+    "--loss-configs",
+    "te-bf16-packed",
+    "te-fp8-tensorwise-packed",
+]
 """No throughput rows; the two loss runs (their configs take the attention stage's verdict)."""
 
 
@@ -531,11 +653,34 @@ def dry_loss_runs(ctx: Context) -> dict:
     bench, runs = bench_module(), []
     for seed in (1234, 1235):
         log_json = work / f"loss_tiny_{seed}.json"
-        argv = ["--model-preset", "tiny", "--device", "cpu", "--precision", "fp32",
-                "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-                "--train-iters", "3", "--lr", "1e-3", "--seed", str(seed), "--eval-iters", "1",
-                "--log-interval", "1", "--log-json", str(log_json), *bench.LOSS_METRICS[:-1],
-                "1"]  # fmt: skip
+        argv = [
+            "--model-preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "3",
+            "--lr",
+            "1e-3",
+            "--seed",
+            str(seed),
+            "--eval-iters",
+            "1",
+            "--log-interval",
+            "1",
+            "--log-json",
+            str(log_json),
+            *bench.LOSS_METRICS[:-1],
+            "1",
+        ]
         ctx.write_log(f"$ pretrain_gpt.py {' '.join(argv)}")
         label = {"model": "tiny", "config": f"cpu-fp32-seed{seed}", "steps": 3}
         runs.append(bench.loss_run(argv, log_json, label))
@@ -556,8 +701,12 @@ def variant_flags(variant: str) -> list[str]:
 def determinism_stage(ctx: Context, stage: Stage) -> dict:
     """tokens/s with and without ``--deterministic-mode`` (TE bf16 and FP8 delayed, 1.5B)."""
     pairs = variant_pairs("deterministic")
-    return bench_stage(ctx, stage.name, variant_flags("deterministic"),
-                       lambda r: {"deterministic_over_default": tokens_ratio(r, pairs)})  # fmt: skip
+    return bench_stage(
+        ctx,
+        stage.name,
+        variant_flags("deterministic"),
+        lambda r: {"deterministic_over_default": tokens_ratio(r, pairs)},
+    )
 
 
 def metrics_overhead(result: dict, interval: int = DEFAULT_METRICS_INTERVAL) -> dict:
@@ -566,8 +715,10 @@ def metrics_overhead(result: dict, interval: int = DEFAULT_METRICS_INTERVAL) -> 
     hooked = {}
     for name, ratio in tokens_ratio(result, variant_pairs("metrics")).items():
         step_cost = 1 / ratio - 1
-        hooked[name] = {"hooked_step_overhead": step_cost,
-                        f"overhead_at_interval_{interval}": step_cost / interval}  # fmt: skip
+        hooked[name] = {
+            "hooked_step_overhead": step_cost,
+            f"overhead_at_interval_{interval}": step_cost / interval,
+        }
     return {"metrics_overhead": hooked}
 
 
@@ -652,10 +803,16 @@ def run_stage(ctx: Context, stage: Stage) -> dict:
         result = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
     from _common import git_commit, machine
 
-    payload = {"stage": stage.name, "what": stage.what, **result,
-               "wall_s": time.monotonic() - start, "device": device_tag(ctx.dry),
-               "machine": machine(), "git_commit": git_commit(),
-               "date": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    payload = {
+        "stage": stage.name,
+        "what": stage.what,
+        **result,
+        "wall_s": time.monotonic() - start,
+        "device": device_tag(ctx.dry),
+        "machine": machine(),
+        "git_commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     write_json(ctx.out / f"{stage.name}.json", payload)
     ctx.write_log(f"== {stage.name}: {payload['status']} in {payload['wall_s']:.0f} s")
     return payload
@@ -750,8 +907,21 @@ def unpack_slim_wheels(wheels: Path) -> None:
     pure = wheels / "pure"
     shutil.rmtree(pure, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "--only-binary=:all:", "-d", tmp, *SLIM_WHEELS], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                tmp,
+                *SLIM_WHEELS,
+            ],
+            check=True,
+        )
         bulk = tuple(SLIM_WHEELS.values())
         for wheel in Path(tmp).glob("*.whl"):
             with zipfile.ZipFile(wheel) as archive:
@@ -760,8 +930,15 @@ def unpack_slim_wheels(wheels: Path) -> None:
 
 def prepare(tree: Path) -> None:
     """``.tebundle/`` and ``.whl/`` in the repository root, ignored by git."""
-    exclude = Path(subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=tree,
-                                  capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    exclude = Path(
+        subprocess.run(
+            ["git", "rev-parse", "--git-path", "info/exclude"],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     exclude = exclude if exclude.is_absolute() else tree / exclude
     exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = exclude.read_text().splitlines() if exclude.exists() else []
@@ -777,9 +954,26 @@ def prepare(tree: Path) -> None:
     for path in (tree / ".tebundle").rglob("*"):
         path.chmod(path.stat().st_mode | 0o200)  # the shared copy is read-only
     platforms = [arg for p in MANYLINUX for arg in ("--platform", p)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                    "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-                    *platforms, "-d", str(tree / ".whl"), *WHEELS], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(tree / ".whl"),
+            *WHEELS,
+        ],
+        check=True,
+    )
     unpack_slim_wheels(tree / ".whl")
     print(f"prepared {tree / '.tebundle'} and {tree / '.whl'} (carry them with .kernels)")
 
@@ -792,12 +986,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("stages", nargs="*", help="stages to run (default: the pending ones)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu_suite")))
     parser.add_argument("--dry-run", action="store_true", help="no GPU: all but the GPU calls")
-    parser.add_argument("--budget-s", type=float, default=570,
-                        help="seconds this call may use (a device command has 600)")  # fmt: skip
-    parser.add_argument("--max-stages", type=int, default=(CALL_FILES - 2) // 2,
-                        help="stages a call runs at most (two files each come back)")  # fmt: skip
-    parser.add_argument("--te-checks", action="store_true",
-                        help="install_te.sh's fat-binary load and smoke test too")  # fmt: skip
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=570,
+        help="seconds this call may use (a device command has 600)",
+    )
+    parser.add_argument(
+        "--max-stages",
+        type=int,
+        default=(CALL_FILES - 2) // 2,
+        help="stages a call runs at most (two files each come back)",
+    )
+    parser.add_argument(
+        "--te-checks",
+        action="store_true",
+        help="install_te.sh's fat-binary load and smoke test too",
+    )
     parser.add_argument("--tree", type=Path, default=REPO, help="where results are looked up")
     parser.add_argument("--list", action="store_true", help="the stages and whether they are done")
     parser.add_argument("--collect", type=Path, metavar="DIR", help="a device reply's files")
@@ -832,12 +1037,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{stage.name:18s} {done:8s} ~{stage.minutes:g} min  {stage.what}")
         return 0
     if not args.dry_run and len(args.stages) > args.max_stages:
-        parser.error(f"{len(args.stages)} stages named; a device call returns {CALL_FILES} files, "
-                     f"enough for {args.max_stages} stages (--max-stages)")  # fmt: skip
+        parser.error(
+            f"{len(args.stages)} stages named; a device call returns {CALL_FILES} files, "
+            f"enough for {args.max_stages} stages (--max-stages)"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    ctx = Context(out=args.out, tree=args.tree, dry=args.dry_run, env=env,
-                  started=time.monotonic(), budget_s=args.budget_s, log=args.out / "setup.log")  # fmt: skip
+    ctx = Context(
+        out=args.out,
+        tree=args.tree,
+        dry=args.dry_run,
+        env=env,
+        started=time.monotonic(),
+        budget_s=args.budget_s,
+        log=args.out / "setup.log",
+    )
     ctx.log.write_text("")
     stages, notes = select(args.stages, args.tree)
     for note in notes:
@@ -854,8 +1068,10 @@ def main(argv: list[str] | None = None) -> int:
         if ran == most:
             ctx.write_log(f"{stage.name}: for the next call ({most} stages a call)")
         elif not args.dry_run and ctx.remaining_s() < stage.minutes * 60:
-            ctx.write_log(f"{stage.name}: not started, {ctx.remaining_s():.0f} s left of the "
-                          f"budget and it takes ~{stage.minutes:g} min")  # fmt: skip
+            ctx.write_log(
+                f"{stage.name}: not started, {ctx.remaining_s():.0f} s left of the "
+                f"budget and it takes ~{stage.minutes:g} min"
+            )
         else:
             ran += 1
             failed |= run_stage(ctx, stage)["status"] not in ("ok", "dry")

@@ -79,15 +79,25 @@ def preprocess(out: Path) -> dict[str, str]:
 
     documents = training_documents()
     first_valid = int(round(len(documents) * 0.9))
-    parts = {"teacher": documents[:first_valid], "valid": documents[first_valid:],
-             "student": documents[:first_valid:STUDENT_SHARE]}  # fmt: skip
+    parts = {
+        "teacher": documents[:first_valid],
+        "valid": documents[first_valid:],
+        "student": documents[:first_valid:STUDENT_SHARE],
+    }
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     prefixes = {}
     for name, part in parts.items():
         source = write_jsonl(data / f"{name}.jsonl", part)
-        run("tools/preprocess_data.py", "--input", str(source), "--output-prefix", str(data / name),
-            "--workers", "2")  # fmt: skip
+        run(
+            "tools/preprocess_data.py",
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(data / name),
+            "--workers",
+            "2",
+        )
         prefixes[name] = str(data / f"{name}_text_document")
     return prefixes
 
@@ -124,35 +134,95 @@ def unigram_baselines(data: dict[str, str]) -> dict[str, float]:
 def data_args(out: Path, train: str, valid: str, iters: int) -> list[str]:
     """Data, batch and validation flags (the students' are shared with the teacher's logits)."""
     return [
-        "--train-data-path", train, "--valid-data-path", valid,
-        "--data-cache-path", str(out / "cache"),
-        "--seed", str(SEED), "--train-iters", str(iters), "--global-batch-size", str(GLOBAL_BATCH),
-        "--micro-batch-size", str(GLOBAL_BATCH // 2),
-        "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-        "--eval-interval", str(iters // 4), "--eval-iters", "8", *PRECISION,
-    ]  # fmt: skip
+        "--train-data-path",
+        train,
+        "--valid-data-path",
+        valid,
+        "--data-cache-path",
+        str(out / "cache"),
+        "--seed",
+        str(SEED),
+        "--train-iters",
+        str(iters),
+        "--global-batch-size",
+        str(GLOBAL_BATCH),
+        "--micro-batch-size",
+        str(GLOBAL_BATCH // 2),
+        "--reset-position-ids",
+        "--reset-attention-mask",
+        "--eod-mask-loss",
+        "--eval-interval",
+        str(iters // 4),
+        "--eval-iters",
+        "8",
+        *PRECISION,
+    ]
 
 
 def recipe_args(iters: int, lr: float) -> list[str]:
     """The Apertus recipe: AdEMAMix, WSD with a 1-sqrt cooldown, Goldfish loss."""
     return [
-        "--optimizer", "ademamix", "--lr", str(lr), "--min-lr", str(lr / 10), "--weight-decay", "0.1",
-        "--ademamix-alpha", "2", "--ademamix-beta3", "0.999", "--ademamix-alpha-warmup", str(iters),
-        "--ademamix-beta3-warmup", str(iters), "--clip-grad", "1.0",
-        "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "1-sqrt",
-        "--lr-warmup-iters", str(iters // 20), "--lr-wsd-decay-iters", str(iters // 5),
-        "--goldfish-loss", "--goldfish-k", "50", "--goldfish-h", "50", "--log-interval", "10",
-    ]  # fmt: skip
+        "--optimizer",
+        "ademamix",
+        "--lr",
+        str(lr),
+        "--min-lr",
+        str(lr / 10),
+        "--weight-decay",
+        "0.1",
+        "--ademamix-alpha",
+        "2",
+        "--ademamix-beta3",
+        "0.999",
+        "--ademamix-alpha-warmup",
+        str(iters),
+        "--ademamix-beta3-warmup",
+        str(iters),
+        "--clip-grad",
+        "1.0",
+        "--lr-decay-style",
+        "WSD",
+        "--lr-wsd-decay-style",
+        "1-sqrt",
+        "--lr-warmup-iters",
+        str(iters // 20),
+        "--lr-wsd-decay-iters",
+        str(iters // 5),
+        "--goldfish-loss",
+        "--goldfish-k",
+        "50",
+        "--goldfish-h",
+        "50",
+        "--log-interval",
+        "10",
+    ]
 
 
 def pretrain_teacher(out: Path, data: dict[str, str], iters: int) -> dict:
     """Train, stop half way with a checkpoint, resume to the end; the whole history."""
-    args = [*TEACHER, *data_args(out, data["teacher"], data["valid"], iters),
-            *recipe_args(iters, lr=2e-3), "--save", str(out / "teacher")]  # fmt: skip
-    run("pretrain_gpt.py", *args, "--exit-interval", str(iters // 2),
-        "--log-json", str(out / "teacher-part1.json"))  # fmt: skip
-    run("pretrain_gpt.py", *args, "--load", str(out / "teacher"),
-        "--log-json", str(out / "teacher.json"))  # fmt: skip
+    args = [
+        *TEACHER,
+        *data_args(out, data["teacher"], data["valid"], iters),
+        *recipe_args(iters, lr=2e-3),
+        "--save",
+        str(out / "teacher"),
+    ]
+    run(
+        "pretrain_gpt.py",
+        *args,
+        "--exit-interval",
+        str(iters // 2),
+        "--log-json",
+        str(out / "teacher-part1.json"),
+    )
+    run(
+        "pretrain_gpt.py",
+        *args,
+        "--load",
+        str(out / "teacher"),
+        "--log-json",
+        str(out / "teacher.json"),
+    )
     first = read_history(out / "teacher-part1.json")
     history = read_history(out / "teacher.json")  # the resumed run continues it
     history["resumed_at_iteration"] = first["train/loss"][-1][0]
@@ -160,9 +230,16 @@ def pretrain_teacher(out: Path, data: dict[str, str], iters: int) -> dict:
 
 
 def train_student(out: Path, data: dict[str, str], iters: int, name: str, extra: list[str]) -> dict:
-    args = [*STUDENT, *data_args(out, data["student"], data["valid"], iters),
-            *recipe_args(iters, lr=5e-3), "--save", str(out / name),
-            "--log-json", str(out / f"{name}.json"), *extra]  # fmt: skip
+    args = [
+        *STUDENT,
+        *data_args(out, data["student"], data["valid"], iters),
+        *recipe_args(iters, lr=5e-3),
+        "--save",
+        str(out / name),
+        "--log-json",
+        str(out / f"{name}.json"),
+        *extra,
+    ]
     run("pretrain_gpt.py", *args)
     return read_history(out / f"{name}.json")
 
@@ -216,13 +293,32 @@ def main() -> None:
     data = preprocess(out)
     teacher = pretrain_teacher(out, data, args.teacher_iters)
     student_data = data_args(out, data["student"], data["valid"], args.student_iters)
-    logits_seconds = run("tools/generate_teacher_logits.py", "--load", str(out / "teacher"),
-                         "--logits-dir", str(out / "logits"), "--topk", str(TOPK), *student_data)  # fmt: skip
-    distilled = train_student(out, data, args.student_iters, "student-distilled",
-                              ["--distill-logits-path", str(out / "logits"), "--kd-alpha", "0.9"])  # fmt: skip
+    logits_seconds = run(
+        "tools/generate_teacher_logits.py",
+        "--load",
+        str(out / "teacher"),
+        "--logits-dir",
+        str(out / "logits"),
+        "--topk",
+        str(TOPK),
+        *student_data,
+    )
+    distilled = train_student(
+        out,
+        data,
+        args.student_iters,
+        "student-distilled",
+        ["--distill-logits-path", str(out / "logits"), "--kd-alpha", "0.9"],
+    )
     baseline = train_student(out, data, args.student_iters, "student-ce", [])
-    plot([("teacher", teacher, True), ("student distilled", distilled, False),
-          ("student CE only", baseline, True)], out / "loss.png")  # fmt: skip
+    plot(
+        [
+            ("teacher", teacher, True),
+            ("student distilled", distilled, False),
+            ("student CE only", baseline, True),
+        ],
+        out / "loss.png",
+    )
     final = lambda history: history["valid/loss"][-1][1]  # noqa: E731
     summary = {
         "teacher_validation_loss": {"start": teacher["valid/loss"][0][1], "end": final(teacher)},
@@ -234,14 +330,16 @@ def main() -> None:
         "training_tokens": {name: len(tokens(data[name])) for name in ("teacher", "student")},
         "uniform_entropy": math.log(131072),
         "teacher_logits_seconds": logits_seconds,
-        "teacher_logits_bytes": sum(f.stat().st_size for f in (out / "logits").rglob("*") if f.is_file()),
+        "teacher_logits_bytes": sum(
+            f.stat().st_size for f in (out / "logits").rglob("*") if f.is_file()
+        ),
         "step_seconds_distilled": median_step_seconds(distilled),
         "step_seconds_ce_only": median_step_seconds(baseline),
         "loss_plot": str(out / "loss.png"),
         "precision": PRECISION[1],
         "machine": torch.cuda.get_device_name() if DEVICE == "cuda" else cpu_name(),
         "wall_seconds": time.perf_counter() - start,
-    }  # fmt: skip
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if "curve" not in k}, indent=2))
 

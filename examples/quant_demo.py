@@ -60,8 +60,18 @@ QAD_BATCH = ["--global-batch-size", "8", "--micro-batch-size", "8", "--eval-iter
 """Batches of 8: at the same 640 samples, 80 steps of 8 closed 59% of the INT4 gap where 40
 steps of 16 closed 32% (measured at learning rates 3e-5 to 2e-3: larger ones do worse)."""
 EVAL_BATCH = ["--global-batch-size", "16", "--micro-batch-size", "8", "--eval-iters", "8"]
-QAD_OPT = ["--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
-           "--lr-warmup-iters", "4", "--weight-decay", "0.0"]  # fmt: skip
+QAD_OPT = [
+    "--lr",
+    "1e-4",
+    "--min-lr",
+    "1e-5",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "4",
+    "--weight-decay",
+    "0.0",
+]
 
 
 def run(script: str, *args: str) -> None:
@@ -82,11 +92,16 @@ class QuantDemo:
         self.base = demo / "teacher"
         self.logits = out / "logits"
         self.data = [
-            "--train-data-path", str(demo / "data" / "teacher_text_document"),
-            "--valid-data-path", str(demo / "data" / "valid_text_document"),
-            "--data-cache-path", str(demo / "cache"),
-            "--seed", "11", *DOCUMENTS,
-        ]  # fmt: skip
+            "--train-data-path",
+            str(demo / "data" / "teacher_text_document"),
+            "--valid-data-path",
+            str(demo / "data" / "valid_text_document"),
+            "--data-cache-path",
+            str(demo / "cache"),
+            "--seed",
+            "11",
+            *DOCUMENTS,
+        ]
         """The teacher's documents in another order than its training's, and the held-out ones."""
         self.qad = [*self.data, "--train-iters", str(QAD_ITERS), *QAD_BATCH]
         """The QAD samples (and the store's, and GPTQ's calibration samples)."""
@@ -97,15 +112,36 @@ class QuantDemo:
             log.parent.mkdir(parents=True, exist_ok=True)
             partial = log.with_suffix(".partial")
             partial.unlink(missing_ok=True)
-            run("pretrain_gpt.py", *MODEL, *self.data, *EVAL_BATCH, "--train-iters", "0",
-                "--load", str(ckpt), "--finetune", "--log-json", str(partial), *quant)  # fmt: skip
+            run(
+                "pretrain_gpt.py",
+                *MODEL,
+                *self.data,
+                *EVAL_BATCH,
+                "--train-iters",
+                "0",
+                "--load",
+                str(ckpt),
+                "--finetune",
+                "--log-json",
+                str(partial),
+                *quant,
+            )
             partial.rename(log)
         return float(read_history(log)["valid/loss"][-1][1])
 
     def store_logits(self) -> None:
         if not self.logits.exists():
-            run("tools/generate_teacher_logits.py", *PRECISION, "--load", str(self.base),
-                "--logits-dir", str(self.logits), "--topk", str(TOPK), *self.qad)  # fmt: skip
+            run(
+                "tools/generate_teacher_logits.py",
+                *PRECISION,
+                "--load",
+                str(self.base),
+                "--logits-dir",
+                str(self.logits),
+                "--topk",
+                str(TOPK),
+                *self.qad,
+            )
 
     def fuse(self) -> Path:
         fused = self.out / "fused"
@@ -116,24 +152,55 @@ class QuantDemo:
     def distil(self, model: Path, quant: list[str], name: str, *extra: str) -> Path:
         save = self.out / "qad" / name.replace(" ", "_")
         if not complete(save):
-            run("pretrain_gpt.py", *MODEL, *self.qad, *QAD_OPT, "--load", str(model),
-                "--finetune", "--distill-logits-path", str(self.logits), "--save", str(save),
-                *quant, *extra)  # fmt: skip
+            run(
+                "pretrain_gpt.py",
+                *MODEL,
+                *self.qad,
+                *QAD_OPT,
+                "--load",
+                str(model),
+                "--finetune",
+                "--distill-logits-path",
+                str(self.logits),
+                "--save",
+                str(save),
+                *quant,
+                *extra,
+            )
         return save
 
     def average(self, control: Path) -> Path:
         averaged = self.out / "averaged"
         if not complete(averaged):
-            run("tools/average_checkpoints.py", "--load", str(control), "--last",
-                str(AVERAGE_LAST), "--save", str(averaged))  # fmt: skip
+            run(
+                "tools/average_checkpoints.py",
+                "--load",
+                str(control),
+                "--last",
+                str(AVERAGE_LAST),
+                "--save",
+                str(averaged),
+            )
         return averaged
 
     def gptq(self, model: Path, quant: list[str], name: str) -> Path:
         save = self.out / "gptq" / name.replace(" ", "_")
         if not complete(save):
-            run("tools/quantize.py", "--load", str(model), "--save", str(save), "--method", "gptq",
-                *quant, "--distill-logits-path", str(self.logits), "--calibration-samples", "64",
-                *self.qad)  # fmt: skip
+            run(
+                "tools/quantize.py",
+                "--load",
+                str(model),
+                "--save",
+                str(save),
+                "--method",
+                "gptq",
+                *quant,
+                "--distill-logits-path",
+                str(self.logits),
+                "--calibration-samples",
+                "64",
+                *self.qad,
+            )
         return save
 
 
@@ -172,14 +239,22 @@ def table(results: dict[str, float], formats: list[str]) -> str:
             share = (
                 f"n/a (RTN gap < {abs(control - bf16):.4f})" if closed is None else f"{closed:.0%}"
             )
-            lines.append(f"| {fmt} | {fused} | {rtn:.4f} ({rtn - bf16:+.4f}) | "
-                         f"{results[f'{key} GPTQ']:.4f} | {qad:.4f} | {share} | "
-                         f"{results[f'{key} GPTQ + QAD']:.4f} |")  # fmt: skip
-    lines += ["", f"| format | RTN of the control | RTN of the mean of its last {AVERAGE_LAST} "
-              "checkpoints |", "|---|---|---|"]  # fmt: skip
+            lines.append(
+                f"| {fmt} | {fused} | {rtn:.4f} ({rtn - bf16:+.4f}) | "
+                f"{results[f'{key} GPTQ']:.4f} | {qad:.4f} | {share} | "
+                f"{results[f'{key} GPTQ + QAD']:.4f} |"
+            )
+    lines += [
+        "",
+        f"| format | RTN of the control | RTN of the mean of its last {AVERAGE_LAST} "
+        "checkpoints |",
+        "|---|---|---|",
+    ]
     for fmt in formats:
-        lines.append(f"| {fmt} | {results[f'{fmt} control RTN']:.4f} | "
-                     f"{results[f'{fmt} averaged RTN']:.4f} |")  # fmt: skip
+        lines.append(
+            f"| {fmt} | {results[f'{fmt} control RTN']:.4f} | "
+            f"{results[f'{fmt} averaged RTN']:.4f} |"
+        )
     activations = [fmt for fmt in formats if fmt in ACTIVATION_FORMATS]
     if activations:
         lines += ["", "| format | inputs quantized, weights not |", "|---|---|"]
@@ -195,11 +270,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--demo", type=Path, default=REPO / "runs" / "demo",
-                        help="examples/demo.py's output (made if it has no teacher)")  # fmt: skip
+    parser.add_argument(
+        "--demo",
+        type=Path,
+        default=REPO / "runs" / "demo",
+        help="examples/demo.py's output (made if it has no teacher)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "quant-demo")
-    parser.add_argument("--formats", nargs="+", default=["int4", "int3", "fp8", "nvfp4"],
-                        choices=FORMATS)  # fmt: skip
+    parser.add_argument(
+        "--formats", nargs="+", default=["int4", "int3", "fp8", "nvfp4"], choices=FORMATS
+    )
     args = parser.parse_args()
     demo, out = args.demo.resolve(), args.out.resolve()
     if not complete(demo / "teacher"):
@@ -228,8 +308,9 @@ def main() -> None:
         results[f"{fmt} control RTN"] = steps.evaluate(control, quant, f"{fmt} control RTN")
         results[f"{fmt} averaged RTN"] = steps.evaluate(averaged, quant, f"{fmt} averaged RTN")
         if fmt in ACTIVATION_FORMATS:
-            results[f"{fmt} inputs only"] = steps.evaluate(steps.base, weights_as_loaded(fmt),
-                                                           f"{fmt} inputs only")  # fmt: skip
+            results[f"{fmt} inputs only"] = steps.evaluate(
+                steps.base, weights_as_loaded(fmt), f"{fmt} inputs only"
+            )
         (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table(results, args.formats))
 

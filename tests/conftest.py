@@ -38,8 +38,16 @@ def run_entry(
     if nproc == 1:
         cmd = [python, str(script), *args]
     else:
-        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--standalone", str(script), *args]  # fmt: skip
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--standalone",
+            str(script),
+            *args,
+        ]
     rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -75,14 +83,16 @@ class TinyCPU:
             model or self.model, ParallelConfig(), use_cpu_initialization=True, **fields
         )
 
-    def build(self, model: ApertusConfig | None = None, *, load=None, fused_loss: bool = False,
-              **fields):  # fmt: skip
+    def build(
+        self, model: ApertusConfig | None = None, *, load=None, fused_loss: bool = False, **fields
+    ):
         """The one chunk of ``model`` (default: the checkpoint ``load``'s model, else the tiny
         preset); with ``load``, holding that checkpoint's weights."""
         if model is None:
             model = self.model if load is None else checkpoint.load_model_config(load)
-        (chunk,) = build_model(model, ParallelConfig(), fused_loss=fused_loss,
-                               use_cpu_initialization=True, **fields)  # fmt: skip
+        (chunk,) = build_model(
+            model, ParallelConfig(), fused_loss=fused_loss, use_cpu_initialization=True, **fields
+        )
         if load is not None:
             checkpoint.load_model(load, [chunk])
         return chunk

@@ -226,12 +226,17 @@ def tokenizer_dir(tmp_path_factory):
 
 def launch_args(script: str, tmp_path) -> list[list[str]]:
     """The script's array, one list of words per flag line, then the flags it appends."""
-    paths = dict(CKPT_DIR=tmp_path / "ckpt", TRIGGER_DIR=tmp_path / "trigger",
-                 TENSORBOARD_DIR=tmp_path / "tensorboard")  # fmt: skip
+    paths = dict(
+        CKPT_DIR=tmp_path / "ckpt",
+        TRIGGER_DIR=tmp_path / "trigger",
+        TENSORBOARD_DIR=tmp_path / "tensorboard",
+    )
     text = SCRIPTS[script].format(**{key: str(value) for key, value in paths.items()})
     lines = [shlex.split(line) for line in text.strip().splitlines()]
-    return lines + [["--data-path", str(tmp_path / "data")],
-                    ["--data-cache-path", str(tmp_path / "cache")]]  # fmt: skip
+    return lines + [
+        ["--data-path", str(tmp_path / "data")],
+        ["--data-cache-path", str(tmp_path / "cache")],
+    ]
 
 
 def _apertus_run(script: str, tmp_path) -> pretrain_gpt.RunConfig:
@@ -252,11 +257,21 @@ def error_lines(capsys, argv: list[str]) -> list[str]:
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("script, layout", [
-    ("8b", ParallelConfig(tensor_model_parallel_size=2, distributed_timeout_minutes=60)),
-    ("70b", ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=8,
-                           virtual_pipeline_model_parallel_size=5, sequence_parallel=True)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "script, layout",
+    [
+        ("8b", ParallelConfig(tensor_model_parallel_size=2, distributed_timeout_minutes=60)),
+        (
+            "70b",
+            ParallelConfig(
+                tensor_model_parallel_size=4,
+                pipeline_model_parallel_size=8,
+                virtual_pipeline_model_parallel_size=5,
+                sequence_parallel=True,
+            ),
+        ),
+    ],
+)
 def test_launch_script_is_the_apertus_run(script, layout, tmp_path, apertus_hub_cache):
     cfg = _apertus_run(script, tmp_path)
     assert cfg.model == preset(f"apertus-{script}")  # the cached Apertus tokenizer: 131072 ids
@@ -282,8 +297,12 @@ def test_launch_script_is_the_apertus_run(script, layout, tmp_path, apertus_hub_
 
 def _our_launcher_run(script: str, tmp_path) -> pretrain_gpt.RunConfig:
     """The run examples/slurm/pretrain_apertus_{script}.sbatch starts, parsed on this CPU."""
-    env = dict(APERTUS_DATA="/data/web_text_document", APERTUS_REPO=str(REPO),
-               APERTUS_RUN_DIR=str(tmp_path / "ours"), PATH="/usr/bin:/bin")  # fmt: skip
+    env = dict(
+        APERTUS_DATA="/data/web_text_document",
+        APERTUS_REPO=str(REPO),
+        APERTUS_RUN_DIR=str(tmp_path / "ours"),
+        PATH="/usr/bin:/bin",
+    )
     command = read_run(REPO / "examples" / "slurm" / f"pretrain_apertus_{script}.sbatch", env)
     return pretrain_gpt.parse_args(
         command["command"][1:] + ["--device", "cpu", "--transformer-impl", "local"]
@@ -308,61 +327,117 @@ def test_our_slurm_launcher_runs_what_the_apertus_script_runs(script, tmp_path, 
         ours.optimizer = dataclasses.replace(ours.optimizer, lr=1e-5, min_lr=1e-6)
     assert ours.optimizer == theirs.optimizer
     pick = lambda cfg: (  # noqa: E731
-        cfg.training.precision, cfg.training.micro_batch_size, cfg.training.fused_output_loss,
-        cfg.data.goldfish_loss, cfg.schedule.lr_decay_style, cfg.schedule.lr_wsd_decay_style,
+        cfg.training.precision,
+        cfg.training.micro_batch_size,
+        cfg.training.fused_output_loss,
+        cfg.data.goldfish_loss,
+        cfg.schedule.lr_decay_style,
+        cfg.schedule.lr_wsd_decay_style,
         cfg.dataset.reset_position_ids,
-        cfg.dataset.reset_attention_mask, cfg.dataset.eod_mask_loss,
-    )  # fmt: skip
+        cfg.dataset.reset_attention_mask,
+        cfg.dataset.eod_mask_loss,
+    )
     assert pick(ours) == pick(theirs)
 
 
 BASE = ["--train-iters", "1", "--device", "cpu"]
 
 
-@pytest.mark.parametrize("flags, line", [
-    (["--normalization", "LayerNorm"], "--normalization LayerNorm: only RMSNorm is implemented"),
-    (["--position-embedding-type", "learned_absolute"],
-     "--position-embedding-type learned_absolute: only rope is implemented"),
-    (["--position-embedding-type", "none"],
-     "--position-embedding-type none: only rope is implemented"),
-    (["--swiglu"], "--swiglu: the Apertus MLP is xIELU, not gated; SwiGLU is not implemented"),
-    (["--group-query-attention"], "--group-query-attention: needs --num-query-groups"),
-    (["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16: bf16 main gradients are not "
-     "implemented yet"),
-    (["--attention-dropout", "0.1"], "--attention-dropout 0.1: dropout is not implemented yet"),
-    (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not implemented yet"),
-    (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist is implemented"),
-    (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: only single is implemented"),
-    (["--dist-ckpt-strictness", "log_all"], "--dist-ckpt-strictness log_all: loads always fail on "
-     "missing tensors and ignore extra ones"),
-    (["--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
-    (["--bf16", "--precision", "fp32"], "--bf16 contradicts --precision fp32"),
-    (["--make-vocab-size-divisible-by", "128", "--vocab-size", "1000"],
-     "--make-vocab-size-divisible-by 128: the vocabulary (1000, --vocab-size) is not a multiple "
-     "of 128 x --tensor-model-parallel-size (1)"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
-     "--num-layers-per-virtual-pipeline-stage 3 does not divide the 2 layers of each pipeline "
-     "stage"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"],
-     "--num-layers-per-virtual-pipeline-stage 1 needs --pipeline-model-parallel-size > 1"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--virtual-pipeline-model-parallel-size", "2"],
-     "give --num-layers-per-virtual-pipeline-stage or --virtual-pipeline-model-parallel-size"),
-    (["--xielu-bet", "0.5"], "unrecognized arguments: --xielu-bet 0.5"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--normalization", "LayerNorm"],
+            "--normalization LayerNorm: only RMSNorm is implemented",
+        ),
+        (
+            ["--position-embedding-type", "learned_absolute"],
+            "--position-embedding-type learned_absolute: only rope is implemented",
+        ),
+        (
+            ["--position-embedding-type", "none"],
+            "--position-embedding-type none: only rope is implemented",
+        ),
+        (["--swiglu"], "--swiglu: the Apertus MLP is xIELU, not gated; SwiGLU is not implemented"),
+        (["--group-query-attention"], "--group-query-attention: needs --num-query-groups"),
+        (
+            ["--main-grads-dtype", "bf16"],
+            "--main-grads-dtype bf16: bf16 main gradients are not " "implemented yet",
+        ),
+        (["--attention-dropout", "0.1"], "--attention-dropout 0.1: dropout is not implemented yet"),
+        (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not implemented yet"),
+        (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist is implemented"),
+        (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: only single is implemented"),
+        (
+            ["--dist-ckpt-strictness", "log_all"],
+            "--dist-ckpt-strictness log_all: loads always fail on "
+            "missing tensors and ignore extra ones",
+        ),
+        (["--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
+        (["--bf16", "--precision", "fp32"], "--bf16 contradicts --precision fp32"),
+        (
+            ["--make-vocab-size-divisible-by", "128", "--vocab-size", "1000"],
+            "--make-vocab-size-divisible-by 128: the vocabulary (1000, --vocab-size) is not a multiple "
+            "of 128 x --tensor-model-parallel-size (1)",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+            "--num-layers-per-virtual-pipeline-stage 3 does not divide the 2 layers of each pipeline "
+            "stage",
+        ),
+        (
+            ["--num-layers-per-virtual-pipeline-stage", "1"],
+            "--num-layers-per-virtual-pipeline-stage 1 needs --pipeline-model-parallel-size > 1",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+            ],
+            "give --num-layers-per-virtual-pipeline-stage or --virtual-pipeline-model-parallel-size",
+        ),
+        (["--xielu-bet", "0.5"], "unrecognized arguments: --xielu-bet 0.5"),
+    ],
+)
 def test_what_we_do_not_implement_is_refused_naming_the_flag(flags, line, capsys):
     (refusal,) = error_lines(capsys, BASE + flags)
     assert refusal.startswith(line)
 
 
 def test_restated_architecture_changes_nothing():
-    restated = ["--xielu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-                "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
-                "--qknorm-impl", "apex", "--main-grads-dtype", "fp32", "--attention-dropout", "0",
-                "--hidden-dropout", "0.0", "--dataloader-type", "single", "--ckpt-format",
-                "torch_dist", "--dist-ckpt-strictness", "assume_ok_unexpected",
-                "--no-check-for-nan-in-loss-and-grad",
-                "--log-throughput", "--cross-entropy-loss-fusion", "--use-rope-scaling"]  # fmt: skip
+    restated = [
+        "--xielu",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--disable-bias-linear",
+        "--qknorm-impl",
+        "apex",
+        "--main-grads-dtype",
+        "fp32",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0.0",
+        "--dataloader-type",
+        "single",
+        "--ckpt-format",
+        "torch_dist",
+        "--dist-ckpt-strictness",
+        "assume_ok_unexpected",
+        "--no-check-for-nan-in-loss-and-grad",
+        "--log-throughput",
+        "--cross-entropy-loss-fusion",
+        "--use-rope-scaling",
+    ]
     assert pretrain_gpt.parse_args(BASE + restated) == pretrain_gpt.parse_args(BASE)
 
 
@@ -372,10 +447,16 @@ def test_no_log_loss_scale_to_tensorboard_switches_the_loss_scale_off():
     assert not quiet.logging.log_loss_scale_to_tensorboard
 
 
-@pytest.mark.parametrize("flags, precision", [
-    ([], "fp32"), (["--bf16"], "bf16"), (["--fp16"], "fp16"), (["--precision", "bf16"], "bf16"),
-    (["--bf16", "--precision", "bf16"], "bf16"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, precision",
+    [
+        ([], "fp32"),
+        (["--bf16"], "bf16"),
+        (["--fp16"], "fp16"),
+        (["--precision", "bf16"], "bf16"),
+        (["--bf16", "--precision", "bf16"], "bf16"),
+    ],
+)
 def test_megatron_precision_switches_set_the_precision(flags, precision):
     assert pretrain_gpt.parse_args(BASE + flags).training.precision == precision
 
@@ -393,12 +474,19 @@ def test_megatron_spellings_of_our_switches():
     assert fused.training.fused_output_loss
 
 
-@pytest.mark.parametrize("tp, flags, vocab", [
-    (1, [], 131072),  # without the flag: the preset's vocabulary
-    (2, ["--make-vocab-size-divisible-by", "128"], 1024),  # the tokenizer's 1000, padded to 256s
-    (1, ["--make-vocab-size-divisible-by", "7"], 1001),
-    (2, ["--make-vocab-size-divisible-by", "128", "--vocab-size", "2048"], 2048),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tp, flags, vocab",
+    [
+        (1, [], 131072),  # without the flag: the preset's vocabulary
+        (
+            2,
+            ["--make-vocab-size-divisible-by", "128"],
+            1024,
+        ),  # the tokenizer's 1000, padded to 256s
+        (1, ["--make-vocab-size-divisible-by", "7"], 1001),
+        (2, ["--make-vocab-size-divisible-by", "128", "--vocab-size", "2048"], 2048),
+    ],
+)
 def test_vocabulary_padding(tp, flags, vocab, tokenizer_dir):
     tokenizer = [
         "--tokenizer-type",
@@ -414,8 +502,12 @@ def test_vocabulary_padding(tp, flags, vocab, tokenizer_dir):
 
 @pytest.mark.parametrize("per_stage, stages", [(1, 2), (2, None)])
 def test_layers_per_virtual_stage_become_virtual_stages(per_stage, stages):
-    flags = ["--pipeline-model-parallel-size", "2",
-             "--num-layers-per-virtual-pipeline-stage", str(per_stage)]  # fmt: skip
+    flags = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        str(per_stage),
+    ]
     cfg = pretrain_gpt.parse_args(BASE + flags)
     assert cfg.parallel.virtual_pipeline_model_parallel_size == stages
 
@@ -425,9 +517,11 @@ def test_distributed_timeout_reaches_every_process_group():
     try:
         from megatron.core import parallel_state
 
-        groups = [torch.distributed.distributed_c10d._get_default_group(),
-                  parallel_state.get_tensor_model_parallel_group(),
-                  parallel_state.get_data_parallel_group()]  # fmt: skip
+        groups = [
+            torch.distributed.distributed_c10d._get_default_group(),
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_data_parallel_group(),
+        ]
         for group in groups:
             backend = group._get_backend(torch.device("cpu"))
             assert backend.options._timeout.total_seconds() == 7 * 60
@@ -436,13 +530,17 @@ def test_distributed_timeout_reaches_every_process_group():
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("script, tasks, plan_line", [
-    # 512 GPUs: DP 256 x micro-batch 4 divides the ramp-up's first global batch (1024).
-    ("8b", "512", "TP 2 x PP 1 (virtual stages 1) x DP 256"),
-    ("70b", "4096", "TP 4 x PP 8 (virtual stages 5) x DP 128"),
-])  # fmt: skip
-def test_dry_run_plans_the_apertus_layout_without_data(script, tasks, plan_line, tmp_path,
-                                                       apertus_hub_cache, capsys, monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(
+    "script, tasks, plan_line",
+    [
+        # 512 GPUs: DP 256 x micro-batch 4 divides the ramp-up's first global batch (1024).
+        ("8b", "512", "TP 2 x PP 1 (virtual stages 1) x DP 256"),
+        ("70b", "4096", "TP 4 x PP 8 (virtual stages 5) x DP 128"),
+    ],
+)
+def test_dry_run_plans_the_apertus_layout_without_data(
+    script, tasks, plan_line, tmp_path, apertus_hub_cache, capsys, monkeypatch
+):
     """--dry-run prints the planner's layout for Slurm's task count; --data-path names nothing
     that exists, and nothing is read or written."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -56,8 +56,9 @@ def heavy_modules_after(script: Path, args: list[str]) -> str:
         "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True, timeout=300
+    )
     return proc.stdout.strip().splitlines()[-1] + proc.stderr[-300:]
 
 

@@ -272,19 +272,21 @@ def test_readme_has_commands_to_check() -> None:
 
 
 def test_extract_commands_handles_launchers_continuations_and_placeholders() -> None:
-    markdown = "\n".join([
-        "python pretrain_gpt.py --outside-a-fence 1",
-        "```bash",
-        "# a comment line",
-        "FOO=1 BAR=x torchrun --nproc-per-node 2 pretrain_gpt.py --seed 3 \\",
-        "    [--train-iters 5] ... $VAR <FLAGS> --data-path=a -- --after-separator",
-        "$ python tools/plan_layout.py --gpus 8   # --in-a-comment",
-        "python setup.py build_ext --inplace",
-        ".venv/bin/python - full float32 <<'EOF'",
-        "python -m pytest tools/x.py",
-        "make demo",
-        "```",
-    ])  # fmt: skip
+    markdown = "\n".join(
+        [
+            "python pretrain_gpt.py --outside-a-fence 1",
+            "```bash",
+            "# a comment line",
+            "FOO=1 BAR=x torchrun --nproc-per-node 2 pretrain_gpt.py --seed 3 \\",
+            "    [--train-iters 5] ... $VAR <FLAGS> --data-path=a -- --after-separator",
+            "$ python tools/plan_layout.py --gpus 8   # --in-a-comment",
+            "python setup.py build_ext --inplace",
+            ".venv/bin/python - full float32 <<'EOF'",
+            "python -m pytest tools/x.py",
+            "make demo",
+            "```",
+        ]
+    )
     commands = extract_commands(markdown)
     assert [(c.line, c.program) for c in commands] == [
         (4, "pretrain_gpt.py"),
@@ -296,16 +298,18 @@ def test_extract_commands_handles_launchers_continuations_and_placeholders() -> 
 
 
 def test_checker_names_file_script_and_unknown_flag(help_of) -> None:
-    markdown = "\n".join([
-        "Intro.",
-        "```bash",
-        "torchrun --nproc-per-node 2 pretrain_gpt.py --seed 3 \\",
-        "    --no-such-flag 3 -- --not-ours",
-        "python tools/no_such_tool.py --x 1",
-        "make test",
-        "make no-such-target",
-        "```",
-    ])  # fmt: skip
+    markdown = "\n".join(
+        [
+            "Intro.",
+            "```bash",
+            "torchrun --nproc-per-node 2 pretrain_gpt.py --seed 3 \\",
+            "    --no-such-flag 3 -- --not-ours",
+            "python tools/no_such_tool.py --x 1",
+            "make test",
+            "make no-such-target",
+            "```",
+        ]
+    )
     problems = [p for c in extract_commands(markdown) for p in check_command(c, "FAKE.md", help_of)]
     assert len(problems) == 3, "\n".join(problems)
     flag, tool, target = problems
@@ -315,14 +319,16 @@ def test_checker_names_file_script_and_unknown_flag(help_of) -> None:
 
 
 def test_checker_names_file_and_broken_link() -> None:
-    markdown = "\n".join([
-        "See [data](docs/data.md#top), [the web](https://example.org), [here](#top).",
-        "`[not a link](nowhere.md)`",
-        "```",
-        "[in code](nowhere.md)",
-        "```",
-        "And [a missing one](docs/no_such_doc.md#part).",
-    ])  # fmt: skip
+    markdown = "\n".join(
+        [
+            "See [data](docs/data.md#top), [the web](https://example.org), [here](#top).",
+            "`[not a link](nowhere.md)`",
+            "```",
+            "[in code](nowhere.md)",
+            "```",
+            "And [a missing one](docs/no_such_doc.md#part).",
+        ]
+    )
     problems = check_links(REPO / "README.md", markdown)
     assert problems == [
         "README.md:6: link (docs/no_such_doc.md#part): docs/no_such_doc.md does not exist"
@@ -330,21 +336,28 @@ def test_checker_names_file_and_broken_link() -> None:
 
 
 def test_help_flags_reads_usage_and_option_lines_not_prose() -> None:
-    help_text = "\n".join([
-        "usage: x.py [-h] [--seed SEED] [--qk-layernorm | --no-qk-layernorm]",
-        "            [--data-path DATA_PATH [DATA_PATH ...]]",
-        "",
-        "Run it like: x.py --only-in-prose 1",
-        "",
-        "options:",
-        "  -h, --help            show this help message and exit",
-        "  --seed SEED           see also --only-in-help-text",
-        "  --late-option LATE_OPTION",
-        "                        --also-only-in-help-text",
-    ])  # fmt: skip
+    help_text = "\n".join(
+        [
+            "usage: x.py [-h] [--seed SEED] [--qk-layernorm | --no-qk-layernorm]",
+            "            [--data-path DATA_PATH [DATA_PATH ...]]",
+            "",
+            "Run it like: x.py --only-in-prose 1",
+            "",
+            "options:",
+            "  -h, --help            show this help message and exit",
+            "  --seed SEED           see also --only-in-help-text",
+            "  --late-option LATE_OPTION",
+            "                        --also-only-in-help-text",
+        ]
+    )
     assert help_flags(help_text) == {
-        "--help", "--seed", "--qk-layernorm", "--no-qk-layernorm", "--data-path", "--late-option"
-    }  # fmt: skip
+        "--help",
+        "--seed",
+        "--qk-layernorm",
+        "--no-qk-layernorm",
+        "--data-path",
+        "--late-option",
+    }
 
 
 def test_checker_reports_a_script_whose_help_fails() -> None:

@@ -26,8 +26,13 @@ RECORDED_TE_ROWS = REPO / "bench" / "results" / "train_step_te_NVIDIA-H100-80GB-
 
 
 def run_suite(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_suite.py"), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 
@@ -59,8 +64,9 @@ def test_dry_run_selects_builds_writes_and_plots(tmp_path):
         assert argv[argv.index("--num-layers") + 1] == str(layers)
         assert argv[argv.index("--attention-backend") + 1] == "local"
     recipes = [argv[argv.index("--fp8-recipe") + 1] for argv in planned if "--fp8-recipe" in argv]
-    assert sorted(recipes) == sorted(["tensorwise", "delayed", "blockwise", "tensorwise",
-                                      "blockwise"])  # fmt: skip
+    assert sorted(recipes) == sorted(
+        ["tensorwise", "delayed", "blockwise", "tensorwise", "blockwise"]
+    )
     assert sum("--first-last-layers-bf16" in argv for argv in planned) == 2
     # the loss stage recorded two real runs with their GEMM-input kurtosis
     runs = results["fp8-loss"]["bench"]["loss_comparison"]
@@ -79,16 +85,22 @@ def test_dry_run_selects_builds_writes_and_plots(tmp_path):
 
 
 def test_unknown_stage_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--out",
-                           str(tmp_path), "fp8-speed"], capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--out", str(tmp_path), "fp8-speed"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "unknown stage 'fp8-speed'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_too_many_stages_for_one_device_call(tmp_path):
     names = [s.name for s in suite.STAGES[:4]]
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--out",
-                           str(tmp_path), *names], capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--out", str(tmp_path), *names],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "8 files" in proc.stderr
 
 
@@ -98,8 +110,16 @@ def test_eight_b_layers_are_the_most_that_fit_an_80gb_gpu():
     usable = bench.GPU_80GB_GIB * cluster.usable_fraction * 2**30
 
     def total(n: int) -> float:
-        argv = bench.run_args(bench.EIGHT_B_LAYERS, "te-bf16-packed", seq=4096, steps=1, micro=1,
-                              global_batch=8, extra=[], layers=n)  # fmt: skip
+        argv = bench.run_args(
+            bench.EIGHT_B_LAYERS,
+            "te-bf16-packed",
+            seq=4096,
+            steps=1,
+            micro=1,
+            global_batch=8,
+            extra=[],
+            layers=n,
+        )
         result = plan(run_from_args(argv), cluster)
         model = result.run.model
         assert (model.hidden_size, model.ffn_hidden_size) == (4096, 21504)
@@ -121,8 +141,12 @@ def test_recorded_device_output_parses():
     marked = "PROBE 8b-thd\n" + DEVICE_LOG
     assert suite.selected_backends(marked) == {"8b-thd": "UnfusedDotProductAttention"}
     summary = next(line for line in DEVICE_LOG.splitlines() if "79 passed" in line)
-    assert suite.pytest_counts(summary) == {"failed": 2, "passed": 79, "deselected": 154,
-                                            "warnings": 9}  # fmt: skip
+    assert suite.pytest_counts(summary) == {
+        "failed": 2,
+        "passed": 79,
+        "deselected": 154,
+        "warnings": 9,
+    }
     collected = (
         "tests/ops/test_xielu.py::test_cuda_backward_is_deterministic\n\n"
         "80/242 tests collected (162 deselected) in 2.83s"
@@ -139,9 +163,18 @@ def test_ratios_and_metrics_overhead_from_recorded_rows():
             47964.18 / 48086.77, rel=1e-5
         )
     }
-    renamed = {"rows": [{**r, "config": r["config"].replace("te-fp8-delayed-packed-sdpa",
-                                                             "te-bf16-packed-metrics-sdpa")}
-                        for r in result["rows"] if r["model"] == "apertus-v1.1-1.5b"]}  # fmt: skip
+    renamed = {
+        "rows": [
+            {
+                **r,
+                "config": r["config"].replace(
+                    "te-fp8-delayed-packed-sdpa", "te-bf16-packed-metrics-sdpa"
+                ),
+            }
+            for r in result["rows"]
+            if r["model"] == "apertus-v1.1-1.5b"
+        ]
+    }
     overhead = suite.metrics_overhead(renamed)["metrics_overhead"]
     (row,) = overhead.values()
     assert row["hooked_step_overhead"] == pytest.approx(48086.77 / 47964.18 - 1, rel=1e-3)

@@ -44,8 +44,9 @@ def check_training_tokens(tokenizer) -> None:
         ids, _ = encode_conversation(tekken, messages)
         rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
         assert list(rendered) == ids[:-1].tolist()  # training adds the end-of-document </s>
-        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, return_dict=False,
-                                               add_generation_prompt=True)  # fmt: skip
+        prompt = tokenizer.apply_chat_template(
+            messages[:-1], tokenize=True, return_dict=False, add_generation_prompt=True
+        )
         start = len(prompt)
         assert list(prompt) == ids[:start].tolist()
         assert prompt[-1] == CONTROL_TOKENS["<|assistant_start|>"]
@@ -83,6 +84,10 @@ def test_exporting_an_exported_tokenizer_keeps_its_chat_template(exported_dir, t
         (source / "chat_template.jinja").unlink()
     model = source / "tokenizer.json" if given == "tokenizer.json" else source
     dest = tmp_path / "dest"
-    write_hf_tokenizer(TokenizerSource("HuggingFaceTokenizer", str(model), "--tokenizer"), dest,
-                       model_max_length=4096, vocab_size=131072)  # fmt: skip
+    write_hf_tokenizer(
+        TokenizerSource("HuggingFaceTokenizer", str(model), "--tokenizer"),
+        dest,
+        model_max_length=4096,
+        vocab_size=131072,
+    )
     check_training_tokens(AutoTokenizer.from_pretrained(str(dest)))

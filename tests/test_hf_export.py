@@ -77,8 +77,9 @@ def run_script(script: Path, *args: str, umask: int | None = None) -> subprocess
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     preexec = None if umask is None else (lambda: os.umask(umask))
     cmd = [sys.executable, str(script), *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, preexec_fn=preexec, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=REPO, env=env, preexec_fn=preexec, capture_output=True, text=True, timeout=600
+    )
 
 
 def succeeded(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -221,8 +222,12 @@ def test_tokenizer_override_families(tmp_path):
     assert tokenizer_type_of(json_file) == "HuggingFaceTokenizer"
     for given in (json_file, tmp_path / "spm"):
         dest = tmp_path / f"hf-{given.name}"
-        write_hf_tokenizer(TokenizerSource("HuggingFaceTokenizer", str(given), "--tokenizer"),
-                           dest, model_max_length=64, vocab_size=32000)  # fmt: skip
+        write_hf_tokenizer(
+            TokenizerSource("HuggingFaceTokenizer", str(given), "--tokenizer"),
+            dest,
+            model_max_length=64,
+            vocab_size=32000,
+        )
         hf = AutoTokenizer.from_pretrained(str(dest))
         ours = build_tokenizer("SentencePieceTokenizer", str(spm))
         for text in corpus()[-4:]:
@@ -283,16 +288,40 @@ def write_task(directory: Path, pairs: list[dict[str, str]]) -> None:
 def lm_eval_loglikelihoods(hf_dir: Path, task_dir: Path, out: Path) -> list[tuple[float, bool]]:
     """(log-likelihood, is greedy) per document from ``lm-eval run --model hf``, offline."""
     cache = out / "hf_home"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(cache),
-           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf",
-           "--model_args", f"pretrained={hf_dir},dtype=float32", "--tasks", TASK,
-           "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "1",
-           "--log_samples", "--output_path", str(out / "results")]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HOME": str(cache),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={hf_dir},dtype=float32",
+        "--tasks",
+        TASK,
+        "--include_path",
+        str(task_dir),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "1",
+        "--log_samples",
+        "--output_path",
+        str(out / "results"),
+    ]
     succeeded(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600))
     (samples,) = (out / "results").rglob(f"samples_{TASK}_*.jsonl")
-    rows = sorted((json.loads(line) for line in samples.read_text().splitlines()),
-                  key=lambda row: row["doc_id"])  # fmt: skip
+    rows = sorted(
+        (json.loads(line) for line in samples.read_text().splitlines()),
+        key=lambda row: row["doc_id"],
+    )
     return [(float(ll), greedy == "True") for ll, greedy in (r["filtered_resps"][0] for r in rows)]
 
 
@@ -330,8 +359,10 @@ def test_lm_eval_loglikelihood_equals_ours(exported, tmp_path):
     direct, no_bos = direct[: len(tokens)], direct[len(tokens) :]
     assert len(theirs) == len(direct) == HELD_OUT_DOCUMENTS
     worst = max(abs(a - b) / abs(b) for (a, _), (b, _) in zip(theirs, direct))
-    print(f"lm-eval vs ours: loglikelihoods {[round(b, 3) for b, _ in direct]}, "
-          f"max relative difference {worst:.2e}")  # fmt: skip
+    print(
+        f"lm-eval vs ours: loglikelihoods {[round(b, 3) for b, _ in direct]}, "
+        f"max relative difference {worst:.2e}"
+    )
     assert worst <= LOGLIKELIHOOD_RTOL
     assert [g for _, g in theirs] == [g for _, g in direct]
     closest = min(abs(a - b) / abs(b) for (a, _), (b, _) in zip(theirs, no_bos))

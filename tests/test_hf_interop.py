@@ -92,8 +92,16 @@ def exported(tmp_path_factory) -> Callable[[bool], Exported]:
             tokens = load_tokenizer().encode_document(sample_text())
             (tmp / "tokens.json").write_text(json.dumps(tokens))
             logits = tmp / "logits.safetensors"
-            run(HELPER, "logits", "--load", str(ckpt), "--tokens", str(tmp / "tokens.json"),
-                "--out", str(logits))  # fmt: skip
+            run(
+                HELPER,
+                "logits",
+                "--load",
+                str(ckpt),
+                "--tokens",
+                str(tmp / "tokens.json"),
+                "--out",
+                str(logits),
+            )
             cache[tied] = Exported(tied, ckpt, hf_dir, tokens, load_file(str(logits))["logits"])
         return cache[tied]
 
@@ -173,14 +181,30 @@ def test_import_then_export_is_bit_exact(exported, tied: bool, tmp_path: Path) -
 
 def test_bf16_export_round_trips(exported, tmp_path: Path) -> None:
     e = exported(False)
-    run(EXPORT, "--load", str(e.checkpoint), "--output", str(tmp_path / "a"), "--dtype", "bf16",
-        *TOKENIZER)  # fmt: skip
+    run(
+        EXPORT,
+        "--load",
+        str(e.checkpoint),
+        "--output",
+        str(tmp_path / "a"),
+        "--dtype",
+        "bf16",
+        *TOKENIZER,
+    )
     tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert read_config(tmp_path / "a")["dtype"] == "bfloat16"
     run(IMPORT, "--hf-dir", str(tmp_path / "a"), "--save", str(tmp_path / "ckpt"))
-    run(EXPORT, "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "b"),
-        "--dtype", "bf16", *TOKENIZER)  # fmt: skip
+    run(
+        EXPORT,
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--output",
+        str(tmp_path / "b"),
+        "--dtype",
+        "bf16",
+        *TOKENIZER,
+    )
     assert_same_tensors(tmp_path / "a", tmp_path / "b")
 
 
@@ -295,8 +319,15 @@ def test_config_accepts_legacy_rope_scaling() -> None:
         ({"attention_bias": True}, "attention_bias"),
         ({"model_type": "llama"}, "model_type"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, "rope_type"),
-        ({"rope_parameters": {**hf_config(preset("tiny"), torch.float32)["rope_parameters"],
-                              "low_freq_factor": 2.0}}, "low_freq_factor"),  # fmt: skip
+        (
+            {
+                "rope_parameters": {
+                    **hf_config(preset("tiny"), torch.float32)["rope_parameters"],
+                    "low_freq_factor": 2.0,
+                }
+            },
+            "low_freq_factor",
+        ),
         ({"rope_theta": 1e6}, "rope_theta"),
     ],
 )

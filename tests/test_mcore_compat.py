@@ -25,12 +25,15 @@ def megatron_lm_ramp(consumed: int, start: int, increment: int, ramp: int, gbs: 
     return start + int(consumed / per_increment) * increment
 
 
-@pytest.mark.parametrize("start, increment, ramp, gbs, micro, dp", [
-    (1024, 1024, 1718272000, 2048, 4, 256),  # the Apertus 8B array
-    (16, 16, 1000, 64, 1, 4),
-    (8, 8, 999, 80, 2, 2),  # thresholds that are not integers
-    (2, 2, 5, 12, 1, 2),  # fewer samples than increments: shared thresholds
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "start, increment, ramp, gbs, micro, dp",
+    [
+        (1024, 1024, 1718272000, 2048, 4, 256),  # the Apertus 8B array
+        (16, 16, 1000, 64, 1, 4),
+        (8, 8, 999, 80, 2, 2),  # thresholds that are not integers
+        (2, 2, 5, 12, 1, 2),  # fewer samples than increments: shared thresholds
+    ],
+)
 def test_rampup_follows_megatron_lm_at_every_consumed_count(start, increment, ramp, gbs, micro, dp):
     calculator = mcore_compat.rampup_calculator([start, increment, ramp], gbs, micro, dp)
     per_increment = ramp / ((gbs - start) // increment)
@@ -49,8 +52,12 @@ def test_a_ramped_run_counts_the_same_steps_on_every_line():
     megatron-core 0.16's own ramp calculator, and so on this line."""
     from megatron.apertus.training.config import TrainingConfig
 
-    t = TrainingConfig(global_batch_size=64, micro_batch_size=1, train_samples=5000,
-                       rampup_batch_size=[16, 16, 1000])  # fmt: skip
+    t = TrainingConfig(
+        global_batch_size=64,
+        micro_batch_size=1,
+        train_samples=5000,
+        rampup_batch_size=[16, 16, 1000],
+    )
     assert t.total_iterations(dp=4) == 102
 
 
@@ -62,8 +69,10 @@ def _setup_requirement() -> Requirement:
     raise AssertionError("setup.py has no MCORE_REQUIREMENT")
 
 
-@pytest.mark.parametrize("version", ["0.15.2", "0.16.0", "0.16.1", "0.16.9", "0.17.0", "0.18.3",
-                                     "0.19.0", "0.19.2", "0.20.0"])  # fmt: skip
+@pytest.mark.parametrize(
+    "version",
+    ["0.15.2", "0.16.0", "0.16.1", "0.16.9", "0.17.0", "0.18.3", "0.19.0", "0.19.2", "0.20.0"],
+)
 def test_setup_and_the_import_check_agree_on_the_supported_releases(version):
     assert _setup_requirement().specifier.contains(version) == mcore_compat.is_supported(
         Version(version)

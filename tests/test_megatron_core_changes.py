@@ -54,8 +54,11 @@ def overrides(tree: ast.Module) -> list[tuple[str, str]]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.ClassDef):
             continue
-        bases = [_resolve(imported[b.id]) for b in node.bases
-                 if isinstance(b, ast.Name) and b.id in imported]  # fmt: skip
+        bases = [
+            _resolve(imported[b.id])
+            for b in node.bases
+            if isinstance(b, ast.Name) and b.id in imported
+        ]
         for item in node.body:
             if not isinstance(item, ast.FunctionDef) or item.name == "__init__":
                 continue
@@ -112,8 +115,11 @@ def listed(doc: str, file: str, cls: str, name: str) -> bool:
 
 def test_every_change_of_megatron_core_is_listed():
     doc = DOC.read_text(encoding="utf-8")
-    missing = [f"{file}: {cls + '.' if cls else ''}{name}"
-               for file, cls, name in changes() if not listed(doc, file, cls, name)]  # fmt: skip
+    missing = [
+        f"{file}: {cls + '.' if cls else ''}{name}"
+        for file, cls, name in changes()
+        if not listed(doc, file, cls, name)
+    ]
     assert not missing, f"not in {DOC.name}:\n" + "\n".join(missing)
 
 
@@ -122,10 +128,12 @@ def test_every_change_of_megatron_core_is_listed():
     [
         ("import types\nm._forward_impl = types.MethodType(f, m)\n", ["_forward_impl"]),
         ("def post(h):\n    return h\nmodel._postprocess = post\n", ["_postprocess"]),
-        ("mod._get_cuda_rng_state = lambda: 0\nself._cache = lambda: 0\nx.y = 3\n",
-         ["_get_cuda_rng_state"]),
+        (
+            "mod._get_cuda_rng_state = lambda: 0\nself._cache = lambda: 0\nx.y = 3\n",
+            ["_get_cuda_rng_state"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_finds_functions_bound_onto_objects(source, expected):
     assert rebindings(ast.parse(source)) == expected
 

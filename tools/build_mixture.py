@@ -24,27 +24,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--folders", nargs="+", required=True,
-                        help="folders of .bin/.idx datasets (or earlier mixtures)")  # fmt: skip
-    parser.add_argument("--weights", nargs="+", type=float, required=True,
-                        help="one per folder; normalised")  # fmt: skip
-    parser.add_argument("--max-tokens", type=lambda s: int(s.replace("_", "")), required=True,
-                        help="token budget of the mixture (underscores allowed)")  # fmt: skip
-    parser.add_argument("--exclude", nargs="*", default=[],
-                        help="folders whose datasets must not be taken again")  # fmt: skip
+    parser.add_argument(
+        "--folders",
+        nargs="+",
+        required=True,
+        help="folders of .bin/.idx datasets (or earlier mixtures)",
+    )
+    parser.add_argument(
+        "--weights", nargs="+", type=float, required=True, help="one per folder; normalised"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=lambda s: int(s.replace("_", "")),
+        required=True,
+        help="token budget of the mixture (underscores allowed)",
+    )
+    parser.add_argument(
+        "--exclude", nargs="*", default=[], help="folders whose datasets must not be taken again"
+    )
     parser.add_argument("--output", required=True, help="the mixture folder (must not exist)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--seq-length", type=int, default=4096,
-                        help="sequence length of the samples in the report")  # fmt: skip
+    parser.add_argument(
+        "--seq-length", type=int, default=4096, help="sequence length of the samples in the report"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        record = build_mixture(args.folders, args.weights, args.max_tokens, args.output,
-                               exclude=args.exclude, seed=args.seed,
-                               seq_length=args.seq_length)  # fmt: skip
+        record = build_mixture(
+            args.folders,
+            args.weights,
+            args.max_tokens,
+            args.output,
+            exclude=args.exclude,
+            seed=args.seed,
+            seq_length=args.seq_length,
+        )
     except MixtureError as err:
         print(f"build_mixture.py: error: {err}", file=sys.stderr)
         return 2

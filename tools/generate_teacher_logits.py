@@ -29,14 +29,24 @@ from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.presets import PRESETS, preset
 from megatron.apertus.training import config as C
 
-ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "vocab_size", "untie_embeddings_and_output_weights")  # fmt: skip
+ARCHITECTURE = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "untie_embeddings_and_output_weights",
+)
 
 
 def check_architecture(model: ApertusConfig, expected: ApertusConfig, name: str) -> None:
     """Refuse a teacher checkpoint that is not the architecture the launcher planned for."""
-    differ = [f"{f} {getattr(model, f)} (preset: {getattr(expected, f)})"
-              for f in ARCHITECTURE if getattr(model, f) != getattr(expected, f)]  # fmt: skip
+    differ = [
+        f"{f} {getattr(model, f)} (preset: {getattr(expected, f)})"
+        for f in ARCHITECTURE
+        if getattr(model, f) != getattr(expected, f)
+    ]
     if differ:
         raise ConfigError(f"--load is not an {name} checkpoint: {', '.join(differ)}")
 
@@ -55,9 +65,10 @@ def parse_args(argv: list[str] | None = None):
     )
     parser.add_argument("--load", required=True, help="teacher checkpoint (save or iter_* dir)")
     parser.add_argument(
-        "--model-preset", choices=sorted(PRESETS),
+        "--model-preset",
+        choices=sorted(PRESETS),
         help="optional: refuse a checkpoint whose architecture is not this preset's",
-    )  # fmt: skip
+    )
     parser.add_argument("--seq-length", type=int, help="the student's sequence length")
     C.add_run_arguments(parser, GROUPS, titles=TITLES)
     C.add_arguments(parser, LogitsConfig, title="teacher logits")

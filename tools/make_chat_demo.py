@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_chat_demo.py: error: {out.parent} does not exist", file=sys.stderr)
         return 2
     out.mkdir(exist_ok=True)
-    sets = {"sft": (docstring_conversations(), 1), "dpo": (docstring_preferences(), 1),
-            "qrpo": (docstring_rewards(), 2)}  # fmt: skip
+    sets = {
+        "sft": (docstring_conversations(), 1),
+        "dpo": (docstring_preferences(), 1),
+        "qrpo": (docstring_rewards(), 2),
+    }
     for name, (records, per_callable) in sets.items():
         cut = len(records) - args.valid * per_callable
         write(out / f"{name}_train.jsonl", records[:cut])

@@ -20,13 +20,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--input", required=True,
-                        help="directory holding the .bin/.idx pairs to merge")  # fmt: skip
-    parser.add_argument("--output-prefix", required=True,
-                        help="writes OUTPUT_PREFIX.bin/.idx (and .meta.json)")  # fmt: skip
-    parser.add_argument("--no-tokenizer-check", dest="require_records", action="store_false",
-                        help="merge parts that have no .meta.json (their tokenizer is unknown; "
-                        "dtypes are still checked) [megatron-apertus addition]")  # fmt: skip
+    parser.add_argument(
+        "--input", required=True, help="directory holding the .bin/.idx pairs to merge"
+    )
+    parser.add_argument(
+        "--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx (and .meta.json)"
+    )
+    parser.add_argument(
+        "--no-tokenizer-check",
+        dest="require_records",
+        action="store_false",
+        help="merge parts that have no .meta.json (their tokenizer is unknown; "
+        "dtypes are still checked) [megatron-apertus addition]",
+    )
     return parser.parse_args(argv)
 
 

@@ -27,18 +27,36 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--gpus", type=int, required=True, help="processes, one per GPU")
     parser.add_argument("--gpus-per-node", type=int, default=4)
-    parser.add_argument("--gpu-memory-gib", type=float, default=None,
-                        help="memory of one GPU (omit for CPU runs: no fit check)")  # fmt: skip
-    parser.add_argument("--usable-fraction", type=float, default=0.9,
-                        help="share of a GPU the estimate may fill")  # fmt: skip
-    parser.add_argument("--entry", default="pretrain_gpt.py",
-                        help="entry point the flags are for (tools/generate_teacher_logits.py: "
-                             "forward only)")  # fmt: skip
-    parser.add_argument("--sweep-seq-lengths", type=int, nargs="+", metavar="SEQ",
-                        help="plan the run at each of these sequence lengths (tokens per step "
-                             "kept) and print one table")  # fmt: skip
-    parser.add_argument("--sweep-cp", type=int, nargs="+", default=[1], metavar="CP",
-                        help="context-parallel sizes for --sweep-seq-lengths")  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="memory of one GPU (omit for CPU runs: no fit check)",
+    )
+    parser.add_argument(
+        "--usable-fraction", type=float, default=0.9, help="share of a GPU the estimate may fill"
+    )
+    parser.add_argument(
+        "--entry",
+        default="pretrain_gpt.py",
+        help="entry point the flags are for (tools/generate_teacher_logits.py: " "forward only)",
+    )
+    parser.add_argument(
+        "--sweep-seq-lengths",
+        type=int,
+        nargs="+",
+        metavar="SEQ",
+        help="plan the run at each of these sequence lengths (tokens per step "
+        "kept) and print one table",
+    )
+    parser.add_argument(
+        "--sweep-cp",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="CP",
+        help="context-parallel sizes for --sweep-seq-lengths",
+    )
     parser.add_argument("run_flags", nargs=argparse.REMAINDER, help="-- then the run's flags")
     args = parser.parse_args(argv)
     # The planner's memory model needs torch: loaded after --help and argument errors.
@@ -54,11 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     flags = args.run_flags[1:] if args.run_flags[:1] == ["--"] else args.run_flags
     preset = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--model-preset"), "")
     try:
-        cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-                          gpu_memory_gib=args.gpu_memory_gib, usable_fraction=args.usable_fraction)  # fmt: skip
+        cluster = Cluster(
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            gpu_memory_gib=args.gpu_memory_gib,
+            usable_fraction=args.usable_fraction,
+        )
         if args.sweep_seq_lengths:
-            print(format_sweep(sweep(flags, cluster, args.sweep_seq_lengths, args.sweep_cp),
-                               name=preset))  # fmt: skip
+            print(
+                format_sweep(
+                    sweep(flags, cluster, args.sweep_seq_lengths, args.sweep_cp), name=preset
+                )
+            )
             return 0
         run = run_from_command([args.entry, *flags])
     except ConfigError as err:

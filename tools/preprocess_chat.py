@@ -35,8 +35,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, int | N
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_corpus_arguments(parser)
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="skip conversations longer than this many tokens (e.g. --seq-length)")  # fmt: skip
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="skip conversations longer than this many tokens (e.g. --seq-length)",
+    )
     args = parser.parse_args(argv)
     if args.max_tokens is not None and args.max_tokens < 2:
         parser.error(f"--max-tokens must be >= 2, got {args.max_tokens}")

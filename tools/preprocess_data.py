@@ -42,30 +42,53 @@ def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, bool]:
     parser.add_argument(
         "--no-bos", dest="add_bos", action="store_false", default=True, help="do not prepend <s>"
     )
-    parser.add_argument("--split-sentences", action="store_true",
-                        help="one index entry per sentence (nltk Punkt, punkt_tab data); writes "
-                        "PREFIX_KEY_sentence.bin/.idx")  # fmt: skip
+    parser.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="one index entry per sentence (nltk Punkt, punkt_tab data); writes "
+        "PREFIX_KEY_sentence.bin/.idx",
+    )
     parser.add_argument("--lang", default="english", help="Punkt model of --split-sentences")
-    parser.add_argument("--keep-newlines", action="store_true",
-                        help="with --split-sentences: keep the whitespace (newlines included) "
-                        "between sentences")  # fmt: skip
-    parser.add_argument("--partitions", type=int, default=1,
-                        help="accepted for Megatron-LM compatibility: --workers already "
-                        "tokenizes in parallel, and the output is in input order whatever its "
-                        "value")  # fmt: skip
-    parser.add_argument("--keep-sequential-samples", action="store_true",
-                        help="accepted for Megatron-LM compatibility: documents always keep "
-                        "their input order")  # fmt: skip
-    parser.add_argument("--log-interval", type=int, default=1000,
-                        help="log progress every this many documents")  # fmt: skip
-    parser.add_argument("--strict", action="store_true",
-                        help="exit 1 when any line was rejected [megatron-apertus addition]")  # fmt: skip
+    parser.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="with --split-sentences: keep the whitespace (newlines included) " "between sentences",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="accepted for Megatron-LM compatibility: --workers already "
+        "tokenizes in parallel, and the output is in input order whatever its "
+        "value",
+    )
+    parser.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="accepted for Megatron-LM compatibility: documents always keep " "their input order",
+    )
+    parser.add_argument(
+        "--log-interval", type=int, default=1000, help="log progress every this many documents"
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when any line was rejected [megatron-apertus addition]",
+    )
     args = parser.parse_args(argv)
-    return corpus_config(
-        args, json_keys=args.json_keys, add_bos=args.add_bos, add_eod=args.append_eod,
-        split_sentences=args.split_sentences, lang=args.lang, keep_newlines=args.keep_newlines,
-        log_interval=args.log_interval,
-    ), args.strict  # fmt: skip
+    return (
+        corpus_config(
+            args,
+            json_keys=args.json_keys,
+            add_bos=args.add_bos,
+            add_eod=args.append_eod,
+            split_sentences=args.split_sentences,
+            lang=args.lang,
+            keep_newlines=args.keep_newlines,
+            log_interval=args.log_interval,
+        ),
+        args.strict,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,11 +45,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--objective", required=True, choices=OBJECTIVES)
     add_corpus_arguments(parser)
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="skip examples with a conversation longer than this (--seq-length + 1)")  # fmt: skip
-    parser.add_argument("--qrpo-min-ref-rewards", type=int, default=MIN_REF_REWARDS,
-                        help="QRPO: skip completions with fewer reference rewards than this "
-                             f"(default {MIN_REF_REWARDS})")  # fmt: skip
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="skip examples with a conversation longer than this (--seq-length + 1)",
+    )
+    parser.add_argument(
+        "--qrpo-min-ref-rewards",
+        type=int,
+        default=MIN_REF_REWARDS,
+        help="QRPO: skip completions with fewer reference rewards than this "
+        f"(default {MIN_REF_REWARDS})",
+    )
     args = parser.parse_args(argv)
     if args.qrpo_min_ref_rewards < 1:
         parser.error(f"--qrpo-min-ref-rewards must be >= 1, got {args.qrpo_min_ref_rewards}")
@@ -89,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.apertus.align.data import PreferenceEncoder
 
     config = corpus_config(args)
-    encoder = functools.partial(PreferenceEncoder, objective=args.objective,
-                                max_tokens=args.max_tokens,
-                                min_ref_rewards=args.qrpo_min_ref_rewards)  # fmt: skip
+    encoder = functools.partial(
+        PreferenceEncoder,
+        objective=args.objective,
+        max_tokens=args.max_tokens,
+        min_ref_rewards=args.qrpo_min_ref_rewards,
+    )
     start = time.perf_counter()
     summary = preprocess(config, encoder)
     print(format_summary(summary, time.perf_counter() - start).replace("documents", "examples"))

@@ -44,10 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--damp", type=float, default=0.01, help="gptq: damping, a fraction of H's mean diagonal"
     )
-    parser.add_argument("--calibration-samples", type=int, default=128,
-                        help="gptq: samples of the store's run to calibrate on")  # fmt: skip
-    parser.add_argument("--distill-logits-path",
-                        help="gptq: teacher-logit store whose samples calibrate")  # fmt: skip
+    parser.add_argument(
+        "--calibration-samples",
+        type=int,
+        default=128,
+        help="gptq: samples of the store's run to calibrate on",
+    )
+    parser.add_argument(
+        "--distill-logits-path", help="gptq: teacher-logit store whose samples calibrate"
+    )
     C.add_run_arguments(parser, GROUPS, titles=TITLES)
     args = parser.parse_args(argv)
     if args.quant_format is None:
@@ -68,11 +73,16 @@ def _samples(args: argparse.Namespace, seq_length: int) -> list:
     groups = C.groups_from_arguments(args, ("training", "data", "dataset"))
     training, data = groups["training"], groups["data"]
     tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
-    train, _, _ = build_datasets(groups["dataset"], tokenizer,
-                                 seq_length=seq_length, seed=training.seed,
-                                 num_samples=training.dataset_sizes())  # fmt: skip
-    return calibration_samples(args.distill_logits_path, args.calibration_samples, dataset=train,
-                               seq_length=seq_length)  # fmt: skip
+    train, _, _ = build_datasets(
+        groups["dataset"],
+        tokenizer,
+        seq_length=seq_length,
+        seed=training.seed,
+        num_samples=training.dataset_sizes(),
+    )
+    return calibration_samples(
+        args.distill_logits_path, args.calibration_samples, dataset=train, seq_length=seq_length
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,37 +50,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     data = parser.add_argument_group("data (as tools/preprocess_data.py)")
-    data.add_argument("--input", nargs="+", required=True,
-                      help="JSON-lines (.jsonl, .gz, .zst) or .parquet files; globs and fsspec "
-                      "URLs allowed; sorted per pattern, in the order given")  # fmt: skip
+    data.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="JSON-lines (.jsonl, .gz, .zst) or .parquet files; globs and fsspec "
+        "URLs allowed; sorted per pattern, in the order given",
+    )
     data.add_argument("--json-keys", nargs="+", default=["text"])
     data.add_argument("--output-dir", required=True, help="where the tasks' datasets go" + ADDITION)
     data.add_argument("--tokenizer-type", default="TekkenTokenizer", choices=TOKENIZER_TYPES)
-    data.add_argument("--tokenizer-model", default=None,
-                      help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)")  # fmt: skip
-    data.add_argument("--append-eod", action="store_true", default=True,
-                      help="end every document with </s> (the default)")  # fmt: skip
-    data.add_argument("--no-eod", dest="append_eod", action="store_false",
-                      help="do not append </s>" + ADDITION)  # fmt: skip
-    data.add_argument("--no-bos", dest="add_bos", action="store_false", default=True,
-                      help="do not prepend <s>" + ADDITION)  # fmt: skip
-    data.add_argument("--max-reported", type=int, default=10,
-                      help="bad lines reported in full, per task" + ADDITION)  # fmt: skip
-    data.add_argument("--strict", action="store_true",
-                      help="exit 1 when any line was rejected (local executor)" + ADDITION)  # fmt: skip
+    data.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)",
+    )
+    data.add_argument(
+        "--append-eod",
+        action="store_true",
+        default=True,
+        help="end every document with </s> (the default)",
+    )
+    data.add_argument(
+        "--no-eod", dest="append_eod", action="store_false", help="do not append </s>" + ADDITION
+    )
+    data.add_argument(
+        "--no-bos",
+        dest="add_bos",
+        action="store_false",
+        default=True,
+        help="do not prepend <s>" + ADDITION,
+    )
+    data.add_argument(
+        "--max-reported",
+        type=int,
+        default=10,
+        help="bad lines reported in full, per task" + ADDITION,
+    )
+    data.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when any line was rejected (local executor)" + ADDITION,
+    )
     run = parser.add_argument_group("execution" + ADDITION)
     run.add_argument("--executor", choices=("local", "slurm"), default="local")
-    run.add_argument("--tasks", type=int, default=None,
-                     help="datasets to write (default: one per input file)")  # fmt: skip
-    run.add_argument("--workers", type=int, default=None,
-                     help="tasks running at once (local default 1; slurm default: no limit)")  # fmt: skip
-    run.add_argument("--merge-prefix", default=None,
-                     help="when every task is complete, merge the tasks' datasets into "
-                     "MERGE_PREFIX_KEY_document.bin/.idx (on Slurm: a job that depends on the "
-                     "tokenization job)")  # fmt: skip
-    run.add_argument("--logging-dir", default=None,
-                     help="datatrove logs, stats and completion markers (default: "
-                     "OUTPUT_DIR/.datatrove)")  # fmt: skip
+    run.add_argument(
+        "--tasks", type=int, default=None, help="datasets to write (default: one per input file)"
+    )
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tasks running at once (local default 1; slurm default: no limit)",
+    )
+    run.add_argument(
+        "--merge-prefix",
+        default=None,
+        help="when every task is complete, merge the tasks' datasets into "
+        "MERGE_PREFIX_KEY_document.bin/.idx (on Slurm: a job that depends on the "
+        "tokenization job)",
+    )
+    run.add_argument(
+        "--logging-dir",
+        default=None,
+        help="datatrove logs, stats and completion markers (default: " "OUTPUT_DIR/.datatrove)",
+    )
     slurm = parser.add_argument_group("Slurm executor" + ADDITION)
     slurm.add_argument("--partition", default=None)
     slurm.add_argument("--time", default="24:00:00", help="time limit per task")
@@ -88,11 +122,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     slurm.add_argument("--mem-per-cpu-gb", type=int, default=4)
     slurm.add_argument("--job-name", default="tokenize")
     slurm.add_argument("--qos", default=None)
-    slurm.add_argument("--sbatch-args", nargs="+", default=[], metavar="KEY=VALUE",
-                       help="further #SBATCH options, e.g. account=a01")  # fmt: skip
-    slurm.add_argument("--env-command", default=None,
-                       help="shell line run before each task (default: put this Python's bin "
-                       "directory first on PATH)")  # fmt: skip
+    slurm.add_argument(
+        "--sbatch-args",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="further #SBATCH options, e.g. account=a01",
+    )
+    slurm.add_argument(
+        "--env-command",
+        default=None,
+        help="shell line run before each task (default: put this Python's bin "
+        "directory first on PATH)",
+    )
     return parser.parse_args(argv)
 
 
@@ -118,20 +160,25 @@ def check(args: argparse.Namespace, files: list[str]) -> tuple[int, dict]:
     compute node."""
     tasks = args.tasks or len(files)
     if tasks < 1 or tasks > len(files):
-        raise InputError(f"--tasks {tasks}: give between 1 and the {len(files)} input files "
-                         "(a task tokenizes whole files)")  # fmt: skip
+        raise InputError(
+            f"--tasks {tasks}: give between 1 and the {len(files)} input files "
+            "(a task tokenizes whole files)"
+        )
     if args.executor == "slurm" and not args.partition:
         raise InputError("--executor slurm needs --partition")
     if args.executor == "slurm" and shutil.which("sbatch") is None:
-        raise InputError("--executor slurm: sbatch is not on PATH (run this on a Slurm login "
-                         "node, or use --executor local)")  # fmt: skip
+        raise InputError(
+            "--executor slurm: sbatch is not on PATH (run this on a Slurm login "
+            "node, or use --executor local)"
+        )
     if args.workers is not None and args.workers < 1 and args.executor == "local":
         raise InputError(f"--workers {args.workers}: must be at least 1")
     if not Path(args.output_dir).parent.is_dir():
         raise InputError(f"--output-dir: {Path(args.output_dir).parent} does not exist")
     if args.merge_prefix and not Path(args.merge_prefix).absolute().parent.is_dir():
-        raise InputError(f"--merge-prefix: {Path(args.merge_prefix).absolute().parent} does "
-                         "not exist")  # fmt: skip
+        raise InputError(
+            f"--merge-prefix: {Path(args.merge_prefix).absolute().parent} does " "not exist"
+        )
     try:
         tokenizer = cached_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except (FileNotFoundError, ValueError) as err:
@@ -151,9 +198,11 @@ def check_same_run(logging_dir: str, plan: dict) -> None:
     path = Path(logging_dir) / PLAN_FILE
     if path.is_file():
         if json.loads(path.read_text()) != plan:
-            raise InputError(f"{path.parent} holds the tasks of another command (other "
-                             f"inputs, --tasks, keys or tokenizer; see {path}): use a new "
-                             "--output-dir or --logging-dir")  # fmt: skip
+            raise InputError(
+                f"{path.parent} holds the tasks of another command (other "
+                f"inputs, --tasks, keys or tokenizer; see {path}): use a new "
+                "--output-dir or --logging-dir"
+            )
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_outputs(path) as (temporary,):
@@ -169,24 +218,50 @@ def build_executor(args: argparse.Namespace, files: list[str], tasks: int) -> tu
     output_dir = os.path.abspath(args.output_dir)
     pipeline = [
         ShardReader(files, args.json_keys),
-        IndexedDatasetWriter(output_dir, args.json_keys, args.tokenizer_type,
-                             args.tokenizer_model, args.add_bos, args.append_eod,
-                             args.max_reported),  # fmt: skip
+        IndexedDatasetWriter(
+            output_dir,
+            args.json_keys,
+            args.tokenizer_type,
+            args.tokenizer_model,
+            args.add_bos,
+            args.append_eod,
+            args.max_reported,
+        ),
     ]
     logging_dir = logging_dir_of(args)
     if args.executor == "local":
         from datatrove.executor import LocalPipelineExecutor
 
-        return LocalPipelineExecutor(pipeline, tasks=tasks, workers=args.workers or 1,
-                                     logging_dir=logging_dir, start_method="fork"), {}  # fmt: skip
+        return (
+            LocalPipelineExecutor(
+                pipeline,
+                tasks=tasks,
+                workers=args.workers or 1,
+                logging_dir=logging_dir,
+                start_method="fork",
+            ),
+            {},
+        )
     from datatrove.executor import SlurmPipelineExecutor
 
     env_command = args.env_command or f'export PATH="{os.path.dirname(sys.executable)}:$PATH"'
-    slurm = dict(time=args.time, partition=args.partition, cpus_per_task=args.cpus_per_task,
-                 mem_per_cpu_gb=args.mem_per_cpu_gb, qos=args.qos, env_command=env_command,
-                 sbatch_args=dict(item.split("=", 1) for item in args.sbatch_args))  # fmt: skip
-    executor = SlurmPipelineExecutor(pipeline, tasks=tasks, workers=args.workers or -1,
-                                     job_name=args.job_name, logging_dir=logging_dir, **slurm)  # fmt: skip
+    slurm = dict(
+        time=args.time,
+        partition=args.partition,
+        cpus_per_task=args.cpus_per_task,
+        mem_per_cpu_gb=args.mem_per_cpu_gb,
+        qos=args.qos,
+        env_command=env_command,
+        sbatch_args=dict(item.split("=", 1) for item in args.sbatch_args),
+    )
+    executor = SlurmPipelineExecutor(
+        pipeline,
+        tasks=tasks,
+        workers=args.workers or -1,
+        job_name=args.job_name,
+        logging_dir=logging_dir,
+        **slurm,
+    )
     return executor, slurm
 
 
@@ -194,11 +269,17 @@ def merge_job(args: argparse.Namespace, tokenize, slurm: dict):
     """The Slurm job that merges the tasks' datasets once the tokenization job succeeded."""
     from datatrove.executor import SlurmPipelineExecutor
 
-    step = MergeTasks(os.path.abspath(args.output_dir), args.json_keys,
-                      os.path.abspath(args.merge_prefix))  # fmt: skip
-    return SlurmPipelineExecutor([step], tasks=1, job_name=args.job_name + "-merge",
-                                 logging_dir=os.path.join(logging_dir_of(args), "merge"),
-                                 depends=tokenize, **slurm)  # fmt: skip
+    step = MergeTasks(
+        os.path.abspath(args.output_dir), args.json_keys, os.path.abspath(args.merge_prefix)
+    )
+    return SlurmPipelineExecutor(
+        [step],
+        tasks=1,
+        job_name=args.job_name + "-merge",
+        logging_dir=os.path.join(logging_dir_of(args), "merge"),
+        depends=tokenize,
+        **slurm,
+    )
 
 
 def summarize(
@@ -216,10 +297,12 @@ def summarize(
         rejected.update(record["rejected"])
     reasons = ", ".join(f"{count} {reason}" for reason, count in rejected.most_common())
     skipped = f", {tasks - len(ran)} complete before" if len(ran) < tasks else ""
-    line = (f"wrote {tasks} datasets ({len(ran)} in this run{skipped}), {documents} documents, "
-            f"{tokens} tokens ({key}); this run: {tokens_run} tokens in {elapsed:.1f} s "
-            f"({tokens_run / max(elapsed, 1e-9):,.0f} tokens/s); rejected "
-            f"{sum(rejected.values())} lines" + (f" ({reasons})" if reasons else ""))  # fmt: skip
+    line = (
+        f"wrote {tasks} datasets ({len(ran)} in this run{skipped}), {documents} documents, "
+        f"{tokens} tokens ({key}); this run: {tokens_run} tokens in {elapsed:.1f} s "
+        f"({tokens_run / max(elapsed, 1e-9):,.0f} tokens/s); rejected "
+        f"{sum(rejected.values())} lines" + (f" ({reasons})" if reasons else "")
+    )
     return line, sum(rejected.values())
 
 
@@ -228,8 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     files = expand_inputs(args.input)
     tasks, tokenizer = check(args, files)
     os.makedirs(args.output_dir, exist_ok=True)
-    plan = dict(inputs=files, tasks=tasks, json_keys=args.json_keys, tokenizer=tokenizer,
-                add_bos=args.add_bos, add_eod=args.append_eod)  # fmt: skip
+    plan = dict(
+        inputs=files,
+        tasks=tasks,
+        json_keys=args.json_keys,
+        tokenizer=tokenizer,
+        add_bos=args.add_bos,
+        add_eod=args.append_eod,
+    )
     check_same_run(logging_dir_of(args), plan)
     executor, slurm = build_executor(args, files, tasks)
     if args.executor == "slurm":
@@ -239,20 +328,27 @@ def main(argv: list[str] | None = None) -> int:
     if len(to_run) < tasks:
         print(f"skipping {tasks - len(to_run)} completed tasks", file=sys.stderr)
     start = time.perf_counter()
-    failed = run_local_tasks(executor, args.workers or 1,
-                             report=lambda line: print(f"tokenize_corpus.py: {line}", file=sys.stderr))  # fmt: skip
+    failed = run_local_tasks(
+        executor,
+        args.workers or 1,
+        report=lambda line: print(f"tokenize_corpus.py: {line}", file=sys.stderr),
+    )
     if failed:
         named = ", ".join(f"{rank:05d} ({why})" for rank, why in sorted(failed.items()))
-        print(f"tokenize_corpus.py: {len(failed)} of {len(to_run)} tasks did not complete: "
-              f"{named}; see {executor.logging_dir.path}/logs; run the same command again to "
-              "redo only the unfinished tasks", file=sys.stderr)  # fmt: skip
+        print(
+            f"tokenize_corpus.py: {len(failed)} of {len(to_run)} tasks did not complete: "
+            f"{named}; see {executor.logging_dir.path}/logs; run the same command again to "
+            "redo only the unfinished tasks",
+            file=sys.stderr,
+        )
         return 1
     output_dir = os.path.abspath(args.output_dir)
     if not to_run:
         print(f"nothing to do: all {tasks} tasks were complete")
     else:
-        line, rejected = summarize(output_dir, tasks, to_run, args.json_keys[0],
-                                   time.perf_counter() - start)  # fmt: skip
+        line, rejected = summarize(
+            output_dir, tasks, to_run, args.json_keys[0], time.perf_counter() - start
+        )
         print(line)
         if args.strict and rejected:
             return 1
@@ -267,14 +363,19 @@ def submit(tokenize, merge, tasks: int) -> int:
     try:
         (merge or tokenize).run()  # the merge job submits the job it depends on first
     except Exception as err:  # sbatch refused the job: its message is the one that helps
-        print(f"tokenize_corpus.py: error: the job was not submitted ({type(err).__name__}: "
-              f"{err})", file=sys.stderr)  # fmt: skip
+        print(
+            f"tokenize_corpus.py: error: the job was not submitted ({type(err).__name__}: "
+            f"{err})",
+            file=sys.stderr,
+        )
         return 1
     if tokenize.job_id == -1:
         print(f"all {tasks} tasks are complete; nothing submitted")
     else:
-        print(f"submitted Slurm job {tokenize.job_id} ({tasks} tasks); run the same command "
-              "again after it ends to redo any failed task")  # fmt: skip
+        print(
+            f"submitted Slurm job {tokenize.job_id} ({tasks} tasks); run the same command "
+            "again after it ends to redo any failed task"
+        )
     if merge is not None:
         print(f"submitted Slurm job {merge.job_id}: the merge, once every task is complete")
     return 0

@@ -277,8 +277,12 @@ def save(
         tmp.mkdir(parents=True)
     dist.barrier()
     sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=optimizer is not None)
-    request = dist_checkpointing.save(sharded, str(tmp), _save_strategy(options),
-                                      async_sharded_save=options.async_queue is not None)  # fmt: skip
+    request = dist_checkpointing.save(
+        sharded,
+        str(tmp),
+        _save_strategy(options),
+        async_sharded_save=options.async_queue is not None,
+    )
     if rank0:
         (tmp / MODEL_CONFIG).write_text(model.to_json())
         if run_info is not None:
@@ -292,8 +296,13 @@ def save(
     return final
 
 
-def _publish(save_dir: Path, tmp: Path, final: Path, iteration: int,
-             on_published: Callable[[Path], None] | None) -> None:  # fmt: skip
+def _publish(
+    save_dir: Path,
+    tmp: Path,
+    final: Path,
+    iteration: int,
+    on_published: Callable[[Path], None] | None,
+) -> None:
     """Every rank has written its part: rename the directory, then advance the tracker."""
     dist.barrier()
     if dist.get_rank() == 0:
@@ -341,13 +350,19 @@ def load(
     # RNG states are per rank; in another layout they have no owner and the run keeps its seeds.
     same_layout = common.get("training_state", {}).get("layout") == _layout()
     template = _training_state_dict(
-        chunks, optimizer if full else None, None, TrainingState(),
-        rng=rng and trained and same_layout, loading=True,
-    )  # fmt: skip
+        chunks,
+        optimizer if full else None,
+        None,
+        TrainingState(),
+        rng=rng and trained and same_layout,
+        loading=True,
+    )
     loaded, _, absent = dist_checkpointing.load(
-        template, str(directory), _load_strategy(directory, fully_parallel),
+        template,
+        str(directory),
+        _load_strategy(directory, fully_parallel),
         strict=StrictHandling.RETURN_UNEXPECTED,
-    )  # fmt: skip
+    )
     _check_only_extra_state(absent, directory)
     for i, chunk in enumerate(chunks):
         try:

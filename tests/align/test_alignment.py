@@ -24,37 +24,68 @@ from megatron.apertus.training.loop import train
 from tests.conftest import PRETRAIN, REPO, run_entry
 
 TOOL = REPO / "tools" / "preprocess_preferences.py"
-TINY = ["--model-preset", "tiny", "--global-batch-size", "4", "--micro-batch-size", "2",
-        "--log-interval", "1", "--lr", "1e-3"]  # fmt: skip
+TINY = [
+    "--model-preset",
+    "tiny",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--log-interval",
+    "1",
+    "--lr",
+    "1e-3",
+]
 
 
 def preprocess(tmp, objective: str, records: list[dict], extra_lines: tuple[str, ...] = ()):
     source = tmp / f"{objective}.jsonl"
     lines = [json.dumps(r) for r in records] + list(extra_lines)
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    proc = run_entry(TOOL, ["--objective", objective, "--input", str(source), "--output-prefix",
-                            str(tmp / objective), "--max-tokens", "129"])  # fmt: skip
+    proc = run_entry(
+        TOOL,
+        [
+            "--objective",
+            objective,
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(tmp / objective),
+            "--max-tokens",
+            "129",
+        ],
+    )
     return str(tmp / f"{objective}_pref_document"), proc
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("pref")
-    dpo, _ = preprocess(root, "dpo", [r for r in docstring_preferences()[:40]
-                                      if len(r["chosen"]) < 150][:16])  # fmt: skip
-    qrpo, _ = preprocess(root, "qrpo", [r for r in docstring_rewards()[:60]
-                                        if len(r["completion"]) < 150][:16])  # fmt: skip
-    run_entry(PRETRAIN, TINY + ["--train-iters", "1", "--eval-iters", "0",
-                                "--save", str(root / "base")])  # fmt: skip
+    dpo, _ = preprocess(
+        root, "dpo", [r for r in docstring_preferences()[:40] if len(r["chosen"]) < 150][:16]
+    )
+    qrpo, _ = preprocess(
+        root, "qrpo", [r for r in docstring_rewards()[:60] if len(r["completion"]) < 150][:16]
+    )
+    run_entry(
+        PRETRAIN, TINY + ["--train-iters", "1", "--eval-iters", "0", "--save", str(root / "base")]
+    )
     return {"dpo": dpo, "qrpo": qrpo, "base": str(root / "base")}
 
 
 def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
     tekken = build_tokenizer()
     pairs = docstring_preferences()[:3]
-    bad = ('{"prompt": [{"role": "user", "content": "q"}], "chosen": "a"}',  # no rejected
-           json.dumps({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant",
-                       "content": "a"}], "chosen": "a", "rejected": "b"}))  # fmt: skip
+    bad = (
+        '{"prompt": [{"role": "user", "content": "q"}], "chosen": "a"}',  # no rejected
+        json.dumps(
+            {
+                "prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "chosen": "a",
+                "rejected": "b",
+            }
+        ),
+    )
     prefix, proc = preprocess(tmp_path, "dpo", pairs, bad)
     assert "dpo.jsonl:4: skipped: missing 'rejected'" in proc.stderr
     assert "dpo.jsonl:5: skipped: the prompt must end with a user turn" in proc.stderr
@@ -84,9 +115,10 @@ def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
 
 def test_reference_file_round_trip_corruption_and_other_data(tmp_path):
     values = reference.ReferenceLogps(
-        keys=np.arange(5, dtype=np.uint64) * 977, logps=-np.pi * np.arange(5.0),
+        keys=np.arange(5, dtype=np.uint64) * 977,
+        logps=-np.pi * np.arange(5.0),
         lengths=np.arange(5, dtype=np.int32),
-    )  # fmt: skip
+    )
     path = tmp_path / "train.bin"
     reference.write(path, values, data_hash="ab" * 16, reference="ckpt")
     stored, header = reference.read(path, data_hash="ab" * 16)
@@ -103,10 +135,22 @@ def test_reference_file_round_trip_corruption_and_other_data(tmp_path):
 
 def align_args(data, tmp_path, objective: str, iters: int, *extra: str) -> list[str]:
     return TINY + [
-        "--no-fused-output-loss", "--finetune", "--load", data["base"], "--align-objective",
-        objective, "--ref-logps-path", str(tmp_path / "ref"), "--train-data-path",
-        data[objective], "--train-iters", str(iters), "--eval-iters", "0", *extra,
-    ]  # fmt: skip
+        "--no-fused-output-loss",
+        "--finetune",
+        "--load",
+        data["base"],
+        "--align-objective",
+        objective,
+        "--ref-logps-path",
+        str(tmp_path / "ref"),
+        "--train-data-path",
+        data[objective],
+        "--train-iters",
+        str(iters),
+        "--eval-iters",
+        "0",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -122,7 +166,10 @@ def test_dpo_starts_at_log_2_and_resumes_exactly(data, tmp_path):
     )
     train(pretrain_gpt.parse_args(first))
     resume = align_args(data, tmp_path, "dpo", 4, "--save", str(tmp_path / "ck"))
-    resume[resume.index("--finetune") : resume.index("--finetune") + 3] = ["--load", str(tmp_path / "ck")]  # fmt: skip
+    resume[resume.index("--finetune") : resume.index("--finetune") + 3] = [
+        "--load",
+        str(tmp_path / "ck"),
+    ]
     resumed = train(pretrain_gpt.parse_args(resume))
     assert [v for _, v in resumed["train/loss"]][-2:] == losses[2:]
     assert (tmp_path / "ref" / "train.bin").read_bytes() == stored, "computed once"
@@ -130,18 +177,36 @@ def test_dpo_starts_at_log_2_and_resumes_exactly(data, tmp_path):
     raw = bytearray(stored)
     raw[len(raw) // 2] ^= 0xFF
     (tmp_path / "ref" / "train.bin").write_bytes(bytes(raw))
-    proc = subprocess.run([sys.executable, str(PRETRAIN), *resume], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(PRETRAIN), *resume],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2
     assert "checksum mismatch" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd, caplog):
     caplog.set_level(logging.INFO, logger="apertus")
-    args = align_args(data, tmp_path, "qrpo", 3, "--align-length-normalization",
-                      "--qrpo-transform", "log", "--valid-data-path", data["qrpo"],
-                      "--eval-iters", "1", "--eval-interval", "3",
-                      "--tensorboard-dir", str(tmp_path / "tb"))  # fmt: skip
+    args = align_args(
+        data,
+        tmp_path,
+        "qrpo",
+        3,
+        "--align-length-normalization",
+        "--qrpo-transform",
+        "log",
+        "--valid-data-path",
+        data["qrpo"],
+        "--eval-iters",
+        "1",
+        "--eval-interval",
+        "3",
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+    )
     history = train(pretrain_gpt.parse_args(args))
     losses = [v for _, v in history["train/loss"]]
     assert len(losses) == 3 and all(np.isfinite(losses))
@@ -157,15 +222,20 @@ def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd, caplog):
     # At the first step the policy is the reference: beta * log-ratio is 0, and the mean target
     # is that of the log transform, log max(q, 1/n) - beta/len * log(beta/len / (1 + beta/len)).
     assert history["train/mean_beta_log_ratio"][0] == [1, 0.0]
-    for name in ("train/mean_target", "valid/mean_target", "valid/mean_beta_log_ratio",
-                 "valid/quantile_signed_log_ratio"):  # fmt: skip
+    for name in (
+        "train/mean_target",
+        "valid/mean_target",
+        "valid/mean_beta_log_ratio",
+        "valid/quantile_signed_log_ratio",
+    ):
         assert np.isfinite(history[name][-1][1]), name
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert {"train/mean_target", "train/mean_beta_log_ratio",
-            "valid/mean_target"} <= set(events.Tags()["scalars"])  # fmt: skip
+    assert {"train/mean_target", "train/mean_beta_log_ratio", "valid/mean_target"} <= set(
+        events.Tags()["scalars"]
+    )
 
 
 def test_reference_logps_carried_by_the_data_replace_the_reference_pass(
@@ -178,15 +248,22 @@ def test_reference_logps_carried_by_the_data_replace_the_reference_pass(
     assert computed["train/reward_margin"][0] == [1, 0.0]  # the policy is the reference
     assert computed["train/reward_accuracy"][0] == [1, 0.0]
     assert "dpo loss: " in caplog.text
-    stored, _ = reference.read(tmp_path / "ref" / "train.bin",
-                               data_hash=reference.dataset_hash(data["dpo"]))  # fmt: skip
+    stored, _ = reference.read(
+        tmp_path / "ref" / "train.bin", data_hash=reference.dataset_hash(data["dpo"])
+    )
     records = [r for r in docstring_preferences()[:40] if len(r["chosen"]) < 150][:16]
     names = (
         ("ref_chosen_logps", "ref_rejected_logps"),
         ("ref_chosen_logprob", "ref_rejected_logprob"),
     )
-    carried = [{**r, names[i % 2][0]: float(stored.logps[2 * i]),
-                names[i % 2][1]: float(stored.logps[2 * i + 1])} for i, r in enumerate(records)]  # fmt: skip
+    carried = [
+        {
+            **r,
+            names[i % 2][0]: float(stored.logps[2 * i]),
+            names[i % 2][1]: float(stored.logps[2 * i + 1]),
+        }
+        for i, r in enumerate(records)
+    ]
     prefix, _ = preprocess(tmp_path, "dpo", carried)
     args = align_args({**data, "dpo": prefix}, tmp_path, "dpo", 2)
     del args[args.index("--ref-logps-path") : args.index("--ref-logps-path") + 2]
@@ -201,16 +278,26 @@ def test_reference_logps_carried_by_the_data_replace_the_reference_pass(
         train(pretrain_gpt.parse_args(no_values))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--align-beta", "nan"], "--align-beta must be a finite number > 0, got nan"),
-    (["--align-beta", "inf"], "--align-beta must be a finite number > 0, got inf"),
-    (["--qrpo-max-beta", "-1"], "--qrpo-max-beta must be a finite number > 0, got -1.0"),
-    (["--qrpo-transform", "sqrt"], "--qrpo-transform must be one of identity, log, normal-icdf"),
-    (["--qrpo-transform", "log", "--qrpo-log-partition", "approx"],
-     "--qrpo-log-partition approx applies to --qrpo-transform identity"),
-    (["--align-length-normalization-of", "loss"],
-     "--align-length-normalization-of needs --align-length-normalization"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--align-beta", "nan"], "--align-beta must be a finite number > 0, got nan"),
+        (["--align-beta", "inf"], "--align-beta must be a finite number > 0, got inf"),
+        (["--qrpo-max-beta", "-1"], "--qrpo-max-beta must be a finite number > 0, got -1.0"),
+        (
+            ["--qrpo-transform", "sqrt"],
+            "--qrpo-transform must be one of identity, log, normal-icdf",
+        ),
+        (
+            ["--qrpo-transform", "log", "--qrpo-log-partition", "approx"],
+            "--qrpo-log-partition approx applies to --qrpo-transform identity",
+        ),
+        (
+            ["--align-length-normalization-of", "loss"],
+            "--align-length-normalization-of needs --align-length-normalization",
+        ),
+    ],
+)
 def test_bad_alignment_flags_are_refused(flags, message, capsys):
     base = [
         "--align-objective",
@@ -226,12 +313,15 @@ def test_bad_alignment_flags_are_refused(flags, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--align-beta", "0.5"], "--align-beta"),
-    (["--align-length-normalization"], "--align-length-normalization"),
-    (["--qrpo-transform", "log"], "--qrpo-transform"),
-    (["--ref-logps-path", "ref"], "--ref-logps-path"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--align-beta", "0.5"], "--align-beta"),
+        (["--align-length-normalization"], "--align-length-normalization"),
+        (["--qrpo-transform", "log"], "--qrpo-transform"),
+        (["--ref-logps-path", "ref"], "--ref-logps-path"),
+    ],
+)
 def test_alignment_flags_without_an_objective_are_refused(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_:
         pretrain_gpt.parse_args(["--train-iters", "1", *flags])

@@ -20,18 +20,43 @@ from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 
 TOOL = REPO / "tools" / "preprocess_preferences.py"
 COMMON = [
-    "--model-preset", "tiny", "--seed", "7", "--lr", "1e-3", "--global-batch-size", "4",
-    "--micro-batch-size", "1", "--log-interval", "1", "--adam-eps", "1e-4",
-    "--no-fused-output-loss", "--align-objective", "dpo", "--align-beta", "0.5",
-    "--train-iters", "3", "--eval-iters", "1", "--eval-interval", "3",
-]  # fmt: skip
+    "--model-preset",
+    "tiny",
+    "--seed",
+    "7",
+    "--lr",
+    "1e-3",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--log-interval",
+    "1",
+    "--adam-eps",
+    "1e-4",
+    "--no-fused-output-loss",
+    "--align-objective",
+    "dpo",
+    "--align-beta",
+    "0.5",
+    "--train-iters",
+    "3",
+    "--eval-iters",
+    "1",
+    "--eval-interval",
+    "3",
+]
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
-    "pp2-interleaved": ["--pipeline-model-parallel-size", "2",
-                        "--num-layers-per-virtual-pipeline-stage", "1"],
+    "pp2-interleaved": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ],
     "dp2": [],
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +67,39 @@ def single(tmp_path_factory):
     for part, records in (("train", pairs[:12]), ("valid", pairs[12:16])):
         source = root / f"{part}.jsonl"
         source.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-        run_entry(TOOL, ["--objective", "dpo", "--input", str(source), "--output-prefix",
-                         str(root / part), "--max-tokens", "129"])  # fmt: skip
+        run_entry(
+            TOOL,
+            [
+                "--objective",
+                "dpo",
+                "--input",
+                str(source),
+                "--output-prefix",
+                str(root / part),
+                "--max-tokens",
+                "129",
+            ],
+        )
         prefixes[part] = str(root / f"{part}_pref_document")
-    run_entry(PRETRAIN, COMMON[:12] + ["--train-iters", "0", "--eval-iters", "0",
-                                       "--save", str(root / "init")])  # fmt: skip
-    data = ["--finetune", "--load", str(root / "init"), "--train-data-path", prefixes["train"],
-            "--valid-data-path", prefixes["valid"]]  # fmt: skip
-    run_entry(PRETRAIN, COMMON + data + ["--ref-logps-path", str(root / "ref-single"),
-                                         "--log-json", str(root / "single.json")])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        COMMON[:12] + ["--train-iters", "0", "--eval-iters", "0", "--save", str(root / "init")],
+    )
+    data = [
+        "--finetune",
+        "--load",
+        str(root / "init"),
+        "--train-data-path",
+        prefixes["train"],
+        "--valid-data-path",
+        prefixes["valid"],
+    ]
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + data
+        + ["--ref-logps-path", str(root / "ref-single"), "--log-json", str(root / "single.json")],
+    )
     return root, data, prefixes
 
 
@@ -59,12 +108,19 @@ def single(tmp_path_factory):
 def test_two_processes_match_one(single, layout):
     root, data, prefixes = single
     out = root / f"{layout}.json"
-    run_entry(PRETRAIN, COMMON + LAYOUTS[layout] + data + [
-        "--ref-logps-path", str(root / f"ref-{layout}"), "--log-json", str(out)], nproc=2)  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + LAYOUTS[layout]
+        + data
+        + ["--ref-logps-path", str(root / f"ref-{layout}"), "--log-json", str(out)],
+        nproc=2,
+    )
     expected, got = read_json(root / "single.json"), read_json(out)
     for name in ("train/loss", "train/reward_margin", "valid/loss", "valid/reward_margin"):
-        np.testing.assert_allclose(series(got, name)[1], series(expected, name)[1], rtol=2e-6,
-                                   atol=1e-7)  # fmt: skip
+        np.testing.assert_allclose(
+            series(got, name)[1], series(expected, name)[1], rtol=2e-6, atol=1e-7
+        )
     for part in ("train", "valid"):
         data_hash = reference.dataset_hash(prefixes[part])
         want, _ = reference.read(root / "ref-single" / f"{part}.bin", data_hash=data_hash)

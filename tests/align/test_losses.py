@@ -46,10 +46,12 @@ def test_dpo_loss_and_gradient(beta, normalise):
         x = beta * (c - r)
         assert loss[i].item() == pytest.approx(float(np.logaddexp(0.0, -x)), rel=1e-12, abs=1e-12)
         slope = -beta / (1.0 + math.exp(x))  # d loss / d margin
-        assert lc.grad[i].item() == pytest.approx(slope / (len_c[i].item() if normalise else 1.0),
-                                                  rel=1e-10, abs=1e-15)  # fmt: skip
-        assert lr.grad[i].item() == pytest.approx(-slope / (len_r[i].item() if normalise else 1.0),
-                                                  rel=1e-10, abs=1e-15)  # fmt: skip
+        assert lc.grad[i].item() == pytest.approx(
+            slope / (len_c[i].item() if normalise else 1.0), rel=1e-10, abs=1e-15
+        )
+        assert lr.grad[i].item() == pytest.approx(
+            -slope / (len_r[i].item() if normalise else 1.0), rel=1e-10, abs=1e-15
+        )
 
 
 def test_quantile_rewards_are_the_inclusive_empirical_cdf():
@@ -136,8 +138,19 @@ def beta_log_z(b: float, transform: str, log_partition: str) -> float:
     return b * (math.log(b) + 1.0 / b + math.log1p(-math.exp(-1.0 / b)))  # log(e^x - 1), stably
 
 
-def qrpo_by_hand(logp, ref, q, n, length, beta, *, transform="identity", log_partition="exact",
-                 normalize=None, max_beta=None) -> tuple[float, float]:  # fmt: skip
+def qrpo_by_hand(
+    logp,
+    ref,
+    q,
+    n,
+    length,
+    beta,
+    *,
+    transform="identity",
+    log_partition="exact",
+    normalize=None,
+    max_beta=None,
+) -> tuple[float, float]:
     """(loss, d loss / d logp) of one completion."""
     b = beta / length if normalize == "beta" else beta
     if max_beta is not None:
@@ -151,11 +164,15 @@ def qrpo_by_hand(logp, ref, q, n, length, beta, *, transform="identity", log_par
 
 VARIANTS = [
     dict(transform=t, log_partition=p, normalize=norm, max_beta=clamp)
-    for t, p in (("identity", "exact"), ("identity", "approx"), ("log", "exact"),
-                 ("normal-icdf", "exact"))
+    for t, p in (
+        ("identity", "exact"),
+        ("identity", "approx"),
+        ("log", "exact"),
+        ("normal-icdf", "exact"),
+    )
     for norm in (None, "beta", "loss")
     for clamp in (None, 0.1)
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("beta", [0.003, 0.25, 5.0])
@@ -168,16 +185,31 @@ def test_qrpo_variants_match_the_formula(variant, beta):
     lengths = torch.randint(1, 300, (n,), generator=GEN).double()
     logp.requires_grad_(True)
     normalize = variant["normalize"]
-    terms = qrpo(logp, ref, q, beta, lengths=None if normalize is None else lengths,
-                 length_normalization=normalize or "beta", transform=variant["transform"],
-                 ref_counts=counts, log_partition=variant["log_partition"],
-                 max_beta=variant["max_beta"])  # fmt: skip
+    terms = qrpo(
+        logp,
+        ref,
+        q,
+        beta,
+        lengths=None if normalize is None else lengths,
+        length_normalization=normalize or "beta",
+        transform=variant["transform"],
+        ref_counts=counts,
+        log_partition=variant["log_partition"],
+        max_beta=variant["max_beta"],
+    )
     terms.loss.sum().backward()
     for i in range(n):
         if variant["transform"] == "normal-icdf" and counts[i] < 2:
             continue  # no quantile strictly inside (0, 1): refused by the preprocessing tool
-        loss, grad = qrpo_by_hand(logp[i].item(), ref[i].item(), q[i].item(), int(counts[i]),
-                                  lengths[i].item(), beta, **variant)  # fmt: skip
+        loss, grad = qrpo_by_hand(
+            logp[i].item(),
+            ref[i].item(),
+            q[i].item(),
+            int(counts[i]),
+            lengths[i].item(),
+            beta,
+            **variant,
+        )
         assert terms.loss[i].item() == pytest.approx(loss, rel=1e-9, abs=1e-15)
         assert logp.grad[i].item() == pytest.approx(grad, rel=1e-9, abs=1e-15)
 
@@ -215,12 +247,26 @@ def test_swiss_ai_settings_reproduce_swiss_ai_posttraining(normalize, beta):
     logp, ref = rand(n) - 60, rand(n) - 60
     q = torch.rand(n, generator=GEN, dtype=torch.float64)
     lengths = torch.randint(1, 400, (n,), generator=GEN).double()
-    ours = qrpo_loss(logp, ref, q, beta, lengths=lengths, length_normalization=normalize,
-                     log_partition="approx", max_beta=0.1)  # fmt: skip
+    ours = qrpo_loss(
+        logp,
+        ref,
+        q,
+        beta,
+        lengths=lengths,
+        length_normalization=normalize,
+        log_partition="approx",
+        max_beta=0.1,
+    )
     for i in range(n):
-        want = swiss_ai_qrpo(logp[i].item(), ref[i].item(), q[i].item(), lengths[i].item(), beta,
-                             normalize_beta=normalize == "beta",
-                             normalize_loss=normalize == "loss")  # fmt: skip
+        want = swiss_ai_qrpo(
+            logp[i].item(),
+            ref[i].item(),
+            q[i].item(),
+            lengths[i].item(),
+            beta,
+            normalize_beta=normalize == "beta",
+            normalize_loss=normalize == "loss",
+        )
         assert ours[i].item() == pytest.approx(want, rel=1e-12, abs=1e-15)
     default = qrpo_loss(logp, ref, q, beta, lengths=lengths, length_normalization=normalize)
     if beta >= 0.25 and normalize == "loss":  # our default differs: no clamp, exact log Z
@@ -232,8 +278,16 @@ def test_dpo_loss_normalization_divides_by_the_mean_length():
     lc, lr, rc, rr = (rand(n) - 100 for _ in range(4))
     len_c = torch.randint(1, 200, (n,), generator=GEN).double()
     len_r = torch.randint(1, 200, (n,), generator=GEN).double()
-    terms = dpo(lc, lr, rc, rr, 0.1, chosen_lengths=len_c, rejected_lengths=len_r,
-                length_normalization="loss")  # fmt: skip
+    terms = dpo(
+        lc,
+        lr,
+        rc,
+        rr,
+        0.1,
+        chosen_lengths=len_c,
+        rejected_lengths=len_r,
+        length_normalization="loss",
+    )
     for i in range(n):
         x = 0.1 * ((lc[i] - rc[i]) - (lr[i] - rr[i])).item()
         want = float(np.logaddexp(0.0, -x)) / ((len_c[i].item() + len_r[i].item()) / 2.0)

@@ -23,8 +23,11 @@ preprocess_preferences = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(preprocess_preferences)
 
 USER = {"role": "user", "content": "What does len do?"}
-EARLIER_TURNS = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"},
-                 {"role": "user", "content": "q2"}]  # fmt: skip
+EARLIER_TURNS = [
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": "x"},
+    {"role": "user", "content": "q2"},
+]
 
 
 @pytest.fixture
@@ -39,8 +42,15 @@ def run_tool(captured, tmp_path, objective: str, lines: list[str], *extra: str):
     run in-process."""
     source = tmp_path / f"{objective}.jsonl"
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    argv = ["--objective", objective, "--input", str(source), "--output-prefix",
-            str(tmp_path / objective), *extra]  # fmt: skip
+    argv = [
+        "--objective",
+        objective,
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(tmp_path / objective),
+        *extra,
+    ]
     captured.caplog.clear()
     code = preprocess_preferences.main(argv)
     out, err = captured.readouterr()
@@ -50,8 +60,12 @@ def run_tool(captured, tmp_path, objective: str, lines: list[str], *extra: str):
 
 def test_masks_cover_the_completion_only_never_earlier_assistant_turns(captured, tmp_path):
     pair = {"prompt": EARLIER_TURNS, "chosen": "a", "rejected": "b"}
-    completion = {"prompt": EARLIER_TURNS, "completion": "a", "reward": 1.0,
-                  "ref_rewards": [0.0, 2.0]}  # fmt: skip
+    completion = {
+        "prompt": EARLIER_TURNS,
+        "completion": "a",
+        "reward": 1.0,
+        "ref_rewards": [0.0, 2.0],
+    }
     tekken = build_tokenizer()
     for objective, record in (("dpo", pair), ("qrpo", completion)):
         code, _, err, _, prefix = run_tool(captured, tmp_path, objective, [json.dumps(record)])
@@ -77,8 +91,9 @@ def test_rejected_lines_are_reported_with_their_reason_and_counted(captured, tmp
         '{"prompt": [',
         json.dumps({**good, "ref_chosen_logps": -3.0}),
         json.dumps({**good, "chosen": 7}),
-        json.dumps({**good, "ref_chosen_logp": -1.0, "ref_chosen_logprob": -1.0,
-                    "ref_rejected_logp": -2.0}),  # fmt: skip
+        json.dumps(
+            {**good, "ref_chosen_logp": -1.0, "ref_chosen_logprob": -1.0, "ref_rejected_logp": -2.0}
+        ),
         json.dumps({**good, "ref_chosen_logp": 0.5, "ref_rejected_logp": -2.0}),
     ]
     code, out, err, source, prefix = run_tool(captured, tmp_path, "dpo", lines)
@@ -99,13 +114,20 @@ def test_rejected_lines_are_reported_with_their_reason_and_counted(captured, tmp
     assert "wrote 1 examples" in out and "rejected 9 lines" in out
     assert "       1  chosen and rejected are identical" in out
     qrpo_line = {"prompt": [USER], "completion": "It counts.", "reward": 1.0, "ref_rewards": [0.5]}
-    code, out, err, source, _ = run_tool(captured, tmp_path, "qrpo", [
-        json.dumps({**qrpo_line, "ref_rewards": [0.5, 2.0]}), json.dumps(qrpo_line)])  # fmt: skip
+    code, out, err, source, _ = run_tool(
+        captured,
+        tmp_path,
+        "qrpo",
+        [json.dumps({**qrpo_line, "ref_rewards": [0.5, 2.0]}), json.dumps(qrpo_line)],
+    )
     assert code == 0, err
-    assert (f"{source}:2: skipped: 1 reference rewards, fewer than --qrpo-min-ref-rewards 2 "
-            "(the default)") in err  # fmt: skip
-    code, out, err, _, _ = run_tool(captured, tmp_path, "qrpo", [json.dumps(qrpo_line)],
-                                    "--qrpo-min-ref-rewards", "1")  # fmt: skip
+    assert (
+        f"{source}:2: skipped: 1 reference rewards, fewer than --qrpo-min-ref-rewards 2 "
+        "(the default)"
+    ) in err
+    code, out, err, _, _ = run_tool(
+        captured, tmp_path, "qrpo", [json.dumps(qrpo_line)], "--qrpo-min-ref-rewards", "1"
+    )
     assert code == 0 and "wrote 1 examples" in out
 
 
@@ -113,9 +135,22 @@ def test_a_file_whose_every_line_is_rejected_is_an_error(tmp_path):
     source = tmp_path / "pairs.jsonl"
     pair = {"prompt": [USER], "chosen": "same", "rejected": "same"}
     source.write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "prompt": []}) + "\n")
-    proc = subprocess.run([sys.executable, str(TOOL), "--objective", "dpo", "--input", str(source),
-                           "--output-prefix", str(tmp_path / "pairs")], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--objective",
+            "dpo",
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(tmp_path / "pairs"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"preprocess_preferences.py: error: --input {source}: all 2 lines were rejected (1 chosen "
@@ -128,8 +163,9 @@ def test_a_file_whose_every_line_is_rejected_is_an_error(tmp_path):
 def test_reference_logps_on_some_lines_only_are_refused(captured, tmp_path):
     pair = {"prompt": [USER], "chosen": "It counts.", "rejected": "IT COUNTS."}
     carried = {**pair, "ref_chosen_logps": -4.5, "ref_rejected_logps": -9.25}  # TRL's names
-    code, _, err, source, prefix = run_tool(captured, tmp_path, "dpo",
-                                            [json.dumps(carried), json.dumps(pair)])  # fmt: skip
+    code, _, err, source, prefix = run_tool(
+        captured, tmp_path, "dpo", [json.dumps(carried), json.dumps(pair)]
+    )
     assert code == 2
     assert err.strip().splitlines()[-1] == (
         f"preprocess_preferences.py: error: {source}: 2 of 4 sequences carry a reference "
@@ -137,8 +173,9 @@ def test_reference_logps_on_some_lines_only_are_refused(captured, tmp_path):
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dpo.jsonl"]
     swiss = {**pair, "ref_chosen_logprob": -1.0, "ref_rejected_logprob": -2.0}
-    code, _, err, _, prefix = run_tool(captured, tmp_path, "dpo",
-                                       [json.dumps(carried), json.dumps(swiss)])  # fmt: skip
+    code, _, err, _, prefix = run_tool(
+        captured, tmp_path, "dpo", [json.dumps(carried), json.dumps(swiss)]
+    )
     assert code == 0, err
     assert precomputed_reference(prefix).tolist() == [-4.5, -9.25, -1.0, -2.0]
     code, _, err, _, prefix = run_tool(captured, tmp_path, "dpo", [json.dumps(pair)])
@@ -146,9 +183,16 @@ def test_reference_logps_on_some_lines_only_are_refused(captured, tmp_path):
 
 
 def test_json_errors_name_the_column_on_the_line(captured, tmp_path):
-    code, _, err, source, _ = run_tool(captured, tmp_path, "dpo", [
-        '{"prompt": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}',
-        '{"prompt": [], "chosen": "a"', '{"prompt": [] "chosen": "a"}'])  # fmt: skip
+    code, _, err, source, _ = run_tool(
+        captured,
+        tmp_path,
+        "dpo",
+        [
+            '{"prompt": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}',
+            '{"prompt": [], "chosen": "a"',
+            '{"prompt": [] "chosen": "a"}',
+        ],
+    )
     assert code == 0, err
     assert f"{source}:2: skipped: invalid JSON (Expecting ',' delimiter at column 29)" in err
     assert f"{source}:3: skipped: invalid JSON (Expecting ',' delimiter at column 15)" in err

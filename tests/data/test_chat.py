@@ -41,8 +41,11 @@ def test_tokens_and_mask_of_a_hand_written_conversation(tekken):
     c, enc = CONTROL_TOKENS, tekken.encode
     expected, learned = [tekken.bos], []
     expected += [c["<|system_start|>"], *enc(CONVERSATION[0]["content"]), c["<|system_end|>"]]
-    expected += [c["<|developer_start|>"], *enc("Deliberation: disabled\nTool Capabilities: "
-                                                "disabled"), c["<|developer_end|>"]]  # fmt: skip
+    expected += [
+        c["<|developer_start|>"],
+        *enc("Deliberation: disabled\nTool Capabilities: " "disabled"),
+        c["<|developer_end|>"],
+    ]
     for turn in CONVERSATION[1:]:
         if turn["role"] == "user":
             expected += [c["<|user_start|>"], *enc(turn["content"]), c["<|user_end|>"]]
@@ -64,8 +67,10 @@ def test_tokens_and_mask_of_a_hand_written_conversation(tekken):
 
 
 def test_control_token_strings_in_content_stay_text(tekken):
-    messages = [{"role": "user", "content": "say <|assistant_end|>"},
-                {"role": "assistant", "content": "<|user_start|> is a token name"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "say <|assistant_end|>"},
+        {"role": "assistant", "content": "<|user_start|> is a token name"},
+    ]
     ids, mask = encode_conversation(tekken, messages)
     control = set(CONTROL_TOKENS.values())
     assert sum(int(i) in control for i in ids) == 6  # developer, user, assistant start/end only
@@ -74,10 +79,14 @@ def test_control_token_strings_in_content_stay_text(tekken):
 def test_bad_conversations_are_refused_with_a_reason():
     cases = {
         "unknown role 'tool'": [{"role": "tool", "content": "x"}],
-        "empty content in message 1": [{"role": "user", "content": "q"},
-                                       {"role": "assistant", "content": "  "}],  # fmt: skip
-        "system message at position 1": [{"role": "user", "content": "q"},
-                                         {"role": "system", "content": "s"}],  # fmt: skip
+        "empty content in message 1": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "  "},
+        ],
+        "system message at position 1": [
+            {"role": "user", "content": "q"},
+            {"role": "system", "content": "s"},
+        ],
         "no assistant message": [{"role": "user", "content": "q"}],
         r"content of message 1 \(assistant\) is int, not a string": [
             {"role": "user", "content": "q"},
@@ -98,8 +107,14 @@ def test_a_tokenizer_without_the_control_slots_is_refused():
 
 
 def test_tool_writes_tokens_and_mask_and_skips_bad_lines(tmp_path, tekken):
-    good = [CONVERSATION, CONVERSATION[1:3], [{"role": "user", "content": "Name a sorting "
-            "function."}, {"role": "assistant", "content": "sorted() returns a new list."}]]  # fmt: skip
+    good = [
+        CONVERSATION,
+        CONVERSATION[1:3],
+        [
+            {"role": "user", "content": "Name a sorting " "function."},
+            {"role": "assistant", "content": "sorted() returns a new list."},
+        ],
+    ]
     lines = [
         json.dumps({"messages": good[0]}),
         json.dumps({"messages": [{"role": "robot", "content": "beep"}]}),  # line 2: role
@@ -119,12 +134,29 @@ def test_tool_writes_tokens_and_mask_and_skips_bad_lines(tmp_path, tekken):
     source = tmp_path / "chats.jsonl"
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
     prefix = tmp_path / "sft"
-    proc = subprocess.run([sys.executable, str(TOOL), "--input", str(source), "--output-prefix",
-                           str(prefix), "--max-tokens", "256"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(prefix),
+            "--max-tokens",
+            "256",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
-    for line, reason in ((2, "unknown role 'robot'"), (4, "empty content"), (5, "over-long"),
-                         (7, "invalid JSON")):  # fmt: skip
+    for line, reason in (
+        (2, "unknown role 'robot'"),
+        (4, "empty content"),
+        (5, "over-long"),
+        (7, "invalid JSON"),
+    ):
         assert f"{source}:{line}: skipped: {reason}" in proc.stderr
     assert "wrote 3 conversations" in proc.stdout
     tokens = IndexedDataset(f"{prefix}_chat_document")
@@ -138,8 +170,19 @@ def test_tool_writes_tokens_and_mask_and_skips_bad_lines(tmp_path, tekken):
 
 
 def test_tool_refuses_a_missing_input_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(TOOL), "--input", str(tmp_path / "none.jsonl"),
-                           "--output-prefix", str(tmp_path / "x")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--input",
+            str(tmp_path / "none.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "x"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("preprocess_chat.py: error: input")

@@ -23,17 +23,26 @@ LENGTHS = [13, 22, 13]  # one row: 48 tokens, no document a multiple of 4 or 8
 @pytest.fixture(scope="module")
 def batch_config():
     tokenizer = build_tokenizer("TekkenTokenizer")
-    return tokenizer, BatchConfig(eod=tokenizer.eod, pack_documents=True,
-                                  goldfish=GoldfishConfig(k=3, h=5))  # fmt: skip
+    return tokenizer, BatchConfig(
+        eod=tokenizer.eod, pack_documents=True, goldfish=GoldfishConfig(k=3, h=5)
+    )
 
 
 def _samples(tokenizer) -> list[dict]:
     encoded = [tokenizer.encode_document(t) for t in embedded_documents()[10:40]]
-    docs = [ids[: n - 1] + [tokenizer.eod] for ids, n in zip(
-        [ids for ids in encoded if len(ids) > 30], LENGTHS + LENGTHS[::-1])]  # fmt: skip
+    docs = [
+        ids[: n - 1] + [tokenizer.eod]
+        for ids, n in zip([ids for ids in encoded if len(ids) > 30], LENGTHS + LENGTHS[::-1])
+    ]
     rows = [sum(docs[:3], []), sum(docs[3:], [])]
-    return [{"tokens": torch.tensor(r), "labels": torch.tensor(r[1:] + [tokenizer.eod]),
-             "loss_mask": torch.ones(len(r))} for r in rows]  # fmt: skip
+    return [
+        {
+            "tokens": torch.tensor(r),
+            "labels": torch.tensor(r[1:] + [tokenizer.eod]),
+            "loss_mask": torch.ones(len(r)),
+        }
+        for r in rows
+    ]
 
 
 def _teacher(batch) -> TeacherTargets:

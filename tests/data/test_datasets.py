@@ -37,8 +37,11 @@ def corpora(tmp_path_factory):
 
 def test_blend_follows_its_weights(corpora):
     root, (first, second), tokenizer = corpora
-    config = DatasetConfig(data_path=["0.25", first, "0.75", second], split="100,0,0",
-                           data_cache_path=str(root / "cache"))  # fmt: skip
+    config = DatasetConfig(
+        data_path=["0.25", first, "0.75", second],
+        split="100,0,0",
+        data_cache_path=str(root / "cache"),
+    )
     train, valid, test = build_datasets(
         config, tokenizer, seq_length=64, seed=3, num_samples=(400, 0, 0)
     )
@@ -60,8 +63,9 @@ def test_split_holds_out_documents(corpora):
 
 def test_each_part_reads_its_own_data_path(corpora):
     root, (first, second), tokenizer = corpora
-    config = DatasetConfig(train_data_path=[first], valid_data_path=[second],
-                           data_cache_path=str(root / "cache"))  # fmt: skip
+    config = DatasetConfig(
+        train_data_path=[first], valid_data_path=[second], data_cache_path=str(root / "cache")
+    )
     train, valid, test = build_datasets(
         config, tokenizer, seq_length=64, seed=3, num_samples=(50, 20, 0)
     )
@@ -85,8 +89,15 @@ def test_sample_order_does_not_depend_on_data_parallel_size(corpora):
     def step_tokens(dp_size: int) -> list:
         rows = []
         for rank in range(dp_size):
-            rows += step_micro_batches(train, batch, consumed_samples=16, global_batch_size=8,
-                                       micro_batch_size=2, dp_rank=rank, dp_size=dp_size)  # fmt: skip
+            rows += step_micro_batches(
+                train,
+                batch,
+                consumed_samples=16,
+                global_batch_size=8,
+                micro_batch_size=2,
+                dp_rank=rank,
+                dp_size=dp_size,
+            )
         return [r.tolist() for b in rows for r in b.tokens]
 
     assert step_tokens(1) == step_tokens(2) == step_tokens(4)
@@ -107,11 +118,13 @@ def test_worker_processes_read_the_same_batches(corpora):
     """--num-workers: prefetched steps, a step read without prefetch and a prefetch for another
     batch size (a ramp-up) all give the batches of the training process's own reading."""
     root, (first, second), tokenizer = corpora
-    config = DatasetConfig(data_path=["0.5", first, "0.5", second], split="100,0,0",
-                           data_cache_path=str(root / "cache"))  # fmt: skip
+    config = DatasetConfig(
+        data_path=["0.5", first, "0.5", second],
+        split="100,0,0",
+        data_cache_path=str(root / "cache"),
+    )
     train, _, _ = build_datasets(config, tokenizer, seq_length=48, seed=3, num_samples=(96, 0, 0))
-    batch = BatchConfig(eod=tokenizer.eod, pack_documents=True,
-                        goldfish=GoldfishConfig(k=4, h=8))  # fmt: skip
+    batch = BatchConfig(eod=tokenizer.eod, pack_documents=True, goldfish=GoldfishConfig(k=4, h=8))
     layout = dict(micro_batch_size=2, dp_rank=1, dp_size=2)
     reader = MicroBatchReader(train, batch, num_workers=2, **layout)
     steps = [(0, 8), (8, 8), (16, 16), (32, 16), (48, 8)]
@@ -119,8 +132,9 @@ def test_worker_processes_read_the_same_batches(corpora):
     for (consumed, size), following in zip(steps, steps[1:] + [(56, 8)]):
         got = reader.read(consumed, size)
         reader.prefetch(following[0], size)  # the ramp-up step is prefetched at the old size
-        expected = step_micro_batches(train, batch, consumed_samples=consumed,
-                                      global_batch_size=size, **layout)  # fmt: skip
+        expected = step_micro_batches(
+            train, batch, consumed_samples=consumed, global_batch_size=size, **layout
+        )
         assert _batch_tensors(got) == _batch_tensors(expected)
 
 
@@ -128,11 +142,15 @@ def test_dataset_builder_threads_build_the_same_indices(corpora):
     root, (first, second), tokenizer = corpora
 
     def indices(threads: int, cache: str) -> list[np.ndarray]:
-        config = DatasetConfig(data_path=["0.3", first, "0.7", second], split="90,10,0",
-                               data_cache_path=str(root / cache),
-                               num_dataset_builder_threads=threads)  # fmt: skip
-        train, valid, _ = build_datasets(config, tokenizer, seq_length=40, seed=9,
-                                         num_samples=(200, 30, 0))  # fmt: skip
+        config = DatasetConfig(
+            data_path=["0.3", first, "0.7", second],
+            split="90,10,0",
+            data_cache_path=str(root / cache),
+            num_dataset_builder_threads=threads,
+        )
+        train, valid, _ = build_datasets(
+            config, tokenizer, seq_length=40, seed=9, num_samples=(200, 30, 0)
+        )
         return [train.dataset_index, train.dataset_sample_index, valid.dataset_index]
 
     for one, four in zip(indices(1, "cache-1"), indices(4, "cache-4")):
@@ -145,8 +163,11 @@ def test_weighted_blend_with_an_empty_test_split_builds(corpora):
     import faulthandler
 
     root, (first, _), tokenizer = corpora
-    config = DatasetConfig(data_path=["0.7", first, "0.3", first], split="969,30,1",
-                           data_cache_path=str(root / "cache-default-split"))  # fmt: skip
+    config = DatasetConfig(
+        data_path=["0.7", first, "0.3", first],
+        split="969,30,1",
+        data_cache_path=str(root / "cache-default-split"),
+    )
     faulthandler.dump_traceback_later(600, exit=True)  # a hang fails the run instead of idling
     try:
         train, valid, test = build_datasets(
@@ -159,16 +180,23 @@ def test_weighted_blend_with_an_empty_test_split_builds(corpora):
 
 def test_a_split_too_small_for_its_samples_is_refused_in_one_line(corpora):
     root, (first, _), tokenizer = corpora
-    config = DatasetConfig(data_path=["0.7", first, "0.3", first], split="969,30,1",
-                           data_cache_path=str(root / "cache-too-small"))  # fmt: skip
+    config = DatasetConfig(
+        data_path=["0.7", first, "0.3", first],
+        split="969,30,1",
+        data_cache_path=str(root / "cache-too-small"),
+    )
     with pytest.raises(ConfigError) as refused:
         build_datasets(config, tokenizer, seq_length=64, seed=3, num_samples=(50, 10, 10))
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith("--split 969,30,1: the test split of " + first)
     assert "holds 0 documents, 0 tokens, and is asked for 7 samples of 64 tokens" in message
-    single = DatasetConfig(data_path=[first], split="98,2,0",
-                           data_cache_path=str(root / "cache-too-small"))  # fmt: skip
-    with pytest.raises(ConfigError, match=r"the valid split of .* holds 1 documents, \d+ tokens, "
-                       r"and is asked for 1000000 samples"):  # fmt: skip
+    single = DatasetConfig(
+        data_path=[first], split="98,2,0", data_cache_path=str(root / "cache-too-small")
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"the valid split of .* holds 1 documents, \d+ tokens, "
+        r"and is asked for 1000000 samples",
+    ):
         build_datasets(single, tokenizer, seq_length=64, seed=3, num_samples=(50, 1_000_000, 0))

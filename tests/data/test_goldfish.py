@@ -115,8 +115,9 @@ def test_exempting_special_tokens_keeps_them_and_changes_nothing_else(stream, ru
     labels = samples(stream, 256)
     special = torch.tensor(tokenizer.special_ids())
     default = goldfish_drop_mask(labels, GoldfishConfig(k=4, h=3, hash=rule), special)
-    exempt = goldfish_drop_mask(labels, GoldfishConfig(k=4, h=3, hash=rule, exempt_special=True),
-                                special)  # fmt: skip
+    exempt = goldfish_drop_mask(
+        labels, GoldfishConfig(k=4, h=3, hash=rule, exempt_special=True), special
+    )
     is_special = torch.isin(labels, special)
     assert is_special.sum() > 100 and (default & is_special).sum() > 10
     assert not (exempt & is_special).any()

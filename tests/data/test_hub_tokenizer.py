@@ -49,11 +49,23 @@ def test_transformers_reads_the_same_cache_offline(apertus_hub_cache):
 def _preprocess(tmp_path, tokenizer_model: str) -> subprocess.CompletedProcess:
     source = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
     return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(source),
-         "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "HuggingFaceTokenizer",
-         "--tokenizer-model", tokenizer_model],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "tools" / "preprocess_data.py"),
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            tokenizer_model,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_a_fresh_process_finds_the_name_through_hf_home(apertus_hf_home, tmp_path):

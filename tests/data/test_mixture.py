@@ -31,8 +31,13 @@ def tokenized_folder(root: Path, name: str, docs: list[str], per_file: int) -> P
     for i in range(0, len(docs), per_file):
         lines = "".join(json.dumps({"text": d}) + "\n" for d in docs[i : i + per_file])
         (raw / f"{i // per_file:03d}.jsonl").write_text(lines)
-    proc = run_tool(REPO / "tools" / "tokenize_corpus.py", "--input", str(raw / "*.jsonl"),
-                    "--output-dir", str(root / name))  # fmt: skip
+    proc = run_tool(
+        REPO / "tools" / "tokenize_corpus.py",
+        "--input",
+        str(raw / "*.jsonl"),
+        "--output-dir",
+        str(root / name),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root / name
 
@@ -47,9 +52,24 @@ def folders(tmp_path_factory):
 
 def build(root: Path, name: str, *extra: str, seed: str = "7", max_tokens: str = "16_000"):
     web, code = root / "web", root / "code"
-    return run_tool(BUILD, "--folders", str(web), str(code), "--weights", "0.75", "0.25",
-                    "--max-tokens", max_tokens, "--seq-length", "512", "--seed", seed,
-                    "--output", str(root / name), *extra)  # fmt: skip
+    return run_tool(
+        BUILD,
+        "--folders",
+        str(web),
+        str(code),
+        "--weights",
+        "0.75",
+        "0.25",
+        "--max-tokens",
+        max_tokens,
+        "--seq-length",
+        "512",
+        "--seed",
+        seed,
+        "--output",
+        str(root / name),
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +112,14 @@ def test_exclude_never_takes_a_dataset_again(folders, first_mixture):
     first = {identity(p.prefix) for p in folder_parts(first_mixture[0])}
     second = {identity(p.prefix) for p in folder_parts(root / "phase2")}
     assert second and not first & second
-    too_much = build(root, "phase3", "--exclude", str(first_mixture[0]), str(root / "phase2"),
-                     max_tokens="60_000")  # fmt: skip
+    too_much = build(
+        root,
+        "phase3",
+        "--exclude",
+        str(first_mixture[0]),
+        str(root / "phase2"),
+        max_tokens="60_000",
+    )
     assert too_much.returncode == 2 and "tokens left (after --exclude)" in too_much.stderr
     assert not (root / "phase3").exists() and "Traceback" not in too_much.stderr
 
@@ -106,28 +132,56 @@ def test_blend_of_the_data_args_file_realises_the_mixture(folders, first_mixture
     entries = args_file.read_text().split()
     assert proc.stdout.split() == entries and len(entries) == 2 * len(folder_parts(mixture))
     record = json.loads((mixture / "mixture.json").read_text())
-    source_of = {str(Path(p["link"]).absolute()): i for i, s in enumerate(record["sources"])
-                 for p in s["parts"]}  # fmt: skip
+    source_of = {
+        str(Path(p["link"]).absolute()): i
+        for i, s in enumerate(record["sources"])
+        for p in s["parts"]
+    }
     sources = [source_of[prefix] for prefix in entries[1::2]]
 
     # megatron-core's blended dataset over the file, as pretrain_gpt.py builds it
     parallel.initialize(ParallelConfig(), device="cpu", seed=1)
     try:
-        config = DatasetConfig(data_args_path=str(args_file), split="100,0,0",
-                               data_cache_path=str(tmp_path / "cache"))  # fmt: skip
+        config = DatasetConfig(
+            data_args_path=str(args_file), split="100,0,0", data_cache_path=str(tmp_path / "cache")
+        )
         samples = 4000
-        train, *_ = build_datasets(config, build_tokenizer("TekkenTokenizer"), seq_length=64,
-                                   seed=5, num_samples=(samples, 0, 0))  # fmt: skip
+        train, *_ = build_datasets(
+            config,
+            build_tokenizer("TekkenTokenizer"),
+            seq_length=64,
+            seed=5,
+            num_samples=(samples, 0, 0),
+        )
     finally:
         parallel.shutdown()
     per_source = np.bincount(np.array(sources)[train.dataset_index[:samples]], minlength=2)
     # megatron-core's blending is deterministic: each dataset within one sample of its share
     assert np.abs(per_source / samples - [0.75, 0.25]).max() <= len(sources) / samples
 
-    run = run_entry(PRETRAIN, ["--model-preset", "tiny", "--train-iters", "2", "--global-batch-size",
-                               "2", "--micro-batch-size", "1", "--eval-iters", "0",
-                               "--data-args-path", str(args_file), "--split", "100,0,0", "--log-interval", "1",
-                               "--data-cache-path", str(tmp_path / "run-cache")])  # fmt: skip
+    run = run_entry(
+        PRETRAIN,
+        [
+            "--model-preset",
+            "tiny",
+            "--train-iters",
+            "2",
+            "--global-batch-size",
+            "2",
+            "--micro-batch-size",
+            "1",
+            "--eval-iters",
+            "0",
+            "--data-args-path",
+            str(args_file),
+            "--split",
+            "100,0,0",
+            "--log-interval",
+            "1",
+            "--data-cache-path",
+            str(tmp_path / "run-cache"),
+        ],
+    )
     assert "iteration        2/" in run.stdout
     descriptions = "".join(
         p.read_text() for p in (tmp_path / "run-cache").rglob("*description.txt")

@@ -21,8 +21,9 @@ DOCS = embedded_documents()
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(TOOL), *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
 
 
 def write_jsonl(path: Path, docs: list[str]) -> Path:
@@ -72,18 +73,18 @@ def test_broken_lines_are_reported_skipped_and_counted(tmp_path, tekken):
     good = DOCS[:6]
     lines = [
         json.dumps({"text": good[0]}).encode(),
-        b'{"text": "unterminated',                                  # line 2: invalid JSON
+        b'{"text": "unterminated',  # line 2: invalid JSON
         json.dumps({"text": good[1]}).encode(),
-        json.dumps({"title": "no text key"}).encode(),             # line 4: missing key
+        json.dumps({"title": "no text key"}).encode(),  # line 4: missing key
         json.dumps({"text": good[2]}).encode(),
-        b'{"text": "caf\xe9 latin-1"}',                              # line 6: not UTF-8
-        json.dumps({"text": "   "}).encode(),                       # line 7: empty document
-        json.dumps(["a", "list"]).encode(),                         # line 8: not an object
+        b'{"text": "caf\xe9 latin-1"}',  # line 6: not UTF-8
+        json.dumps({"text": "   "}).encode(),  # line 7: empty document
+        json.dumps(["a", "list"]).encode(),  # line 8: not an object
         json.dumps({"text": good[3]}).encode(),
-        json.dumps({"text": 42}).encode(),                          # line 10: not a string
+        json.dumps({"text": 42}).encode(),  # line 10: not a string
         json.dumps({"text": good[4]}).encode(),
         json.dumps({"text": good[5]}).encode(),
-    ]  # fmt: skip
+    ]
     source = tmp_path / "broken.jsonl"
     source.write_bytes(b"\n".join(lines) + b"\n")
     proc = run_tool("--input", str(source), "--output-prefix", str(tmp_path / "out"))
@@ -92,8 +93,14 @@ def test_broken_lines_are_reported_skipped_and_counted(tmp_path, tekken):
         assert f"{source}:{number}: skipped" in proc.stderr
     assert "wrote 6 documents" in proc.stdout
     assert "rejected 6 lines" in proc.stdout
-    for reason in ("invalid JSON", "missing key 'text'", "not UTF-8", "empty document in key 'text'",
-                   "not a JSON object but list", "key 'text' is int, not a string"):  # fmt: skip
+    for reason in (
+        "invalid JSON",
+        "missing key 'text'",
+        "not UTF-8",
+        "empty document in key 'text'",
+        "not a JSON object but list",
+        "key 'text' is int, not a string",
+    ):
         assert reason in proc.stdout
     documents = read_documents(str(tmp_path / "out_text_document"))
     assert [d.tolist() for d in documents] == [tekken.encode_document(t) for t in good]
@@ -102,8 +109,14 @@ def test_broken_lines_are_reported_skipped_and_counted(tmp_path, tekken):
 def test_workers_do_not_change_the_output(tmp_path):
     source = write_jsonl(tmp_path / "corpus.jsonl", DOCS[:30])
     for workers in ("1", "2"):
-        proc = run_tool("--input", str(source), "--output-prefix", str(tmp_path / f"w{workers}"),
-                        "--workers", workers)  # fmt: skip
+        proc = run_tool(
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(tmp_path / f"w{workers}"),
+            "--workers",
+            workers,
+        )
         assert proc.returncode == 0, proc.stderr
     for suffix in (".bin", ".idx"):
         one = (tmp_path / f"w1_text_document{suffix}").read_bytes()
@@ -121,11 +134,25 @@ def test_missing_input_fails_before_any_work(tmp_path):
 
 def test_unknown_tokenizer_fails_before_any_work(tmp_path):
     source = write_jsonl(tmp_path / "corpus.jsonl", DOCS[:2])
-    proc = run_tool("--input", str(source), "--output-prefix", str(tmp_path / "out"),
-                    "--tokenizer-type", "GPT2BPETokenizer")  # fmt: skip
+    proc = run_tool(
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+    )
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
-    proc = run_tool("--input", str(source), "--output-prefix", str(tmp_path / "out"),
-                    "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "x"))  # fmt: skip
+    proc = run_tool(
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(tmp_path / "x"),
+    )
     assert proc.returncode == 2 and "no such file or directory" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
 

@@ -44,14 +44,35 @@ def run_tool(tmp_path: Path, *args: str, nltk_data: Path | None = None):
     source = tmp_path / "corpus.jsonl"
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     env = dict(os.environ, PYTHONPATH=str(REPO), NLTK_DATA=str(nltk_data or tmp_path / "none"))
-    return subprocess.run([sys.executable, str(TOOL), "--input", str(source), "--output-prefix",
-                           str(tmp_path / "out"), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_no_bos_append_eod_is_upstreams_token_stream(tmp_path, tekken):
-    proc = run_tool(tmp_path, "--no-bos", "--append-eod", "--partitions", "2",
-                    "--keep-sequential-samples", "--log-interval", "5")  # fmt: skip
+    proc = run_tool(
+        tmp_path,
+        "--no-bos",
+        "--append-eod",
+        "--partitions",
+        "2",
+        "--keep-sequential-samples",
+        "--log-interval",
+        "5",
+    )
     assert proc.returncode == 0, proc.stderr
     dataset = IndexedDataset(str(tmp_path / "out_text_document"))
     # Megatron-LM's Encoder: tokenize(text), then the eod id appended; no <s>
@@ -103,10 +124,17 @@ def test_strict_exit_status_says_lines_were_rejected(tmp_path):
     source = tmp_path / "bad.jsonl"
     source.write_text(json.dumps({"text": DOCS[0]}) + "\n{broken\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [sys.executable, str(TOOL), "--input", str(source), "--output-prefix",
-               str(tmp_path / "out")]  # fmt: skip
+    command = [
+        sys.executable,
+        str(TOOL),
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(tmp_path / "out"),
+    ]
     lenient = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    strict = subprocess.run([*command, "--strict"], cwd=REPO, env=env, capture_output=True,
-                            text=True)  # fmt: skip
+    strict = subprocess.run(
+        [*command, "--strict"], cwd=REPO, env=env, capture_output=True, text=True
+    )
     assert (lenient.returncode, strict.returncode) == (0, 1)
     assert "rejected 1 lines" in strict.stdout

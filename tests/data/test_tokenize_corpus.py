@@ -25,8 +25,12 @@ TOKENIZE = REPO / "tools" / "tokenize_corpus.py"
 PREPROCESS = REPO / "tools" / "preprocess_data.py"
 MERGE = REPO / "tools" / "merge_datasets.py"
 DOCS = embedded_documents()
-BAD_LINES = [b'{"text": "unterminated', b'{"text": "caf\xe9"}', b'{"title": "no text"}',
-             b'{"text": "  "}']  # fmt: skip
+BAD_LINES = [
+    b'{"text": "unterminated',
+    b'{"text": "caf\xe9"}',
+    b'{"title": "no text"}',
+    b'{"text": "  "}',
+]
 
 
 def tool_env() -> dict[str, str]:
@@ -34,8 +38,14 @@ def tool_env() -> dict[str, str]:
 
 
 def run_tool(script: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=tool_env(),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=REPO,
+        env=tool_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def json_line(text: str) -> bytes:
@@ -77,8 +87,17 @@ def corpus(tmp_path_factory):
     inputs = write_corpus(root / "corpus")
     reference = run_tool(PREPROCESS, "--input", *inputs, "--output-prefix", str(root / "ref"))
     assert reference.returncode == 0, reference.stderr
-    local = run_tool(TOKENIZE, "--input", *inputs, "--output-dir", str(root / "local"),
-                     "--executor", "local", "--workers", "2")  # fmt: skip
+    local = run_tool(
+        TOKENIZE,
+        "--input",
+        *inputs,
+        "--output-dir",
+        str(root / "local"),
+        "--executor",
+        "local",
+        "--workers",
+        "2",
+    )
     assert local.returncode == 0, local.stderr[-3000:]
     return root, inputs, reference, local
 
@@ -115,8 +134,9 @@ def test_killed_task_rerun_alone_gives_the_same_bytes(corpus, tmp_path):
     root, inputs, *_ = corpus
     out = tmp_path / "out"
     command = [sys.executable, str(TOKENIZE), "--input", *inputs, "--output-dir", str(out)]
-    proc = subprocess.Popen(command, cwd=REPO, env=tool_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     started = out / "00001_text_document.tmp.bin"
     deadline = time.monotonic() + 300
     while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -132,8 +152,9 @@ def test_killed_task_rerun_alone_gives_the_same_bytes(corpus, tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "skipping 1 completed tasks" in rerun.stderr
     assert "wrote 4 datasets (3 in this run, 1 complete before)" in rerun.stdout
-    this_run = sum(json.loads(Path(p + ".meta.json").read_text())["tokens"]
-                   for p in task_prefixes(out, 4)[1:])  # fmt: skip
+    this_run = sum(
+        json.loads(Path(p + ".meta.json").read_text())["tokens"] for p in task_prefixes(out, 4)[1:]
+    )
     assert f"this run: {this_run} tokens in" in rerun.stdout
     assert (out / "00000_text_document.bin").stat().st_mtime_ns == first_task
     for ours, theirs in zip(task_prefixes(out, 4), task_prefixes(root / "local", 4)):
@@ -158,8 +179,9 @@ def alive(pid: int) -> bool:
 
 
 def start_and_wait_for_task(command: list[str], started: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(command, cwd=REPO, env=tool_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 300
     while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -171,8 +193,18 @@ def test_a_killed_worker_is_named_and_a_rerun_finishes_the_job(corpus, tmp_path)
     """datatrove's own pool waited forever for a task killed with SIGKILL."""
     root, inputs, *_ = corpus
     out = tmp_path / "out"
-    command = [sys.executable, str(TOKENIZE), "--input", *inputs, "--output-dir", str(out),
-               "--workers", "2", "--merge-prefix", str(tmp_path / "merged")]  # fmt: skip
+    command = [
+        sys.executable,
+        str(TOKENIZE),
+        "--input",
+        *inputs,
+        "--output-dir",
+        str(out),
+        "--workers",
+        "2",
+        "--merge-prefix",
+        str(tmp_path / "merged"),
+    ]
     proc = start_and_wait_for_task(command, out / "00000_text_document.tmp.bin")
     os.kill(children(proc.pid)[0], signal.SIGKILL)  # the first task started: task 0
     _, stderr = proc.communicate(timeout=600)
@@ -195,8 +227,16 @@ def test_a_killed_worker_is_named_and_a_rerun_finishes_the_job(corpus, tmp_path)
 def test_tasks_end_with_their_parent(corpus, tmp_path):
     root, inputs, *_ = corpus
     out = tmp_path / "out"
-    command = [sys.executable, str(TOKENIZE), "--input", *inputs, "--output-dir", str(out),
-               "--workers", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(TOKENIZE),
+        "--input",
+        *inputs,
+        "--output-dir",
+        str(out),
+        "--workers",
+        "2",
+    ]
     proc = start_and_wait_for_task(command, out / "00000_text_document.tmp.bin")
     workers = children(proc.pid)
     assert workers
@@ -211,13 +251,31 @@ def test_tasks_end_with_their_parent(corpus, tmp_path):
 def test_slurm_without_sbatch_on_path_says_so(corpus, tmp_path):
     _, inputs, *_ = corpus
     env = dict(tool_env(), PATH=os.path.dirname(sys.executable))
-    proc = subprocess.run([sys.executable, str(TOKENIZE), "--input", *inputs, "--output-dir",
-                           str(tmp_path / "out"), "--executor", "slurm", "--partition", "normal"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TOKENIZE),
+            "--input",
+            *inputs,
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--executor",
+            "slurm",
+            "--partition",
+            "normal",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == ("tokenize_corpus.py: error: --executor slurm: sbatch is not "
-                                   "on PATH (run this on a Slurm login node, or use --executor "
-                                   "local)")  # fmt: skip
+    assert proc.stderr.strip() == (
+        "tokenize_corpus.py: error: --executor slurm: sbatch is not "
+        "on PATH (run this on a Slurm login node, or use --executor "
+        "local)"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -229,8 +287,14 @@ def test_parquet_shards_give_the_jsonl_stream(corpus, tmp_path):
     half = len(DOCS) // 2
     for name, texts in (("a", DOCS[:half]), ("b", [None, *DOCS[half:]])):
         pq.write_table(pa.table({"text": texts}), tmp_path / f"{name}.parquet", row_group_size=7)
-    proc = run_tool(TOKENIZE, "--input", str(tmp_path / "*.parquet"), "--output-dir",
-                    str(tmp_path / "out"), "--strict")  # fmt: skip
+    proc = run_tool(
+        TOKENIZE,
+        "--input",
+        str(tmp_path / "*.parquet"),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--strict",
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]  # the null row is rejected
     assert "b.parquet:1: skipped: key 'text' is NoneType, not a string" in proc.stderr
     reference = documents([str(root / "ref_text_document")])
@@ -268,8 +332,9 @@ def test_merge_refuses_parts_of_another_tokenizer_setting(corpus, tmp_path):
     (parts / "x_text_document.meta.json").unlink()
     merged = run_tool(MERGE, "--input", str(parts), "--output-prefix", str(tmp_path / "m"))
     assert merged.returncode == 2 and "x_text_document.meta.json is missing" in merged.stderr
-    unchecked = run_tool(MERGE, "--input", str(parts), "--output-prefix", str(tmp_path / "m"),
-                         "--no-tokenizer-check")  # fmt: skip
+    unchecked = run_tool(
+        MERGE, "--input", str(parts), "--output-prefix", str(tmp_path / "m"), "--no-tokenizer-check"
+    )
     assert unchecked.returncode == 0, unchecked.stderr
     assert not list(tmp_path.glob("m.tmp*"))
 
@@ -280,8 +345,9 @@ def test_empty_and_unreadable_shards_are_named_and_the_rest_is_kept(corpus, tmp_
     empty.write_bytes(b"")
     broken.write_bytes(gzip.compress(json_line(DOCS[0]))[:-12])  # truncated: no gzip trailer
     out = tmp_path / "out"
-    proc = run_tool(TOKENIZE, "--input", inputs[0], str(empty), str(broken), "--output-dir",
-                    str(out))  # fmt: skip
+    proc = run_tool(
+        TOKENIZE, "--input", inputs[0], str(empty), str(broken), "--output-dir", str(out)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{empty}: empty shard (no lines)" in proc.stderr
     assert f"{broken}:1: skipped: unreadable shard (EOFError: Compressed file ended" in proc.stderr

@@ -29,8 +29,14 @@ def tool(
     name: str, *args: str, prefix: tuple[str, ...] = (), **kwargs
 ) -> subprocess.CompletedProcess:
     kwargs.setdefault("env", dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
-    return subprocess.run([*prefix, sys.executable, str(TOOLS / name), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, **kwargs)  # fmt: skip
+    return subprocess.run(
+        [*prefix, sys.executable, str(TOOLS / name), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kwargs,
+    )
 
 
 def assert_one_line_exit_2(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -83,16 +89,28 @@ def test_unwritable_output_directory_is_one_line_in_every_writing_tool(shared_di
     # datasets to merge and mix: written by this user, into a folder every user can read
     data = shared_dir / "data"
     data.mkdir(mode=0o755)
-    assert tool("preprocess_data.py", "--input", str(source),
-                "--output-prefix", str(data / "c")).returncode == 0  # fmt: skip
+    assert (
+        tool(
+            "preprocess_data.py", "--input", str(source), "--output-prefix", str(data / "c")
+        ).returncode
+        == 0
+    )
     for path in data.iterdir():
         path.chmod(0o644)
     runs = {
         "preprocess_data.py": ["--input", str(source), "--output-prefix", str(out / "c")],
         "tokenize_corpus.py": ["--input", str(source), "--output-dir", str(out / "tokens")],
         "merge_datasets.py": ["--input", str(data), "--output-prefix", str(out / "m")],
-        "build_mixture.py": ["--folders", str(data), "--weights", "1", "--max-tokens", "10",
-                             "--output", str(out / "mix")],  # fmt: skip
+        "build_mixture.py": [
+            "--folders",
+            str(data),
+            "--weights",
+            "1",
+            "--max-tokens",
+            "10",
+            "--output",
+            str(out / "mix"),
+        ],
     }
     for name, args in runs.items():
         proc = tool(name, *args, **as_other_user(shared_dir))
@@ -100,8 +118,9 @@ def test_unwritable_output_directory_is_one_line_in_every_writing_tool(shared_di
         assert not list(out.iterdir()), name
 
 
-@pytest.mark.parametrize("content", ["", "not json\n{\"title\": \"no text\"}\n\n"],
-                         ids=["empty", "all-malformed"])  # fmt: skip
+@pytest.mark.parametrize(
+    "content", ["", 'not json\n{"title": "no text"}\n\n'], ids=["empty", "all-malformed"]
+)
 def test_input_without_a_usable_line_writes_nothing(tmp_path, content):
     source = tmp_path / "in.jsonl"
     source.write_text(content)
@@ -127,10 +146,25 @@ def test_interrupted_preprocessing_ends_quietly_and_leaves_nothing(tmp_path, sig
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, str(TOOLS / "preprocess_data.py"), "--input", str(source),
-               "--output-prefix", str(out / "c"), "--workers", "2"]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    command = [
+        sys.executable,
+        str(TOOLS / "preprocess_data.py"),
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(out / "c"),
+        "--workers",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     started = out / "c_text_document.tmp.bin"
     deadline = time.monotonic() + 300
     while (not started.exists() or started.stat().st_size == 0) and time.monotonic() < deadline:
@@ -149,7 +183,18 @@ def test_interrupted_preprocessing_ends_quietly_and_leaves_nothing(tmp_path, sig
 
 @pytest.mark.parametrize("weight", ["nan", "inf", "-1"])
 def test_mixture_weights_must_be_positive_finite_numbers(tmp_path, weight):
-    proc = tool("build_mixture.py", "--folders", str(tmp_path), str(tmp_path), "--weights",
-                weight, "1", "--max-tokens", "100", "--output", str(tmp_path / "mix"))  # fmt: skip
+    proc = tool(
+        "build_mixture.py",
+        "--folders",
+        str(tmp_path),
+        str(tmp_path),
+        "--weights",
+        weight,
+        "1",
+        "--max-tokens",
+        "100",
+        "--output",
+        str(tmp_path / "mix"),
+    )
     assert_one_line_exit_2(proc, f"--weights {float(weight)} 1.0", "positive finite number")
     assert not (tmp_path / "mix").exists()

@@ -27,25 +27,80 @@ GENERATE = REPO / "tools" / "generate_teacher_logits.py"
 TOPK = 16
 SAMPLES_PER_BLOCK = 8
 # The student's run: its order of samples is what the teacher logits must follow.
-STUDENT_DATA = ["--seed", "11", "--global-batch-size", "4", "--micro-batch-size", "2",
-                "--train-iters", "6", "--eval-iters", "1"]  # fmt: skip
-STUDENT = ["--model-preset", "tiny", "--num-layers", "2", "--lr", "3e-3", "--log-interval", "1",
-           "--lr-decay-style", "WSD", "--lr-warmup-iters", "2", "--lr-wsd-decay-iters", "2",
-           "--goldfish-loss", *STUDENT_DATA]  # fmt: skip
+STUDENT_DATA = [
+    "--seed",
+    "11",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "6",
+    "--eval-iters",
+    "1",
+]
+STUDENT = [
+    "--model-preset",
+    "tiny",
+    "--num-layers",
+    "2",
+    "--lr",
+    "3e-3",
+    "--log-interval",
+    "1",
+    "--lr-decay-style",
+    "WSD",
+    "--lr-warmup-iters",
+    "2",
+    "--lr-wsd-decay-iters",
+    "2",
+    "--goldfish-loss",
+    *STUDENT_DATA,
+]
 
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Path:
     save = tmp_path_factory.mktemp("teacher") / "ckpt"
-    run_entry(PRETRAIN, ["--model-preset", "tiny", "--seed", "3", "--lr", "3e-3", "--train-iters", "5",
-                         "--global-batch-size", "4", "--micro-batch-size", "2", "--save", str(save)])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        [
+            "--model-preset",
+            "tiny",
+            "--seed",
+            "3",
+            "--lr",
+            "3e-3",
+            "--train-iters",
+            "5",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--save",
+            str(save),
+        ],
+    )
     return save
 
 
 def generate(teacher: Path, out: Path, *, nproc: int = 1, extra: list[str] = ()) -> str:
-    proc = run_entry(GENERATE, ["--load", str(teacher), "--logits-dir", str(out), "--topk", str(TOPK),
-                                "--samples-per-block", str(SAMPLES_PER_BLOCK), *STUDENT_DATA, *extra],
-                     nproc=nproc)  # fmt: skip
+    proc = run_entry(
+        GENERATE,
+        [
+            "--load",
+            str(teacher),
+            "--logits-dir",
+            str(out),
+            "--topk",
+            str(TOPK),
+            "--samples-per-block",
+            str(SAMPLES_PER_BLOCK),
+            *STUDENT_DATA,
+            *extra,
+        ],
+        nproc=nproc,
+    )
     return proc.stdout + proc.stderr
 
 
@@ -62,11 +117,16 @@ def block_digests(store: Path, blocks: int) -> list[str]:
 
 def student_train_data(seq_length: int):
     """The student's training dataset (STUDENT_DATA); needs parallel.initialize."""
-    training = TrainingConfig(train_iters=6, global_batch_size=4, micro_batch_size=2,
-                              seed=11, eval_iters=1)  # fmt: skip
-    train, _, _ = build_datasets(DatasetConfig(), build_tokenizer("TekkenTokenizer", None),
-                                 seq_length=seq_length, seed=training.seed,
-                                 num_samples=training.dataset_sizes())  # fmt: skip
+    training = TrainingConfig(
+        train_iters=6, global_batch_size=4, micro_batch_size=2, seed=11, eval_iters=1
+    )
+    train, _, _ = build_datasets(
+        DatasetConfig(),
+        build_tokenizer("TekkenTokenizer", None),
+        seq_length=seq_length,
+        seed=training.seed,
+        num_samples=training.dataset_sizes(),
+    )
     return train
 
 
@@ -127,8 +187,18 @@ def test_parallel_generation_matches_one_process_and_resumes(teacher, logits, tm
     regenerated alone by re-running the command."""
     tp2, tp2_chunked, dp2 = tmp_path / "tp2", tmp_path / "tp2_chunked", tmp_path / "dp2"
     generate(teacher, tp2, nproc=2, extra=["--tensor-model-parallel-size", "2"])
-    generate(teacher, tp2_chunked, nproc=2, extra=["--tensor-model-parallel-size", "2",
-                                                   "--sequence-parallel", "--topk-chunk-rows", "64"])  # fmt: skip
+    generate(
+        teacher,
+        tp2_chunked,
+        nproc=2,
+        extra=[
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--topk-chunk-rows",
+            "64",
+        ],
+    )
     generate(teacher, dp2, nproc=2)
     reference = LogitStoreReader(logits).read(range(24))
     sharded = LogitStoreReader(tp2).read(range(24))
@@ -151,15 +221,29 @@ def test_student_distils_and_resumes_at_the_right_logit_position(logits, tmp_pat
     run_entry(PRETRAIN, STUDENT + distil + ["--log-json", str(tmp_path / "full.json")])
     save = tmp_path / "ckpt"
     run_entry(PRETRAIN, STUDENT + distil + ["--save", str(save), "--exit-interval", "3"])
-    run_entry(PRETRAIN, STUDENT + distil + ["--save", str(save), "--load", str(save),
-                                            "--log-json", str(tmp_path / "resumed.json")])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        STUDENT
+        + distil
+        + ["--save", str(save), "--load", str(save), "--log-json", str(tmp_path / "resumed.json")],
+    )
     full = series(read_json(tmp_path / "full.json"), "train/loss")
     resumed = series(read_json(tmp_path / "resumed.json"), "train/loss")
     assert full == resumed and len(full[0]) == 6
 
     # alpha = 0 ignores the teacher: bitwise the cross-entropy run
-    run_entry(PRETRAIN, STUDENT + ["--distill-logits-path", str(logits), "--kd-alpha", "0",
-                                   "--log-json", str(tmp_path / "alpha0.json")])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        STUDENT
+        + [
+            "--distill-logits-path",
+            str(logits),
+            "--kd-alpha",
+            "0",
+            "--log-json",
+            str(tmp_path / "alpha0.json"),
+        ],
+    )
     run_entry(PRETRAIN, STUDENT + ["--log-json", str(tmp_path / "ce.json")])
     ce = series(read_json(tmp_path / "ce.json"), "train/loss")
     assert series(read_json(tmp_path / "alpha0.json"), "train/loss") == ce
@@ -170,8 +254,11 @@ def test_logits_of_other_data_are_refused_naming_the_sample(logits):
     other_order = [a if a != "11" else "12" for a in STUDENT]  # another data seed
     proc = subprocess.run(
         [sys.executable, str(PRETRAIN), *other_order, "--distill-logits-path", str(logits)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0
     assert "do not match the training data" in proc.stderr
     assert "sample" in proc.stderr and "position 0" in proc.stderr
@@ -186,18 +273,27 @@ def test_micro_batches_take_their_rows_of_the_prefetched_step(logits):
     try:
         train = student_train_data(reader.header.seq_length)
         config = DistillConfig(distill_logits_path=str(logits))
-        teacher = TeacherLogits(config, dataset=train, dataset_hash=train.unique_description_hash,
-                                seq_length=reader.header.seq_length, vocab_size=131072,
-                                first_position=0, last_position=24)  # fmt: skip
+        teacher = TeacherLogits(
+            config,
+            dataset=train,
+            dataset_hash=train.unique_description_hash,
+            seq_length=reader.header.seq_length,
+            vocab_size=131072,
+            first_position=0,
+            last_position=24,
+        )
         teacher.prefetch([0, 1, 2, 3])
         for step in range(3):
             positions = list(range(4 * step, 4 * step + 4))
-            micro_batches = [teacher.targets(half, [train[p] for p in half])
-                             for half in (positions[:2], positions[2:])]  # fmt: skip
+            micro_batches = [
+                teacher.targets(half, [train[p] for p in half])
+                for half in (positions[:2], positions[2:])
+            ]
             step_batch = teacher._ahead_batch  # the decode these micro-batches came from
             teacher.prefetch([p + 4 for p in positions])  # the next step, as the loop does
             assert step_batch is not None and step_batch.sample_keys.tolist() == [
-                dataset_key(train, p) for p in positions]  # fmt: skip
+                dataset_key(train, p) for p in positions
+            ]
             for half, got in zip((positions[:2], positions[2:]), micro_batches):
                 want = reader.read(half)
                 assert torch.equal(got.ids, want.ids) and torch.equal(got.probs, want.probs)

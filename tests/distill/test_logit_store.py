@@ -56,9 +56,14 @@ def teacher(samples: int, seq: int, k: int, seed: int = 0) -> tuple[np.ndarray, 
 
 def header(**overrides) -> StoreHeader:
     fields = dict(
-        k=K, vocab_size=VOCAB, seq_length=SEQ, num_samples=SAMPLES, samples_per_block=PER_BLOCK,
-        teacher="tiny@iter200", dataset_hash="data-v1",
-    )  # fmt: skip
+        k=K,
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        num_samples=SAMPLES,
+        samples_per_block=PER_BLOCK,
+        teacher="tiny@iter200",
+        dataset_hash="data-v1",
+    )
     return StoreHeader(**{**fields, **overrides})
 
 
@@ -68,8 +73,9 @@ def write_store(directory: Path, tokens: np.ndarray, rank: int = 0, world: int =
     for block in writer.pending_blocks():
         p = writer.block_positions(block)
         keys = [sample_key(t) for t in tokens[p.start : p.stop]]
-        writer.write_block(block, np.array(keys, np.uint64), ids[p.start : p.stop],
-                           logprobs[p.start : p.stop])  # fmt: skip
+        writer.write_block(
+            block, np.array(keys, np.uint64), ids[p.start : p.stop], logprobs[p.start : p.stop]
+        )
 
 
 @pytest.fixture

@@ -40,14 +40,16 @@ def full_kd_gradient(x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor) -> 
     return x.grad
 
 
-def per_row_gradient(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
-                     probs: torch.Tensor, tail: str) -> torch.Tensor:  # fmt: skip
+def per_row_gradient(
+    x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, tail: str
+) -> torch.Tensor:
     """The fused loss's d/dx of every row (alpha = 1: the KL term alone)."""
     x = x.clone().requires_grad_()
     rows = x.shape[0]
     labels, mask = torch.zeros(rows, dtype=torch.long), torch.ones(rows)
-    loss, _ = fused_linear_sparse_kd(x, weight, ids, probs, labels, mask, alpha=1.0, tail=tail,
-                                     impl="cpu")  # fmt: skip
+    loss, _ = fused_linear_sparse_kd(
+        x, weight, ids, probs, labels, mask, alpha=1.0, tail=tail, impl="cpu"
+    )
     loss.backward()
     return x.grad.double()
 
@@ -58,13 +60,16 @@ def stored_draws(p: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, torch.Te
     rng = np.random.default_rng(seed)
     cdf = np.cumsum(p.numpy(), axis=-1)
     uniforms = rng.random((REPLICAS, TOKENS, DRAWS))
-    draws = np.stack([np.searchsorted(cdf[t], uniforms[:, t], side="right")
-                      for t in range(TOKENS)], axis=1).clip(max=VOCAB - 1)  # fmt: skip
+    draws = np.stack(
+        [np.searchsorted(cdf[t], uniforms[:, t], side="right") for t in range(TOKENS)], axis=1
+    ).clip(max=VOCAB - 1)
     rows = REPLICAS * TOKENS
-    encoded = encode_sampled_block(draws.reshape(rows, DRAWS), samples=1, vocab_size=VOCAB,
-                                   zstd_level=3)  # fmt: skip
-    decoder = SampledBlockDecoder(encoded.tables, encoded.table_size, positions=rows,
-                                  draws=DRAWS, vocab_size=VOCAB)  # fmt: skip
+    encoded = encode_sampled_block(
+        draws.reshape(rows, DRAWS), samples=1, vocab_size=VOCAB, zstd_level=3
+    )
+    decoder = SampledBlockDecoder(
+        encoded.tables, encoded.table_size, positions=rows, draws=DRAWS, vocab_size=VOCAB
+    )
     ids, probs = np.empty((rows, DRAWS), np.int64), np.empty((rows, DRAWS), np.float32)
     frames = (int(encoded.frame_sizes[0, 0]), int(encoded.frame_sizes[0, 1]))
     decoder.decode(encoded.payloads[0], frames, int(encoded.escapes[0]), ids, probs)

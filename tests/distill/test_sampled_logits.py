@@ -31,8 +31,20 @@ DRAWS = 64
 
 
 def generate_sampled(teacher: Path, out: Path, *, nproc: int = 1, extra: list[str] = ()) -> str:
-    args = ["--load", str(teacher), "--logits-dir", str(out), "--sampling", "random", "--samples",
-            str(DRAWS), "--samples-per-block", str(SAMPLES_PER_BLOCK), *STUDENT_DATA, *extra]
+    args = [
+        "--load",
+        str(teacher),
+        "--logits-dir",
+        str(out),
+        "--sampling",
+        "random",
+        "--samples",
+        str(DRAWS),
+        "--samples-per-block",
+        str(SAMPLES_PER_BLOCK),
+        *STUDENT_DATA,
+        *extra,
+    ]
     proc = run_entry(GENERATE, args, nproc=nproc)
     return proc.stdout + proc.stderr
 
@@ -96,10 +108,25 @@ def test_draws_do_not_depend_on_layout_or_block_size_and_resume(
 
 
 def test_a_store_of_another_kind_is_not_resumed(teacher, sampled):  # noqa: F811
-    proc = subprocess.run([sys.executable, str(GENERATE), "--load", str(teacher), "--logits-dir",
-                           str(sampled), "--samples-per-block", str(SAMPLES_PER_BLOCK),
-                           "--topk", str(DRAWS), *STUDENT_DATA],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(GENERATE),
+            "--load",
+            str(teacher),
+            "--logits-dir",
+            str(sampled),
+            "--samples-per-block",
+            str(SAMPLES_PER_BLOCK),
+            "--topk",
+            str(DRAWS),
+            *STUDENT_DATA,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0 and "belongs to another run" in proc.stderr
     assert "kind: 'topk' != 'sampled'" in proc.stderr
 
@@ -109,7 +136,14 @@ def test_student_distils_from_a_sampled_store_and_resumes(sampled, tmp_path):
     run_entry(PRETRAIN, STUDENT + distil + ["--log-json", str(tmp_path / "full.json")])
     save = tmp_path / "ckpt"
     run_entry(PRETRAIN, STUDENT + distil + ["--save", str(save), "--exit-interval", "3"])
-    resumed = ["--save", str(save), "--load", str(save), "--log-json", str(tmp_path / "resumed.json")]
+    resumed = [
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--log-json",
+        str(tmp_path / "resumed.json"),
+    ]
     run_entry(PRETRAIN, STUDENT + distil + resumed)
     full = series(read_json(tmp_path / "full.json"), "train/loss")
     assert full == series(read_json(tmp_path / "resumed.json"), "train/loss")
@@ -119,9 +153,14 @@ def test_student_distils_from_a_sampled_store_and_resumes(sampled, tmp_path):
 def refusal(store: Path, student: list[str] = STUDENT) -> str:
     """The one error line of a student run on ``store`` (exit code 2, no traceback)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, str(PRETRAIN), *student, "--distill-logits-path",
-                           str(store)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(PRETRAIN), *student, "--distill-logits-path", str(store)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]

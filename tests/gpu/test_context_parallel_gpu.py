@@ -17,10 +17,33 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
-COMMON = ["--model-preset", "tiny", "--hidden-size", "256", "--ffn-hidden-size", "768",
-          "--seq-length", "256", "--seed", "5", "--lr", "3e-3", "--global-batch-size", "4",
-          "--micro-batch-size", "2", "--train-iters", "3", "--eval-iters", "0",
-          "--log-interval", "1", "--device", "cuda", "--deterministic-mode"]  # fmt: skip
+COMMON = [
+    "--model-preset",
+    "tiny",
+    "--hidden-size",
+    "256",
+    "--ffn-hidden-size",
+    "768",
+    "--seq-length",
+    "256",
+    "--seed",
+    "5",
+    "--lr",
+    "3e-3",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "3",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--device",
+    "cuda",
+    "--deterministic-mode",
+]
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 TE = ["--transformer-impl", "transformer_engine"]
 LOCAL = ["--transformer-impl", "local"]
@@ -42,7 +65,8 @@ def test_cp2_on_two_gpus_matches_one_gpu(tmp_path, impl, comm, packed):
         pytest.skip(f"needs Transformer Engine ({transformer_engine_error()})")
     args = (TE if impl == "transformer_engine" else LOCAL) + (PACKED if packed else [])
     one = _losses(tmp_path, "cp1", args, 1)
-    two = _losses(tmp_path, "cp2", args + ["--context-parallel-size", "2", "--cp-comm-type", comm],
-                  2)  # fmt: skip
+    two = _losses(
+        tmp_path, "cp2", args + ["--context-parallel-size", "2", "--cp-comm-type", comm], 2
+    )
     assert len(two) == len(one) == 3
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=RTOL[impl], atol=0)

@@ -20,10 +20,34 @@ pytestmark = [
 
 def test_pretrain_bf16_on_cuda(tmp_path):
     log = tmp_path / "history.json"
-    cmd = [sys.executable, str(PRETRAIN), "--device", "cuda", "--precision", "bf16",
-           "--model-preset", "tiny", "--hidden-size", "256", "--ffn-hidden-size", "768",
-           "--train-iters", "30", "--global-batch-size", "8", "--micro-batch-size", "4",
-           "--lr", "3e-3", "--log-interval", "10", "--eval-iters", "2", "--log-json", str(log)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(PRETRAIN),
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--model-preset",
+        "tiny",
+        "--hidden-size",
+        "256",
+        "--ffn-hidden-size",
+        "768",
+        "--train-iters",
+        "30",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--log-interval",
+        "10",
+        "--eval-iters",
+        "2",
+        "--log-json",
+        str(log),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = series(read_json(log), "train/loss")[1]
@@ -41,8 +65,12 @@ def test_bf16_forward_backward_close_to_fp32():
     try:
         fp32 = build_model(model, ParallelConfig())[0]
         bf16 = build_model(model, ParallelConfig(), params_dtype=torch.bfloat16)[0]
-        bf16.load_state_dict({k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
-                              for k, v in fp32.state_dict().items()})  # fmt: skip
+        bf16.load_state_dict(
+            {
+                k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in fp32.state_dict().items()
+            }
+        )
         tokens = torch.randint(0, model.vocab_size, (2, 128), device="cuda")
         positions = torch.arange(128, device="cuda").expand(2, -1)
         losses = {}

@@ -42,8 +42,9 @@ def build(model, impl: str):
     from megatron.apertus.model import ParallelConfig
     from megatron.apertus.model.builder import build_model
 
-    chunk = build_model(model, ParallelConfig(), params_dtype=torch.bfloat16,
-                        transformer_impl=impl)[0]  # fmt: skip
+    chunk = build_model(
+        model, ParallelConfig(), params_dtype=torch.bfloat16, transformer_impl=impl
+    )[0]
     return chunk.eval()
 
 
@@ -61,8 +62,14 @@ def real_documents(lengths: list[int]) -> tuple[list[list[int]], int]:
 def batch_of(rows: list[list[int]], eod: int, pack: bool):
     from megatron.apertus.data.batches import BatchConfig, collate
 
-    samples = [{"tokens": torch.tensor(r), "labels": torch.tensor(r[1:] + [eod]),
-                "loss_mask": torch.ones(len(r))} for r in rows]  # fmt: skip
+    samples = [
+        {
+            "tokens": torch.tensor(r),
+            "labels": torch.tensor(r[1:] + [eod]),
+            "loss_mask": torch.ones(len(r)),
+        }
+        for r in rows
+    ]
     return collate(samples, BatchConfig(eod=eod, pack_documents=pack))
 
 
@@ -70,8 +77,12 @@ def logits(chunk, batch) -> torch.Tensor:
     from megatron.apertus.training.step import packed_seq_params_to
 
     with torch.no_grad():
-        return chunk(batch.tokens.cuda(), batch.position_ids.cuda(), None,
-                     packed_seq_params=packed_seq_params_to(batch.packed_seq_params, "cuda")).float()  # fmt: skip
+        return chunk(
+            batch.tokens.cuda(),
+            batch.position_ids.cuda(),
+            None,
+            packed_seq_params=packed_seq_params_to(batch.packed_seq_params, "cuda"),
+        ).float()
 
 
 @needs_te
@@ -121,8 +132,13 @@ def test_varlen_attention_matches_per_document_sdpa(gpu):
     attention = SDPAttention(config, 1, AttnMaskType.causal, "self")
     lengths = [300, 17, 1000, 1, 731]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.cuda(), cu_seqlens_kv=cu.cuda(),
-                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))  # fmt: skip
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu.cuda(),
+        cu_seqlens_kv=cu.cuda(),
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+    )
     t = sum(lengths)
     q = torch.randn(t, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -145,14 +161,49 @@ def pretrain(
 ) -> list[float] | str:
     """Losses of a run (or, when it must fail with ``code``, its last line of stderr)."""
     log = tmp_path / f"{name}.json"
-    cmd = [sys.executable, str(PRETRAIN), "--device", "cuda", "--precision", "bf16",
-           "--model-preset", "tiny", "--hidden-size", "256", "--ffn-hidden-size", "768",
-           "--seq-length", "256", "--train-iters", str(iters), "--global-batch-size", "8",
-           "--micro-batch-size", "4", "--lr", "3e-3", "--log-interval", "1", "--eval-iters", "1",
-           "--reset-attention-mask", "--reset-position-ids", "--log-json", str(log), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(PRETRAIN),
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--model-preset",
+        "tiny",
+        "--hidden-size",
+        "256",
+        "--ffn-hidden-size",
+        "768",
+        "--seq-length",
+        "256",
+        "--train-iters",
+        str(iters),
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "1",
+        "--reset-attention-mask",
+        "--reset-position-ids",
+        "--log-json",
+        str(log),
+        *extra,
+    ]
     # errors="replace": a library may print bytes that are not UTF-8
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, errors="replace",
-                          timeout=900, env={**os.environ, **(env or {})})  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=900,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
     if code:
         return proc.stderr.strip().splitlines()[-1]
@@ -160,8 +211,18 @@ def pretrain(
     return series(read_json(log), "train/loss")[1]
 
 
-FP8 = ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid",
-       "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"]  # fmt: skip
+FP8 = [
+    "--transformer-impl",
+    "transformer_engine",
+    "--fp8-format",
+    "hybrid",
+    "--fp8-recipe",
+    "delayed",
+    "--fp8-amax-history-len",
+    "16",
+    "--fp8-amax-compute-algo",
+    "max",
+]
 
 
 @needs_te
@@ -171,14 +232,16 @@ def test_fp8_trains_is_deterministic_and_resumes_exactly(tmp_path):
     assert first[-1] < first[0] - 1.0
     assert first == again, (first, again)
     ckpt = str(tmp_path / "ckpt")
-    pretrain(tmp_path, "fp8-stop", *FP8, "--deterministic-mode", "--save", ckpt,
-             "--exit-interval", "4")  # fmt: skip
+    pretrain(
+        tmp_path, "fp8-stop", *FP8, "--deterministic-mode", "--save", ckpt, "--exit-interval", "4"
+    )
     resume = [*FP8, "--deterministic-mode", "--save", ckpt, "--load", ckpt]
     # TE keeps delayed-scaling state as a pickle: loaded only when the user says the file is trusted.
     refusal = pretrain(tmp_path, "fp8-refused", *resume, code=2)
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in refusal and str(ckpt) in refusal
-    resumed = pretrain(tmp_path, "fp8-resumed", *resume,
-                       env={"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"})  # fmt: skip
+    resumed = pretrain(
+        tmp_path, "fp8-resumed", *resume, env={"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"}
+    )
     # The amax history and scales come back with the weights: the continuation is bitwise equal.
     assert resumed[-4:] == first[-4:], (resumed, first)
 
@@ -190,8 +253,19 @@ def test_local_packed_runs_are_deterministic(tmp_path):
 
 @needs_te
 def test_intermediate_metrics_under_fp8(tmp_path):
-    pretrain(tmp_path, "metrics", *FP8, "--log-intermediate-metrics", "rms", "kurtosis",
-             "underflow", "overflow", "--log-intermediate-metrics-interval", "4", iters=4)  # fmt: skip
+    pretrain(
+        tmp_path,
+        "metrics",
+        *FP8,
+        "--log-intermediate-metrics",
+        "rms",
+        "kurtosis",
+        "underflow",
+        "overflow",
+        "--log-intermediate-metrics-interval",
+        "4",
+        iters=4,
+    )
     history = read_json(tmp_path / "metrics.json")
     kurtosis = history["intermediate/layer001/fc2/kurtosis"]
     assert [i for i, _ in kurtosis] == [1, 4] and all(v > 1.0 for _, v in kurtosis)

@@ -56,17 +56,26 @@ def _random_batches(run, count: int):
     b, s = run.training.micro_batch_size, positions.numel()
     for _ in range(count):
         tokens = torch.randint(0, run.model.vocab_size, (b, s), generator=generator)
-        yield Batch(tokens=tokens, labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(b, s),
-                    position_ids=positions.expand(b, s).contiguous())  # fmt: skip
+        yield Batch(
+            tokens=tokens,
+            labels=torch.roll(tokens, -1, 1),
+            loss_mask=torch.ones(b, s),
+            position_ids=positions.expand(b, s).contiguous(),
+        )
 
 
 def _build(run):
     from megatron.apertus.model.builder import build_model
     from megatron.apertus.model.config import dtype_from_name
 
-    chunks = build_model(run.model, run.parallel, fused_loss=True, use_cpu_initialization=True,
-                         params_dtype=dtype_from_name(run.training.precision),
-                         **run.training.recompute_overrides())  # fmt: skip
+    chunks = build_model(
+        run.model,
+        run.parallel,
+        fused_loss=True,
+        use_cpu_initialization=True,
+        params_dtype=dtype_from_name(run.training.precision),
+        **run.training.recompute_overrides(),
+    )
     return chunks, chunks[0].config
 
 
@@ -97,8 +106,9 @@ def saved(run) -> dict:
     if not chunk.pre_process:  # a later pipeline stage: feed it a hidden state
         s, b, h = run.model.seq_length, run.training.micro_batch_size, run.model.hidden_size
         split = run.parallel.tensor_model_parallel_size if run.parallel.sequence_parallel else 1
-        hidden = torch.randn(s // split, b, h, dtype=next(chunk.parameters()).dtype,
-                             requires_grad=True)  # fmt: skip
+        hidden = torch.randn(
+            s // split, b, h, dtype=next(chunk.parameters()).dtype, requires_grad=True
+        )
         chunk.set_input_tensor(hidden)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         chunk(
@@ -118,14 +128,18 @@ def _train(run, dp: int, steps: int) -> list[float]:
 
     t = run.training
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-    shape = StepShape(num_microbatches=microbatches, seq_length=run.model.seq_length,
-                      micro_batch_size=t.micro_batch_size)  # fmt: skip
+    shape = StepShape(
+        num_microbatches=microbatches,
+        seq_length=run.model.seq_length,
+        micro_batch_size=t.micro_batch_size,
+    )
     chunks, config = _build(run)
     model = wrap_ddp(
         chunks, config, use_distributed_optimizer=run.optimizer.use_distributed_optimizer
     )
-    optimizer, _ = build_optimizer_and_scheduler(model, run.optimizer, ScheduleConfig(),
-                                                 AdEMAMixSettings(), t, precision=t.precision)  # fmt: skip
+    optimizer, _ = build_optimizer_and_scheduler(
+        model, run.optimizer, ScheduleConfig(), AdEMAMixSettings(), t, precision=t.precision
+    )
     losses = []
     for _ in range(steps):
         batches = list(_random_batches(run, microbatches))
@@ -146,16 +160,23 @@ def peak(run, dp: int, steps: int) -> dict:
 
     t = run.training
     init_num_microbatches_calculator(0, None, t.global_batch_size, t.micro_batch_size, dp)
-    small = dataclasses.replace(run.model, num_layers=run.parallel.pipeline_model_parallel_size,
-                                vocab_size=512, seq_length=32)  # fmt: skip
+    small = dataclasses.replace(
+        run.model,
+        num_layers=run.parallel.pipeline_model_parallel_size,
+        vocab_size=512,
+        seq_length=32,
+    )
     _train(dataclasses.replace(run, model=small), dp, steps=1)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     baseline = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     losses = _train(run, dp, steps)
-    return {"peak_growth_bytes": _status("VmHWM") - baseline, "baseline_bytes": baseline,
-            "losses": losses}  # fmt: skip
+    return {
+        "peak_growth_bytes": _status("VmHWM") - baseline,
+        "baseline_bytes": baseline,
+        "losses": losses,
+    }
 
 
 def main() -> None:

@@ -19,11 +19,28 @@ from megatron.apertus.launch.planner import (
 from megatron.apertus.model.config import ConfigError
 
 GH200 = dict(gpus_per_node=4, gpu_memory_gib=96)
-EIGHT_B_64K = ["--model-preset", "apertus-8b", "--precision", "bf16", "--optimizer", "ademamix",
-               "--use-distributed-optimizer", "--tensor-model-parallel-size", "4",
-               "--sequence-parallel", "--micro-batch-size", "1", "--global-batch-size", "128",
-               "--seq-length", "65536", "--max-position-embeddings", "65536",
-               "--train-iters", "100"]  # fmt: skip
+EIGHT_B_64K = [
+    "--model-preset",
+    "apertus-8b",
+    "--precision",
+    "bf16",
+    "--optimizer",
+    "ademamix",
+    "--use-distributed-optimizer",
+    "--tensor-model-parallel-size",
+    "4",
+    "--sequence-parallel",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "128",
+    "--seq-length",
+    "65536",
+    "--max-position-embeddings",
+    "65536",
+    "--train-iters",
+    "100",
+]
 
 
 def eight_b(cp: int, *extra: str, gpus: int = 512):
@@ -58,8 +75,15 @@ def test_cp_buffers_and_traffic_from_the_model_dimensions():
     assert result.peak.cp_buffers == 4 * block
     layers, microbatches = 32, result.microbatches
     assert result.cp_traffic_per_step == 3 * (4 - 1) * block * layers * microbatches
-    recomputed = eight_b(4, "--recompute-granularity", "full", "--recompute-method", "uniform",
-                         "--recompute-num-layers", "1")  # fmt: skip
+    recomputed = eight_b(
+        4,
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    )
     assert recomputed.cp_traffic_per_step == 4 * (4 - 1) * block * layers * microbatches
     assert eight_b(1).cp_traffic_per_step == 0 and eight_b(1).peak.cp_buffers == 0
 
@@ -67,12 +91,37 @@ def test_cp_buffers_and_traffic_from_the_model_dimensions():
 def test_block_recomputation_repeats_the_traffic_of_its_layers_only():
     """70B, TP4 PP8 with 5 virtual stages of 2 layers, CP 8, the first layer of each recomputed:
     10 layers per GPU, 5 of them twice; 8192 tokens per rank, 2 x 256 key/value channels."""
-    flags = ["--model-preset", "apertus-70b", "--precision", "bf16", "--tensor-model-parallel-size",
-             "4", "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage",
-             "2", "--sequence-parallel", "--context-parallel-size", "8", "--micro-batch-size", "1",
-             "--global-batch-size", "256", "--seq-length", "65536", "--max-position-embeddings",
-             "65536", "--train-iters", "10", "--recompute-granularity", "full",
-             "--recompute-method", "block", "--recompute-num-layers", "1"]  # fmt: skip
+    flags = [
+        "--model-preset",
+        "apertus-70b",
+        "--precision",
+        "bf16",
+        "--tensor-model-parallel-size",
+        "4",
+        "--pipeline-model-parallel-size",
+        "8",
+        "--num-layers-per-virtual-pipeline-stage",
+        "2",
+        "--sequence-parallel",
+        "--context-parallel-size",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "256",
+        "--seq-length",
+        "65536",
+        "--max-position-embeddings",
+        "65536",
+        "--train-iters",
+        "10",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "1",
+    ]
     result = plan(run_from_args(flags), Cluster(gpus=2048, **GH200))
     assert result.ok, result.problems
     block = 2 * 2 * (8 * 128 // 4) * (65536 // 8)
@@ -107,17 +156,28 @@ def test_cp_makes_the_64k_8b_layout_fit():
 
 @pytest.mark.parametrize(
     "extra, gpus, message",
-    [(["--context-parallel-size", "3", "--seq-length", "65532"], 512,
-      "world size (512) is not divisible by --tensor-model-parallel-size (4) x "
-      "--pipeline-model-parallel-size (1) x --context-parallel-size (3)"),
-     (["--context-parallel-size", "4", "--seq-length", "65512"], 512,
-      "--seq-length (65512) / --context-parallel-size (4) = 16378 tokens per rank is not "
-      "divisible by --tensor-model-parallel-size (4)"),
-     (["--context-parallel-size", "4", "--cp-comm-type", "a2a"], 512,
-      "--cp-comm-type a2a: --num-query-groups (8) / --tensor-model-parallel-size (4) = 2 per rank "
-      "is not divisible by --context-parallel-size (4)")],
+    [
+        (
+            ["--context-parallel-size", "3", "--seq-length", "65532"],
+            512,
+            "world size (512) is not divisible by --tensor-model-parallel-size (4) x "
+            "--pipeline-model-parallel-size (1) x --context-parallel-size (3)",
+        ),
+        (
+            ["--context-parallel-size", "4", "--seq-length", "65512"],
+            512,
+            "--seq-length (65512) / --context-parallel-size (4) = 16378 tokens per rank is not "
+            "divisible by --tensor-model-parallel-size (4)",
+        ),
+        (
+            ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
+            512,
+            "--cp-comm-type a2a: --num-query-groups (8) / --tensor-model-parallel-size (4) = 2 per rank "
+            "is not divisible by --context-parallel-size (4)",
+        ),
+    ],
     ids=["world-size", "seq-per-rank-over-tp", "a2a-query-groups"],
-)  # fmt: skip
+)
 def test_refusals_name_the_flags(extra, gpus, message):
     result = plan(run_from_args(EIGHT_B_64K + extra), Cluster(gpus=gpus, **GH200))
     assert any(problem.startswith(message) for problem in result.problems), result.problems
@@ -125,8 +185,10 @@ def test_refusals_name_the_flags(extra, gpus, message):
 
 
 def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused_when_parsed():
-    with pytest.raises(ConfigError, match=r"--seq-length \(65532\) is not divisible by 2 x "
-                                          r"--context-parallel-size \(4\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"--seq-length \(65532\) is not divisible by 2 x " r"--context-parallel-size \(4\)",
+    ):
         run_from_args(EIGHT_B_64K + ["--context-parallel-size", "4", "--seq-length", "65532"])
 
 
@@ -136,11 +198,21 @@ def test_unknown_cp_comm_type_is_refused():
 
 
 def test_sweep_keeps_the_tokens_per_step():
-    flags = EIGHT_B_64K + ["--seq-length", "8192", "--max-position-embeddings", "8192",
-                           "--global-batch-size", "1024"]  # fmt: skip
+    flags = EIGHT_B_64K + [
+        "--seq-length",
+        "8192",
+        "--max-position-embeddings",
+        "8192",
+        "--global-batch-size",
+        "1024",
+    ]
     rows = sweep(flags, Cluster(gpus=2048, **GH200), [8192, 65536], [1, 4])
     assert [(r.seq_length, r.context_parallel) for r in rows] == [
-        (8192, 1), (8192, 4), (65536, 1), (65536, 4)]  # fmt: skip
+        (8192, 1),
+        (8192, 4),
+        (65536, 1),
+        (65536, 4),
+    ]
     for row in rows:
         t, m = row.plan.run.training, row.plan.run.model
         assert t.global_batch_size * m.seq_length == 1024 * 8192

@@ -41,10 +41,12 @@ def test_every_launcher_passes_the_planner(script, tmp_path):
     assert result.ok, result.problems
     stage = "8k" if script.stem.startswith("long_context") else ""  # one run directory per stage
     assert recorded["run_dir"] == str(tmp_path / stage if stage else tmp_path)
-    assert shape.tasks == {"pretrain_apertus_8b": 1024, "pretrain_apertus_70b": 4096,
-                           "long_context_apertus_8b": 2048, "long_context_apertus_70b": 2048}.get(
-        script.stem, shape.tasks
-    )  # fmt: skip
+    assert shape.tasks == {
+        "pretrain_apertus_8b": 1024,
+        "pretrain_apertus_70b": 4096,
+        "long_context_apertus_8b": 2048,
+        "long_context_apertus_70b": 2048,
+    }.get(script.stem, shape.tasks)
 
 
 def test_invalid_layout_is_refused_before_sbatch(monkeypatch, capsys, tmp_path):
@@ -87,20 +89,29 @@ def _save_dir(tmp_path: Path, tracker: int | None, dirs: list[str]) -> Path:
 
 
 def test_unfinished_checkpoints_are_the_tmp_ones_and_those_newer_than_the_tracker(tmp_path):
-    save = _save_dir(tmp_path, 5, ["iter_0000002", "iter_0000005", "iter_0000006.tmp",
-                                   "iter_0000007", "unrelated"])  # fmt: skip
+    save = _save_dir(
+        tmp_path,
+        5,
+        ["iter_0000002", "iter_0000005", "iter_0000006.tmp", "iter_0000007", "unrelated"],
+    )
     assert [p.name for p in unfinished_checkpoints(save)] == ["iter_0000006.tmp", "iter_0000007"]
-    run = slurm.Run(run_dir=tmp_path, command=["pretrain_gpt.py", "--save", str(save),
-                                               "--train-iters", "10"])  # fmt: skip
+    run = slurm.Run(
+        run_dir=tmp_path, command=["pretrain_gpt.py", "--save", str(save), "--train-iters", "10"]
+    )
     assert slurm._prepare(run) is None
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000002", "iter_0000005",
-                                                      TRACKER, "unrelated"]  # fmt: skip
+    assert sorted(p.name for p in save.iterdir()) == [
+        "iter_0000002",
+        "iter_0000005",
+        TRACKER,
+        "unrelated",
+    ]
 
 
 def test_batch_step_skips_finished_runs_and_honours_the_exit_trigger(tmp_path):
     save = _save_dir(tmp_path, 10, ["iter_0000010"])
-    run = slurm.Run(run_dir=tmp_path, command=["pretrain_gpt.py", "--save", str(save),
-                                               "--train-iters", "10"])  # fmt: skip
+    run = slurm.Run(
+        run_dir=tmp_path, command=["pretrain_gpt.py", "--save", str(save), "--train-iters", "10"]
+    )
     assert "already finished (iteration 10)" in slurm._prepare(run)
     longer = slurm.Run(run_dir=tmp_path, command=run.command + ["--train-iters=20"])
     assert longer.target_iteration == 20 and slurm._prepare(longer) is None
@@ -126,8 +137,18 @@ def test_a_phase_started_with_finetune_resumes_its_own_state(tmp_path):
     """``--finetune --no-load-rng --load PREVIOUS`` takes the weights of another run once; after
     the first checkpoint of this run, restarts load everything of their own."""
     save = tmp_path / "checkpoints"
-    command = ["pretrain_gpt.py", "--save", str(save), "--load", "/stage-8k", "--finetune",
-               "--no-load-rng", "--no-load-optim", "--train-iters", "9"]  # fmt: skip
+    command = [
+        "pretrain_gpt.py",
+        "--save",
+        str(save),
+        "--load",
+        "/stage-8k",
+        "--finetune",
+        "--no-load-rng",
+        "--no-load-optim",
+        "--train-iters",
+        "9",
+    ]
     first = slurm.Run(run_dir=tmp_path, command=command).training_command()
     assert slurm.flag_value(first, "--load") == "/stage-8k"
     assert {"--finetune", "--no-load-rng", "--no-load-optim"} <= set(first)
@@ -145,13 +166,26 @@ def test_container_runtimes(monkeypatch, tmp_path):
     monkeypatch.setenv("APERTUS_CONTAINER_IMAGE", "/images/apertus.sqsh")
     monkeypatch.setenv("APERTUS_CONTAINER_MOUNTS", "/data,/scratch:/scratch")
     options, prefix = slurm.container_prefix(repo, run_dir)
-    assert options[:2] == ["--container-image=/images/apertus.sqsh",
-                           f"--container-mounts=/repo:/repo,{run_dir}:{run_dir},/data:/data,"
-                           "/scratch:/scratch"] and prefix == []  # fmt: skip
+    assert (
+        options[:2]
+        == [
+            "--container-image=/images/apertus.sqsh",
+            f"--container-mounts=/repo:/repo,{run_dir}:{run_dir},/data:/data," "/scratch:/scratch",
+        ]
+        and prefix == []
+    )
     monkeypatch.setenv("APERTUS_CONTAINER_RUNTIME", "apptainer")
-    assert slurm.container_prefix(repo, run_dir) == ([], [
-        "apptainer", "exec", "--nv", "--bind", f"/repo,{run_dir},/data,/scratch:/scratch",
-        "/images/apertus.sqsh"])  # fmt: skip
+    assert slurm.container_prefix(repo, run_dir) == (
+        [],
+        [
+            "apptainer",
+            "exec",
+            "--nv",
+            "--bind",
+            f"/repo,{run_dir},/data,/scratch:/scratch",
+            "/images/apertus.sqsh",
+        ],
+    )
 
 
 def test_environment_snapshot_withholds_secrets():

@@ -22,10 +22,14 @@ SEQ = {"8k": 8192, "16k": 16384, "32k": 32768, "64k": 65536}
 ROTARY_BASE = {"8k": 1_000_000, "16k": 2_000_000, "32k": 4_000_000, "64k": 12_000_000}
 # Table 5: (TP, PP, DP, CP) per stage; 2048 GPUs throughout.
 TABLE_5 = {
-    "8b": {"8k": (2, 1, 1024, 1), "16k": (4, 1, 512, 1), "32k": (4, 1, 256, 2),
-           "64k": (4, 1, 128, 4)},
+    "8b": {
+        "8k": (2, 1, 1024, 1),
+        "16k": (4, 1, 512, 1),
+        "32k": (4, 1, 256, 2),
+        "64k": (4, 1, 128, 4),
+    },
     "70b": {"8k": (4, 8, 64, 1), "16k": (4, 8, 32, 2), "32k": (4, 8, 16, 4), "64k": (4, 8, 8, 8)},
-}  # fmt: skip
+}
 TOKENS_PER_STEP = {"8b": 8 * 2**20, "70b": 16 * 2**20}
 LR = {"8b": 1.1e-5, "70b": 1e-6}
 
@@ -42,10 +46,19 @@ def finish(run_dir: Path, stage: str, iteration: int = 10**7) -> None:
 
 
 def environment(run_dir: Path, **extra: str) -> dict[str, str]:
-    env = {"APERTUS_REPO": str(REPO), "APERTUS_RUN_DIR": str(run_dir), "PATH": "/usr/bin:/bin",
-           "APERTUS_PRETRAINED_CHECKPOINT": "/checkpoints/apertus-pretrained"}  # fmt: skip
-    env.update({f"APERTUS_LONG_CONTEXT_DATA_{s.upper()}": f"0.7 /data/stage5_{s} 0.2 "
-                f"/data/fineweb_long_{s} 0.1 /data/books_{s}" for s in STAGES})  # fmt: skip
+    env = {
+        "APERTUS_REPO": str(REPO),
+        "APERTUS_RUN_DIR": str(run_dir),
+        "PATH": "/usr/bin:/bin",
+        "APERTUS_PRETRAINED_CHECKPOINT": "/checkpoints/apertus-pretrained",
+    }
+    env.update(
+        {
+            f"APERTUS_LONG_CONTEXT_DATA_{s.upper()}": f"0.7 /data/stage5_{s} 0.2 "
+            f"/data/fineweb_long_{s} 0.1 /data/books_{s}"
+            for s in STAGES
+        }
+    )
     return env | extra
 
 
@@ -53,8 +66,9 @@ def plan_stage(model: str, stage: str, run_dir: Path):
     """The stage's plan and dry-run record, the stages before it finished."""
     for before in STAGES[: STAGES.index(stage)]:
         finish(run_dir, before)
-    result, shape, recorded = check(script(model), [], environment(run_dir), gpu_memory_gib=None,
-                                    usable_fraction=0.9)  # fmt: skip
+    result, shape, recorded = check(
+        script(model), [], environment(run_dir), gpu_memory_gib=None, usable_fraction=0.9
+    )
     return result, shape, recorded
 
 
@@ -65,13 +79,20 @@ def test_each_stage_passes_the_planner_with_the_published_layout(model, stage, t
     assert result.ok, result.problems
     assert recorded["run_dir"] == str(tmp_path / stage), "the first unfinished stage runs"
     par = result.run.parallel
-    layout = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-              result.data_parallel, par.context_parallel_size)  # fmt: skip
+    layout = (
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        result.data_parallel,
+        par.context_parallel_size,
+    )
     assert (shape.tasks, layout) == (2048, TABLE_5[model][stage])
     t, m = result.run.training, result.run.model
     assert t.global_batch_size * m.seq_length == TOKENS_PER_STEP[model]
     assert (m.seq_length, m.max_position_embeddings, m.rotary_base) == (
-        SEQ[stage], SEQ[stage], ROTARY_BASE[stage])  # fmt: skip
+        SEQ[stage],
+        SEQ[stage],
+        ROTARY_BASE[stage],
+    )
     assert m.rope_scaling and m.rope_scaling_factor == 8, "llama3 scaling kept from pretraining"
     assert par.sequence_parallel and t.micro_batch_size == 1
 
@@ -91,7 +112,10 @@ def test_stage_flags_mean_the_recipe_in_pretrain_gpt(model, stage, tmp_path):
         str(tmp_path / previous / "checkpoints") if previous else "/checkpoints/apertus-pretrained"
     )
     assert (cfg.checkpoint.load, cfg.checkpoint.finetune, cfg.checkpoint.no_load_rng) == (
-        initial, True, True)  # fmt: skip
+        initial,
+        True,
+        True,
+    )
     assert cfg.checkpoint.save == str(tmp_path / stage / "checkpoints")
     assert cfg.optimizer.lr == cfg.optimizer.min_lr == LR[model]
     assert (cfg.schedule.lr_decay_style, cfg.schedule.lr_wsd_decay_iters) == ("WSD", 0)
@@ -108,13 +132,25 @@ def test_stages_run_in_order_and_each_waits_for_the_one_before(tmp_path):
     finish(tmp_path, "16k", iteration=12)  # saved, not finished
     _, _, recorded = check(script("8b"), [], env, gpu_memory_gib=None, usable_fraction=0.9)
     assert recorded["run_dir"] == str(tmp_path / "16k")
-    with pytest.raises(ConfigError, match="stage 32k starts from stage 16k, which has not reached "
-                                          "its 6948 iterations"):  # fmt: skip
-        check(script("8b"), [], environment(tmp_path, APERTUS_LONG_CONTEXT_STAGE="32k"),
-              gpu_memory_gib=None, usable_fraction=0.9)  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="stage 32k starts from stage 16k, which has not reached " "its 6948 iterations",
+    ):
+        check(
+            script("8b"),
+            [],
+            environment(tmp_path, APERTUS_LONG_CONTEXT_STAGE="32k"),
+            gpu_memory_gib=None,
+            usable_fraction=0.9,
+        )
     with pytest.raises(ConfigError, match="APERTUS_LONG_CONTEXT_STAGE=128k: choose one of 8k 16k"):
-        check(script("8b"), [], environment(tmp_path, APERTUS_LONG_CONTEXT_STAGE="128k"),
-              gpu_memory_gib=None, usable_fraction=0.9)  # fmt: skip
+        check(
+            script("8b"),
+            [],
+            environment(tmp_path, APERTUS_LONG_CONTEXT_STAGE="128k"),
+            gpu_memory_gib=None,
+            usable_fraction=0.9,
+        )
     missing = {k: v for k, v in env.items() if k != "APERTUS_LONG_CONTEXT_DATA_16K"}
     with pytest.raises(ConfigError, match="set APERTUS_LONG_CONTEXT_DATA_16K to the Megatron data"):
         check(script("8b"), [], missing, gpu_memory_gib=None, usable_fraction=0.9)
@@ -128,8 +164,9 @@ def test_a_stage_that_saved_resumes_its_own_checkpoint(tmp_path):
     """The job's command as the batch step runs it: --finetune from the previous stage until the
     stage has a checkpoint, then a plain resume of its own save directory."""
     finish(tmp_path, "8k")
-    _, _, recorded = check(script("70b"), [], environment(tmp_path), gpu_memory_gib=None,
-                           usable_fraction=0.9)  # fmt: skip
+    _, _, recorded = check(
+        script("70b"), [], environment(tmp_path), gpu_memory_gib=None, usable_fraction=0.9
+    )
     run = slurm.Run(run_dir=Path(recorded["run_dir"]), command=recorded["command"])
     first = run.training_command()
     assert slurm.flag_value(first, "--load") == str(tmp_path / "8k" / "checkpoints")
@@ -143,8 +180,9 @@ def test_a_stage_that_saved_resumes_its_own_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("model", ["8b", "70b"])
-def test_dry_run_plans_each_stage_for_slurms_task_count(model, stage, tmp_path, capsys,
-                                                        monkeypatch):  # fmt: skip
+def test_dry_run_plans_each_stage_for_slurms_task_count(
+    model, stage, tmp_path, capsys, monkeypatch
+):
     """``srun ... pretrain_gpt.py STAGE_FLAGS --dry-run`` on 512 nodes of 4 tasks: the layout
     plan, nothing read."""
     tp, pp, dp, cp = TABLE_5[model][stage]

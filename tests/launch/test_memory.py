@@ -22,9 +22,24 @@ from tests.launch import memory_worker
 
 WORKER = REPO / "tests" / "launch" / "memory_worker.py"
 # Every dimension distinct, so that a term counted with the wrong width shows.
-SMALL = ["--model-preset", "tiny", "--vocab-size", "1024", "--train-iters", "1", "--micro-batch-size",
-         "2", "--global-batch-size", "4", "--seq-length", "64", "--hidden-size", "128",
-         "--ffn-hidden-size", "384"]  # fmt: skip
+SMALL = [
+    "--model-preset",
+    "tiny",
+    "--vocab-size",
+    "1024",
+    "--train-iters",
+    "1",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--seq-length",
+    "64",
+    "--hidden-size",
+    "128",
+    "--ffn-hidden-size",
+    "384",
+]
 
 
 def expected_layer_bytes(run) -> float:
@@ -43,10 +58,20 @@ def one_process():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize(
     "recompute",
-    [[], ["--recompute-granularity", "selective"],
-     ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]],
+    [
+        [],
+        ["--recompute-granularity", "selective"],
+        [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ],
     ids=["none", "selective", "full"],
-)  # fmt: skip
+)
 def test_layer_activations_equal_saved_tensors(one_process, precision, recompute):
     run = run_from_args(SMALL + ["--precision", precision] + recompute)
     measured = memory_worker.saved(run)
@@ -69,20 +94,55 @@ def test_parameters_equal_megatron_cores_count(one_process, tied):
 
 @pytest.mark.parametrize(
     "layout",
-    [["--tensor-model-parallel-size", "2", "--sequence-parallel", "--no-untie-embeddings-and-output-weights"],
-     ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
-      "--num-layers", "8", "--precision", "bf16", "--no-untie-embeddings-and-output-weights"]],
+    [
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--no-untie-embeddings-and-output-weights",
+        ],
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--virtual-pipeline-model-parallel-size",
+            "2",
+            "--num-layers",
+            "8",
+            "--precision",
+            "bf16",
+            "--no-untie-embeddings-and-output-weights",
+        ],
+    ],
     ids=["tp2-sp-tied-fp32", "pp2-vp2-tied-bf16"],
-)  # fmt: skip
+)
 def test_sharded_layouts_on_two_ranks(tmp_path, layout):
     """Per-rank parameters and per-layer activations under torchrun (gloo, CPU)."""
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(WORKER), "--mode", "saved", "--out", str(out),
-                           "--", *SMALL, *layout], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            "--mode",
+            "saved",
+            "--out",
+            str(out),
+            "--",
+            *SMALL,
+            *layout,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reports = json.loads(out.read_text())
     run = run_from_args(SMALL + layout)
@@ -93,9 +153,26 @@ def test_sharded_layouts_on_two_ranks(tmp_path, layout):
         assert set(report["layer_bytes"]) == {expected_layer_bytes(run)}
 
 
-PEAK_FLAGS = ["--model-preset", "tiny", "--device", "cpu", "--vocab-size", "8192", "--train-iters",
-              "2", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-size", "256",
-              "--ffn-hidden-size", "768", "--optimizer", "ademamix"]  # fmt: skip
+PEAK_FLAGS = [
+    "--model-preset",
+    "tiny",
+    "--device",
+    "cpu",
+    "--vocab-size",
+    "8192",
+    "--train-iters",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--hidden-size",
+    "256",
+    "--ffn-hidden-size",
+    "768",
+    "--optimizer",
+    "ademamix",
+]
 """A 4-layer model (hidden 256, micro-batch 4, 2 micro-batches, AdEMAMix, fp32)."""
 CP_MISMATCH = pytest.mark.xfail(
     strict=True,
@@ -124,19 +201,39 @@ def peaks(tmp_path_factory):
             k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
         }
         env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-        launcher = [sys.executable] if cp == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp)]  # fmt: skip
+        launcher = (
+            [sys.executable]
+            if cp == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(cp),
+            ]
+        )
         started = time.monotonic()
-        proc = subprocess.run([*launcher, str(WORKER), "--mode", "peak", "--out", str(out), "--",
-                               *flags], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
+        proc = subprocess.run(
+            [*launcher, str(WORKER), "--mode", "peak", "--out", str(out), "--", *flags],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         measured = max(report["peak_growth_bytes"] for report in json.loads(out.read_text()))
         estimate = plan(run_from_args(flags), Cluster(gpus=cp, gpus_per_node=cp)).peak
-        parts = {f.name: round(getattr(estimate, f.name) / 2**20, 1)
-                 for f in dataclasses.fields(estimate) if f.name not in ("pipeline_rank", "parameters")}  # fmt: skip
-        print(f"seq {seq} CP {cp}: estimate {estimate.total / 2**20:.1f} MiB {parts}, measured "
-              f"{measured / 2**20:.1f} MiB ({time.monotonic() - started:.0f} s)")  # fmt: skip
+        parts = {
+            f.name: round(getattr(estimate, f.name) / 2**20, 1)
+            for f in dataclasses.fields(estimate)
+            if f.name not in ("pipeline_rank", "parameters")
+        }
+        print(
+            f"seq {seq} CP {cp}: estimate {estimate.total / 2**20:.1f} MiB {parts}, measured "
+            f"{measured / 2**20:.1f} MiB ({time.monotonic() - started:.0f} s)"
+        )
         cache[seq, cp] = (measured, estimate.total)
         return cache[seq, cp]
 
@@ -144,9 +241,10 @@ def peaks(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "seq, cp", [pytest.param(seq, cp, marks=CP_MISMATCH if cp > 1 else ()) for seq, cp in MEASURED],
+    "seq, cp",
+    [pytest.param(seq, cp, marks=CP_MISMATCH if cp > 1 else ()) for seq, cp in MEASURED],
     ids=[f"seq{seq}-cp{cp}" for seq, cp in MEASURED],
-)  # fmt: skip
+)
 def test_estimate_within_15_percent_of_measured_peak_memory(peaks, seq, cp):
     """Peak resident-memory growth over building and two training steps (memory_worker.py)."""
     measured, estimate = peaks(seq, cp)

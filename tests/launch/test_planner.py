@@ -13,14 +13,50 @@ from megatron.apertus.launch.planner import (
 )
 from tools.plan_layout import main as plan_layout
 
-RECIPE = ["--precision", "bf16", "--seq-length", "4096", "--optimizer", "ademamix",
-          "--use-distributed-optimizer"]  # fmt: skip
-EIGHT_B = RECIPE + ["--train-iters", "1000", "--model-preset", "apertus-8b", "--tensor-model-parallel-size", "2",
-                    "--micro-batch-size", "4", "--global-batch-size", "2048", "--recompute-granularity",
-                    "full", "--recompute-method", "block", "--recompute-num-layers", "8"]  # fmt: skip
-SEVENTY_B = RECIPE + ["--train-iters", "1000", "--model-preset", "apertus-70b", "--tensor-model-parallel-size", "4",
-                      "--pipeline-model-parallel-size", "8", "--virtual-pipeline-model-parallel-size",
-                      "5", "--sequence-parallel", "--micro-batch-size", "1", "--global-batch-size", "4096"]  # fmt: skip
+RECIPE = [
+    "--precision",
+    "bf16",
+    "--seq-length",
+    "4096",
+    "--optimizer",
+    "ademamix",
+    "--use-distributed-optimizer",
+]
+EIGHT_B = RECIPE + [
+    "--train-iters",
+    "1000",
+    "--model-preset",
+    "apertus-8b",
+    "--tensor-model-parallel-size",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "2048",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "block",
+    "--recompute-num-layers",
+    "8",
+]
+SEVENTY_B = RECIPE + [
+    "--train-iters",
+    "1000",
+    "--model-preset",
+    "apertus-70b",
+    "--tensor-model-parallel-size",
+    "4",
+    "--pipeline-model-parallel-size",
+    "8",
+    "--virtual-pipeline-model-parallel-size",
+    "5",
+    "--sequence-parallel",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4096",
+]
 GH200 = dict(gpus_per_node=4, gpu_memory_gib=96)
 
 
@@ -51,31 +87,106 @@ def test_published_70b_layout_on_4096_gpus():
 
 @pytest.mark.parametrize(
     "flags, gpus, message",
-    [(["--model-preset", "apertus-70b", "--tensor-model-parallel-size", "4",
-       "--pipeline-model-parallel-size", "8", "--virtual-pipeline-model-parallel-size", "3"], 4096,
-      "--num-layers (80) is not divisible by --pipeline-model-parallel-size (8) x virtual stages (3)"),
-     (["--model-preset", "apertus-8b", "--tensor-model-parallel-size", "3"], 1020,
-      "--num-attention-heads (32) is not divisible by --tensor-model-parallel-size (3)"),
-     (["--model-preset", "apertus-8b", "--tensor-model-parallel-size", "2", "--micro-batch-size", "4",
-       "--global-batch-size", "1024"], 1024,
-      "--global-batch-size (1024) is not divisible by --micro-batch-size (4) x data-parallel size "
-      "(512) = 2048"),
-     (["--model-preset", "apertus-70b", "--tensor-model-parallel-size", "4",
-       "--pipeline-model-parallel-size", "8", "--virtual-pipeline-model-parallel-size", "5",
-       "--global-batch-size", "1152"], 4096,
-      "gives 9 micro-batches per step, not a multiple of --pipeline-model-parallel-size (8)"),
-     (["--model-preset", "apertus-8b", "--tensor-model-parallel-size", "8"], 1024,
-      "--tensor-model-parallel-size (8) does not divide GPUs per node (4)"),
-     (["--model-preset", "apertus-8b", "--tensor-model-parallel-size", "2", "--micro-batch-size", "4",
-       "--global-batch-size", "2048"], 1024,
-      "pipeline stage 0 needs 93.8 GiB per GPU, more than the 86.4 GiB usable (90% of 96 GiB); "
-      "--recompute-granularity full"),
-     (["--model-preset", "apertus-8b", "--global-batch-size", "2048", "--micro-batch-size", "1",
-       "--tensor-model-parallel-size", "2", "--rampup-batch-size", "256", "100", "1000"], 1024,
-      "--rampup-batch-size 256 100: the ramp from 256 must reach --global-batch-size 2048")],
-    ids=["layers-pp-vp", "heads-tp", "global-batch", "interleaved-microbatches", "tp-across-nodes",
-         "memory", "ramp-up"],
-)  # fmt: skip
+    [
+        (
+            [
+                "--model-preset",
+                "apertus-70b",
+                "--tensor-model-parallel-size",
+                "4",
+                "--pipeline-model-parallel-size",
+                "8",
+                "--virtual-pipeline-model-parallel-size",
+                "3",
+            ],
+            4096,
+            "--num-layers (80) is not divisible by --pipeline-model-parallel-size (8) x virtual stages (3)",
+        ),
+        (
+            ["--model-preset", "apertus-8b", "--tensor-model-parallel-size", "3"],
+            1020,
+            "--num-attention-heads (32) is not divisible by --tensor-model-parallel-size (3)",
+        ),
+        (
+            [
+                "--model-preset",
+                "apertus-8b",
+                "--tensor-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "4",
+                "--global-batch-size",
+                "1024",
+            ],
+            1024,
+            "--global-batch-size (1024) is not divisible by --micro-batch-size (4) x data-parallel size "
+            "(512) = 2048",
+        ),
+        (
+            [
+                "--model-preset",
+                "apertus-70b",
+                "--tensor-model-parallel-size",
+                "4",
+                "--pipeline-model-parallel-size",
+                "8",
+                "--virtual-pipeline-model-parallel-size",
+                "5",
+                "--global-batch-size",
+                "1152",
+            ],
+            4096,
+            "gives 9 micro-batches per step, not a multiple of --pipeline-model-parallel-size (8)",
+        ),
+        (
+            ["--model-preset", "apertus-8b", "--tensor-model-parallel-size", "8"],
+            1024,
+            "--tensor-model-parallel-size (8) does not divide GPUs per node (4)",
+        ),
+        (
+            [
+                "--model-preset",
+                "apertus-8b",
+                "--tensor-model-parallel-size",
+                "2",
+                "--micro-batch-size",
+                "4",
+                "--global-batch-size",
+                "2048",
+            ],
+            1024,
+            "pipeline stage 0 needs 93.8 GiB per GPU, more than the 86.4 GiB usable (90% of 96 GiB); "
+            "--recompute-granularity full",
+        ),
+        (
+            [
+                "--model-preset",
+                "apertus-8b",
+                "--global-batch-size",
+                "2048",
+                "--micro-batch-size",
+                "1",
+                "--tensor-model-parallel-size",
+                "2",
+                "--rampup-batch-size",
+                "256",
+                "100",
+                "1000",
+            ],
+            1024,
+            "--rampup-batch-size 256 100: the ramp from 256 must reach --global-batch-size 2048",
+        ),
+    ],
+    ids=[
+        "layers-pp-vp",
+        "heads-tp",
+        "global-batch",
+        "interleaved-microbatches",
+        "tp-across-nodes",
+        "memory",
+        "ramp-up",
+    ],
+)
 def test_refusals_name_the_constraint(flags, gpus, message):
     length = ["--train-samples" if "--rampup-batch-size" in flags else "--train-iters", "100000"]
     result = plan(run_from_args(RECIPE + length + flags), Cluster(gpus=gpus, **GH200))
@@ -86,8 +197,20 @@ def test_refusals_name_the_constraint(flags, gpus, message):
 
 def test_sample_based_length_follows_megatron_cores_ramp_up():
     """tests/training/test_loop.py observes 7 steps (batches 2, 2, 2, 2, 4, 4, 4) for this run."""
-    run = run_from_args(["--rampup-batch-size", "2", "2", "8", "--train-samples", "20",
-                         "--global-batch-size", "4", "--micro-batch-size", "1"])  # fmt: skip
+    run = run_from_args(
+        [
+            "--rampup-batch-size",
+            "2",
+            "2",
+            "8",
+            "--train-samples",
+            "20",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "1",
+        ]
+    )
     assert run.training.total_iterations(dp=1) == 7
 
 

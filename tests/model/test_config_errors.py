@@ -20,19 +20,34 @@ TINY = preset("tiny")
     "model, parallel, world, argument",
     [
         (TINY, ParallelConfig(tensor_model_parallel_size=3), 3, "--num-attention-heads"),
-        (dataclasses.replace(TINY, num_attention_heads=8, hidden_size=64, num_query_groups=2),
-         ParallelConfig(tensor_model_parallel_size=4), 4, "--num-query-groups"),
-        (dataclasses.replace(TINY, ffn_hidden_size=190, num_query_groups=4),
-         ParallelConfig(tensor_model_parallel_size=4), 4,
-         "--ffn-hidden-size"),
-        (dataclasses.replace(TINY, vocab_size=1001), ParallelConfig(tensor_model_parallel_size=2), 2,
-         "--vocab-size"),
+        (
+            dataclasses.replace(TINY, num_attention_heads=8, hidden_size=64, num_query_groups=2),
+            ParallelConfig(tensor_model_parallel_size=4),
+            4,
+            "--num-query-groups",
+        ),
+        (
+            dataclasses.replace(TINY, ffn_hidden_size=190, num_query_groups=4),
+            ParallelConfig(tensor_model_parallel_size=4),
+            4,
+            "--ffn-hidden-size",
+        ),
+        (
+            dataclasses.replace(TINY, vocab_size=1001),
+            ParallelConfig(tensor_model_parallel_size=2),
+            2,
+            "--vocab-size",
+        ),
         (TINY, ParallelConfig(pipeline_model_parallel_size=3), 3, "--num-layers"),
-        (TINY, ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), 2,
-         "virtual stages"),
+        (
+            TINY,
+            ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4),
+            2,
+            "virtual stages",
+        ),
         (TINY, ParallelConfig(tensor_model_parallel_size=2), 3, "world size (3)"),
     ],
-)  # fmt: skip
+)
 def test_layout_errors_name_the_argument(model, parallel, world, argument):
     with pytest.raises(ConfigError) as err:
         validate_layout(model, parallel, world)
@@ -41,9 +56,18 @@ def test_layout_errors_name_the_argument(model, parallel, world, argument):
 
 def test_valid_layouts_give_the_data_parallel_size():
     assert validate_layout(TINY, ParallelConfig(tensor_model_parallel_size=2), 8) == 4
-    assert validate_layout(preset("apertus-70b"),
-                           ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=8,
-                                          virtual_pipeline_model_parallel_size=5), 4096) == 128  # fmt: skip
+    assert (
+        validate_layout(
+            preset("apertus-70b"),
+            ParallelConfig(
+                tensor_model_parallel_size=4,
+                pipeline_model_parallel_size=8,
+                virtual_pipeline_model_parallel_size=5,
+            ),
+            4096,
+        )
+        == 128
+    )
 
 
 def test_kv_heads_must_divide_heads():
@@ -76,8 +100,11 @@ def test_parallel_config_rejects_virtual_stages_without_pipeline():
 def test_command_line_refuses_bad_layout_before_building():
     proc = subprocess.run(
         [sys.executable, str(PRETRAIN), "--tensor-model-parallel-size", "3", "--train-iters", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert (
         "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"
@@ -89,7 +116,10 @@ def test_command_line_refuses_bad_layout_before_building():
 def test_command_line_refuses_bad_model_at_parse_time():
     proc = subprocess.run(
         [sys.executable, str(PRETRAIN), "--num-query-groups", "3"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert "--num-query-groups (3) does not divide --num-attention-heads (4)" in proc.stderr

@@ -17,8 +17,9 @@ TE_MISSING = lambda: "Transformer Engine is not installed"  # noqa: E731
 
 
 def check(engine: EngineConfig, *, device="cuda", te=TE_OK, gpu=HOPPER, layers=4) -> str:
-    return validate_engine(engine, device=device, num_layers=layers, te_error=te,
-                           capability=lambda: gpu)  # fmt: skip
+    return validate_engine(
+        engine, device=device, num_layers=layers, te_error=te, capability=lambda: gpu
+    )
 
 
 def test_default_is_te_on_cuda_when_it_imports_else_local():
@@ -31,23 +32,49 @@ def test_default_is_te_on_cuda_when_it_imports_else_local():
 @pytest.mark.parametrize(
     "engine, kwargs, message",
     [
-        (EngineConfig(transformer_impl="transformer_engine"), dict(te=TE_MISSING),
-         "--transformer-impl transformer_engine: Transformer Engine is not installed"),
-        (EngineConfig(transformer_impl="transformer_engine"), dict(device="cpu", gpu=None),
-         "--transformer-impl transformer_engine needs a CUDA device"),
-        (EngineConfig(fp8_format="e4m3"), dict(device="cpu", gpu=None),
-         "--fp8-format e4m3 needs --transformer-impl transformer_engine"),
-        (EngineConfig(transformer_impl="local", fp8_format="hybrid"), {},
-         "--fp8-format hybrid needs --transformer-impl transformer_engine"),
-        (EngineConfig(transformer_impl="transformer_engine", fp8_format="e4m3"), dict(gpu=AMPERE),
-         "--fp8-format e4m3 needs a GPU of compute capability >= 8.9"),
-        (EngineConfig(fp8_format="e4m3", fp8_recipe="mxfp8"), dict(gpu=HOPPER),
-         "--fp8-recipe mxfp8 needs a Blackwell GPU"),
-        (EngineConfig(fp8_format="e4m3", fp8_recipe="tensorwise", first_last_layers_bf16=True,
-                      num_layers_at_start_in_bf16=3, num_layers_at_end_in_bf16=2), {},
-         "--num-layers-at-start-in-bf16 (3) + --num-layers-at-end-in-bf16 (2)"),
+        (
+            EngineConfig(transformer_impl="transformer_engine"),
+            dict(te=TE_MISSING),
+            "--transformer-impl transformer_engine: Transformer Engine is not installed",
+        ),
+        (
+            EngineConfig(transformer_impl="transformer_engine"),
+            dict(device="cpu", gpu=None),
+            "--transformer-impl transformer_engine needs a CUDA device",
+        ),
+        (
+            EngineConfig(fp8_format="e4m3"),
+            dict(device="cpu", gpu=None),
+            "--fp8-format e4m3 needs --transformer-impl transformer_engine",
+        ),
+        (
+            EngineConfig(transformer_impl="local", fp8_format="hybrid"),
+            {},
+            "--fp8-format hybrid needs --transformer-impl transformer_engine",
+        ),
+        (
+            EngineConfig(transformer_impl="transformer_engine", fp8_format="e4m3"),
+            dict(gpu=AMPERE),
+            "--fp8-format e4m3 needs a GPU of compute capability >= 8.9",
+        ),
+        (
+            EngineConfig(fp8_format="e4m3", fp8_recipe="mxfp8"),
+            dict(gpu=HOPPER),
+            "--fp8-recipe mxfp8 needs a Blackwell GPU",
+        ),
+        (
+            EngineConfig(
+                fp8_format="e4m3",
+                fp8_recipe="tensorwise",
+                first_last_layers_bf16=True,
+                num_layers_at_start_in_bf16=3,
+                num_layers_at_end_in_bf16=2,
+            ),
+            {},
+            "--num-layers-at-start-in-bf16 (3) + --num-layers-at-end-in-bf16 (2)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_refusal_names_the_flag_and_what_is_missing(engine, kwargs, message):
     with pytest.raises(ConfigError) as err:
         check(engine, **kwargs)
@@ -69,8 +96,10 @@ def test_fp8_is_accepted_from_ada_on(gpu):
         (dict(fp8_amax_compute_algo="mean"), "--fp8-amax-compute-algo"),
         (dict(transformer_impl="te"), "--transformer-impl"),
         (dict(fp8_param_gather=True), "--fp8-param-gather needs --fp8-format"),
-        (dict(fp8_format="hybrid", first_last_layers_bf16=True),
-         "--first-last-layers-bf16 does not work with --fp8-recipe delayed"),
+        (
+            dict(fp8_format="hybrid", first_last_layers_bf16=True),
+            "--first-last-layers-bf16 does not work with --fp8-recipe delayed",
+        ),
         (dict(fp8_amax_history_len=0), "--fp8-amax-history-len"),
     ],
 )
@@ -90,10 +119,23 @@ def test_context_parallel_size_is_validated():
         (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
         (["--fp8-format", "e4m3"], "--fp8-format e4m3 needs --transformer-impl transformer_engine"),
         (["--cp-comm-type", "ring"], "--cp-comm-type must be one of p2p, a2a"),
-        (["--context-parallel-size", "3", "--seq-length", "64"],
-         "--seq-length (64) is not divisible by 2 x --context-parallel-size (3)"),
-        (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
-          "--num-query-groups", "2"], "--cp-comm-type a2a: the 2 attention heads"),
+        (
+            ["--context-parallel-size", "3", "--seq-length", "64"],
+            "--seq-length (64) is not divisible by 2 x --context-parallel-size (3)",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "4",
+                "--cp-comm-type",
+                "a2a",
+                "--num-attention-heads",
+                "2",
+                "--num-query-groups",
+                "2",
+            ],
+            "--cp-comm-type a2a: the 2 attention heads",
+        ),
         (["--log-intermediate-metrics", "skew"], "--log-intermediate-metrics: unknown skew"),
     ],
 )

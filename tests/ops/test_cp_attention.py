@@ -60,8 +60,10 @@ def _gradcheck_worker(rank: int, world: int, init_file: str, results) -> None:
         index, doc_start = document_partition(cu, 1), document_starts(cu)
         gen = torch.Generator().manual_seed(5)
         q = torch.randn(1, 4, 12, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-        k, v = (torch.randn(1, 2, 12, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-                for _ in range(2))  # fmt: skip
+        k, v = (
+            torch.randn(1, 2, 12, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+            for _ in range(2)
+        )
         group = dist.new_group([0])
         ring = lambda q, k, v: RingAttention.apply(q, k, v, index, doc_start, 0.7, group)  # noqa
         results[rank] = torch.autograd.gradcheck(ring, (q, k, v))
@@ -111,8 +113,9 @@ def _compare(layout, comm_type: str, group, *, leak: bool = False) -> float:
     mine = index[dist.get_rank(group)]
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     seen_start = torch.zeros_like(doc_start) if leak else doc_start
-    out = context_parallel_attention(*local, index=index, doc_start=seen_start, group=group,
-                                     comm_type=comm_type)  # fmt: skip
+    out = context_parallel_attention(
+        *local, index=index, doc_start=seen_start, group=group, comm_type=comm_type
+    )
     out.backward(grad[:, :, mine])
     errors = [_relative_error(out, ref_out[:, :, mine])]
     for got, want in zip(local, ref_inputs):

@@ -48,9 +48,19 @@ def arch_flags(arch_list: str) -> list[str]:
 
 def nvcc_command(source: Path, output: Path) -> list[str]:
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    return [NVCC, "-std=c++17", "-O3", "--use_fast_math", *cpp_extension.COMMON_NVCC_FLAGS,
-            *arch_flags(ARCHS), *(f"-I{path}" for path in includes),
-            "-c", str(source), "-o", str(output)]  # fmt: skip
+    return [
+        NVCC,
+        "-std=c++17",
+        "-O3",
+        "--use_fast_math",
+        *cpp_extension.COMMON_NVCC_FLAGS,
+        *arch_flags(ARCHS),
+        *(f"-I{path}" for path in includes),
+        "-c",
+        str(source),
+        "-o",
+        str(output),
+    ]
 
 
 def cubin_archs(obj: Path) -> set[int]:
@@ -58,8 +68,9 @@ def cubin_archs(obj: Path) -> set[int]:
     containers (u32 magic, u16 version, u16 header size, u64 size of the entries), each entry
     (u16 kind: 2 = cubin, u16 version, u32 header size, u64 payload size, ..., u32 arch at 28)."""
     section = obj.with_suffix(".fatbin")
-    subprocess.run(["objcopy", "-O", "binary", "--only-section=.nv_fatbin", str(obj),
-                    str(section)], check=True)  # fmt: skip
+    subprocess.run(
+        ["objcopy", "-O", "binary", "--only-section=.nv_fatbin", str(obj), str(section)], check=True
+    )
     data, pos, archs = section.read_bytes(), 0, set()
     while pos + 16 <= len(data):
         magic, _, header, size = struct.unpack_from("<IHHQ", data, pos)
@@ -77,8 +88,10 @@ def cubin_archs(obj: Path) -> set[int]:
 
 
 def test_arch_list_gives_hopper_and_blackwell_targets():
-    assert arch_flags(ARCHS) == ["-gencode=arch=compute_100,code=sm_100",
-                                 "-gencode=arch=compute_90,code=sm_90"]  # fmt: skip
+    assert arch_flags(ARCHS) == [
+        "-gencode=arch=compute_100,code=sm_100",
+        "-gencode=arch=compute_90,code=sm_90",
+    ]
 
 
 def test_there_are_cuda_sources():
@@ -89,8 +102,7 @@ def test_there_are_cuda_sources():
 @pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: str(p.relative_to(REPO)))
 def test_cuda_source_compiles(source, tmp_path):
     obj = tmp_path / f"{source.stem}.o"
-    proc = subprocess.run(nvcc_command(source, obj), capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run(nvcc_command(source, obj), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"nvcc failed on {source}:\n{proc.stderr[-6000:]}"
     assert cubin_archs(obj) == {90, 100}
 
@@ -106,8 +118,11 @@ def test_setup_leaves_the_targets_to_the_arch_list(monkeypatch):
             monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
         else:
             monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", user_choice)
-        cuda = [e for e in runpy.run_path(str(REPO / "setup.py"))["ext_modules"]
-                if e.name.endswith("_cuda")]  # fmt: skip
+        cuda = [
+            e
+            for e in runpy.run_path(str(REPO / "setup.py"))["ext_modules"]
+            if e.name.endswith("_cuda")
+        ]
         assert cuda
         for extension in cuda:
             nvcc = extension.extra_compile_args["nvcc"]

@@ -183,9 +183,15 @@ def test_label_tail_is_unbiased_for_the_full_kl_gradient() -> None:
     for label in range(7):
         logits = student.clone().requires_grad_()
         loss, _ = sparse_kd_reference(
-            logits, identity, ids, teacher.gather(1, ids), torch.tensor([label]),
-            torch.tensor([True]), alpha=1.0, tail="label",
-        )  # fmt: skip
+            logits,
+            identity,
+            ids,
+            teacher.gather(1, ids),
+            torch.tensor([label]),
+            torch.tensor([True]),
+            alpha=1.0,
+            tail="label",
+        )
         expected_grad += teacher[0, label] * torch.autograd.grad(loss, logits)[0]
     full_kl_grad = torch.softmax(student, 1) - teacher
     assert_close(expected_grad, full_kl_grad, 1e-12, "E_y[label-tail gradient]")

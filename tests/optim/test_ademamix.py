@@ -197,8 +197,10 @@ def megatron_reports(tmp_path_factory):
     run_entry(
         WORKER, ["--distributed-optimizer", "--formats", *FORMATS, "--out", str(sharded)], nproc=2
     )
-    return {key: json.loads(path.read_text()) for key, path in (("single", single),
-                                                                ("distributed", sharded))}  # fmt: skip
+    return {
+        key: json.loads(path.read_text())
+        for key, path in (("single", single), ("distributed", sharded))
+    }
 
 
 @pytest.mark.parametrize("run", ["single", "distributed"])

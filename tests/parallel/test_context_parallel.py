@@ -22,18 +22,49 @@ from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 GENERATE = REPO / "tools" / "generate_teacher_logits.py"
 CHAT_TOOL = REPO / "tools" / "preprocess_chat.py"
 COMMON = [
-    "--model-preset", "tiny", "--seed", "7", "--lr", "3e-3", "--global-batch-size", "4",
-    "--micro-batch-size", "2", "--eval-iters", "1", "--log-interval", "1", "--adam-eps", "1e-4",
-    "--seq-length", "64", "--device", "cpu",
-]  # fmt: skip
+    "--model-preset",
+    "tiny",
+    "--seed",
+    "7",
+    "--lr",
+    "3e-3",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--adam-eps",
+    "1e-4",
+    "--seq-length",
+    "64",
+    "--device",
+    "cpu",
+]
 STEPS = 3
 RTOL = 2e-6
 GRAD_NORM_RTOL = 5e-4
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 GOLDFISH = ["--goldfish-loss", "--goldfish-k", "4", "--goldfish-h", "13"]
 TOPK = ["--topk", "8", "--samples-per-block", "4"]
-GENERATION = ["--seed", "7", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-iters",
-              "1", "--train-iters", str(STEPS), "--seq-length", "64", "--device", "cpu"]  # fmt: skip
+GENERATION = [
+    "--seed",
+    "7",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "1",
+    "--train-iters",
+    str(STEPS),
+    "--seq-length",
+    "64",
+    "--device",
+    "cpu",
+]
 """The runs' samples, in the order the students read them."""
 
 
@@ -45,15 +76,21 @@ def _cp(size: int, comm: str = "p2p") -> list[str]:
 def root(tmp_path_factory):
     """The shared initial checkpoint (also the teacher of the distillation case)."""
     root = tmp_path_factory.mktemp("cp")
-    run_entry(PRETRAIN, COMMON + ["--train-iters", "0", "--eval-iters", "0",
-                                  "--save", str(root / "init")])  # fmt: skip
+    run_entry(
+        PRETRAIN, COMMON + ["--train-iters", "0", "--eval-iters", "0", "--save", str(root / "init")]
+    )
     return root
 
 
 def _run(root, name: str, args: list[str], nproc: int = 1, steps: int = STEPS) -> dict:
     out = root / f"{name}.json"
-    run_entry(PRETRAIN, COMMON + args + ["--train-iters", str(steps), "--load", str(root / "init"),
-                                         "--log-json", str(out)], nproc=nproc)  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + args
+        + ["--train-iters", str(steps), "--load", str(root / "init"), "--log-json", str(out)],
+        nproc=nproc,
+    )
     return read_json(out)
 
 
@@ -62,10 +99,14 @@ def _assert_same_run(got: dict, expected: dict) -> None:
     ref_steps, ref_losses = series(expected, "train/loss")
     assert steps == ref_steps == list(range(1, STEPS + 1))
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=0)
-    np.testing.assert_allclose(series(got, "train/grad_norm")[1],
-                               series(expected, "train/grad_norm")[1], rtol=GRAD_NORM_RTOL)  # fmt: skip
-    np.testing.assert_allclose(series(got, "valid/loss")[1], series(expected, "valid/loss")[1],
-                               rtol=RTOL)  # fmt: skip
+    np.testing.assert_allclose(
+        series(got, "train/grad_norm")[1],
+        series(expected, "train/grad_norm")[1],
+        rtol=GRAD_NORM_RTOL,
+    )
+    np.testing.assert_allclose(
+        series(got, "valid/loss")[1], series(expected, "valid/loss")[1], rtol=RTOL
+    )
     assert ref_losses[-1] < ref_losses[0]  # the steps train: equality proves something
 
 
@@ -123,8 +164,19 @@ def logits(root):
 
 def test_teacher_logits_at_cp2_are_the_same_bytes(root, logits):
     store = root / "logits-cp2"
-    run_entry(GENERATE, ["--load", str(root / "init"), "--logits-dir", str(store), *TOPK,
-                         *GENERATION, *_cp(2, "a2a")], nproc=2)  # fmt: skip
+    run_entry(
+        GENERATE,
+        [
+            "--load",
+            str(root / "init"),
+            "--logits-dir",
+            str(store),
+            *TOPK,
+            *GENERATION,
+            *_cp(2, "a2a"),
+        ],
+        nproc=2,
+    )
     assert _store_digest(store) == _store_digest(logits)
 
 
@@ -149,19 +201,41 @@ def test_sft_masks_on_packed_chats_match_one_process(root, chats):
     steps, losses = series(got, "train/loss")
     assert steps == series(expected, "train/loss")[0] == list(range(1, STEPS + 1))
     np.testing.assert_allclose(losses, series(expected, "train/loss")[1], rtol=RTOL, atol=0)
-    np.testing.assert_allclose(series(got, "train/grad_norm")[1],
-                               series(expected, "train/grad_norm")[1], rtol=GRAD_NORM_RTOL)  # fmt: skip
+    np.testing.assert_allclose(
+        series(got, "train/grad_norm")[1],
+        series(expected, "train/grad_norm")[1],
+        rtol=GRAD_NORM_RTOL,
+    )
 
 
 def test_saved_at_cp2_resumes_at_cp1_and_cp4(root, unpacked):
     save = root / "resume-cp2"
-    run_entry(PRETRAIN, COMMON + _cp(2) + ["--train-iters", str(STEPS), "--load", str(root / "init"),
-                                           "--save", str(save), "--exit-interval", "1"], nproc=2)  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + _cp(2)
+        + [
+            "--train-iters",
+            str(STEPS),
+            "--load",
+            str(root / "init"),
+            "--save",
+            str(save),
+            "--exit-interval",
+            "1",
+        ],
+        nproc=2,
+    )
     _, expected = series(unpacked, "train/loss")
     for size in (1, 4):
         out = root / f"resumed-cp{size}.json"
-        run_entry(PRETRAIN, COMMON + _cp(size) + ["--train-iters", str(STEPS), "--load", str(save),
-                                                  "--log-json", str(out)], nproc=size)  # fmt: skip
+        run_entry(
+            PRETRAIN,
+            COMMON
+            + _cp(size)
+            + ["--train-iters", str(STEPS), "--load", str(save), "--log-json", str(out)],
+            nproc=size,
+        )
         resumed = [(i, loss) for i, loss in zip(*series(read_json(out), "train/loss")) if i > 1]
         assert [i for i, _ in resumed] == list(range(2, STEPS + 1))
         np.testing.assert_allclose([loss for _, loss in resumed], expected[1:], rtol=RTOL, atol=0)

@@ -19,9 +19,23 @@ import pytest
 from tests.conftest import PRETRAIN, read_json, run_entry, series
 
 COMMON = [
-    "--model-preset", "tiny", "--seed", "7", "--lr", "3e-3", "--global-batch-size", "4",
-    "--micro-batch-size", "1", "--eval-iters", "1", "--log-interval", "1", "--adam-eps", "1e-4",
-]  # fmt: skip
+    "--model-preset",
+    "tiny",
+    "--seed",
+    "7",
+    "--lr",
+    "3e-3",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--adam-eps",
+    "1e-4",
+]
 RTOL = 2e-6
 OVERLAP_BUCKET = 40_000
 """Gradient elements per bucket with overlap: the tiny model's chunks split into several."""
@@ -30,22 +44,50 @@ GRAD_NORM_RTOL = 5e-4
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
-    "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
+    "pp2-interleaved": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--virtual-pipeline-model-parallel-size",
+        "2",
+    ],
     "dp2": [],
     "dp2-distributed-optimizer": ["--use-distributed-optimizer"],
     # Overlapped communication (several buckets) must not change a result.
     "dp2-overlap": ["--overlap-grad-reduce", "--ddp-bucket-size", str(OVERLAP_BUCKET)],
-    "dp2-distributed-optimizer-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", str(OVERLAP_BUCKET)],
-    "pp2-interleaved-overlap": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "--overlap-p2p-communication-warmup-flush"],
-}  # fmt: skip
+    "dp2-distributed-optimizer-overlap": [
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--ddp-bucket-size",
+        str(OVERLAP_BUCKET),
+    ],
+    "pp2-interleaved-overlap": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--virtual-pipeline-model-parallel-size",
+        "2",
+        "--overlap-grad-reduce",
+        "--overlap-p2p-communication-warmup-flush",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     run_entry(PRETRAIN, COMMON + ["--train-iters", "0", "--save", str(root / "init")])
-    run_entry(PRETRAIN, COMMON + ["--train-iters", "3", "--load", str(root / "init"),
-                                  "--log-json", str(root / "reference.json")])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + [
+            "--train-iters",
+            "3",
+            "--load",
+            str(root / "init"),
+            "--log-json",
+            str(root / "reference.json"),
+        ],
+    )
     return root, read_json(root / "reference.json")
 
 
@@ -64,8 +106,12 @@ def test_two_process_layout_matches_one_process(reference, layout):
     ref_steps, ref_losses = series(expected, "train/loss")
     assert steps == ref_steps == [1, 2, 3]
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=0)
-    np.testing.assert_allclose(series(got, "train/grad_norm")[1], series(expected, "train/grad_norm")[1],
-                               rtol=GRAD_NORM_RTOL, atol=0)  # fmt: skip
+    np.testing.assert_allclose(
+        series(got, "train/grad_norm")[1],
+        series(expected, "train/grad_norm")[1],
+        rtol=GRAD_NORM_RTOL,
+        atol=0,
+    )
     np.testing.assert_allclose(
         series(got, "valid/loss")[1], series(expected, "valid/loss")[1], rtol=RTOL
     )

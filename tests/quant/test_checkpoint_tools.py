@@ -19,8 +19,22 @@ from megatron.apertus.quant.transforms import NORM_FUSIONS, column_scales
 from megatron.apertus.training.config import DataConfig
 from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
 
-TINY = ["--model-preset", "tiny", "--num-layers", "2", "--seed", "5", "--lr", "3e-3",
-        "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-iters", "1"]  # fmt: skip
+TINY = [
+    "--model-preset",
+    "tiny",
+    "--num-layers",
+    "2",
+    "--seed",
+    "5",
+    "--lr",
+    "3e-3",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "1",
+]
 TP2 = ["--tensor-model-parallel-size", "2"]
 
 
@@ -28,8 +42,11 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 def trained(tmp_path_factory) -> Path:
     """Checkpoints of iterations 1, 2 and 3 of a TP=2 run."""
     save = tmp_path_factory.mktemp("quant-tools") / "ckpt"
-    run_entry(PRETRAIN, TINY + TP2 + ["--train-iters", "3", "--save-interval", "1",
-                                      "--save", str(save)], nproc=2)  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        TINY + TP2 + ["--train-iters", "3", "--save-interval", "1", "--save", str(save)],
+        nproc=2,
+    )
     return save
 
 
@@ -74,14 +91,17 @@ def test_norm_fusion_preserves_the_logits_and_follows_the_formula(trained, fused
             c = column_scales(w)
             fused_w = after[f"decoder.layers.{layer}.{linear}"].double()
             torch.testing.assert_close(fused_w, w * c, rtol=1e-7, atol=0)
-            torch.testing.assert_close(after[f"decoder.layers.{layer}.{norm}"].double(), g / c,
-                                       rtol=1e-7, atol=0)  # fmt: skip
+            torch.testing.assert_close(
+                after[f"decoder.layers.{layer}.{norm}"].double(), g / c, rtol=1e-7, atol=0
+            )
             norms = fused_w.norm(dim=0)
-            torch.testing.assert_close(norms, torch.full_like(norms, norms.mean()), rtol=1e-6,
-                                       atol=0)  # fmt: skip
+            torch.testing.assert_close(
+                norms, torch.full_like(norms, norms.mean()), rtol=1e-6, atol=0
+            )
             assert not torch.allclose(w.norm(dim=0), norms, rtol=1e-2)  # it did change them
-    unchanged = set(before) - {f"decoder.layers.{i}.{n}" for i in range(2)
-                               for pair in NORM_FUSIONS for n in pair}  # fmt: skip
+    unchanged = set(before) - {
+        f"decoder.layers.{i}.{n}" for i in range(2) for pair in NORM_FUSIONS for n in pair
+    }
     assert all(torch.equal(before[k], after[k]) for k in unchanged)
     original, fused_logits = text_logits(trained), text_logits(fused)
     torch.testing.assert_close(fused_logits, original, rtol=1e-5, atol=2e-5)
@@ -93,8 +113,13 @@ def test_norm_fusion_keeps_the_tp2_validation_loss(trained, fused, tmp_path):
     losses = []
     for ckpt in (trained, fused):
         out = tmp_path / f"{ckpt.parent.name}.json"
-        run_entry(PRETRAIN, TINY + TP2 + ["--load", str(ckpt), "--finetune", "--train-iters", "0",
-                                          "--log-json", str(out)], nproc=2)  # fmt: skip
+        run_entry(
+            PRETRAIN,
+            TINY
+            + TP2
+            + ["--load", str(ckpt), "--finetune", "--train-iters", "0", "--log-json", str(out)],
+            nproc=2,
+        )
         losses.append(series(read_json(out), "valid/loss")[1])
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
 
@@ -111,14 +136,27 @@ def test_average_is_the_mean_of_every_tensor(trained, tmp_path, selection):
     for name, value in averaged.items():
         expected = ((states[0][name].double() + states[1][name].double()) / 2).to(value.dtype)
         assert torch.equal(value, expected), name
-    assert not torch.equal(averaged["decoder.layers.0.mlp.linear_fc1.weight"],
-                           states[1]["decoder.layers.0.mlp.linear_fc1.weight"])  # fmt: skip
+    assert not torch.equal(
+        averaged["decoder.layers.0.mlp.linear_fc1.weight"],
+        states[1]["decoder.layers.0.mlp.linear_fc1.weight"],
+    )
 
 
 def test_rtn_checkpoint_holds_the_fake_quantized_weights(trained, tmp_path):
     out = tmp_path / "rtn"
-    tool("quantize.py", "--load", str(trained), "--save", str(out), "--method", "rtn",
-         "--quant-format", "int3", "--quant-group-size", "16")  # fmt: skip
+    tool(
+        "quantize.py",
+        "--load",
+        str(trained),
+        "--save",
+        str(out),
+        "--method",
+        "rtn",
+        "--quant-format",
+        "int3",
+        "--quant-group-size",
+        "16",
+    )
     before, after = tensors(trained), tensors(out)
     weight = "decoder.layers.1.self_attention.linear_proj.weight"
     groups = after[weight].reshape(after[weight].shape[0], -1, 16)
@@ -126,17 +164,31 @@ def test_rtn_checkpoint_holds_the_fake_quantized_weights(trained, tmp_path):
     codes = groups / scale
     torch.testing.assert_close(codes, codes.round(), rtol=0, atol=1e-5)
     assert codes.abs().max() <= 3
-    assert torch.equal(after["embedding.word_embeddings.weight"],
-                       before["embedding.word_embeddings.weight"])  # fmt: skip
+    assert torch.equal(
+        after["embedding.word_embeddings.weight"], before["embedding.word_embeddings.weight"]
+    )
 
 
 def test_bad_input_is_one_line_and_exit_2(trained, tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "average_checkpoints.py"),
-                           "--load", str(trained), "--last", "9", "--save", str(tmp_path / "x")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "average_checkpoints.py"),
+            "--load",
+            str(trained),
+            "--last",
+            "9",
+            "--save",
+            str(tmp_path / "x"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert (
         proc.stderr.strip().splitlines()[-1].startswith("average_checkpoints.py: error: --last 9")

@@ -40,10 +40,26 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 def base(tmp_path_factory) -> Path:
     """A tiny checkpoint with weights wide enough that quantization moves the logits."""
     save = tmp_path_factory.mktemp("export") / "ckpt"
-    run_entry(PRETRAIN, ["--model-preset", "tiny", "--num-layers", "2", "--init-method-std",
-                         "0.05", "--untie-embeddings-and-output-weights", "--train-iters", "0",
-                         "--global-batch-size", "2", "--micro-batch-size", "1",
-                         "--save", str(save)])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        [
+            "--model-preset",
+            "tiny",
+            "--num-layers",
+            "2",
+            "--init-method-std",
+            "0.05",
+            "--untie-embeddings-and-output-weights",
+            "--train-iters",
+            "0",
+            "--global-batch-size",
+            "2",
+            "--micro-batch-size",
+            "1",
+            "--save",
+            str(save),
+        ],
+    )
     return save
 
 
@@ -54,9 +70,13 @@ def tokens(length: int = 96) -> torch.Tensor:
 
 
 def our_logits(
-    save: Path, quant: QuantConfig | None, *, ids: torch.Tensor | None = None,
-    weights_only: bool = False, weight_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:  # fmt: skip
+    save: Path,
+    quant: QuantConfig | None,
+    *,
+    ids: torch.Tensor | None = None,
+    weights_only: bool = False,
+    weight_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Our model's logits with ``quant`` fake-quantizing it, or (``weights_only``) with its
     decoder weights rounded as tools/quantize.py --method rtn does (then to ``weight_dtype``)
     and its inputs unquantized."""
@@ -83,16 +103,22 @@ def hf_parts(ours: str, tensor: torch.Tensor, model) -> dict[str, torch.Tensor]:
     if "linear_qkv" in ours:
         names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         return {f"model.layers.{layer}.{n}": t for n, t in zip(names, split_qkv(tensor, model))}
-    name = {"linear_proj": "self_attn.o_proj", "linear_fc1": "mlp.up_proj",
-            "linear_fc2": "mlp.down_proj"}[ours.split(".")[-2]]  # fmt: skip
+    name = {
+        "linear_proj": "self_attn.o_proj",
+        "linear_fc1": "mlp.up_proj",
+        "linear_fc2": "mlp.down_proj",
+    }[ours.split(".")[-2]]
     return {f"model.layers.{layer}.{name}": tensor}
 
 
 def fake_quantized_hf_weights(save: Path, quant: QuantConfig) -> dict[str, torch.Tensor]:
     """Our fake-quantized decoder weights (RTN of the whole fused tensors), under HF names."""
     state, model = our_state(save)
-    for name in [n for n in state if n.split(".")[-2] in ("linear_qkv", "linear_proj",
-                                                          "linear_fc1", "linear_fc2")]:  # fmt: skip
+    for name in [
+        n
+        for n in state
+        if n.split(".")[-2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    ]:
         state[name] = rtn_weight(state[name], quant)
     return to_hf_state_dict(state, model, torch.float32)
 
@@ -162,8 +188,16 @@ def nvfp4_export(base, tmp_path_factory) -> Path:
     source.write_text(json.dumps({"text": embedded_documents()[DOCUMENT]}) + "\n", "utf-8")
     preprocess(PreprocessConfig(inputs=[source], output_prefix=str(root / "calibration")))
     out = root / "hf"
-    export(base, out, "--quant-format", "nvfp4", "--calibration-data",
-           str(root / "calibration_text_document"), "--calibration-samples", "1")  # fmt: skip
+    export(
+        base,
+        out,
+        "--quant-format",
+        "nvfp4",
+        "--calibration-data",
+        str(root / "calibration_text_document"),
+        "--calibration-samples",
+        "1",
+    )
     return out
 
 
@@ -195,9 +229,10 @@ def test_nvfp4_export_loads_in_transformers_and_matches_weight_only_fake_quant(b
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     hf = AutoModelForCausalLM.from_pretrained(
-        nvfp4_export, dtype=torch.float32,
+        nvfp4_export,
+        dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(dequantize=True),
-    )  # fmt: skip
+    )
     quant = QuantConfig(quant_format="nvfp4")
     expected = fake_quantized_hf_weights(base, quant)
     for name, module in linears(hf).items():
@@ -253,8 +288,18 @@ def test_a_group_size_that_does_not_divide_the_rows_is_one_line_and_exit_2(base,
     import subprocess
     import sys
 
-    cmd = [sys.executable, str(EXPORT), "--load", str(base), "--output", str(tmp_path / "hf"),
-           "--quant-format", "int4", "--quant-group-size", "48"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(EXPORT),
+        "--load",
+        str(base),
+        "--output",
+        str(tmp_path / "hf"),
+        "--quant-format",
+        "int4",
+        "--quant-group-size",
+        "48",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -268,8 +313,18 @@ def test_a_missing_calibration_prefix_is_one_line_and_exit_2(base, tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, str(EXPORT), "--load", str(base), "--output", str(tmp_path / "hf"),
-           "--quant-format", "nvfp4", "--calibration-data", str(tmp_path / "missing")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(EXPORT),
+        "--load",
+        str(base),
+        "--output",
+        str(tmp_path / "hf"),
+        "--quant-format",
+        "nvfp4",
+        "--calibration-data",
+        str(tmp_path / "missing"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -74,8 +74,15 @@ def test_e4m3_and_e2m1_grids_are_the_formats():
 @pytest.mark.parametrize("grid,fn", [(E4M3, round_e4m3), (E2M1, round_e2m1)])
 def test_rounding_matches_reference_on_values_ties_and_overflow(grid, fn):
     mids = (grid[1:] + grid[:-1]) / 2
-    x = np.concatenate([grid, mids, -mids, [grid[-1] * 3, -1e9], np.random.default_rng(0).normal(
-        0, grid[-1] / 4, 4096)])  # fmt: skip
+    x = np.concatenate(
+        [
+            grid,
+            mids,
+            -mids,
+            [grid[-1] * 3, -1e9],
+            np.random.default_rng(0).normal(0, grid[-1] / 4, 4096),
+        ]
+    )
     got = fn(torch.tensor(x, dtype=torch.float64)).numpy()
     np.testing.assert_array_equal(got, _round_to_grid(x, grid))
 

@@ -224,8 +224,11 @@ def test_gptq_values_are_not_always_a_fixed_point_of_the_fake_quantizer():
     q = gptq_grid(w, hessian(x), column_grid(w, quant))
     assert q.tolist() == [[416.0, 416.0, 288.0]]
     assert not torch.equal(fake_fp8(q, per_row=False), q)
-    only = LinearQuantizers(QuantConfig(quant_format="fp8", quant_activations_only=True),
-                            row_parallel=False, tp_group=None)  # fmt: skip
+    only = LinearQuantizers(
+        QuantConfig(quant_format="fp8", quant_activations_only=True),
+        row_parallel=False,
+        tp_group=None,
+    )
     assert only.weight(q) is q
 
 
@@ -234,8 +237,11 @@ def test_activations_only_quantizes_the_inputs_and_not_the_weights(name):
     g = torch.Generator().manual_seed(4)
     w, x = torch.randn(32, 64, generator=g), torch.randn(2, 8, 64, generator=g)
     full = LinearQuantizers(FORMATS[name], row_parallel=False, tp_group=None)
-    only = LinearQuantizers(QuantConfig(**{**FORMATS[name].__dict__, "quant_activations_only": True}),
-                            row_parallel=False, tp_group=None)  # fmt: skip
+    only = LinearQuantizers(
+        QuantConfig(**{**FORMATS[name].__dict__, "quant_activations_only": True}),
+        row_parallel=False,
+        tp_group=None,
+    )
     assert only.weight(w) is w
     assert not torch.equal(full.weight(w), w)
     assert torch.equal(only.input(x), full.input(x))
@@ -245,10 +251,23 @@ def test_activations_only_quantizes_the_inputs_and_not_the_weights(name):
 def test_activations_only_with_an_int_format_is_refused():
     with pytest.raises(ConfigError, match="--quant-activations-only needs --quant-format fp8"):
         QuantConfig(quant_format="int4", quant_activations_only=True)
-    proc = subprocess.run([sys.executable, str(PRETRAIN), "--model-preset", "tiny",
-                           "--train-iters", "1", "--quant-format", "int4",
-                           "--quant-activations-only"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(PRETRAIN),
+            "--model-preset",
+            "tiny",
+            "--train-iters",
+            "1",
+            "--quant-format",
+            "int4",
+            "--quant-activations-only",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert "error: --quant-activations-only needs --quant-format fp8 or nvfp4" in (
         proc.stderr.strip().splitlines()[-1]
@@ -258,8 +277,21 @@ def test_activations_only_with_an_int_format_is_refused():
 
 # tools/quantize.py end to end on the tiny teacher, calibrated on its logit store's samples.
 CALIBRATION_SAMPLES = 8
-EVAL = ["--model-preset", "tiny", "--seed", "3", "--global-batch-size", "4",
-        "--micro-batch-size", "2", "--eval-iters", "2", "--finetune", "--train-iters", "0"]  # fmt: skip
+EVAL = [
+    "--model-preset",
+    "tiny",
+    "--seed",
+    "3",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "2",
+    "--finetune",
+    "--train-iters",
+    "0",
+]
 FLAGS = {
     "fp8-tensor": ["--quant-format", "fp8"],
     "fp8-channel": ["--quant-format", "fp8", "--quant-fp8-scaling", "channel"],
@@ -270,8 +302,13 @@ FLAGS = {
 def quantize(load: Path, save: Path, method: str, name: str, store: Path | None = None) -> Path:
     args = ["--load", str(load), "--save", str(save), "--method", method, *FLAGS[name]]
     if method == "gptq":
-        args += ["--distill-logits-path", str(store),
-                 "--calibration-samples", str(CALIBRATION_SAMPLES), *STUDENT_DATA]  # fmt: skip
+        args += [
+            "--distill-logits-path",
+            str(store),
+            "--calibration-samples",
+            str(CALIBRATION_SAMPLES),
+            *STUDENT_DATA,
+        ]
     run_entry(REPO / "tools" / "quantize.py", args)
     return save
 
@@ -282,13 +319,23 @@ def states_and_hessians(teacher: Path, quantized: Path, store: Path):
     model = load_model_config(teacher)
     with single_process(model) as chunk:
         base, out = read_state(chunk, teacher), read_state(chunk, quantized)
-        samples = calibration_samples(store, CALIBRATION_SAMPLES, seq_length=model.seq_length,
-                                      dataset=student_train_data(model.seq_length))  # fmt: skip
+        samples = calibration_samples(
+            store,
+            CALIBRATION_SAMPLES,
+            seq_length=model.seq_length,
+            dataset=student_train_data(model.seq_length),
+        )
         return base, out, calibration_hessians(chunk, samples)
 
 
-@pytest.mark.parametrize("name", [pytest.param("fp8-tensor", marks=pytest.mark.slow),
-                                  pytest.param("fp8-channel", marks=pytest.mark.slow), "nvfp4"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("fp8-tensor", marks=pytest.mark.slow),
+        pytest.param("fp8-channel", marks=pytest.mark.slow),
+        "nvfp4",
+    ],
+)
 def test_gptq_tool_in_the_float_formats(teacher, logits, tmp_path, name):  # noqa: F811
     out = quantize(teacher, tmp_path / "gptq", "gptq", name, logits)
     base, quantized, hessians = states_and_hessians(teacher, out, logits)
@@ -321,8 +368,11 @@ def test_rtn_tool_and_activations_only_evaluation(teacher, tmp_path, name):  # n
         base, quantized = read_state(chunk, teacher), read_state(chunk, out)
         linears = {f"{layer}.weight" for layer, _ in decoder_linears(chunk)}
     for key in base:
-        fake = fake_nvfp4 if quant.quant_format == "nvfp4" else (
-            lambda t: fake_fp8(t, per_row=quant.quant_fp8_scaling == "channel"))  # fmt: skip
+        fake = (
+            fake_nvfp4
+            if quant.quant_format == "nvfp4"
+            else (lambda t: fake_fp8(t, per_row=quant.quant_fp8_scaling == "channel"))
+        )
         assert torch.equal(quantized[key], fake(base[key]) if key in linears else base[key]), key
 
     def valid_loss(load: Path, *flags: str) -> float:

@@ -30,12 +30,27 @@ QAD_RUN = STUDENT[:_LAYERS] + STUDENT[_LAYERS + 2 :] + ["--lr", "1e-4"]
 
 def qad(teacher, logits, fmt: str, *extra: str, group: str = "16") -> list[str]:  # noqa: F811
     group_flags = ["--quant-group-size", group] if fmt.startswith("int") else []
-    return QAD_RUN + ["--load", str(teacher), "--finetune", "--distill-logits-path", str(logits),
-                      "--quant-format", fmt, *group_flags, *extra]  # fmt: skip
+    return QAD_RUN + [
+        "--load",
+        str(teacher),
+        "--finetune",
+        "--distill-logits-path",
+        str(logits),
+        "--quant-format",
+        fmt,
+        *group_flags,
+        *extra,
+    ]
 
 
-@pytest.mark.parametrize("fmt", ["int4", pytest.param("fp8", marks=pytest.mark.slow),
-                                 pytest.param("nvfp4", marks=pytest.mark.slow)])  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        "int4",
+        pytest.param("fp8", marks=pytest.mark.slow),
+        pytest.param("nvfp4", marks=pytest.mark.slow),
+    ],
+)
 def test_qad_resumes_bitwise(teacher, logits, tmp_path, fmt):  # noqa: F811
     run_entry(PRETRAIN, qad(teacher, logits, fmt, "--log-json", str(tmp_path / "full.json")))
     save = tmp_path / "ckpt"
@@ -58,8 +73,11 @@ def test_qad_resumes_bitwise(teacher, logits, tmp_path, fmt):  # noqa: F811
 def test_qad_with_tp2_gives_the_single_process_losses(teacher, logits, tmp_path, fmt):  # noqa: F811
     one, two = tmp_path / "tp1.json", tmp_path / "tp2.json"
     run_entry(PRETRAIN, qad(teacher, logits, fmt, "--log-json", str(one)))
-    run_entry(PRETRAIN, qad(teacher, logits, fmt, "--tensor-model-parallel-size", "2",
-                            "--log-json", str(two)), nproc=2)  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        qad(teacher, logits, fmt, "--tensor-model-parallel-size", "2", "--log-json", str(two)),
+        nproc=2,
+    )
     early, late = TP_RTOL[fmt]
     steps, expected = series(read_json(one), "train/loss")
     got_steps, got = series(read_json(two), "train/loss")
@@ -72,8 +90,13 @@ def test_qad_with_tp2_gives_the_single_process_losses(teacher, logits, tmp_path,
 
 def test_group_size_that_does_not_divide_is_one_line(teacher, logits):  # noqa: F811
     args = qad(teacher, logits, "int4", group="48")
-    proc = subprocess.run([sys.executable, str(PRETRAIN), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(PRETRAIN), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2
     assert "--quant-group-size 48 does not divide the 64 input features" in proc.stderr
     assert "Traceback" not in proc.stderr

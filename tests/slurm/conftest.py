@@ -42,11 +42,15 @@ def ensure_slurm_installed() -> None:
     if not _missing():
         return
     if os.environ.get(INSTALL) != "1":
-        pytest.skip(f"Slurm commands {_missing()} are missing; {INSTALL}=1 lets the tests "
-                    f"install them (root, apt-get install {' '.join(PACKAGES)})")  # fmt: skip
+        pytest.skip(
+            f"Slurm commands {_missing()} are missing; {INSTALL}=1 lets the tests "
+            f"install them (root, apt-get install {' '.join(PACKAGES)})"
+        )
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip(f"Slurm commands {_missing()} are missing and installing them needs root and "
-                    f"apt-get: apt-get install -y --no-install-recommends {' '.join(PACKAGES)}")  # fmt: skip
+        pytest.skip(
+            f"Slurm commands {_missing()} are missing and installing them needs root and "
+            f"apt-get: apt-get install -y --no-install-recommends {' '.join(PACKAGES)}"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     install = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
     if subprocess.run(install, env=env, capture_output=True).returncode:
@@ -140,8 +144,11 @@ class Cluster:
 
 
 def _start(cluster: Cluster, *command: str) -> None:
-    cluster.daemons.append(subprocess.Popen(command, env=cluster.env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.STDOUT))  # fmt: skip
+    cluster.daemons.append(
+        subprocess.Popen(
+            command, env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+    )
 
 
 def _wait_idle(cluster: Cluster, timeout: float = 60) -> None:
@@ -183,9 +190,17 @@ def slurm(tmp_path_factory) -> Iterator[Cluster]:
     env["PATH"] = f"/usr/sbin:/sbin:{env.get('PATH', '/usr/bin:/bin')}"
     cluster = Cluster(root=root, env=env)
     try:
-        _start(cluster, "munged", "--foreground", "--force", f"--key-file={key}",
-               f"--socket={munge_socket}", f"--pid-file={root}/munge/munged.pid",
-               f"--log-file={root}/munged.log", f"--seed-file={root}/munge/munged.seed")  # fmt: skip
+        _start(
+            cluster,
+            "munged",
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={munge_socket}",
+            f"--pid-file={root}/munge/munged.pid",
+            f"--log-file={root}/munged.log",
+            f"--seed-file={root}/munge/munged.seed",
+        )
         deadline = time.monotonic() + 30
         while not munge_socket.exists() and time.monotonic() < deadline:
             time.sleep(0.1)

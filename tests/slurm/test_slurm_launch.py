@@ -24,10 +24,22 @@ def submit(slurm, run_dir: Path, name: str, *options: str) -> subprocess.Complet
     """``examples/slurm/submit.sh`` as a user runs it, with this test's run directory."""
     rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in slurm.env.items() if k not in rendezvous}
-    env.update(APERTUS_PYTHON=sys.executable, APERTUS_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1",
-               TINY_TRAIN_ITERS=str(ITERS), TINY_SAVE_INTERVAL="1000", PYTHONUNBUFFERED="1")  # fmt: skip
-    command = [str(REPO / "examples" / "slurm" / "submit.sh"), str(SCRIPT), "--",
-               f"--job-name={name}", f"--output={run_dir}/logs/%x-%j.out", *options]  # fmt: skip
+    env.update(
+        APERTUS_PYTHON=sys.executable,
+        APERTUS_RUN_DIR=str(run_dir),
+        OMP_NUM_THREADS="1",
+        TINY_TRAIN_ITERS=str(ITERS),
+        TINY_SAVE_INTERVAL="1000",
+        PYTHONUNBUFFERED="1",
+    )
+    command = [
+        str(REPO / "examples" / "slurm" / "submit.sh"),
+        str(SCRIPT),
+        "--",
+        f"--job-name={name}",
+        f"--output={run_dir}/logs/%x-%j.out",
+        *options,
+    ]
     return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 

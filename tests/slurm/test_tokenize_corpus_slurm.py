@@ -21,9 +21,26 @@ from tests.slurm.conftest import FINAL_STATES
 def tokenize_on_slurm(slurm, inputs: list[str], out: Path) -> tuple[str, str]:
     """Submit as a user would; the job id and the tool's output."""
     env = dict(slurm.env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, str(TOKENIZE), "--input", *inputs, "--output-dir", str(out),
-               "--executor", "slurm", "--tasks", "2", "--partition", "debug",
-               "--time", "00:15:00", "--mem-per-cpu-gb", "1", "--job-name", "tokenize-test"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(TOKENIZE),
+        "--input",
+        *inputs,
+        "--output-dir",
+        str(out),
+        "--executor",
+        "slurm",
+        "--tasks",
+        "2",
+        "--partition",
+        "debug",
+        "--time",
+        "00:15:00",
+        "--mem-per-cpu-gb",
+        "1",
+        "--job-name",
+        "tokenize-test",
+    ]
     proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc.stdout.split("submitted Slurm job ")[1].split()[0], proc.stdout
@@ -42,9 +59,20 @@ def wait_for_array(slurm, job: str, timeout: float = 600) -> list[str]:
 
 def test_slurm_array_tokenizes_like_preprocess_and_reruns_a_lost_task_alone(slurm, tmp_path):
     inputs = write_corpus(tmp_path / "corpus")
-    reference = subprocess.run([sys.executable, str(PREPROCESS), "--input", *inputs,
-                                "--output-prefix", str(tmp_path / "ref")], cwd=REPO,
-                               capture_output=True, text=True, timeout=600)  # fmt: skip
+    reference = subprocess.run(
+        [
+            sys.executable,
+            str(PREPROCESS),
+            "--input",
+            *inputs,
+            "--output-prefix",
+            str(tmp_path / "ref"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert reference.returncode == 0, reference.stderr
     out = tmp_path / "out"
     job, _ = tokenize_on_slurm(slurm, inputs, out)

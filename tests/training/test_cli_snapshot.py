@@ -32,14 +32,16 @@ def flag_table(parser: argparse.ArgumentParser) -> list[dict]:
         for action in group._group_actions:
             if isinstance(action, argparse._HelpAction):
                 continue
-            table.append({
-                "flags": action.option_strings,
-                "group": group.title,
-                "default": repr(action.default),
-                "type": getattr(action.type, "__name__", None),
-                "nargs": action.nargs,
-                "ours": (action.help or "").endswith(C.ADDITION_MARK),
-            })  # fmt: skip
+            table.append(
+                {
+                    "flags": action.option_strings,
+                    "group": group.title,
+                    "default": repr(action.default),
+                    "type": getattr(action.type, "__name__", None),
+                    "nargs": action.nargs,
+                    "ours": (action.help or "").endswith(C.ADDITION_MARK),
+                }
+            )
     return table
 
 
@@ -91,8 +93,18 @@ def test_a_new_field_needs_nothing_but_its_declaration():
 
 def test_tools_read_the_same_flags_as_pretrain_gpt():
     """A tool's subset of groups parses as pretrain_gpt.py parses those flags."""
-    argv = ["--train-iters", "7", "--global-batch-size", "16", "--seed", "3", "--split", "9,1,0",
-            "--device", "cpu"]  # fmt: skip
+    argv = [
+        "--train-iters",
+        "7",
+        "--global-batch-size",
+        "16",
+        "--seed",
+        "3",
+        "--split",
+        "9,1,0",
+        "--device",
+        "cpu",
+    ]
     parser = argparse.ArgumentParser()
     C.add_run_arguments(parser, ("training", "dataset"))
     subset = C.groups_from_arguments(parser.parse_known_args(argv)[0], ("training", "dataset"))

@@ -17,8 +17,16 @@ import pytest
 from megatron.apertus import checkpoint
 from tests.conftest import PRETRAIN, REPO, run_entry
 
-BASE = ["--model-preset", "tiny", "--global-batch-size", "2", "--micro-batch-size", "1",
-        "--eval-iters", "0"]  # fmt: skip
+BASE = [
+    "--model-preset",
+    "tiny",
+    "--global-batch-size",
+    "2",
+    "--micro-batch-size",
+    "1",
+    "--eval-iters",
+    "0",
+]
 TINY = BASE + ["--train-iters", "1"]
 ERROR = "pretrain_gpt.py: error: "
 HINT = " (see pretrain_gpt.py --help)"
@@ -27,8 +35,14 @@ HINT = " (see pretrain_gpt.py --help)"
 def run(script: Path, args: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def refused(args: list[str], base: list[str] = TINY) -> str:
@@ -67,8 +81,10 @@ def test_a_job_with_no_checkpoint_yet_starts_from_scratch(tmp_path, before):
 def test_load_of_a_directory_without_a_checkpoint_warns_and_starts_from_scratch(tmp_path):
     (tmp_path / "README").write_text("not a checkpoint")
     proc = run_entry(PRETRAIN, TINY + ["--load", str(tmp_path)])
-    assert (f"--load {tmp_path} holds no checkpoint (no latest_checkpointed_iteration.txt, "
-            "no apertus_model.json): starting from scratch") in proc.stdout  # fmt: skip
+    assert (
+        f"--load {tmp_path} holds no checkpoint (no latest_checkpointed_iteration.txt, "
+        "no apertus_model.json): starting from scratch"
+    ) in proc.stdout
     assert "iteration        1/" in proc.stdout
 
 
@@ -125,8 +141,9 @@ def test_resume_with_another_schedule_names_the_switches(narrow_checkpoint):
     message = refused(
         ["--load", str(narrow_checkpoint), "--hidden-size", "32", "--train-iters", "2"]
     )
-    assert message.startswith(f"{narrow_checkpoint}/iter_0000001 was saved with another "
-                              "learning-rate schedule (")  # fmt: skip
+    assert message.startswith(
+        f"{narrow_checkpoint}/iter_0000001 was saved with another " "learning-rate schedule ("
+    )
     assert "--override-opt_param-scheduler" in message
 
 
@@ -135,12 +152,21 @@ def test_resume_with_another_schedule_names_the_switches(narrow_checkpoint):
 
 @pytest.mark.parametrize(
     "files, flag, expected",
-    [({"part.bin": b""}, "--data-path", "{p}.idx is missing ({p}.bin is there)"),
-     ({"part.idx": b"MMIDIDX\x00\x00"}, "--train-data-path", "{p}.bin is missing ({p}.idx is there)"),
-     ({"part.bin": b"", "part.idx": b""}, "--data-path",
-      "{p}.idx is not a Megatron index file (wrong header: truncated or another format)")],
+    [
+        ({"part.bin": b""}, "--data-path", "{p}.idx is missing ({p}.bin is there)"),
+        (
+            {"part.idx": b"MMIDIDX\x00\x00"},
+            "--train-data-path",
+            "{p}.bin is missing ({p}.idx is there)",
+        ),
+        (
+            {"part.bin": b"", "part.idx": b""},
+            "--data-path",
+            "{p}.idx is not a Megatron index file (wrong header: truncated or another format)",
+        ),
+    ],
     ids=["only the .bin", "only the .idx", "an index of another format"],
-)  # fmt: skip
+)
 def test_a_missing_or_broken_half_of_a_dataset_is_named(tmp_path, files, flag, expected):
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
@@ -157,8 +183,21 @@ def test_a_global_batch_that_does_not_split_into_micro_batches_is_refused():
 
 
 def test_a_ramp_up_that_does_not_split_into_micro_batches_is_refused():
-    message = refused(["--train-samples", "20", "--global-batch-size", "8", "--micro-batch-size",
-                       "2", "--rampup-batch-size", "3", "1", "8"], base=BASE)  # fmt: skip
+    message = refused(
+        [
+            "--train-samples",
+            "20",
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "2",
+            "--rampup-batch-size",
+            "3",
+            "1",
+            "8",
+        ],
+        base=BASE,
+    )
     assert message.startswith(
         "--rampup-batch-size START (3) is not divisible by --micro-batch-size"
     )
@@ -171,7 +210,13 @@ def test_log_progress_without_save_is_refused():
 
 
 def test_a_hub_tokenizer_name_says_to_pass_a_local_copy():
-    line = refused(["--tokenizer-type", "HuggingFaceTokenizer",
-                    "--tokenizer-model", "swiss-ai/Apertus-8B-2509"])  # fmt: skip
+    line = refused(
+        [
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            "swiss-ai/Apertus-8B-2509",
+        ]
+    )
     assert line.startswith("--tokenizer-model swiss-ai/Apertus-8B-2509: no such file or directory")
     assert "`hf download swiss-ai/Apertus-8B-2509 tokenizer.json tokenizer_config.json`" in line

@@ -26,8 +26,20 @@ import torch
 from tests.conftest import PRETRAIN, read_json, run_entry, series
 
 GOLDEN = Path(__file__).with_name("golden_tiny_losses.json")
-ARGS = ["--model-preset", "tiny", "--train-iters", "10", "--global-batch-size", "8",
-        "--log-interval", "1", "--precision", "fp32", "--device", "cpu"]  # fmt: skip
+ARGS = [
+    "--model-preset",
+    "tiny",
+    "--train-iters",
+    "10",
+    "--global-batch-size",
+    "8",
+    "--log-interval",
+    "1",
+    "--precision",
+    "fp32",
+    "--device",
+    "cpu",
+]
 RELATIVE = 1e-5
 PYTHON = ".".join(platform.python_version_tuple()[:2])
 """The curve's key: the embedded corpus is this Python's documentation."""
@@ -37,8 +49,10 @@ def run_curve(log: Path) -> dict[str, list[list[float]]]:
     """The run's training and validation losses as ``{name: [[iteration, value], ...]}``."""
     run_entry(PRETRAIN, [*ARGS, "--log-json", str(log)])
     history = read_json(log)
-    return {name: [list(p) for p in zip(*series(history, name))]
-            for name in ("train/loss", "valid/loss")}  # fmt: skip
+    return {
+        name: [list(p) for p in zip(*series(history, name))]
+        for name in ("train/loss", "valid/loss")
+    }
 
 
 @pytest.mark.smoke
@@ -46,8 +60,10 @@ def test_tiny_run_reproduces_the_golden_curve(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     assert golden["args"] == ARGS, "the golden curve belongs to other flags: regenerate it"
     if PYTHON not in golden["curves"]:
-        pytest.skip(f"no golden curve for Python {PYTHON}: record one with "
-                    "`python -m tests.training.test_golden_losses`")  # fmt: skip
+        pytest.skip(
+            f"no golden curve for Python {PYTHON}: record one with "
+            "`python -m tests.training.test_golden_losses`"
+        )
     curves = run_curve(tmp_path / "log.jsonl")
     same_cpu = golden["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     for name, want in golden["curves"][PYTHON].items():
@@ -68,8 +84,15 @@ if __name__ == "__main__":
     recorded = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"curves": {}}
     if recorded.get("args") != ARGS:
         recorded["curves"] = {}  # other flags: the other Pythons' curves are stale too
-    GOLDEN.write_text(json.dumps({
-        "args": ARGS, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "curves": {**recorded["curves"], PYTHON: curves},
-    }, sort_keys=True) + "\n")  # fmt: skip
+    GOLDEN.write_text(
+        json.dumps(
+            {
+                "args": ARGS,
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "curves": {**recorded["curves"], PYTHON: curves},
+            },
+            sort_keys=True,
+        )
+        + "\n"
+    )
     print(f"wrote {GOLDEN}")

@@ -13,8 +13,20 @@ from megatron.apertus import checkpoint
 from megatron.apertus.training.loop import TrainingStopped, train
 from tests.conftest import PRETRAIN, after_backward, read_json, run_entry, series
 
-BASE = ["--model-preset", "tiny", "--global-batch-size", "4", "--micro-batch-size", "2",
-        "--eval-iters", "1", "--log-interval", "1", "--lr", "3e-3"]  # fmt: skip
+BASE = [
+    "--model-preset",
+    "tiny",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--lr",
+    "3e-3",
+]
 
 
 def poison(at: set[int]):
@@ -58,16 +70,44 @@ def test_repeated_nan_stops_with_the_last_good_state_saved(tmp_path):
 
 def test_batch_size_ramp_up_and_sample_based_length(tmp_path):
     log = tmp_path / "history.json"
-    proc = run_entry(PRETRAIN, BASE + ["--rampup-batch-size", "2", "2", "8", "--train-samples", "20",
-                                       "--micro-batch-size", "1", "--log-json", str(log)])  # fmt: skip
+    proc = run_entry(
+        PRETRAIN,
+        BASE
+        + [
+            "--rampup-batch-size",
+            "2",
+            "2",
+            "8",
+            "--train-samples",
+            "20",
+            "--micro-batch-size",
+            "1",
+            "--log-json",
+            str(log),
+        ],
+    )
     batches = [int(size) for size in re.findall(r"\| global batch size: +(\d+) \|", proc.stdout)]
     assert batches == [2, 2, 2, 2, 4, 4, 4], batches
     assert re.search(r"iteration +7/ +7 \| consumed samples: +20 \|", proc.stdout)
 
 
 def test_tensorboard_plot_and_json(tmp_path):
-    run_entry(PRETRAIN, BASE + ["--train-iters", "3", "--eval-interval", "3", "--save", str(tmp_path / "ckpt"),
-                                "--tensorboard-dir", str(tmp_path / "tb"), "--log-json", str(tmp_path / "h.json")])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        BASE
+        + [
+            "--train-iters",
+            "3",
+            "--eval-interval",
+            "3",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--tensorboard-dir",
+            str(tmp_path / "tb"),
+            "--log-json",
+            str(tmp_path / "h.json"),
+        ],
+    )
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     png = (tmp_path / "ckpt" / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
@@ -81,8 +121,18 @@ def test_trigger_files_save_and_exit(tmp_path):
     triggers.mkdir()
     (triggers / "save").touch()
     (triggers / "exit").touch()
-    proc = run_entry(PRETRAIN, BASE + ["--train-iters", "50", "--save", str(tmp_path / "ckpt"),
-                                       "--trigger-path", str(triggers)])  # fmt: skip
+    proc = run_entry(
+        PRETRAIN,
+        BASE
+        + [
+            "--train-iters",
+            "50",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--trigger-path",
+            str(triggers),
+        ],
+    )
     assert "exit requested by trigger file" in proc.stdout
     assert checkpoint.latest_iteration(tmp_path / "ckpt") == 1
     assert not (triggers / "save").exists(), "an honoured save request is removed"

@@ -24,8 +24,18 @@ from megatron.apertus.training.loop import train
 from tests.conftest import PRETRAIN, after_backward, run_entry
 from tests.training.test_first_hour import TINY, refused
 
-BASE = ["--model-preset", "tiny", "--global-batch-size", "4", "--micro-batch-size", "2",
-        "--eval-iters", "1", "--lr", "3e-3"]  # fmt: skip
+BASE = [
+    "--model-preset",
+    "tiny",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "1",
+    "--lr",
+    "3e-3",
+]
 
 MEGATRON_FIELDS = [
     r"iteration +(?P<iteration>\d+)/ +\d+",
@@ -48,9 +58,14 @@ MEGATRON_VALIDATION = re.compile(
     r"lm loss PPL: \d\.\d{6}E[+-]\d\d [|]"
 )
 MEGATRON_TAGS = {
-    "lm loss", "learning-rate", "batch-size", "loss-scale", "grad-norm", "params-norm",
+    "lm loss",
+    "learning-rate",
+    "batch-size",
+    "loss-scale",
+    "grad-norm",
+    "params-norm",
     "lm loss validation",
-}  # fmt: skip
+}
 """Megatron-LM's TensorBoard scalars, each also written as "<tag> vs samples"."""
 MEGATRON_TIMER_TAGS = {"iteration-time", "throughput"}
 
@@ -60,8 +75,19 @@ def _lines(caplog) -> list[str]:
 
 
 def test_iteration_line_validation_line_and_tensorboard_tags_are_megatrons(tmp_path):
-    proc = run_entry(PRETRAIN, BASE + ["--train-iters", "2", "--log-interval", "1",
-                                       "--log-params-norm", "--tensorboard-dir", str(tmp_path)])  # fmt: skip
+    proc = run_entry(
+        PRETRAIN,
+        BASE
+        + [
+            "--train-iters",
+            "2",
+            "--log-interval",
+            "1",
+            "--log-params-norm",
+            "--tensorboard-dir",
+            str(tmp_path),
+        ],
+    )
     lines = [line for line in proc.stdout.splitlines() if re.search(r"\d iteration ", line)]
     assert len(lines) == 2 and all(MEGATRON_LINE.search(line) for line in lines), lines
     ours = lines[0].split("number of nan iterations:   0 | ", 1)[1]
@@ -87,14 +113,23 @@ def test_skipped_and_nan_iterations_are_counted_over_the_interval(tmp_path, capl
             weight.main_grad.view(-1)[0] = math.nan
             weight.data.fill_(math.nan)
 
-    cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "3", "--log-interval", "3",
-                                          "--eval-iters", "0"])  # fmt: skip
+    cfg = pretrain_gpt.parse_args(
+        BASE + ["--train-iters", "3", "--log-interval", "3", "--eval-iters", "0"]
+    )
     with caplog.at_level(logging.INFO, logger="apertus"):
         with after_backward(poison):
             history = train(cfg)
-    matches = [m for line in _lines(caplog) if (m := re.search(
-        r"iteration +(\d+)/.*lm loss: (\S+) \|.*skipped iterations: +(\d+) \| "
-        r"number of nan iterations: +(\d+) \|", line))]  # fmt: skip
+    matches = [
+        m
+        for line in _lines(caplog)
+        if (
+            m := re.search(
+                r"iteration +(\d+)/.*lm loss: (\S+) \|.*skipped iterations: +(\d+) \| "
+                r"number of nan iterations: +(\d+) \|",
+                line,
+            )
+        )
+    ]
     assert [m.group(1) for m in matches] == ["1", "3"]
     assert (matches[1].group(3), matches[1].group(4)) == ("2", "1")
     assert float(matches[1].group(2)) == pytest.approx(history["train/loss"][0][1], rel=1e-6)
@@ -103,9 +138,21 @@ def test_skipped_and_nan_iterations_are_counted_over_the_interval(tmp_path, capl
 def test_exit_duration_stops_validation_then_saves_and_exits(tmp_path, caplog):
     """A limit already passed: the validation at the start stops after its first batch (no
     loss recorded), the first step runs, then every rank agrees to save and stop."""
-    cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "5", "--eval-interval", "1",
-                                          "--eval-iters", "3", "--exit-duration-in-mins", "1e-4",
-                                          "--save", str(tmp_path)])  # fmt: skip
+    cfg = pretrain_gpt.parse_args(
+        BASE
+        + [
+            "--train-iters",
+            "5",
+            "--eval-interval",
+            "1",
+            "--eval-iters",
+            "3",
+            "--exit-duration-in-mins",
+            "1e-4",
+            "--save",
+            str(tmp_path),
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="apertus"):
         history = train(cfg)
     assert not history["completed"]
@@ -123,45 +170,95 @@ def test_exit_duration_stops_validation_then_saves_and_exits(tmp_path, caplog):
 def narrow(tmp_path_factory) -> Path:
     """A one-step run of a model narrower than the preset (--hidden-size 32)."""
     save = tmp_path_factory.mktemp("narrow")
-    train(pretrain_gpt.parse_args(BASE + ["--train-iters", "1", "--hidden-size", "32",
-                                          "--lr-decay-iters", "4", "--save", str(save)]))  # fmt: skip
+    train(
+        pretrain_gpt.parse_args(
+            BASE
+            + [
+                "--train-iters",
+                "1",
+                "--hidden-size",
+                "32",
+                "--lr-decay-iters",
+                "4",
+                "--save",
+                str(save),
+            ]
+        )
+    )
     return save
 
 
 def test_rerunning_a_finished_run_says_so_and_writes_nothing(narrow, caplog):
     before = {p: p.stat().st_mtime_ns for p in narrow.rglob("*")}
-    cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "1", "--hidden-size", "32",
-                                          "--lr-decay-iters", "4", "--save", str(narrow),
-                                          "--load", str(narrow)])  # fmt: skip
+    cfg = pretrain_gpt.parse_args(
+        BASE
+        + [
+            "--train-iters",
+            "1",
+            "--hidden-size",
+            "32",
+            "--lr-decay-iters",
+            "4",
+            "--save",
+            str(narrow),
+            "--load",
+            str(narrow),
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="apertus"):
         assert train(cfg) == {"completed": True}
-    assert _lines(caplog) == [f"the run is already finished: {narrow}/iter_0000001 is at "
-                              "iteration 1 (--train-iters 1); nothing to do"]  # fmt: skip
+    assert _lines(caplog) == [
+        f"the run is already finished: {narrow}/iter_0000001 is at "
+        "iteration 1 (--train-iters 1); nothing to do"
+    ]
     assert {p: p.stat().st_mtime_ns for p in narrow.rglob("*")} == before
 
 
 def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(narrow, capsys, caplog):
-    cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "2", "--lr-decay-iters", "4",
-                                          "--use-checkpoint-args", "--load", str(narrow)])  # fmt: skip
+    cfg = pretrain_gpt.parse_args(
+        BASE
+        + [
+            "--train-iters",
+            "2",
+            "--lr-decay-iters",
+            "4",
+            "--use-checkpoint-args",
+            "--load",
+            str(narrow),
+        ]
+    )
     assert cfg.model == checkpoint.load_model_config(narrow)
     assert cfg.model.hidden_size == 32
     assert "hidden_size" in capsys.readouterr().out
     with caplog.at_level(logging.INFO, logger="apertus"):
         history = train(cfg)
-    assert any(line.startswith(f"resumed from {narrow}/iter_0000001 at iteration 1")
-               for line in _lines(caplog)), _lines(caplog)  # fmt: skip
+    assert any(
+        line.startswith(f"resumed from {narrow}/iter_0000001 at iteration 1")
+        for line in _lines(caplog)
+    ), _lines(caplog)
     assert history["train/loss"][-1][0] == 2
 
 
 def test_use_checkpoint_args_keeps_the_flags_given(narrow):
-    cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "2", "--seq-length", "64",
-                                          "--use-checkpoint-args", "--load", str(narrow)])  # fmt: skip
+    cfg = pretrain_gpt.parse_args(
+        BASE
+        + [
+            "--train-iters",
+            "2",
+            "--seq-length",
+            "64",
+            "--use-checkpoint-args",
+            "--load",
+            str(narrow),
+        ]
+    )
     assert cfg.model == dataclasses.replace(checkpoint.load_model_config(narrow), seq_length=64)
 
 
 def test_use_checkpoint_args_without_a_checkpoint_keeps_the_command_line(tmp_path, capsys):
-    cfg = pretrain_gpt.parse_args(BASE + ["--train-iters", "2", "--use-checkpoint-args",
-                                          "--load", str(tmp_path)])  # fmt: skip
+    cfg = pretrain_gpt.parse_args(
+        BASE + ["--train-iters", "2", "--use-checkpoint-args", "--load", str(tmp_path)]
+    )
     assert cfg.model.hidden_size == 64
     assert "no checkpoint at" in capsys.readouterr().out
 
@@ -173,17 +270,27 @@ def test_wandb_project_without_wandb_is_refused_in_one_line():
     )
 
 
-@pytest.mark.parametrize("flags, expected", [
-    ("--lr-warmup-iters 4", "--lr-warmup-iters 4 (8 samples) must be shorter than the schedule, "
-     "the run's --train-iters 1 (2 samples)"),
-    ("--lr-warmup-iters 2 --lr-decay-iters 2", "--lr-warmup-iters 2 (4 samples) must be shorter "
-     "than the schedule, --lr-decay-iters 2 (4 samples)"),
-    ("--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 2 --lr-decay-iters 3",
-     "--lr-warmup-iters 2 (4 samples) plus --lr-wsd-decay-iters 2 (4 samples) exceed the "
-     "schedule, --lr-decay-iters 3 (6 samples)"),
-])  # fmt: skip
-def test_a_schedule_that_does_not_fit_the_run_is_refused_naming_the_flags(flags, expected,
-                                                                           capsys):  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (
+            "--lr-warmup-iters 4",
+            "--lr-warmup-iters 4 (8 samples) must be shorter than the schedule, "
+            "the run's --train-iters 1 (2 samples)",
+        ),
+        (
+            "--lr-warmup-iters 2 --lr-decay-iters 2",
+            "--lr-warmup-iters 2 (4 samples) must be shorter "
+            "than the schedule, --lr-decay-iters 2 (4 samples)",
+        ),
+        (
+            "--lr-decay-style WSD --lr-warmup-iters 2 --lr-wsd-decay-iters 2 --lr-decay-iters 3",
+            "--lr-warmup-iters 2 (4 samples) plus --lr-wsd-decay-iters 2 (4 samples) exceed the "
+            "schedule, --lr-decay-iters 3 (6 samples)",
+        ),
+    ],
+)
+def test_a_schedule_that_does_not_fit_the_run_is_refused_naming_the_flags(flags, expected, capsys):
     with pytest.raises(SystemExit) as stopped:
         pretrain_gpt.parse_args(TINY + flags.split())
     assert stopped.value.code == 2

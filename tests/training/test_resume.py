@@ -20,11 +20,32 @@ from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, ser
 
 ITERS = 6
 COMMON = [
-    "--model-preset", "tiny", "--seed", "11", "--lr", "3e-3", "--global-batch-size", "4",
-    "--micro-batch-size", "2", "--eval-iters", "1", "--log-interval", "1",
-    "--train-iters", str(ITERS), "--lr-decay-style", "WSD", "--lr-warmup-iters", "2",
-    "--lr-wsd-decay-iters", "2", "--goldfish-loss", "--reset-position-ids", "--reset-attention-mask",
-]  # fmt: skip
+    "--model-preset",
+    "tiny",
+    "--seed",
+    "11",
+    "--lr",
+    "3e-3",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--train-iters",
+    str(ITERS),
+    "--lr-decay-style",
+    "WSD",
+    "--lr-warmup-iters",
+    "2",
+    "--lr-wsd-decay-iters",
+    "2",
+    "--goldfish-loss",
+    "--reset-position-ids",
+    "--reset-attention-mask",
+]
 
 
 def final_weights(save_dir: Path) -> dict[str, torch.Tensor]:
@@ -45,11 +66,21 @@ def uninterrupted(tmp_path_factory):
 
 def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tuple[list, dict]:
     save = root / name
-    run_entry(PRETRAIN, COMMON + extra + ["--save", str(save), "--exit-interval", "3",
-                                          "--log-json", str(root / f"{name}-a.json")], nproc=nproc)  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + extra
+        + ["--save", str(save), "--exit-interval", "3", "--log-json", str(root / f"{name}-a.json")],
+        nproc=nproc,
+    )
     assert checkpoint.latest_iteration(save) == 3
-    run_entry(PRETRAIN, COMMON + extra + ["--save", str(save), "--load", str(save),
-                                          "--log-json", str(root / f"{name}-b.json")], nproc=nproc)  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + extra
+        + ["--save", str(save), "--load", str(save), "--log-json", str(root / f"{name}-b.json")],
+        nproc=nproc,
+    )
     first = series(read_json(root / f"{name}-a.json"), "train/loss")
     whole = series(read_json(root / f"{name}-b.json"), "train/loss")  # the history continues
     assert whole[1][:3] == first[1]
@@ -58,22 +89,39 @@ def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tupl
 
 @pytest.mark.parametrize(
     "name, extra, nproc",
-    [pytest.param("one-process", [], 1, marks=pytest.mark.smoke),
-     pytest.param("tp2", ["--tensor-model-parallel-size", "2"], 2, marks=pytest.mark.smoke),
-     pytest.param("pp2", ["--pipeline-model-parallel-size", "2"], 2, marks=pytest.mark.smoke),
-     # Background saves at every step, the one the stop asks for too.
-     ("async-save", ["--async-save", "--save-interval", "1"], 1),
-     ("dp2-async-fully-parallel", ["--async-save", "--save-interval", "2",
-                                   "--ckpt-fully-parallel-load", "--use-distributed-optimizer",
-                                   "--optimizer", "ademamix"], 2)],
-)  # fmt: skip
+    [
+        pytest.param("one-process", [], 1, marks=pytest.mark.smoke),
+        pytest.param("tp2", ["--tensor-model-parallel-size", "2"], 2, marks=pytest.mark.smoke),
+        pytest.param("pp2", ["--pipeline-model-parallel-size", "2"], 2, marks=pytest.mark.smoke),
+        # Background saves at every step, the one the stop asks for too.
+        ("async-save", ["--async-save", "--save-interval", "1"], 1),
+        (
+            "dp2-async-fully-parallel",
+            [
+                "--async-save",
+                "--save-interval",
+                "2",
+                "--ckpt-fully-parallel-load",
+                "--use-distributed-optimizer",
+                "--optimizer",
+                "ademamix",
+            ],
+            2,
+        ),
+    ],
+)
 def test_stop_and_resume_is_bitwise_identical(uninterrupted, name, extra, nproc):
     root, (ref_steps, ref_losses), ref_weights = uninterrupted
     if nproc == 1:
         expected_losses, expected_weights = ref_losses, ref_weights
     else:  # the same layout uninterrupted, for a bitwise comparison
-        run_entry(PRETRAIN, COMMON + extra + ["--save", str(root / f"{name}-full"),
-                                              "--log-json", str(root / f"{name}-full.json")], nproc=nproc)  # fmt: skip
+        run_entry(
+            PRETRAIN,
+            COMMON
+            + extra
+            + ["--save", str(root / f"{name}-full"), "--log-json", str(root / f"{name}-full.json")],
+            nproc=nproc,
+        )
         expected_losses = series(read_json(root / f"{name}-full.json"), "train/loss")[1]
         expected_weights = final_weights(root / f"{name}-full")
     (steps, losses), weights = interrupted_run(root, name, extra, nproc)
@@ -89,8 +137,21 @@ def test_resume_in_another_layout(uninterrupted):
     root, (_, ref_losses), _ = uninterrupted
     save = root / "relayout"
     run_entry(PRETRAIN, COMMON + ["--save", str(save), "--exit-interval", "3"])
-    run_entry(PRETRAIN, COMMON + ["--save", str(save), "--load", str(save), "--tensor-model-parallel-size", "2",
-                                  "--log-json", str(root / "relayout.json")], nproc=2)  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        COMMON
+        + [
+            "--save",
+            str(save),
+            "--load",
+            str(save),
+            "--tensor-model-parallel-size",
+            "2",
+            "--log-json",
+            str(root / "relayout.json"),
+        ],
+        nproc=2,
+    )
     steps, losses = series(read_json(root / "relayout.json"), "train/loss")
     assert steps == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
@@ -99,8 +160,14 @@ def test_resume_in_another_layout(uninterrupted):
 def _start(args: list[str]) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(PRETRAIN), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(PRETRAIN), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, lines: list[str]) -> None:

@@ -110,8 +110,20 @@ def test_reader_workers_and_builder_threads_change_no_loss(trained, tmp_path):
     """--num-workers 2 and --num-dataset-builder-threads 2 train on the same batches."""
     _, _, (steps, losses) = trained
     log = tmp_path / "workers.json"
-    run_entry(PRETRAIN, BASE + ["--train-iters", "5", "--num-workers", "2",
-                                "--num-dataset-builder-threads", "2", "--log-json", str(log)])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        BASE
+        + [
+            "--train-iters",
+            "5",
+            "--num-workers",
+            "2",
+            "--num-dataset-builder-threads",
+            "2",
+            "--log-json",
+            str(log),
+        ],
+    )
     assert series(read_json(log), "train/loss") == (steps, losses)
 
 
@@ -123,8 +135,17 @@ def test_log_progress_writes_megatron_progress_file(tmp_path):
     """Two jobs of one run: Megatron-LM's progress.txt lines, FLOPs and tokens of the samples
     consumed so far."""
     save = tmp_path / "ckpt"
-    flags = BASE + ["--train-iters", "4", "--save", str(save), "--load", str(save),
-                    "--save-interval", "2", "--log-progress"]  # fmt: skip
+    flags = BASE + [
+        "--train-iters",
+        "4",
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--save-interval",
+        "2",
+        "--log-progress",
+    ]
     run_entry(PRETRAIN, flags + ["--exit-interval", "2"])
     run_entry(PRETRAIN, flags)
     lines = _progress_lines(save / "progress.txt")
@@ -173,8 +194,9 @@ def test_no_load_rng_keeps_the_seeded_rng_states(trained, flags, restored):
 
 
 @pytest.mark.parametrize("eval_flag, final_collections", [([], 2), (["--no-manual-gc-eval"], 0)])
-def test_manual_gc_disables_the_collector_and_collects_at_the_interval(eval_flag,
-                                                                      final_collections):  # fmt: skip
+def test_manual_gc_disables_the_collector_and_collects_at_the_interval(
+    eval_flag, final_collections
+):
     events = []
 
     def on_gc(phase: str, info: dict) -> None:

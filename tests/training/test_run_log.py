@@ -26,16 +26,23 @@ ITERATION_LINE = re.compile(
 def _readme_smallest_run() -> list[str]:
     """The README's smallest ``pretrain_gpt.py`` command, as words."""
     text = (REPO / "README.md").read_text()
-    command = re.search(r"\.venv/bin/python (pretrain_gpt\.py --model-preset tiny .*?)\n```",
-                        text, re.S).group(1)  # fmt: skip
+    command = re.search(
+        r"\.venv/bin/python (pretrain_gpt\.py --model-preset tiny .*?)\n```", text, re.S
+    ).group(1)
     return shlex.split(command.replace("\\\n", " "))[1:]
 
 
 def _start(args: list[str], cwd) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(PRETRAIN), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(PRETRAIN), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_first_iteration_line_of_the_smallest_run_comes_within_15_lines(tmp_path):
@@ -56,9 +63,25 @@ def test_first_iteration_line_of_the_smallest_run_comes_within_15_lines(tmp_path
 
 def test_a_killed_run_keeps_its_json_log_and_plot(tmp_path):
     save, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    proc = _start(["--model-preset", "tiny", "--train-iters", "200", "--global-batch-size", "2",
-                   "--log-interval", "2", "--save", str(save), "--save-interval", "2",
-                   "--log-json", str(log)], cwd=REPO)  # fmt: skip
+    proc = _start(
+        [
+            "--model-preset",
+            "tiny",
+            "--train-iters",
+            "200",
+            "--global-batch-size",
+            "2",
+            "--log-interval",
+            "2",
+            "--save",
+            str(save),
+            "--save-interval",
+            "2",
+            "--log-json",
+            str(log),
+        ],
+        cwd=REPO,
+    )
     logged = []
     for line in proc.stdout:
         match = ITERATION_LINE.search(line)

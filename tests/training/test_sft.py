@@ -17,8 +17,18 @@ from megatron.apertus.data.tokenizer import build_tokenizer
 from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 
 TOOL = REPO / "tools" / "preprocess_chat.py"
-BASE = ["--model-preset", "tiny", "--global-batch-size", "8", "--micro-batch-size", "4",
-        "--log-interval", "1", "--reset-attention-mask", "--reset-position-ids"]  # fmt: skip
+BASE = [
+    "--model-preset",
+    "tiny",
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "4",
+    "--log-interval",
+    "1",
+    "--reset-attention-mask",
+    "--reset-position-ids",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +49,21 @@ def test_samples_carry_the_stored_mask_of_their_labels(chats, tmp_path):
     prefix = chats["valid"]
     tokens, masks = IndexedDataset(prefix), IndexedDataset(prefix + "_loss_mask")
     low = MaskedIndexedDataset(prefix)
-    config = GPTDatasetConfig(random_seed=3, sequence_length=64, blend=([prefix], None),
-                              split="100,0,0", path_to_cache=str(tmp_path),
-                              tokenizer=build_tokenizer(), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False,
-                              create_attention_mask=False)  # fmt: skip
-    dataset = ChatGPTDataset(low, prefix, np.arange(len(low), dtype=np.int32), 40, Split.train,
-                             config)  # fmt: skip
+    config = GPTDatasetConfig(
+        random_seed=3,
+        sequence_length=64,
+        blend=([prefix], None),
+        split="100,0,0",
+        path_to_cache=str(tmp_path),
+        tokenizer=build_tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    dataset = ChatGPTDataset(
+        low, prefix, np.arange(len(low), dtype=np.int32), 40, Split.train, config
+    )
     assert len(dataset) >= 40
     for i in range(40):
         sample = dataset[i]
@@ -61,14 +79,45 @@ def test_samples_carry_the_stored_mask_of_their_labels(chats, tmp_path):
 
 @pytest.mark.slow
 def test_sft_lowers_the_held_out_assistant_loss(chats, tmp_path):
-    run_entry(PRETRAIN, BASE + ["--train-iters", "4", "--lr", "3e-3", "--eval-iters", "0",
-                                "--save", str(tmp_path / "base")])  # fmt: skip
+    run_entry(
+        PRETRAIN,
+        BASE
+        + [
+            "--train-iters",
+            "4",
+            "--lr",
+            "3e-3",
+            "--eval-iters",
+            "0",
+            "--save",
+            str(tmp_path / "base"),
+        ],
+    )
     log = tmp_path / "sft.json"
-    proc = run_entry(PRETRAIN, BASE + [
-        "--sft", "--finetune", "--load", str(tmp_path / "base"), "--train-iters", "12",
-        "--lr", "3e-3", "--train-data-path", chats["train"], "--valid-data-path", chats["valid"],
-        "--eval-iters", "2", "--eval-interval", "12", "--log-json", str(log),
-    ])  # fmt: skip
+    proc = run_entry(
+        PRETRAIN,
+        BASE
+        + [
+            "--sft",
+            "--finetune",
+            "--load",
+            str(tmp_path / "base"),
+            "--train-iters",
+            "12",
+            "--lr",
+            "3e-3",
+            "--train-data-path",
+            chats["train"],
+            "--valid-data-path",
+            chats["valid"],
+            "--eval-iters",
+            "2",
+            "--eval-interval",
+            "12",
+            "--log-json",
+            str(log),
+        ],
+    )
     assert "--finetune: weights loaded from" in proc.stdout
     assert "goldfish" not in proc.stdout  # off unless asked for
     _, valid = series(read_json(log), "valid/loss")
@@ -84,8 +133,21 @@ def test_sft_refuses_a_dataset_without_its_mask(chats, tmp_path):
         (tmp_path / f"plain_chat_document{suffix}").write_bytes(
             open(chats["valid"] + suffix, "rb").read()
         )
-    proc = subprocess.run([sys.executable, str(PRETRAIN), *BASE, "--sft", "--train-iters", "1",
-                           "--data-path", str(plain)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(PRETRAIN),
+            *BASE,
+            "--sft",
+            "--train-iters",
+            "1",
+            "--data-path",
+            str(plain),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert "_loss_mask.bin is missing" in proc.stderr.strip().splitlines()[-1]

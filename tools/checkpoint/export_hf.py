@@ -31,10 +31,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument(
-        "--license", default="apache-2.0",
+        "--license",
+        default="apache-2.0",
         help="the model card's Hugging Face Hub licence id (default: apache-2.0, the published "
-             "Apertus models')",
-    )  # fmt: skip
+        "Apertus models')",
+    )
     return parser.parse_args(argv)
 
 

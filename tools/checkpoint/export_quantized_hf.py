@@ -39,16 +39,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="nvfp4: tokenized documents (the .bin/.idx prefix tools/preprocess_data.py writes) "
         "whose largest decoder-linear inputs set the static input global scales",
     )
-    parser.add_argument("--calibration-samples", type=int, default=128,
-                        help="nvfp4: how many of its first documents (each cut to the model's "
-                        "sequence length)")  # fmt: skip
+    parser.add_argument(
+        "--calibration-samples",
+        type=int,
+        default=128,
+        help="nvfp4: how many of its first documents (each cut to the model's " "sequence length)",
+    )
     C.add_run_arguments(parser, ("quant",), titles={"quant": "format"})
     args = parser.parse_args(argv)
     if args.quant_format is None:
         parser.error("--quant-format is required")
     if args.quant_format == "nvfp4" and args.calibration_data is None:
-        parser.error("--quant-format nvfp4 needs --calibration-data (its input global scales "
-                     "are static in compressed-tensors)")  # fmt: skip
+        parser.error(
+            "--quant-format nvfp4 needs --calibration-data (its input global scales "
+            "are static in compressed-tensors)"
+        )
     if args.quant_format != "nvfp4" and args.calibration_data is not None:
         parser.error("--calibration-data applies to --quant-format nvfp4 only")
     if args.calibration_samples < 1:
@@ -70,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     try:
         quant = C.groups_from_arguments(args, ("quant",))["quant"]
-        out = export_quantized(args.load, args.output, quant,
-                               tokenizer=args.tokenizer, calibration=calibration)  # fmt: skip
+        out = export_quantized(
+            args.load, args.output, quant, tokenizer=args.tokenizer, calibration=calibration
+        )
     except (ConfigError, ConversionError, FileExistsError, FileNotFoundError) as err:
         print(f"export_quantized_hf.py: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -28,42 +28,59 @@ class AlignConfig:
     align_objective: Optional[str] = _help(
         "offline alignment objective on datasets from tools/preprocess_preferences.py: dpo "
         "(pairs) or qrpo (completions with quantile rewards); start from the SFT model with "
-        "--finetune --load, which is also the frozen reference", None)  # fmt: skip
+        "--finetune --load, which is also the frozen reference",
+        None,
+    )
     align_beta: float = _help("KL-regularisation strength beta of DPO and QRPO", 0.1)
     align_length_normalization: bool = _help(
         "normalise by each completion's length in tokens (what --align-length-normalization-of "
-        "says)", False)  # fmt: skip
+        "says)",
+        False,
+    )
     align_length_normalization_of: str = _help(
         "with --align-length-normalization: beta (DPO divides each log-ratio by its length, "
         "QRPO uses beta / length) or loss (each completion's loss divided by its length, a "
         "pair's by the mean of its two: swiss-ai/posttraining's normalize_loss_by_length)",
-        "beta")  # fmt: skip
+        "beta",
+    )
     qrpo_transform: str = _help(
         "QRPO's transform of the quantile reward, with its own partition function: identity, "
-        "log (the QRPO authors' default) or normal-icdf", "identity")  # fmt: skip
+        "log (the QRPO authors' default) or normal-icdf",
+        "identity",
+    )
     qrpo_log_partition: str = _help(
         "QRPO identity transform: exact log Z, or approx (log beta + 1/beta, as "
-        "swiss-ai/posttraining and the QRPO authors' code use)", "exact")  # fmt: skip
+        "swiss-ai/posttraining and the QRPO authors' code use)",
+        "exact",
+    )
     qrpo_max_beta: Optional[float] = _help(
         "clamp QRPO's effective beta (after length normalisation) at this maximum "
-        "(swiss-ai/posttraining: 0.1); none by default", None)  # fmt: skip
+        "(swiss-ai/posttraining: 0.1); none by default",
+        None,
+    )
     ref_logps_path: Optional[str] = _help(
         "directory of the reference policy's sequence log-probabilities: computed once from the "
         "--load weights on first start, then read (and checked against the data) on every "
         "resume; not needed when the data carries them (tools/preprocess_preferences.py)",
-        None)  # fmt: skip
+        None,
+    )
 
     def __post_init__(self) -> None:
         if self.align_objective is None:
             self._refuse_without_objective()
             return
         if self.align_objective not in OBJECTIVES:
-            raise ValueError(f"--align-objective must be one of {', '.join(OBJECTIVES)}, "
-                             f"got {self.align_objective!r}")  # fmt: skip
+            raise ValueError(
+                f"--align-objective must be one of {', '.join(OBJECTIVES)}, "
+                f"got {self.align_objective!r}"
+            )
         if not (math.isfinite(self.align_beta) and self.align_beta > 0):
             raise ValueError(f"--align-beta must be a finite number > 0, got {self.align_beta}")
-        _choice("--align-length-normalization-of", self.align_length_normalization_of,
-                LENGTH_NORMALIZATIONS)  # fmt: skip
+        _choice(
+            "--align-length-normalization-of",
+            self.align_length_normalization_of,
+            LENGTH_NORMALIZATIONS,
+        )
         if self.align_length_normalization_of != "beta" and not self.align_length_normalization:
             raise ValueError("--align-length-normalization-of needs --align-length-normalization")
         _choice("--qrpo-transform", self.qrpo_transform, TRANSFORMS)
@@ -75,8 +92,10 @@ class AlignConfig:
                 f"--qrpo-max-beta must be a finite number > 0, got {self.qrpo_max_beta}"
             )
         if self.qrpo_log_partition == "approx" and self.qrpo_transform != "identity":
-            raise ValueError(f"--qrpo-log-partition approx applies to --qrpo-transform identity; "
-                             f"{self.qrpo_transform}'s log Z is exact in closed form")  # fmt: skip
+            raise ValueError(
+                f"--qrpo-log-partition approx applies to --qrpo-transform identity; "
+                f"{self.qrpo_transform}'s log Z is exact in closed form"
+            )
         if self.align_objective != "qrpo":
             for name in _changed(self):
                 if name.startswith("qrpo_"):

@@ -64,8 +64,11 @@ def output_datasets(prefix: str, objective: str) -> dict[str, tuple[str, type]]:
     """Per output of the preprocessing tool under ``--output-prefix``: its dataset prefix and
     value dtype."""
     tokens = f"{prefix}_pref_document"
-    outputs = {"tokens": (tokens, np.int32), "loss_mask": (loss_mask_prefix(tokens), np.uint8),
-               "ref_logp": (ref_logp_prefix(tokens), np.float64)}  # fmt: skip
+    outputs = {
+        "tokens": (tokens, np.int32),
+        "loss_mask": (loss_mask_prefix(tokens), np.uint8),
+        "ref_logp": (ref_logp_prefix(tokens), np.float64),
+    }
     if objective == "qrpo":
         outputs["quantile"] = (quantile_prefix(tokens), np.float64)
     return outputs
@@ -135,8 +138,9 @@ def reference_logps(record: dict, objective: str) -> np.ndarray:
             values.append(math.nan)
     if 0 < sum(math.isnan(v) for v in values) < len(values):
         missing = COMPLETIONS[objective][int(np.flatnonzero(np.isnan(values))[0])]
-        raise ConversationError(f"no reference log-probability of {missing!r} (the other "
-                                "completion has one)")  # fmt: skip
+        raise ConversationError(
+            f"no reference log-probability of {missing!r} (the other " "completion has one)"
+        )
     return np.array(values, dtype=np.float64)
 
 
@@ -144,8 +148,13 @@ class PreferenceEncoder:
     """One JSON line -> its example's sequences, loss masks, precomputed reference
     log-probabilities (NaN when absent) and, for QRPO, quantile and reference-reward count."""
 
-    def __init__(self, tokenizer: Tokenizer, objective: str, max_tokens: int | None = None,
-                 min_ref_rewards: int = MIN_REF_REWARDS):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        objective: str,
+        max_tokens: int | None = None,
+        min_ref_rewards: int = MIN_REF_REWARDS,
+    ):
         control_token_ids(tokenizer)
         self.tokenizer, self.objective, self.max_tokens = tokenizer, objective, max_tokens
         self.min_ref_rewards = min_ref_rewards
@@ -178,8 +187,11 @@ class PreferenceEncoder:
         quantile = self._quantile(record) if self.objective == "qrpo" else None
         ref = reference_logps(record, self.objective)
         pairs = [self._conversation(prompt, text) for text in completions]
-        example = {"tokens": [p[0] for p in pairs], "loss_mask": [p[1] for p in pairs],
-                   "ref_logp": [ref]}  # fmt: skip
+        example = {
+            "tokens": [p[0] for p in pairs],
+            "loss_mask": [p[1] for p in pairs],
+            "ref_logp": [ref],
+        }
         if quantile is not None:
             example["quantile"] = [quantile]
         return example
@@ -224,17 +236,23 @@ class PreferenceDataset:
         self.mask = IndexedDataset(loss_mask_prefix(prefix))
         self.quantile = IndexedDataset(quantile_prefix(prefix)) if objective == "qrpo" else None
         if self.quantile is not None and (self.quantile.sequence_lengths != 2).any():
-            raise ConfigError(f"{quantile_prefix(prefix)}: one value per example, not the "
-                              "quantile and its reference-reward count: preprocess the data "
-                              "again with tools/preprocess_preferences.py")  # fmt: skip
+            raise ConfigError(
+                f"{quantile_prefix(prefix)}: one value per example, not the "
+                "quantile and its reference-reward count: preprocess the data "
+                "again with tools/preprocess_preferences.py"
+            )
         self.ref_logps = precomputed_reference(prefix)
         if len(self.tokens) != self.group * len(self):
-            raise ConfigError(f"{prefix}: {len(self.tokens)} sequences in {len(self)} examples, "
-                              f"not {self.group} per example (--align-objective {objective})")  # fmt: skip
+            raise ConfigError(
+                f"{prefix}: {len(self.tokens)} sequences in {len(self)} examples, "
+                f"not {self.group} per example (--align-objective {objective})"
+            )
         longest = int(self.tokens.sequence_lengths.max())
         if longest > seq_length + 1:
-            raise ConfigError(f"{prefix}: a sequence of {longest} tokens does not fit --seq-length "
-                              f"{seq_length}; preprocess with --max-tokens {seq_length + 1}")  # fmt: skip
+            raise ConfigError(
+                f"{prefix}: a sequence of {longest} tokens does not fit --seq-length "
+                f"{seq_length}; preprocess with --max-tokens {seq_length + 1}"
+            )
 
     def __len__(self) -> int:
         return len(self.tokens.document_indices) - 1
@@ -276,8 +294,10 @@ def partial_reference_error(values: np.ndarray) -> str | None:
     missing = np.isnan(values)
     if not missing.any() or missing.all():
         return None
-    return (f"{int((~missing).sum())} of {values.size} sequences carry a reference "
-            "log-probability; give it on every line or on none")  # fmt: skip
+    return (
+        f"{int((~missing).sum())} of {values.size} sequences carry a reference "
+        "log-probability; give it on every line or on none"
+    )
 
 
 def precomputed_reference(prefix: str) -> np.ndarray | None:

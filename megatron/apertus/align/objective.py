@@ -44,21 +44,35 @@ def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> tor
 def _dpo_terms(config: AlignConfig, logps, ref, lengths):
     pair = {}
     if lengths is not None:
-        pair = dict(chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2],
-                    length_normalization=config.align_length_normalization_of)  # fmt: skip
+        pair = dict(
+            chosen_lengths=lengths[0::2],
+            rejected_lengths=lengths[1::2],
+            length_normalization=config.align_length_normalization_of,
+        )
     terms = dpo(logps[0::2], logps[1::2], ref[0::2], ref[1::2], config.align_beta, **pair)
     margin = terms.chosen_reward - terms.rejected_reward
     return terms.loss, {"reward margin": margin, "reward accuracy": (margin > 0).double()}
 
 
 def _qrpo_terms(config: AlignConfig, logps, ref, lengths, quantiles, ref_counts):
-    terms = qrpo(logps, ref, quantiles, config.align_beta, lengths=lengths,
-                 length_normalization=config.align_length_normalization_of,
-                 transform=config.qrpo_transform, ref_counts=ref_counts,
-                 log_partition=config.qrpo_log_partition, max_beta=config.qrpo_max_beta)  # fmt: skip
+    terms = qrpo(
+        logps,
+        ref,
+        quantiles,
+        config.align_beta,
+        lengths=lengths,
+        length_normalization=config.align_length_normalization_of,
+        transform=config.qrpo_transform,
+        ref_counts=ref_counts,
+        log_partition=config.qrpo_log_partition,
+        max_beta=config.qrpo_max_beta,
+    )
     signed = (2.0 * quantiles - 1.0) * sequence_log_ratio(logps, ref).detach()
-    return terms.loss, {"mean target": terms.target, "mean beta-log-ratio": terms.beta_log_ratio,
-                        "quantile-signed log-ratio": signed}  # fmt: skip
+    return terms.loss, {
+        "mean target": terms.target,
+        "mean beta-log-ratio": terms.beta_log_ratio,
+        "quantile-signed log-ratio": signed,
+    }
 
 
 def alignment_loss(
@@ -78,8 +92,9 @@ def alignment_loss(
     if config.align_objective == "dpo":
         losses, quantities = _dpo_terms(config, logps, ref, lengths)
     else:
-        losses, quantities = _qrpo_terms(config, logps, ref, lengths, quantiles.to(logps.device),
-                                         ref_counts.to(logps.device))  # fmt: skip
+        losses, quantities = _qrpo_terms(
+            config, logps, ref, lengths, quantiles.to(logps.device), ref_counts.to(logps.device)
+        )
     count = torch.tensor(float(losses.numel()), device=logps.device)
     reported = {
         "lm loss": torch.stack([losses.sum().detach().float(), count]),

@@ -56,13 +56,23 @@ def sequence_key(tokens: np.ndarray) -> int:
 
 
 def write(path: Path, values: ReferenceLogps, *, data_hash: str, reference: str) -> None:
-    header = json.dumps({"format": "apertus-reference-logps", "sequences": len(values.keys),
-                         "dataset_hash": data_hash, "reference": reference}).encode()  # fmt: skip
-    body = b"".join([
-        _HEAD.pack(MAGIC, VERSION, len(header)), header,
-        values.keys.astype("<u8").tobytes(), values.logps.astype("<f8").tobytes(),
-        values.lengths.astype("<i4").tobytes(),
-    ])  # fmt: skip
+    header = json.dumps(
+        {
+            "format": "apertus-reference-logps",
+            "sequences": len(values.keys),
+            "dataset_hash": data_hash,
+            "reference": reference,
+        }
+    ).encode()
+    body = b"".join(
+        [
+            _HEAD.pack(MAGIC, VERSION, len(header)),
+            header,
+            values.keys.astype("<u8").tobytes(),
+            values.logps.astype("<f8").tobytes(),
+            values.lengths.astype("<i4").tobytes(),
+        ]
+    )
     atomic_write(path, body + store_digest(body))
 
 
@@ -81,8 +91,10 @@ def read(path: Path, *, data_hash: str) -> tuple[ReferenceLogps, dict]:
         raise LogitStoreError(f"{path}: format version {version}, expected {VERSION}")
     header = json.loads(body[_HEAD.size : _HEAD.size + size])
     if header["dataset_hash"] != data_hash:
-        raise LogitStoreError(f"{path}: made for other data (dataset hash "
-                              f"{header['dataset_hash'][:12]}..., this data {data_hash[:12]}...)")  # fmt: skip
+        raise LogitStoreError(
+            f"{path}: made for other data (dataset hash "
+            f"{header['dataset_hash'][:12]}..., this data {data_hash[:12]}...)"
+        )
     n, offset = header["sequences"], _HEAD.size + size
     keys = np.frombuffer(body, "<u8", n, offset)
     logps = np.frombuffer(body, "<f8", n, offset + 8 * n)
@@ -94,5 +106,7 @@ def check_keys(path: Path, stored: ReferenceLogps, indices: np.ndarray, tokens: 
     """Refuse sequences whose stored key is not the key of the tokens training reads."""
     for index, ids in zip(indices, tokens):
         if int(stored.keys[index]) != sequence_key(ids):
-            raise LogitStoreError(f"{path}: sequence {index} does not match the data (key "
-                                  f"{int(stored.keys[index]):016x}, data {sequence_key(ids):016x})")  # fmt: skip
+            raise LogitStoreError(
+                f"{path}: sequence {index} does not match the data (key "
+                f"{int(stored.keys[index]):016x}, data {sequence_key(ids):016x})"
+            )

@@ -109,10 +109,16 @@ def export_checkpoint(
             bos_token_id=token_ids.bos, eos_token_id=token_ids.eos, pad_token_id=token_ids.pad
         ).save_pretrained(str(tmp))
         card = model_card(
-            name=output.name, model=model, checkpoint=checkpoint.resolve(), run_info=run_info,
-            tokenizer=f"{source.describe()}, from {source.origin}", dtype=dtype_name(dtype),
-            export_command=command, losses=final_losses(checkpoint), license=license,
-        )  # fmt: skip
+            name=output.name,
+            model=model,
+            checkpoint=checkpoint.resolve(),
+            run_info=run_info,
+            tokenizer=f"{source.describe()}, from {source.origin}",
+            dtype=dtype_name(dtype),
+            export_command=command,
+            losses=final_losses(checkpoint),
+            license=license,
+        )
         (tmp / "README.md").write_text(card, encoding="utf-8")
         _make_world_readable(tmp)
         os.replace(tmp, output)

@@ -131,8 +131,9 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def check_hf_tokenizer(hf_dir: Path, ours: Tokenizer, texts: Sequence[str], *,
-                       split_special_tokens: bool = False) -> None:  # fmt: skip
+def check_hf_tokenizer(
+    hf_dir: Path, ours: Tokenizer, texts: Sequence[str], *, split_special_tokens: bool = False
+) -> None:
     """``AutoTokenizer.from_pretrained(hf_dir)(text)`` must equal ``<s>`` + our ids of ``text``
     (with ``split_special_tokens``, for text that holds control strings)."""
     from transformers import AutoTokenizer
@@ -185,8 +186,9 @@ def write_hf_tokenizer(
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     check_hf_tokenizer(dest, ours, embedded_documents()[:CHECK_DOCUMENTS])
-    check_hf_tokenizer(dest, ours, [_literal_specials(sorted({bos, eos, pad}))],
-                       split_special_tokens=True)  # fmt: skip
+    check_hf_tokenizer(
+        dest, ours, [_literal_specials(sorted({bos, eos, pad}))], split_special_tokens=True
+    )
     return SpecialTokenIds(bos=ours.bos, eos=ours.eod, pad=ours.pad)
 
 

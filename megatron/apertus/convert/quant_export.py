@@ -89,18 +89,31 @@ def quantization_scheme(quant: QuantConfig) -> QuantizationScheme:
     if quant.int_bits is not None:
         per_channel = quant.quant_group_size == -1
         weights = QuantizationArgs(
-            num_bits=quant.int_bits, type="int", symmetric=True,
+            num_bits=quant.int_bits,
+            type="int",
+            symmetric=True,
             strategy="channel" if per_channel else "group",
-            group_size=None if per_channel else quant.quant_group_size, dynamic=False,
+            group_size=None if per_channel else quant.quant_group_size,
+            dynamic=False,
             observer="minmax",
-        )  # fmt: skip
+        )
         return QuantizationScheme(targets=["Linear"], weights=weights)
     if quant.quant_format == "fp8":
         per_channel = quant.quant_fp8_scaling == "channel"
-        weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, dynamic=False,
-                                   strategy="channel" if per_channel else "tensor")  # fmt: skip
-        inputs = QuantizationArgs(num_bits=8, type="float", symmetric=True, dynamic=True,
-                                  strategy="token" if per_channel else "tensor")  # fmt: skip
+        weights = QuantizationArgs(
+            num_bits=8,
+            type="float",
+            symmetric=True,
+            dynamic=False,
+            strategy="channel" if per_channel else "tensor",
+        )
+        inputs = QuantizationArgs(
+            num_bits=8,
+            type="float",
+            symmetric=True,
+            dynamic=True,
+            strategy="token" if per_channel else "tensor",
+        )
         return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
     return preset_name_to_scheme("NVFP4", ["Linear"])
 
@@ -109,9 +122,11 @@ def quantization_config(quant: QuantConfig) -> dict:
     """The ``quantization_config`` entry of config.json."""
     fmt = FORMATS.get(quant.quant_format, CompressionFormat.pack_quantized)
     config = QuantizationConfig(
-        config_groups={"group_0": quantization_scheme(quant)}, format=fmt.value,
-        quantization_status="compressed", ignore=["lm_head"],
-    )  # fmt: skip
+        config_groups={"group_0": quantization_scheme(quant)},
+        format=fmt.value,
+        quantization_status="compressed",
+        ignore=["lm_head"],
+    )
     return config.model_dump(mode="json")
 
 
@@ -172,8 +187,9 @@ def calibration_documents(prefix: str, count: int, seq_length: int) -> list[Tens
     check_prefixes("--calibration-data", [prefix])
     dataset = IndexedDataset(prefix)
     if count > len(dataset):
-        raise ConfigError(f"--calibration-samples {count}: {prefix} holds {len(dataset)} "
-                          "documents")  # fmt: skip
+        raise ConfigError(
+            f"--calibration-samples {count}: {prefix} holds {len(dataset)} " "documents"
+        )
     return [torch.from_numpy(dataset[i][:seq_length].astype("int64")) for i in range(count)]
 
 
@@ -213,8 +229,11 @@ def _hf_names(ours: str) -> tuple[str, ...]:
 
 def _projection_groups(num_layers: int) -> list[tuple[str, ...]]:
     """HF module names of the decoder projections, grouped by the tensor of ours they split."""
-    return [tuple(f"model.layers.{i}.{hf}" for hf in parts)
-            for i in range(num_layers) for parts in HF_PROJECTIONS.values()]  # fmt: skip
+    return [
+        tuple(f"model.layers.{i}.{hf}" for hf in parts)
+        for i in range(num_layers)
+        for parts in HF_PROJECTIONS.values()
+    ]
 
 
 def export_quantized(
@@ -269,19 +288,27 @@ def _check_exportable(quant: QuantConfig, calibration) -> None:
     if quant.int_bits is not None and not quant.quant_symmetric:
         # compressed-tensors 0.20 builds the empty model with unpacked zero points but writes
         # and reads them packed, so transformers re-initializes them: refuse instead.
-        raise ConversionError("--no-quant-symmetric: the compressed-tensors export writes "
-                              "symmetric formats")  # fmt: skip
+        raise ConversionError(
+            "--no-quant-symmetric: the compressed-tensors export writes " "symmetric formats"
+        )
     if quant.quant_format == "nvfp4" and calibration is None:
-        raise ConversionError("--quant-format nvfp4 needs --calibration-data (the static input "
-                              "global scales are calibrated)")  # fmt: skip
+        raise ConversionError(
+            "--quant-format nvfp4 needs --calibration-data (the static input "
+            "global scales are calibrated)"
+        )
 
 
 def _input_features(model: ApertusConfig) -> dict[str, int]:
     """Input features of each HF decoder projection (every layer alike)."""
     attention = model.num_attention_heads * model.kv_channels
-    return {"self_attn.q_proj": model.hidden_size, "self_attn.k_proj": model.hidden_size,
-            "self_attn.v_proj": model.hidden_size, "self_attn.o_proj": attention,
-            "mlp.up_proj": model.hidden_size, "mlp.down_proj": model.ffn_hidden_size}  # fmt: skip
+    return {
+        "self_attn.q_proj": model.hidden_size,
+        "self_attn.k_proj": model.hidden_size,
+        "self_attn.v_proj": model.hidden_size,
+        "self_attn.o_proj": attention,
+        "mlp.up_proj": model.hidden_size,
+        "mlp.down_proj": model.ffn_hidden_size,
+    }
 
 
 def _check_divisible(model: ApertusConfig, quant: QuantConfig) -> None:
@@ -295,5 +322,6 @@ def _check_divisible(model: ApertusConfig, quant: QuantConfig) -> None:
         return
     for name, features in _input_features(model).items():
         if features % group:
-            raise ConversionError(f"{what} does not divide the {features} input features of "
-                                  f"model.layers.*.{name}")  # fmt: skip
+            raise ConversionError(
+                f"{what} does not divide the {features} input features of " f"model.layers.*.{name}"
+            )

@@ -148,8 +148,9 @@ def calibration_samples(
             f"the model takes {seq_length}"
         )
     if count > reader.header.num_samples:
-        raise ConfigError(f"--calibration-samples {count}: {store} holds "
-                          f"{reader.header.num_samples} samples")  # fmt: skip
+        raise ConfigError(
+            f"--calibration-samples {count}: {store} holds " f"{reader.header.num_samples} samples"
+        )
     windows = [sample_tokens(dataset[i]) for i in range(count)]
     reader.check_samples(list(range(count)), [sample_key(w) for w in windows])
     return [torch.from_numpy(w[:-1]) for w in windows]
@@ -168,8 +169,10 @@ def quantize_checkpoint(
     (megatron-core's dataset builder needs one)."""
     quant = settings.quant
     if quant.quant_activations_only:
-        raise ConfigError("--quant-activations-only is for evaluating a quantized checkpoint "
-                          "(pretrain_gpt.py); tools/quantize.py quantizes weights")  # fmt: skip
+        raise ConfigError(
+            "--quant-activations-only is for evaluating a quantized checkpoint "
+            "(pretrain_gpt.py); tools/quantize.py quantizes weights"
+        )
     model = load_model_config(load)
     with single_process(model) as chunk:
         state = read_state(chunk, load)

@@ -162,20 +162,32 @@ def step_micro_batches(
     if len(dataset) == 0:
         raise ValueError("the dataset holds no samples")
     batches = []
-    for ids in micro_batch_positions(consumed_samples, global_batch_size, micro_batch_size,
-                                     dp_rank=dp_rank, dp_size=dp_size, length=len(dataset)):  # fmt: skip
+    for ids in micro_batch_positions(
+        consumed_samples,
+        global_batch_size,
+        micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        length=len(dataset),
+    ):
         samples = [dataset[i] for i in ids]
         batches.append(collate(samples, config, None if teacher is None else teacher(ids, samples)))
     return batches
 
 
 def micro_batch_positions(
-    consumed_samples: int, global_batch_size: int, micro_batch_size: int, *, dp_rank: int,
-    dp_size: int, length: int,
-) -> list[list[int]]:  # fmt: skip
+    consumed_samples: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    length: int,
+) -> list[list[int]]:
     """Dataset positions of each of this rank's micro-batches in the step."""
-    positions = rank_positions(consumed_samples, global_batch_size, dp_rank=dp_rank,
-                               dp_size=dp_size, length=length)  # fmt: skip
+    positions = rank_positions(
+        consumed_samples, global_batch_size, dp_rank=dp_rank, dp_size=dp_size, length=length
+    )
     return [positions[m : m + micro_batch_size] for m in range(0, len(positions), micro_batch_size)]
 
 
@@ -221,8 +233,16 @@ class MicroBatchReader:
     process, exactly as :func:`step_micro_batches` does.
     """
 
-    def __init__(self, dataset, config: BatchConfig, *, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, num_workers: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dataset,
+        config: BatchConfig,
+        *,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        num_workers: int,
+    ) -> None:
         if len(dataset) == 0:
             raise ValueError("the dataset holds no samples")
         self.dataset, self.config = dataset, config
@@ -232,14 +252,18 @@ class MicroBatchReader:
         if num_workers > 0:
             self.sampler = _StepSampler()
             self.loader = torch.utils.data.DataLoader(
-                _Positions(dataset), batch_sampler=self.sampler, num_workers=num_workers,
-                collate_fn=partial(_read_in_worker, config), persistent_workers=True,
-            )  # fmt: skip
+                _Positions(dataset),
+                batch_sampler=self.sampler,
+                num_workers=num_workers,
+                collate_fn=partial(_read_in_worker, config),
+                persistent_workers=True,
+            )
         self.pending: tuple[tuple[int, int], Iterator] | None = None
 
     def _positions(self, consumed_samples: int, global_batch_size: int) -> list[list[int]]:
-        return micro_batch_positions(consumed_samples, global_batch_size, self.micro_batch_size,
-                                     **self.layout)  # fmt: skip
+        return micro_batch_positions(
+            consumed_samples, global_batch_size, self.micro_batch_size, **self.layout
+        )
 
     def prefetch(self, consumed_samples: int, global_batch_size: int) -> None:
         """Start reading the step that starts at ``consumed_samples`` in the workers."""
@@ -256,11 +280,16 @@ class MicroBatchReader:
         if self.pending is None or self.pending[0] != step:
             self.prefetch(consumed_samples, global_batch_size)
         if self.pending is None:  # no workers
-            return step_micro_batches(self.dataset, self.config, consumed_samples=consumed_samples,
-                                      global_batch_size=global_batch_size,
-                                      micro_batch_size=self.micro_batch_size, teacher=teacher,
-                                      dp_rank=self.layout["dp_rank"],
-                                      dp_size=self.layout["dp_size"])  # fmt: skip
+            return step_micro_batches(
+                self.dataset,
+                self.config,
+                consumed_samples=consumed_samples,
+                global_batch_size=global_batch_size,
+                micro_batch_size=self.micro_batch_size,
+                teacher=teacher,
+                dp_rank=self.layout["dp_rank"],
+                dp_size=self.layout["dp_size"],
+            )
         read = [(ids, *done) for ids, done in zip(self.sampler.micro_batches, self.pending[1])]
         self.pending = None
         for ids, samples, batch in read:

@@ -36,13 +36,19 @@ from megatron.apertus.data.preprocess import decode_line
 from megatron.apertus.data.tokenizer import Tokenizer
 
 CONTROL_TOKENS = {
-    "<|system_start|>": 61, "<|system_end|>": 62,
-    "<|developer_start|>": 63, "<|developer_end|>": 64,
-    "<|user_start|>": 65, "<|user_end|>": 66,
-    "<|assistant_start|>": 67, "<|assistant_end|>": 68,
-    "<|inner_prefix|>": 69, "<|inner_suffix|>": 70,
-    "<|tools_prefix|>": 71, "<|tools_suffix|>": 72,
-}  # fmt: skip
+    "<|system_start|>": 61,
+    "<|system_end|>": 62,
+    "<|developer_start|>": 63,
+    "<|developer_end|>": 64,
+    "<|user_start|>": 65,
+    "<|user_end|>": 66,
+    "<|assistant_start|>": 67,
+    "<|assistant_end|>": 68,
+    "<|inner_prefix|>": 69,
+    "<|inner_suffix|>": 70,
+    "<|tools_prefix|>": 71,
+    "<|tools_suffix|>": 72,
+}
 """Apertus control tokens and their ids (the Apertus tokenizer's ``added_tokens``)."""
 ROLES = ("system", "user", "assistant")
 DEVELOPER_MESSAGE = "Deliberation: disabled\nTool Capabilities: disabled"
@@ -105,8 +111,9 @@ def parse_messages(record: object) -> list[dict[str, str]]:
         if role == "system" and i > 0:
             raise ConversationError(f"system message at position {i} (only the first may be)")
         if not isinstance(content, str):
-            raise ConversationError(f"content of message {i} ({role}) is "
-                                    f"{type(content).__name__}, not a string")  # fmt: skip
+            raise ConversationError(
+                f"content of message {i} ({role}) is " f"{type(content).__name__}, not a string"
+            )
         if not content.strip():
             raise ConversationError(f"empty content in message {i} ({role})")
     if not any(m["role"] == "assistant" for m in messages):
@@ -131,15 +138,25 @@ def encode_conversation(
     c = CONTROL_TOKENS
     turns = list(messages)
     if turns and turns[0]["role"] == "system":
-        add([c["<|system_start|>"], *tokenizer.encode(turns.pop(0)["content"]),
-             c["<|system_end|>"]], False)  # fmt: skip
-    add([c["<|developer_start|>"], *tokenizer.encode(DEVELOPER_MESSAGE),
-         c["<|developer_end|>"]], False)  # fmt: skip
+        add(
+            [
+                c["<|system_start|>"],
+                *tokenizer.encode(turns.pop(0)["content"]),
+                c["<|system_end|>"],
+            ],
+            False,
+        )
+    add(
+        [c["<|developer_start|>"], *tokenizer.encode(DEVELOPER_MESSAGE), c["<|developer_end|>"]],
+        False,
+    )
     for message in turns:
         role = message["role"]
         if role == "user":
-            add([c["<|user_start|>"], *tokenizer.encode(message["content"]), c["<|user_end|>"]],
-                False)  # fmt: skip
+            add(
+                [c["<|user_start|>"], *tokenizer.encode(message["content"]), c["<|user_end|>"]],
+                False,
+            )
         elif role == "assistant":
             add([c["<|assistant_start|>"]], False)
             add([*tokenizer.encode(message["content"]), c["<|assistant_end|>"]], True)

@@ -23,10 +23,31 @@ import inspect
 import random
 
 MODULES = (
-    "builtins", "math", "os.path", "string", "itertools", "functools", "json", "re",
-    "collections", "statistics", "textwrap", "shutil", "random", "bisect", "heapq", "operator",
-    "fractions", "decimal", "datetime", "calendar", "base64", "binascii", "zlib", "difflib",
-)  # fmt: skip
+    "builtins",
+    "math",
+    "os.path",
+    "string",
+    "itertools",
+    "functools",
+    "json",
+    "re",
+    "collections",
+    "statistics",
+    "textwrap",
+    "shutil",
+    "random",
+    "bisect",
+    "heapq",
+    "operator",
+    "fractions",
+    "decimal",
+    "datetime",
+    "calendar",
+    "base64",
+    "binascii",
+    "zlib",
+    "difflib",
+)
 SYSTEM = "You answer questions about the Python standard library in one short paragraph."
 
 
@@ -61,9 +82,13 @@ def question(name: str) -> str:
 def docstring_conversations() -> list[dict]:
     """One ``{"messages": [...]}`` record per documented callable."""
     return [
-        {"messages": [{"role": "system", "content": SYSTEM},
-                      {"role": "user", "content": question(name)},
-                      {"role": "assistant", "content": answer}]}  # fmt: skip
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": question(name)},
+                {"role": "assistant", "content": answer},
+            ]
+        }
         for name, answer in docstring_answers()
     ]
 
@@ -107,10 +132,17 @@ def docstring_rewards(seed: int = 1234, references: int = 8) -> list[dict]:
     records = []
     for name, answer in docstring_answers():
         prompt = _prompt(name)
-        ref_rewards = [case_reward(shout(answer, rng.random(), rng), answer)
-                       for _ in range(references)]  # fmt: skip
+        ref_rewards = [
+            case_reward(shout(answer, rng.random(), rng), answer) for _ in range(references)
+        ]
         for share in (0.0, 1.0):
             completion = shout(answer, share, rng)
-            records.append({"prompt": prompt, "completion": completion,
-                            "reward": case_reward(completion, answer), "ref_rewards": ref_rewards})  # fmt: skip
+            records.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion,
+                    "reward": case_reward(completion, answer),
+                    "ref_rewards": ref_rewards,
+                }
+            )
     return records

@@ -64,26 +64,35 @@ def shard_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
     if params is None:
         index = sequence_partition(batch.tokens.shape[1], cp_size)[cp_rank]
         return dataclasses.replace(
-            batch, tokens=_take(batch.tokens, index), labels=_take(batch.labels, index),
-            loss_mask=_take(batch.loss_mask, index), position_ids=_take(batch.position_ids, index),
-            teacher=_shard_teacher(batch.teacher, index), **counts,
-        )  # fmt: skip
+            batch,
+            tokens=_take(batch.tokens, index),
+            labels=_take(batch.labels, index),
+            loss_mask=_take(batch.loss_mask, index),
+            position_ids=_take(batch.position_ids, index),
+            teacher=_shard_teacher(batch.teacher, index),
+            **counts,
+        )
     sources, real, cu_padded = padded_document_sources(params.cu_seqlens_q, cp_size)
     mine = document_partition(cu_padded, cp_size)[cp_rank]
     index = sources[mine]
     starts = torch.repeat_interleave(cu_padded[:-1].long(), (cu_padded[1:] - cu_padded[:-1]).long())
     longest = int((cu_padded[1:] - cu_padded[:-1]).max())
     return dataclasses.replace(
-        batch, tokens=_take(batch.tokens, index), labels=_take(batch.labels, index),
+        batch,
+        tokens=_take(batch.tokens, index),
+        labels=_take(batch.labels, index),
         loss_mask=_take(batch.loss_mask, index) * real[mine].to(batch.loss_mask.dtype),
         position_ids=(mine - starts[mine]).unsqueeze(0),
         teacher=_shard_teacher(batch.teacher, index),
         packed_seq_params=dataclasses.replace(
-            params, cu_seqlens_q=cu_padded, cu_seqlens_kv=cu_padded, max_seqlen_q=longest,
+            params,
+            cu_seqlens_q=cu_padded,
+            cu_seqlens_kv=cu_padded,
+            max_seqlen_q=longest,
             max_seqlen_kv=longest,
         ),
         **counts,
-    )  # fmt: skip
+    )
 
 
 def gather_tokens(local: torch.Tensor, batch: Batch, cp_rank: int, cp_size: int, group):

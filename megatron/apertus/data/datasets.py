@@ -39,9 +39,11 @@ class DatasetConfig:
     """Megatron blend; empty means the embedded corpus (preprocessed on first use)."""
     data_args_path: str | None = field(
         default=None,
-        metadata={"help": "file holding the --data-path list (whitespace-separated weights and "
-                  "prefixes), for blends too long for a command line"},
-    )  # fmt: skip
+        metadata={
+            "help": "file holding the --data-path list (whitespace-separated weights and "
+            "prefixes), for blends too long for a command line"
+        },
+    )
     """Megatron-LM's --data-args-path: the --data-path list read from a file."""
     split: str | None = None
     """Train/valid/test proportions by document; default 969,30,1 (90,10,0 on the embedded corpus)."""
@@ -59,14 +61,23 @@ class DatasetConfig:
     """Packed documents never attend to each other (document masking)."""
     eod_mask_loss: bool = False
     """Leave the end-of-document positions out of the loss."""
-    num_dataset_builder_threads: int = field(default=1, metadata={"help": (
-        "threads that build the sample indices of a blend's datasets (megatron-core's); the "
-        "indices are the same for any number")})  # fmt: skip
+    num_dataset_builder_threads: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "threads that build the sample indices of a blend's datasets (megatron-core's); the "
+                "indices are the same for any number"
+            )
+        },
+    )
     sft: bool = field(
         default=False,
-        metadata={"switch": True, "help": "supervised fine-tuning on chat datasets from "
-                  "tools/preprocess_chat.py: the loss counts only the assistant's tokens"},
-    )  # fmt: skip
+        metadata={
+            "switch": True,
+            "help": "supervised fine-tuning on chat datasets from "
+            "tools/preprocess_chat.py: the loss counts only the assistant's tokens",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.num_dataset_builder_threads < 1:
@@ -152,12 +163,16 @@ def _check_pair(flag: str, prefix: str) -> None:
         raise ConfigError(f"{flag}: neither {bin_path} nor {idx_path} exists{hint}")
     for missing, present in ((bin_path, idx_path), (idx_path, bin_path)):
         if not missing.is_file():
-            raise ConfigError(f"{flag}: {missing} is missing ({present} is there); "
-                              "preprocess again with tools/preprocess_data.py")  # fmt: skip
+            raise ConfigError(
+                f"{flag}: {missing} is missing ({present} is there); "
+                "preprocess again with tools/preprocess_data.py"
+            )
     with idx_path.open("rb") as index:
         if index.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
-            raise ConfigError(f"{flag}: {idx_path} is not a Megatron index file (wrong "
-                              "header: truncated or another format)")  # fmt: skip
+            raise ConfigError(
+                f"{flag}: {idx_path} is not a Megatron index file (wrong "
+                "header: truncated or another format)"
+            )
 
 
 SPLIT_NAMES = ("train", "valid", "test")

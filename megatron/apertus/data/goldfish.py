@@ -50,9 +50,17 @@ class GoldfishConfig:
     hash: str = field(default="mix64", metadata={"ours": True})
     """Which positions drop: mix64 (SplitMix64 of the context) or apertus (the Apertus fork's
     table rule, for parity)."""
-    exempt_special: bool = field(default=False, metadata={"switch": True, "ours": True, "help": (
-        "never drop the loss of control tokens (begin/end of document, chat tokens), as the "
-        "Apertus-2 recipe does; off: every label is a candidate, as in Apertus-1")})  # fmt: skip
+    exempt_special: bool = field(
+        default=False,
+        metadata={
+            "switch": True,
+            "ours": True,
+            "help": (
+                "never drop the loss of control tokens (begin/end of document, chat tokens), as the "
+                "Apertus-2 recipe does; off: every label is a candidate, as in Apertus-1"
+            ),
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.k < 2:

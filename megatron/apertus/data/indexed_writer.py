@@ -20,8 +20,16 @@ from typing import BinaryIO
 import numpy as np
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
-DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6,
-               np.float32: 7, np.uint16: 8}  # fmt: skip
+DTYPE_CODES = {
+    np.uint8: 1,
+    np.int8: 2,
+    np.int16: 3,
+    np.int32: 4,
+    np.int64: 5,
+    np.float64: 6,
+    np.float32: 7,
+    np.uint16: 8,
+}
 """megatron-core's ``DType`` enum."""
 
 

@@ -62,14 +62,18 @@ def check_compatible(prefixes: list[str], *, require_records: bool = True) -> di
     for prefix in prefixes:
         records[prefix] = read_dataset_record(prefix)
         if records[prefix] is None:
-            raise MergeError(f"{prefix}{RECORD_SUFFIX} is missing: the tokenizer of {prefix} is "
-                             "unknown (--no-tokenizer-check merges anyway)")  # fmt: skip
+            raise MergeError(
+                f"{prefix}{RECORD_SUFFIX} is missing: the tokenizer of {prefix} is "
+                "unknown (--no-tokenizer-check merges anyway)"
+            )
     keys = ("tokenizer", "add_bos", "add_eod")
     for prefix, record in records.items():
         for key in keys:
             if record[key] != records[first][key]:
-                raise MergeError(f"{prefix}: {key} {record[key]} differs from {first}'s "
-                                 f"{records[first][key]}")  # fmt: skip
+                raise MergeError(
+                    f"{prefix}: {key} {record[key]} differs from {first}'s "
+                    f"{records[first][key]}"
+                )
     return records[first] | {
         "documents": sum(r["documents"] for r in records.values()),
         "tokens": sum(r["tokens"] for r in records.values()),

@@ -82,14 +82,24 @@ def select(parts: list[Part], budget: float, rng: np.random.Generator) -> list[P
     return sorted(chosen, key=lambda p: p.prefix)
 
 
-def build_mixture(folders: list[str], weights: list[float], max_tokens: int, output: str, *,
-                  exclude: list[str], seed: int, seq_length: int) -> dict:  # fmt: skip
+def build_mixture(
+    folders: list[str],
+    weights: list[float],
+    max_tokens: int,
+    output: str,
+    *,
+    exclude: list[str],
+    seed: int,
+    seq_length: int,
+) -> dict:
     """Choose, link and record a mixture in ``output`` (written as ``output.tmp``, renamed)."""
     if len(weights) != len(folders):
         raise MixtureError(f"--weights: {len(weights)} weights for {len(folders)} --folders")
     if not all(math.isfinite(w) and w > 0 for w in weights):
-        raise MixtureError(f"--weights {' '.join(map(str, weights))}: each weight must be a "
-                           "positive finite number")  # fmt: skip
+        raise MixtureError(
+            f"--weights {' '.join(map(str, weights))}: each weight must be a "
+            "positive finite number"
+        )
     if max_tokens <= 0:
         raise MixtureError(f"--max-tokens {max_tokens}: must be positive")
     if Path(output).exists():
@@ -98,20 +108,35 @@ def build_mixture(folders: list[str], weights: list[float], max_tokens: int, out
         raise MixtureError(f"--output: {Path(output).absolute().parent} does not exist")
     taken = {identity(p.prefix) for d in exclude for p in folder_parts(d)}
     rng = np.random.default_rng(seed)
-    record = dict(folders=folders, weights=weights, max_tokens=max_tokens, exclude=exclude,
-                  seed=seed, seq_length=seq_length, sources=[])  # fmt: skip
+    record = dict(
+        folders=folders,
+        weights=weights,
+        max_tokens=max_tokens,
+        exclude=exclude,
+        seed=seed,
+        seq_length=seq_length,
+        sources=[],
+    )
     chosen_all = []
     for folder, weight in zip(folders, weights):
         available = [p for p in folder_parts(folder) if identity(p.prefix) not in taken]
         budget = weight / sum(weights) * max_tokens
         if sum(p.tokens for p in available) < budget:
-            raise MixtureError(f"{folder}: {sum(p.tokens for p in available)} tokens left (after "
-                               f"--exclude) for a share of {budget:.0f}")  # fmt: skip
+            raise MixtureError(
+                f"{folder}: {sum(p.tokens for p in available)} tokens left (after "
+                f"--exclude) for a share of {budget:.0f}"
+            )
         chosen = select(available, budget, rng)
         chosen_all.extend(chosen)
-        record["sources"].append(dict(folder=folder, weight=weight, budget=round(budget),
-                                      tokens=sum(p.tokens for p in chosen),
-                                      parts=[_part_entry(p, seq_length) for p in chosen]))  # fmt: skip
+        record["sources"].append(
+            dict(
+                folder=folder,
+                weight=weight,
+                budget=round(budget),
+                tokens=sum(p.tokens for p in chosen),
+                parts=[_part_entry(p, seq_length) for p in chosen],
+            )
+        )
     if all(Path(p.prefix + ".meta.json").is_file() for p in chosen_all):
         try:
             check_compatible([p.prefix for p in chosen_all])
@@ -122,8 +147,13 @@ def build_mixture(folders: list[str], weights: list[float], max_tokens: int, out
 
 
 def _part_entry(part: Part, seq_length: int) -> dict:
-    return dict(prefix=part.prefix, real_path=identity(part.prefix)[: -len(".bin")],
-                tokens=part.tokens, documents=part.documents, samples=part.samples(seq_length))  # fmt: skip
+    return dict(
+        prefix=part.prefix,
+        real_path=identity(part.prefix)[: -len(".bin")],
+        tokens=part.tokens,
+        documents=part.documents,
+        samples=part.samples(seq_length),
+    )
 
 
 def _write(output: str, record: dict) -> None:
@@ -164,9 +194,11 @@ def format_report(record: dict) -> str:
     lines.append("")
     for source in record["sources"]:
         total += source["tokens"]
-        lines.append(f"{source['folder']}: {len(source['parts'])} datasets, "
-                     f"{source['tokens']:,} tokens (share {source['budget']:,}, weight "
-                     f"{source['weight']})")  # fmt: skip
+        lines.append(
+            f"{source['folder']}: {len(source['parts'])} datasets, "
+            f"{source['tokens']:,} tokens (share {source['budget']:,}, weight "
+            f"{source['weight']})"
+        )
     lines.append(f"mixture: {total:,} tokens for --max-tokens {record['max_tokens']:,}")
     return "\n".join(lines)
 

@@ -77,12 +77,19 @@ class PreprocessConfig:
 
 def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every JSON-lines tokenizing tool shares, with Megatron-LM's names."""
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="JSON-lines files (.jsonl, .gz, .zst); shell-style globs allowed")  # fmt: skip
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="JSON-lines files (.jsonl, .gz, .zst); shell-style globs allowed",
+    )
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--tokenizer-type", default="TekkenTokenizer", choices=TOKENIZER_TYPES)
-    parser.add_argument("--tokenizer-model", default=None,
-                        help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)",
+    )
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--max-reported", type=int, default=10, help="bad lines reported in full")
 
@@ -93,10 +100,14 @@ def corpus_config(args: argparse.Namespace, **options) -> PreprocessConfig:
     report as missing."""
     inputs = [Path(p) for pattern in args.input for p in (sorted(glob.glob(pattern)) or [pattern])]
     return PreprocessConfig(
-        inputs=inputs, output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model, workers=args.workers,
-        max_reported=args.max_reported, **options,
-    )  # fmt: skip
+        inputs=inputs,
+        output_prefix=args.output_prefix,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        workers=args.workers,
+        max_reported=args.max_reported,
+        **options,
+    )
 
 
 @dataclass
@@ -125,8 +136,9 @@ def sentence_splitter(lang: str, keep_newlines: bool) -> Callable[[str], list[st
     try:
         punkt = PunktTokenizer(lang)
     except LookupError:
-        raise ValueError("--split-sentences needs nltk's punkt_tab data: "
-                         "python -m nltk.downloader punkt_tab") from None  # fmt: skip
+        raise ValueError(
+            "--split-sentences needs nltk's punkt_tab data: " "python -m nltk.downloader punkt_tab"
+        ) from None
     if not keep_newlines:
         return punkt.tokenize
 
@@ -255,8 +267,9 @@ class TextEncoder:
     def _encode(self, text: str) -> np.ndarray | list[np.ndarray]:
         config = self.config
         if self.splitter is not None:
-            return encode_sentences(self.tokenizer, self.splitter(text), config.add_bos,
-                                    config.add_eod)  # fmt: skip
+            return encode_sentences(
+                self.tokenizer, self.splitter(text), config.add_bos, config.add_eod
+            )
         return encode_document(self.tokenizer, text, config.add_bos, config.add_eod)
 
     def outputs(self, prefix: str) -> dict[str, tuple[str, type]]:
@@ -361,11 +374,15 @@ def _open_writers(
     config: PreprocessConfig, outputs: dict[str, tuple[str, type]], bin_paths: list[str]
 ) -> dict[str, IndexedDatasetWriter]:
     try:
-        return {name: IndexedDatasetWriter(path, dtype=dtype)
-                for (name, (_, dtype)), path in zip(outputs.items(), bin_paths)}  # fmt: skip
+        return {
+            name: IndexedDatasetWriter(path, dtype=dtype)
+            for (name, (_, dtype)), path in zip(outputs.items(), bin_paths)
+        }
     except OSError as err:
-        raise ConfigError(f"--output-prefix {config.output_prefix}: cannot write "
-                          f"{err.filename}: {err.strerror}") from None  # fmt: skip
+        raise ConfigError(
+            f"--output-prefix {config.output_prefix}: cannot write "
+            f"{err.filename}: {err.strerror}"
+        ) from None
 
 
 def _nothing_to_write(config: PreprocessConfig, summary: Summary) -> str:
@@ -373,8 +390,10 @@ def _nothing_to_write(config: PreprocessConfig, summary: Summary) -> str:
     if not summary.rejected_lines:
         return f"--input {inputs}: no lines; nothing written"
     reasons = ", ".join(f"{n} {reason}" for reason, n in summary.rejected.most_common())
-    return (f"--input {inputs}: all {summary.rejected_lines} lines were rejected ({reasons}); "
-            "nothing written")  # fmt: skip
+    return (
+        f"--input {inputs}: all {summary.rejected_lines} lines were rejected ({reasons}); "
+        "nothing written"
+    )
 
 
 def _tokenize_all(
@@ -419,8 +438,10 @@ def _tokenize_all(
 
 
 def _log_progress(summary: Summary, elapsed: float) -> None:
-    log.info(f"processed {summary.documents} documents ({summary.documents / elapsed:,.0f} docs/s, "
-             f"{summary.tokens / elapsed:,.0f} tokens/s)")  # fmt: skip
+    log.info(
+        f"processed {summary.documents} documents ({summary.documents / elapsed:,.0f} docs/s, "
+        f"{summary.tokens / elapsed:,.0f} tokens/s)"
+    )
 
 
 class _NoPool:

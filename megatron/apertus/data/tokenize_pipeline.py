@@ -162,9 +162,16 @@ class IndexedDatasetWriter(PipelineStep):
     name = "indexed dataset writer"
     type = "💽 - WRITER"
 
-    def __init__(self, output_dir: str, json_keys: list[str], tokenizer_type: str,
-                 tokenizer_model: str | None, add_bos: bool, add_eod: bool,
-                 max_reported: int):  # fmt: skip
+    def __init__(
+        self,
+        output_dir: str,
+        json_keys: list[str],
+        tokenizer_type: str,
+        tokenizer_model: str | None,
+        add_bos: bool,
+        add_eod: bool,
+        max_reported: int,
+    ):
         super().__init__()
         self.output_dir = output_dir
         self.json_keys = json_keys
@@ -185,8 +192,9 @@ class IndexedDatasetWriter(PipelineStep):
         for document in data or []:
             line: Line = document.metadata["line"]
             if line.texts is None:
-                report_rejected(summary, line.where, line.reason, self.max_reported,
-                                warn=logger.warning)  # fmt: skip
+                report_rejected(
+                    summary, line.where, line.reason, self.max_reported, warn=logger.warning
+                )
                 self.stat_update("rejected")
                 continue
             for key, text in line.texts.items():
@@ -206,8 +214,11 @@ class IndexedDatasetWriter(PipelineStep):
                 else:  # megatron-core cannot map an empty .bin: no dataset, only the record
                     os.remove(f"{prefix}.tmp{suffix}")
             per_key = Summary(documents=summary.documents, tokens=key_tokens[key])
-            write_dataset_record(prefix, dataset_record(record, self.add_bos, self.add_eod, per_key)
-                                 | {"rejected": dict(summary.rejected)})  # fmt: skip
+            write_dataset_record(
+                prefix,
+                dataset_record(record, self.add_bos, self.add_eod, per_key)
+                | {"rejected": dict(summary.rejected)},
+            )
         logger.info(
             f"task {rank}: wrote {summary.documents} documents, {summary.tokens} tokens; "
             f"rejected {summary.rejected_lines} lines {json.dumps(dict(summary.rejected))}"
@@ -278,8 +289,9 @@ def run_local_tasks(executor, workers: int, report=print) -> dict[int, str]:
         while pending or running:
             while pending and slots:
                 rank, slot = pending.pop(0), slots.pop()
-                process = context.Process(target=_run_task, args=(executor, rank, slot),
-                                          name=f"task {rank:05d}")  # fmt: skip
+                process = context.Process(
+                    target=_run_task, args=(executor, rank, slot), name=f"task {rank:05d}"
+                )
                 process.start()
                 running[process.sentinel] = (rank, slot, process)
             for sentinel in wait(list(running)):

@@ -24,8 +24,11 @@ class DistillConfig:
     )
     kd_tail: str = field(
         default=DEFAULT_TAIL,
-        metadata={"ours": True, "help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)} "
-                  "(a sampled store has none)"},
+        metadata={
+            "ours": True,
+            "help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)} "
+            "(a sampled store has none)",
+        },
     )
 
     def __post_init__(self) -> None:

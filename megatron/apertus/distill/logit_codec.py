@@ -221,9 +221,13 @@ class BlockDecoder:
         self.positions, self.k = positions, k
 
     def decode(
-        self, payload: bytes, frame_sizes: tuple[int, int], escapes: int, ids: np.ndarray,
+        self,
+        payload: bytes,
+        frame_sizes: tuple[int, int],
+        escapes: int,
+        ids: np.ndarray,
         probs: np.ndarray,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Decode one sample's payload into ``ids`` (int64 [T, k]) and ``probs`` (float32
         [T, k]), contiguous arrays owned by the caller (e.g. slices of a pinned batch)."""
         t, n = self.positions, self.positions * self.k
@@ -279,8 +283,11 @@ def encode_sampled_block(
     outside = (draws < 0) | (draws >= vocab_size)
     if outside.any():
         row = _first_bad_row(outside)
-        raise RowError(row, f"drawn ids outside the vocabulary [0, {vocab_size}): "
-                            f"{draws[row][outside[row]][:4]}")  # fmt: skip
+        raise RowError(
+            row,
+            f"drawn ids outside the vocabulary [0, {vocab_size}): "
+            f"{draws[row][outside[row]][:4]}",
+        )
     rows, n = draws.shape
     ordered = np.sort(draws, axis=1)
     first = np.ones_like(ordered, dtype=bool)
@@ -336,8 +343,9 @@ def padding_ids(ids: np.ndarray, distinct: np.ndarray, vocab_size: int) -> np.nd
 class SampledBlockDecoder:
     """Decodes the sampled rows of one block; holds its rank table."""
 
-    def __init__(self, tables: bytes, table_size: int, *, positions: int, draws: int,
-                 vocab_size: int) -> None:  # fmt: skip
+    def __init__(
+        self, tables: bytes, table_size: int, *, positions: int, draws: int, vocab_size: int
+    ) -> None:
         raw = _decompressor().decompress(tables)
         if len(raw) != 4 * table_size:
             raise ValueError(f"tables decode to {len(raw)} bytes, expected {4 * table_size}")
@@ -346,9 +354,13 @@ class SampledBlockDecoder:
         self.positions, self.draws, self.vocab_size = positions, draws, vocab_size
 
     def decode(
-        self, payload: bytes, frame_sizes: tuple[int, int], escapes: int, ids: np.ndarray,
+        self,
+        payload: bytes,
+        frame_sizes: tuple[int, int],
+        escapes: int,
+        ids: np.ndarray,
         probs: np.ndarray,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Decode one sample into ``ids`` (int64 [T, N]) and ``probs`` (float32 [T, N]): each
         row's distinct ids with weight count / N, then padding ids (:func:`padding_ids`) with
         weight 0. Returns nothing; the number of distinct ids of row r is the count of its
@@ -360,8 +372,9 @@ class SampledBlockDecoder:
         if distinct.min(initial=1) < 1 or distinct.max(initial=1) > n:
             raise ValueError(f"a row holds outside [1, {n}] distinct ids")
         total = int(distinct.sum())
-        diffs = _unplanes(self._stream(view[first : first + second], 2 * total), np.uint16,
-                          total).astype(np.int64)  # fmt: skip
+        diffs = _unplanes(
+            self._stream(view[first : first + second], 2 * total), np.uint16, total
+        ).astype(np.int64)
         extra = self._stream(view[first + second :], 2 * total + 4 * escapes)
         counts = _unplanes(extra, np.uint16, total).astype(np.int64) + 1
         if escapes:

@@ -78,13 +78,29 @@ DIGEST_SIZE = 16
 # Block file: fixed header, directory (one record per sample), tables frame, digest, payloads.
 _BLOCK_HEAD = struct.Struct("<8sIIQQIIIIIIQ")
 _BLOCK_HEAD_FIELDS = (
-    "magic", "version", "levels", "block", "first_position", "samples",
-    "seq_length", "k", "vocab_size", "table_size", "tables_bytes", "file_size",
-)  # fmt: skip
+    "magic",
+    "version",
+    "levels",
+    "block",
+    "first_position",
+    "samples",
+    "seq_length",
+    "k",
+    "vocab_size",
+    "table_size",
+    "tables_bytes",
+    "file_size",
+)
 _DIRECTORY = np.dtype(
-    [("key", "<u8"), ("offset", "<u8"), ("length", "<u4"), ("frame_sizes", "<u4", 2),
-     ("escapes", "<u4"), ("crc", "<u4")]
-)  # fmt: skip
+    [
+        ("key", "<u8"),
+        ("offset", "<u8"),
+        ("length", "<u4"),
+        ("frame_sizes", "<u4", 2),
+        ("escapes", "<u4"),
+        ("crc", "<u4"),
+    ]
+)
 # Index file: fixed header, per-block records, per-sample keys, digest of all that.
 _INDEX_HEAD = struct.Struct("<8sIIQQ16s")
 _INDEX_BLOCK = np.dtype([("size", "<u8"), ("digest", "S16")])
@@ -171,8 +187,11 @@ class StoreHeader:
             )
         if (self.kind == "sampled") != (self.seed is not None):
             raise ValueError("StoreHeader.seed is given for, and only for, a sampled store")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(
-                self.seed, numbers.Integral) or self.seed < 0):  # fmt: skip
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, numbers.Integral)
+            or self.seed < 0
+        ):
             raise ValueError(f"StoreHeader.seed must be a non-negative int, got {self.seed!r}")
         if self.kind == "sampled" and self.k > MAX_DRAWS:
             raise ValueError(f"a sampled store draws at most {MAX_DRAWS} ids per position")
@@ -208,11 +227,13 @@ class StoreHeader:
             raise LogitStoreError(f"{source}: not valid JSON ({err})") from None
         kind = fields.get("kind", "topk") if isinstance(fields, dict) else None
         if kind not in KINDS:
-            raise LogitStoreError(f"{source}: unknown kind of store {kind!r} (this code reads "
-                                  f"{', '.join(KINDS)})")  # fmt: skip
+            raise LogitStoreError(
+                f"{source}: unknown kind of store {kind!r} (this code reads " f"{', '.join(KINDS)})"
+            )
         if fields.pop("format", None) != FORMAT or fields.pop("codec", None) != CODECS[kind]:
-            raise LogitStoreError(f"{source}: not a {FORMAT} store of kind {kind} with codec "
-                                  f"{CODECS[kind]}")  # fmt: skip
+            raise LogitStoreError(
+                f"{source}: not a {FORMAT} store of kind {kind} with codec " f"{CODECS[kind]}"
+            )
         if fields.get("format_version") != FORMAT_VERSION:
             raise LogitStoreError(
                 f"{source}: format version {fields.get('format_version')}, this code reads "
@@ -313,11 +334,16 @@ def parse_meta(
     head = dict(zip(_BLOCK_HEAD_FIELDS, _BLOCK_HEAD.unpack(head_bytes)))
     positions = header.block_positions(block)
     expected = {
-        "magic": BLOCK_MAGICS[header.kind], "version": FORMAT_VERSION, "levels": header.levels,
+        "magic": BLOCK_MAGICS[header.kind],
+        "version": FORMAT_VERSION,
+        "levels": header.levels,
         "block": block,
-        "first_position": positions.start, "samples": len(positions),
-        "seq_length": header.seq_length, "k": header.k, "vocab_size": header.vocab_size,
-    }  # fmt: skip
+        "first_position": positions.start,
+        "samples": len(positions),
+        "seq_length": header.seq_length,
+        "k": header.k,
+        "vocab_size": header.vocab_size,
+    }
     wrong = [f"{f}={head[f]!r} (expected {v!r})" for f, v in expected.items() if head[f] != v]
     if wrong:
         raise LogitStoreError(
@@ -340,8 +366,9 @@ def parse_meta(
 
 def _check_payloads(read: ReadAt, meta: BlockMeta, header: StoreHeader) -> None:
     for slot, entry in enumerate(meta.directory):
-        payload = _read_exact(read, int(entry["offset"]), int(entry["length"]), meta.path,
-                              meta.block, meta.file_size)  # fmt: skip
+        payload = _read_exact(
+            read, int(entry["offset"]), int(entry["length"]), meta.path, meta.block, meta.file_size
+        )
         check_crc(payload, entry, meta, header.block_positions(meta.block)[slot])
 
 
@@ -365,10 +392,20 @@ def block_bytes(block: int, header: StoreHeader, keys: np.ndarray, encoded) -> b
     directory["frame_sizes"] = encoded.frame_sizes
     directory["escapes"] = encoded.escapes
     directory["crc"] = [zlib.crc32(p) for p in encoded.payloads]
-    head = _BLOCK_HEAD.pack(BLOCK_MAGICS[header.kind], FORMAT_VERSION, header.levels, block,
-                            positions.start, n,
-                            header.seq_length, header.k, header.vocab_size, encoded.table_size,
-                            len(encoded.tables), meta_size + int(lengths.sum()))  # fmt: skip
+    head = _BLOCK_HEAD.pack(
+        BLOCK_MAGICS[header.kind],
+        FORMAT_VERSION,
+        header.levels,
+        block,
+        positions.start,
+        n,
+        header.seq_length,
+        header.k,
+        header.vocab_size,
+        encoded.table_size,
+        len(encoded.tables),
+        meta_size + int(lengths.sum()),
+    )
     meta = head + directory.tobytes() + encoded.tables
     return b"".join([meta, store_digest(meta), *encoded.payloads])
 
@@ -493,9 +530,17 @@ class LogitStoreWriter:
                 f"{list(sample_keys.shape)}, {list(ids.shape)}, {list(logprobs.shape)}"
             )
         rows = shape[0] * shape[1]
-        self._write(block, sample_keys, lambda: encode_block(
-            ids.reshape(rows, -1), logprobs.reshape(rows, -1), samples=shape[0],
-            vocab_size=self.header.vocab_size, params=self.header.codec))  # fmt: skip
+        self._write(
+            block,
+            sample_keys,
+            lambda: encode_block(
+                ids.reshape(rows, -1),
+                logprobs.reshape(rows, -1),
+                samples=shape[0],
+                vocab_size=self.header.vocab_size,
+                params=self.header.codec,
+            ),
+        )
 
     def write_sampled_block(self, block: int, sample_keys: np.ndarray, draws: np.ndarray) -> None:
         """Encode and atomically write block ``block`` of a sampled store. ``draws``: int
@@ -505,13 +550,22 @@ class LogitStoreWriter:
         shape = (len(positions), self.header.seq_length, self.header.k)
         sample_keys = np.asarray(sample_keys, dtype=np.uint64)
         if sample_keys.shape != shape[:1] or draws.shape != shape:
-            raise LogitStoreError(f"block {block}: expected keys [{shape[0]}] and draws "
-                                  f"{list(shape)}; got {list(sample_keys.shape)}, "
-                                  f"{list(draws.shape)}")  # fmt: skip
+            raise LogitStoreError(
+                f"block {block}: expected keys [{shape[0]}] and draws "
+                f"{list(shape)}; got {list(sample_keys.shape)}, "
+                f"{list(draws.shape)}"
+            )
         rows = shape[0] * shape[1]
-        self._write(block, sample_keys, lambda: encode_sampled_block(
-            draws.reshape(rows, -1), samples=shape[0], vocab_size=self.header.vocab_size,
-            zstd_level=self.header.zstd_level))  # fmt: skip
+        self._write(
+            block,
+            sample_keys,
+            lambda: encode_sampled_block(
+                draws.reshape(rows, -1),
+                samples=shape[0],
+                vocab_size=self.header.vocab_size,
+                zstd_level=self.header.zstd_level,
+            ),
+        )
 
     def _check_kind(self, block: int, kind: str) -> None:
         if self.header.kind != kind:
@@ -553,8 +607,9 @@ class LogitStoreWriter:
         records["digest"] = [m.digest for m in metas]
         keys = np.concatenate([m.directory["key"] for m in metas]).astype("<u8")
         header_digest = store_digest((self.directory / HEADER_FILE).read_bytes())
-        head = _INDEX_HEAD.pack(INDEX_MAGIC, FORMAT_VERSION, 0, len(metas),
-                                self.header.num_samples, header_digest)  # fmt: skip
+        head = _INDEX_HEAD.pack(
+            INDEX_MAGIC, FORMAT_VERSION, 0, len(metas), self.header.num_samples, header_digest
+        )
         body = head + records.tobytes() + keys.tobytes()
         atomic_write(self.directory / INDEX_FILE, body + store_digest(body))
 
@@ -612,8 +667,10 @@ class LogitStoreReader:
         if magic != INDEX_MAGIC or version != FORMAT_VERSION:
             raise LogitStoreError(f"{path}: not an index of format version {FORMAT_VERSION}")
         if (blocks, samples) != (header.num_blocks, header.num_samples):
-            raise LogitStoreError(f"{path}: {blocks} blocks / {samples} samples, header says "
-                                  f"{header.num_blocks} / {header.num_samples}")  # fmt: skip
+            raise LogitStoreError(
+                f"{path}: {blocks} blocks / {samples} samples, header says "
+                f"{header.num_blocks} / {header.num_samples}"
+            )
         if header_digest != store_digest((self.directory / HEADER_FILE).read_bytes()):
             raise LogitStoreError(f"{path} was written for another {HEADER_FILE}")
         records = np.memmap(path, _INDEX_BLOCK, "r", _INDEX_HEAD.size, (blocks,))
@@ -694,8 +751,14 @@ class LogitStoreReader:
         start = int(entries["offset"].min())
         end = int((entries["offset"] + entries["length"]).max())
         with open(opened.meta.path, "rb") as f:
-            data = _read_exact(_file_reader(f.fileno()), start, end - start, opened.meta.path,
-                               block, opened.meta.file_size)  # fmt: skip
+            data = _read_exact(
+                _file_reader(f.fileno()),
+                start,
+                end - start,
+                opened.meta.path,
+                block,
+                opened.meta.file_size,
+            )
         for row, position, entry in zip(where, positions, entries):
             offset = int(entry["offset"]) - start
             payload = data[offset : offset + int(entry["length"])]
@@ -729,8 +792,13 @@ class LogitStoreReader:
             raise LogitStoreError(f"{path} (block {block}): digest differs from the index's")
         h = self.header
         if h.kind == "sampled":
-            decoder = SampledBlockDecoder(meta.tables, meta.table_size, positions=h.seq_length,
-                                          draws=h.k, vocab_size=h.vocab_size)  # fmt: skip
+            decoder = SampledBlockDecoder(
+                meta.tables,
+                meta.table_size,
+                positions=h.seq_length,
+                draws=h.k,
+                vocab_size=h.vocab_size,
+            )
         else:
             decoder = BlockDecoder(
                 meta.tables, meta.table_size, positions=h.seq_length, k=h.k, levels=h.levels

@@ -79,36 +79,48 @@ class TeacherLogits:
     def _check_header(self, seq_length: int, vocab_size: int, last_position: int) -> None:
         header, path = self.reader.header, self.config.distill_logits_path
         if header.seq_length != seq_length:
-            raise ConfigError(f"{path}: teacher logits were made for --seq-length "
-                              f"{header.seq_length}, the student uses {seq_length}")  # fmt: skip
+            raise ConfigError(
+                f"{path}: teacher logits were made for --seq-length "
+                f"{header.seq_length}, the student uses {seq_length}"
+            )
         if header.vocab_size > vocab_size:
-            raise ConfigError(f"{path}: the teacher's vocabulary ({header.vocab_size}) is larger "
-                              f"than the student's ({vocab_size})")  # fmt: skip
+            raise ConfigError(
+                f"{path}: the teacher's vocabulary ({header.vocab_size}) is larger "
+                f"than the student's ({vocab_size})"
+            )
         if last_position > header.num_samples:
-            raise ConfigError(f"{path}: holds {header.num_samples} samples, the run needs "
-                              f"{last_position}; generate logits for the whole run")  # fmt: skip
+            raise ConfigError(
+                f"{path}: holds {header.num_samples} samples, the run needs "
+                f"{last_position}; generate logits for the whole run"
+            )
 
     def _check_data(self, dataset, dataset_hash: str, first: int, last: int) -> None:
         """Refuse logits of other data now, not hours into the run: the dataset description
         and the keys of samples spread over the rest of the run."""
         header = self.reader.header
         if header.dataset_hash != dataset_hash:
-            log.warning(f"teacher logits were made for dataset {header.dataset_hash}, the student "
-                        f"trains on {dataset_hash}; checking samples")  # fmt: skip
+            log.warning(
+                f"teacher logits were made for dataset {header.dataset_hash}, the student "
+                f"trains on {dataset_hash}; checking samples"
+            )
         positions = np.unique(np.linspace(first, last - 1, SPOT_CHECKS).round().astype(int))
         self._check_keys(dataset, positions.tolist())
         kind = f"{header.k} draws (sampled)" if header.kind == "sampled" else f"top-{header.k}"
-        log.info(f"teacher logits {self.config.distill_logits_path}: teacher {header.teacher}, "
-                 f"{kind}, {header.num_samples} samples; {len(positions)} spot checks "
-                 f"passed")  # fmt: skip
+        log.info(
+            f"teacher logits {self.config.distill_logits_path}: teacher {header.teacher}, "
+            f"{kind}, {header.num_samples} samples; {len(positions)} spot checks "
+            f"passed"
+        )
 
     def _check_keys(self, dataset, positions: Sequence[int]) -> None:
         keys = [dataset_key(dataset, p) for p in positions]
         try:
             self.reader.check_samples(positions, keys)
         except LogitStoreError as err:
-            raise ConfigError(f"--distill-logits-path {self.config.distill_logits_path}: teacher "
-                              f"logits do not match the training data: {err}") from err  # fmt: skip
+            raise ConfigError(
+                f"--distill-logits-path {self.config.distill_logits_path}: teacher "
+                f"logits do not match the training data: {err}"
+            ) from err
 
     def _read(self, positions: tuple[int, ...]) -> TopKBatch:
         return self.reader.read(positions, pin_memory=self._pin)
@@ -157,8 +169,10 @@ class TeacherLogits:
         try:
             self.reader.check_samples(positions, expected.tolist())
         except LogitStoreError as err:
-            raise LogitStoreError(f"{self.config.distill_logits_path}: teacher logits do not "
-                                  f"match the training data: {err}") from err  # fmt: skip
+            raise LogitStoreError(
+                f"{self.config.distill_logits_path}: teacher logits do not "
+                f"match the training data: {err}"
+            ) from err
 
     def close(self) -> None:
         self._ahead, self._ahead_batch = None, None

@@ -24,15 +24,25 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--plan-only", action="store_true", help="check and print, do not queue")
     submit.add_argument("--gpu-memory-gib", type=float, help="override the script's declaration")
     submit.add_argument("--usable-fraction", type=float, default=0.9)
-    submit.add_argument("sbatch_options", nargs=argparse.REMAINDER,
-                        help="-- then sbatch options (they override the script's #SBATCH lines)")  # fmt: skip
+    submit.add_argument(
+        "sbatch_options",
+        nargs=argparse.REMAINDER,
+        help="-- then sbatch options (they override the script's #SBATCH lines)",
+    )
     for name, text in (("batch", "the batch step of a job"), ("task", "one srun task")):
         sub = commands.add_parser(name, help=text)
-        sub.add_argument("--run-dir", type=Path, required=True,
-                         help="job snapshots (jobs/ID/) and trigger files (triggers/)")  # fmt: skip
+        sub.add_argument(
+            "--run-dir",
+            type=Path,
+            required=True,
+            help="job snapshots (jobs/ID/) and trigger files (triggers/)",
+        )
         if name == "batch":
-            sub.add_argument("--gpu-memory-gib", type=float,
-                             help="memory of the GPUs the script is written for (submit checks it)")  # fmt: skip
+            sub.add_argument(
+                "--gpu-memory-gib",
+                type=float,
+                help="memory of the GPUs the script is written for (submit checks it)",
+            )
         sub.add_argument("run", nargs=argparse.REMAINDER, help="-- ENTRY_POINT FLAGS...")
     return parser
 
@@ -42,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "submit":
         from megatron.apertus.launch.submit import submit
 
-        return submit(args.script, _after_dashes(args.sbatch_options), plan_only=args.plan_only,
-                      gpu_memory_gib=args.gpu_memory_gib, usable_fraction=args.usable_fraction)  # fmt: skip
+        return submit(
+            args.script,
+            _after_dashes(args.sbatch_options),
+            plan_only=args.plan_only,
+            gpu_memory_gib=args.gpu_memory_gib,
+            usable_fraction=args.usable_fraction,
+        )
     from megatron.apertus.launch import slurm
 
     run = slurm.Run(run_dir=args.run_dir.resolve(), command=_after_dashes(args.run))

@@ -254,8 +254,14 @@ class StageMemory:
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.activations
-                + self.loss_buffers + self.cp_buffers)  # fmt: skip
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.loss_buffers
+            + self.cp_buffers
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -300,9 +306,15 @@ def stage_memory(
         # One layer's tensors at a time, and (an upper bound: tools may chunk) fp32 logits.
         activations = layer_activation_bytes(model, shape)
         loss = FP32 * shape.tokens * model.vocab_size / shape.tp if last else 0.0
-        return StageMemory(pipeline_rank=pipeline_rank, parameters=parameters, weights=weights,
-                           gradients=0.0, optimizer=0.0, activations=activations,
-                           loss_buffers=loss)  # fmt: skip
+        return StageMemory(
+            pipeline_rank=pipeline_rank,
+            parameters=parameters,
+            weights=weights,
+            gradients=0.0,
+            optimizer=0.0,
+            activations=activations,
+            loss_buffers=loss,
+        )
     chunks = in_flight_chunks(parallel, pipeline_rank, run.microbatches)
     kept, working = chunk_activation_bytes(model, shape, layers, run.recompute)
     activations = chunks * kept + working
@@ -316,6 +328,13 @@ def stage_memory(
         h = model.hidden_size
         activations += (FP32 * h + shape.dtype_bytes * h + FP32) * shape.tokens / shape.seq_split
         loss = loss_buffer_bytes(model, shape)
-    return StageMemory(pipeline_rank=pipeline_rank, parameters=parameters, weights=weights,
-                       gradients=gradients, optimizer=optimizer, activations=activations,
-                       loss_buffers=loss, cp_buffers=cp_buffer_bytes(model, shape))  # fmt: skip
+    return StageMemory(
+        pipeline_rank=pipeline_rank,
+        parameters=parameters,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        loss_buffers=loss,
+        cp_buffers=cp_buffer_bytes(model, shape),
+    )

@@ -161,8 +161,10 @@ def _batch_problems(run: Run, dp: int) -> list[str]:
             ("--rampup-batch-size INCREMENT", increment),
         ]
         if start > t.global_batch_size or (t.global_batch_size - start) % increment:
-            return [f"--rampup-batch-size {start} {increment}: the ramp from {start} must reach "
-                    f"--global-batch-size {t.global_batch_size} in whole increments"]  # fmt: skip
+            return [
+                f"--rampup-batch-size {start} {increment}: the ramp from {start} must reach "
+                f"--global-batch-size {t.global_batch_size} in whole increments"
+            ]
     problems = []
     for name, size in sizes:
         if size % unit:
@@ -185,8 +187,10 @@ def _context_problems(run: Run) -> list[str]:
     if cp == 1:
         return []
     if seq % (2 * cp):
-        return [f"--seq-length ({seq}) is not divisible by 2 x --context-parallel-size ({cp}): "
-                "each context-parallel rank holds 2 of 2 x CP equal chunks"]  # fmt: skip
+        return [
+            f"--seq-length ({seq}) is not divisible by 2 x --context-parallel-size ({cp}): "
+            "each context-parallel rank holds 2 of 2 x CP equal chunks"
+        ]
     problems = []
     if par.sequence_parallel and (seq // cp) % tp:
         problems.append(
@@ -195,8 +199,10 @@ def _context_problems(run: Run) -> list[str]:
             "--sequence-parallel splits them over"
         )
     if par.cp_comm_type == "a2a":
-        for value, arg in ((model.num_attention_heads, "--num-attention-heads"),
-                           (model.num_query_groups, "--num-query-groups")):  # fmt: skip
+        for value, arg in (
+            (model.num_attention_heads, "--num-attention-heads"),
+            (model.num_query_groups, "--num-query-groups"),
+        ):
             if (value // tp) % cp:
                 problems.append(
                     f"--cp-comm-type a2a: {arg} ({value}) / --tensor-model-parallel-size ({tp}) "
@@ -385,8 +391,11 @@ def format_plan(p: Plan, *, name: str = "") -> str:
     ]
     if p.data_parallel is not None:
         tokens = t.global_batch_size * run.model.seq_length
-        context = (f" x CP {par.context_parallel_size} ({par.cp_comm_type})"
-                   if par.context_parallel_size > 1 else "")  # fmt: skip
+        context = (
+            f" x CP {par.context_parallel_size} ({par.cp_comm_type})"
+            if par.context_parallel_size > 1
+            else ""
+        )
         lines += [
             f"  parallelism  TP {par.tensor_model_parallel_size} x PP "
             f"{par.pipeline_model_parallel_size} (virtual stages "
@@ -406,11 +415,15 @@ def format_plan(p: Plan, *, name: str = "") -> str:
             f"GPU); with recomputation {hardware:.3e}"
         )
         if par.context_parallel_size > 1:
-            lines.append(f"  CP traffic   {p.cp_traffic_per_step / GIB:.2f} GiB sent per GPU per "
-                         f"step ({par.cp_comm_type}, attention inputs and their gradients)")  # fmt: skip
+            lines.append(
+                f"  CP traffic   {p.cp_traffic_per_step / GIB:.2f} GiB sent per GPU per "
+                f"step ({par.cp_comm_type}, attention inputs and their gradients)"
+            )
         if p.train_iters is not None:
-            lines.append(f"  run          {p.train_iters} steps, "
-                         f"{p.flops_per_step * p.train_iters:.3e} model FLOPs")  # fmt: skip
+            lines.append(
+                f"  run          {p.train_iters} steps, "
+                f"{p.flops_per_step * p.train_iters:.3e} model FLOPs"
+            )
     if p.problems:
         lines.append("REFUSED:")
         lines += [f"  - {problem}" for problem in p.problems]
@@ -429,23 +442,34 @@ def _memory_lines(p: Plan) -> list[str]:
     rows = [
         (f"weights ({run.training.precision})", peak.weights),
         ("gradients (fp32 DDP buffer)", peak.gradients),
-        (f"optimizer ({master}{moments} {run.optimizer.optimizer} moments{sharding})",
-         peak.optimizer),
+        (
+            f"optimizer ({master}{moments} {run.optimizer.optimizer} moments{sharding})",
+            peak.optimizer,
+        ),
         (f"activations (recompute {_recompute_name(run.recompute)})", peak.activations),
         ("fused output layer + loss (dX, dW, a chunk of logits)", peak.loss_buffers),
-        *([(f"context-parallel {run.parallel.cp_comm_type} buffers (one layer)",
-            peak.cp_buffers)] if run.parallel.context_parallel_size > 1 else []),
+        *(
+            [(f"context-parallel {run.parallel.cp_comm_type} buffers (one layer)", peak.cp_buffers)]
+            if run.parallel.context_parallel_size > 1
+            else []
+        ),
         ("total", peak.total),
-    ]  # fmt: skip
+    ]
     stages = ", ".join(
         f"stage {s.pipeline_rank} {s.parameters / 1e6:.1f} M" for s in _few(p.stages)
     )
-    lines = [f"  parameters   per GPU: {stages}",
-             f"  memory per GPU, fullest pipeline stage ({peak.pipeline_rank}):"]  # fmt: skip
+    lines = [
+        f"  parameters   per GPU: {stages}",
+        f"  memory per GPU, fullest pipeline stage ({peak.pipeline_rank}):",
+    ]
     lines += [f"    {label:<56}{_gib(value)}" for label, value in rows]
     if not run.forward_only:
-        lines.append("    total by recomputation: " + ", ".join(
-            f"{name} {value / GIB:.2f} GiB" for name, value in p.recompute_alternatives.items()))  # fmt: skip
+        lines.append(
+            "    total by recomputation: "
+            + ", ".join(
+                f"{name} {value / GIB:.2f} GiB" for name, value in p.recompute_alternatives.items()
+            )
+        )
     return lines
 
 
@@ -474,8 +498,9 @@ def dry_run(argv: list[str], device: str) -> NoReturn:
     gpus, per_node = _processes()
     on_gpu = resolve_device(device) == "cuda"
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else None
-    result = plan(run_from_args(argv), Cluster(gpus=gpus, gpus_per_node=per_node,
-                                               gpu_memory_gib=gib))  # fmt: skip
+    result = plan(
+        run_from_args(argv), Cluster(gpus=gpus, gpus_per_node=per_node, gpu_memory_gib=gib)
+    )
     if os.environ.get("RANK", "0") == "0":
         print(format_plan(result, name="dry run"))
     sys.exit(0 if result.ok else 1)
@@ -493,8 +518,9 @@ class SweepRow:
     """The same layout's traffic with ``--cp-comm-type a2a``; None where a2a cannot split it."""
 
 
-def sweep(flags: list[str], cluster: Cluster, seq_lengths: list[int],
-          cp_sizes: list[int]) -> list[SweepRow]:  # fmt: skip
+def sweep(
+    flags: list[str], cluster: Cluster, seq_lengths: list[int], cp_sizes: list[int]
+) -> list[SweepRow]:
     """``flags``' run planned at each sequence length and CP size, with the tokens per step of
     ``flags`` kept: the global batch becomes tokens / sequence length (Apertus keeps its global
     batch in tokens through the long-context phase)."""
@@ -504,16 +530,31 @@ def sweep(flags: list[str], cluster: Cluster, seq_lengths: list[int],
     for seq in seq_lengths:
         for cp in cp_sizes:
             if tokens % seq:
-                raise ConfigError(f"--seq-length {seq} does not divide the {tokens} tokens per step "
-                                  "of --global-batch-size x --seq-length")  # fmt: skip
-            varied = flags + ["--seq-length", str(seq), "--max-position-embeddings", str(seq),
-                              "--global-batch-size", str(tokens // seq),
-                              "--context-parallel-size", str(cp)]  # fmt: skip
+                raise ConfigError(
+                    f"--seq-length {seq} does not divide the {tokens} tokens per step "
+                    "of --global-batch-size x --seq-length"
+                )
+            varied = flags + [
+                "--seq-length",
+                str(seq),
+                "--max-position-embeddings",
+                str(seq),
+                "--global-batch-size",
+                str(tokens // seq),
+                "--context-parallel-size",
+                str(cp),
+            ]
             result = plan(run_from_args(varied), cluster)
             a2a = plan(run_from_args(varied + ["--cp-comm-type", "a2a"]), cluster)
             a2a_ok = not any("--cp-comm-type a2a" in problem for problem in a2a.problems)
-            rows.append(SweepRow(seq_length=seq, context_parallel=cp, plan=result,
-                                 a2a_traffic_per_step=a2a.cp_traffic_per_step if a2a_ok else None))  # fmt: skip
+            rows.append(
+                SweepRow(
+                    seq_length=seq,
+                    context_parallel=cp,
+                    plan=result,
+                    a2a_traffic_per_step=a2a.cp_traffic_per_step if a2a_ok else None,
+                )
+            )
     return rows
 
 
@@ -526,12 +567,16 @@ def _verdict(p: Plan) -> str:
         if "GiB per GPU" in problem:
             usable = p.cluster.gpu_memory_gib * p.cluster.usable_fraction
             full = p.recompute_alternatives.get("full uniform 1", float("inf")) / GIB
-            reasons.append(f"needs {p.peak.total / GIB:.0f} GiB > {usable:.1f} usable"
-                           + ("; fits with full recomputation" if full <= usable else ""))  # fmt: skip
+            reasons.append(
+                f"needs {p.peak.total / GIB:.0f} GiB > {usable:.1f} usable"
+                + ("; fits with full recomputation" if full <= usable else "")
+            )
         elif problem.startswith("--global-batch-size") and "data-parallel size" in problem:
             t = p.run.training
-            reasons.append(f"global batch {t.global_batch_size} not a multiple of micro-batch x DP "
-                           f"{t.micro_batch_size * p.data_parallel}")  # fmt: skip
+            reasons.append(
+                f"global batch {t.global_batch_size} not a multiple of micro-batch x DP "
+                f"{t.micro_batch_size * p.data_parallel}"
+            )
         else:
             reasons.append(problem)
     return "refused: " + "; ".join(reasons)
@@ -555,8 +600,10 @@ def format_sweep(rows: list[SweepRow], *, name: str = "") -> str:
     for row in rows:
         p = row.plan
         if p.peak is None:
-            lines.append(f"| {row.seq_length // 1024}k | {row.context_parallel} | | | | | | | | | "
-                         f"{_verdict(p)} |")  # fmt: skip
+            lines.append(
+                f"| {row.seq_length // 1024}k | {row.context_parallel} | | | | | | | | | "
+                f"{_verdict(p)} |"
+            )
             continue
         a2a = "n/a" if row.a2a_traffic_per_step is None else f"{row.a2a_traffic_per_step / GIB:.2f}"
         full = p.recompute_alternatives["full uniform 1"] / GIB

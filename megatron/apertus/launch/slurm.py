@@ -201,13 +201,18 @@ class Job:
                 "examples/slurm/submit.sh SCRIPT (it checks the layout first)"
             )
         env = os.environ
-        return cls(id=env["SLURM_JOB_ID"], name=env["SLURM_JOB_NAME"],
-                   nodelist=env["SLURM_JOB_NODELIST"])  # fmt: skip
+        return cls(
+            id=env["SLURM_JOB_ID"], name=env["SLURM_JOB_NAME"], nodelist=env["SLURM_JOB_NODELIST"]
+        )
 
     def master_addr(self) -> str:
         """The first host of the allocation (``scontrol show hostnames``)."""
-        hosts = subprocess.run(["scontrol", "show", "hostnames", self.nodelist],
-                               capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", self.nodelist],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         return hosts[0]
 
     def master_port(self) -> int:
@@ -231,12 +236,16 @@ def container_prefix(repo: Path, run_dir: Path) -> tuple[list[str], list[str]]:
     runtime = os.environ.get("APERTUS_CONTAINER_RUNTIME", "pyxis")
     if runtime == "pyxis":
         binds = ",".join(m if ":" in m else f"{m}:{m}" for m in mounts)
-        return [f"--container-image={image}", f"--container-mounts={binds}",
-                f"--container-workdir={os.getcwd()}"], []  # fmt: skip
+        return [
+            f"--container-image={image}",
+            f"--container-mounts={binds}",
+            f"--container-workdir={os.getcwd()}",
+        ], []
     if runtime == "apptainer":
         return [], ["apptainer", "exec", "--nv", "--bind", ",".join(mounts), image]
-    raise SystemExit(f"apertus-launch: APERTUS_CONTAINER_RUNTIME must be pyxis or apptainer, "
-                     f"got {runtime!r}")  # fmt: skip
+    raise SystemExit(
+        f"apertus-launch: APERTUS_CONTAINER_RUNTIME must be pyxis or apptainer, " f"got {runtime!r}"
+    )
 
 
 def task_python() -> str:
@@ -249,9 +258,21 @@ def task_python() -> str:
 def srun_command(repo: Path, run: Run, command: list[str]) -> list[str]:
     options, prefix = container_prefix(repo, run.run_dir)
     entry = str(repo / command[0])
-    return ["srun", "--kill-on-bad-exit=1", *options, *prefix, task_python(), "-m",
-            "megatron.apertus.launch", "task", "--run-dir", str(run.run_dir), "--", entry,
-            *command[1:]]  # fmt: skip
+    return [
+        "srun",
+        "--kill-on-bad-exit=1",
+        *options,
+        *prefix,
+        task_python(),
+        "-m",
+        "megatron.apertus.launch",
+        "task",
+        "--run-dir",
+        str(run.run_dir),
+        "--",
+        entry,
+        *command[1:],
+    ]
 
 
 def task_environment(job: Job, repo: Path) -> dict[str, str]:
@@ -297,8 +318,9 @@ def _script_path(job: Job) -> str:
     """The submitted script: as ``submit`` recorded it, else from Slurm's job record."""
     if os.environ.get("APERTUS_SBATCH_SCRIPT"):
         return os.environ["APERTUS_SBATCH_SCRIPT"]
-    record = subprocess.run(["scontrol", "show", "job", job.id], capture_output=True,
-                            text=True, check=True).stdout  # fmt: skip
+    record = subprocess.run(
+        ["scontrol", "show", "job", job.id], capture_output=True, text=True, check=True
+    ).stdout
     return re.search(r"Command=(\S+)", record).group(1)
 
 
@@ -308,8 +330,14 @@ def resubmit(job: Job, count: int) -> str | None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     env["APERTUS_RESUBMISSION"] = str(count + 1)
     options = shlex.split(os.environ.get("APERTUS_SBATCH_OPTIONS", ""))
-    command = ["sbatch", "--parsable", *options, f"--job-name={job.name}",
-               "--dependency=singleton", _script_path(job)]  # fmt: skip
+    command = [
+        "sbatch",
+        "--parsable",
+        *options,
+        f"--job-name={job.name}",
+        "--dependency=singleton",
+        _script_path(job),
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode:
         log(f"resubmission failed: {shlex.join(command)}: {proc.stderr.strip()}")
@@ -360,15 +388,19 @@ def batch(run: Run, repo: Path) -> int:
         log(reason)
         return 0
     start = run.latest()
-    log(f"job {job.id} ({job.name}): "
-        + (f"resuming from iteration {start}" if start is not None else "starting"))  # fmt: skip
+    log(
+        f"job {job.id} ({job.name}): "
+        + (f"resuming from iteration {start}" if start is not None else "starting")
+    )
     command = srun_command(repo, run, run.training_command())
     env = task_environment(job, repo)
     snapshot_job(run.run_dir / "jobs" / job.id, repo, command, env)
     started = time.monotonic()
     rc = _run_step(command, env, watch)
-    log(f"srun exited {rc} after {time.monotonic() - started:.0f} s; checkpoint at iteration "
-        f"{run.latest()}")  # fmt: skip
+    log(
+        f"srun exited {rc} after {time.monotonic() - started:.0f} s; checkpoint at iteration "
+        f"{run.latest()}"
+    )
     if run.save_dir is None:
         return rc
     reason = _should_resubmit(run, start, watch)
@@ -379,8 +411,10 @@ def batch(run: Run, repo: Path) -> int:
     new_job = resubmit(job, count)
     if new_job is None:
         return rc or 1
-    log(f"resubmitted as job {new_job} (resubmission {count + 1}), resuming from iteration "
-        f"{run.latest()}")  # fmt: skip
+    log(
+        f"resubmitted as job {new_job} (resubmission {count + 1}), resuming from iteration "
+        f"{run.latest()}"
+    )
     return rc
 
 

@@ -71,8 +71,13 @@ def resources(options: list[str]) -> Resources:
             "runs one process per GPU (set --ntasks-per-node to the GPUs per node)"
         )
     logs = [f for f in (args.output, args.error) if f]
-    return Resources(tasks=tasks, tasks_per_node=per_node, job_name=args.job_name,
-                     log_files=logs, workdir=Path(args.chdir))  # fmt: skip
+    return Resources(
+        tasks=tasks,
+        tasks_per_node=per_node,
+        job_name=args.job_name,
+        log_files=logs,
+        workdir=Path(args.chdir),
+    )
 
 
 def read_run(script: Path, env: dict[str, str]) -> dict:
@@ -82,32 +87,49 @@ def read_run(script: Path, env: dict[str, str]) -> dict:
         dry = dict(env, APERTUS_DRY_RUN=str(record), APERTUS_HOST_PYTHON=sys.executable)
         proc = subprocess.run(["bash", str(script)], env=dry, capture_output=True, text=True)
         if proc.returncode or not record.is_file():
-            raise ConfigError(f"{script} did not describe its run (exit {proc.returncode}); does "
-                              f"it end with apertus_launch?\n{proc.stdout}{proc.stderr}")  # fmt: skip
+            raise ConfigError(
+                f"{script} did not describe its run (exit {proc.returncode}); does "
+                f"it end with apertus_launch?\n{proc.stdout}{proc.stderr}"
+            )
         return json.loads(record.read_text())
 
 
-def check(script: Path, options: list[str], env: dict[str, str], *, gpu_memory_gib: float | None,
-          usable_fraction: float) -> tuple[Plan, Resources, dict]:  # fmt: skip
+def check(
+    script: Path,
+    options: list[str],
+    env: dict[str, str],
+    *,
+    gpu_memory_gib: float | None,
+    usable_fraction: float,
+) -> tuple[Plan, Resources, dict]:
     """The plan of ``script`` submitted with ``options``."""
     shape = resources(sbatch_directives(script) + options)
     recorded = read_run(script, env)
     run = run_from_command(recorded["command"])
     memory = gpu_memory_gib or recorded.get("gpu_memory_gib")
     if run.training.device != "cpu" and memory is None:
-        raise ConfigError(f"{script}: declare the GPU memory (apertus_launch --gpu-memory-gib N) "
-                          "or pass --gpu-memory-gib to submit")  # fmt: skip
-    cluster = Cluster(gpus=shape.tasks, gpus_per_node=shape.tasks_per_node,
-                      gpu_memory_gib=None if run.training.device == "cpu" else memory,
-                      usable_fraction=usable_fraction)  # fmt: skip
+        raise ConfigError(
+            f"{script}: declare the GPU memory (apertus_launch --gpu-memory-gib N) "
+            "or pass --gpu-memory-gib to submit"
+        )
+    cluster = Cluster(
+        gpus=shape.tasks,
+        gpus_per_node=shape.tasks_per_node,
+        gpu_memory_gib=None if run.training.device == "cpu" else memory,
+        usable_fraction=usable_fraction,
+    )
     return plan(run, cluster), shape, recorded
 
 
 def job_environment(script: Path, options: list[str], result: Plan) -> dict[str, str]:
     """The environment sbatch exports to the job: what its batch step needs to resubmit."""
     env = dict(os.environ)
-    env.update(APERTUS_REPO=str(REPO), APERTUS_SBATCH_SCRIPT=str(script.resolve()),
-               APERTUS_SBATCH_OPTIONS=shlex.join(options), APERTUS_RESUBMISSION="0")  # fmt: skip
+    env.update(
+        APERTUS_REPO=str(REPO),
+        APERTUS_SBATCH_SCRIPT=str(script.resolve()),
+        APERTUS_SBATCH_OPTIONS=shlex.join(options),
+        APERTUS_RESUBMISSION="0",
+    )
     if "APERTUS_CONTAINER_IMAGE" not in env:
         env.setdefault("APERTUS_PYTHON", sys.executable)  # the tasks use the submitting Python
     t = result.run.training
@@ -116,13 +138,20 @@ def job_environment(script: Path, options: list[str], result: Plan) -> dict[str,
     return env
 
 
-def submit(script: Path, options: list[str], *, plan_only: bool = False,
-           gpu_memory_gib: float | None = None, usable_fraction: float = 0.9) -> int:  # fmt: skip
+def submit(
+    script: Path,
+    options: list[str],
+    *,
+    plan_only: bool = False,
+    gpu_memory_gib: float | None = None,
+    usable_fraction: float = 0.9,
+) -> int:
     """Plan ``script``'s layout; refuse it with the reasons, or queue it. Returns an exit code."""
     env = dict(os.environ, APERTUS_REPO=str(REPO))
     try:
-        result, shape, recorded = check(script, options, env, gpu_memory_gib=gpu_memory_gib,
-                                        usable_fraction=usable_fraction)  # fmt: skip
+        result, shape, recorded = check(
+            script, options, env, gpu_memory_gib=gpu_memory_gib, usable_fraction=usable_fraction
+        )
     except ConfigError as err:
         print(f"submit: {script}: refused: {err}", file=sys.stderr)
         return 1
@@ -137,8 +166,12 @@ def submit(script: Path, options: list[str], *, plan_only: bool = False,
         if "%" not in str(parent):
             parent.mkdir(parents=True, exist_ok=True)
     Path(recorded["run_dir"]).mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True,
-                          text=True, env=job_environment(script, options, result))  # fmt: skip
+    proc = subprocess.run(
+        ["sbatch", "--parsable", *options, str(script)],
+        capture_output=True,
+        text=True,
+        env=job_environment(script, options, result),
+    )
     if proc.returncode:
         print(f"submit: sbatch failed: {proc.stderr}", file=sys.stderr)
         return proc.returncode

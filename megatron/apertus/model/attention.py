@@ -144,9 +144,16 @@ class SDPAttention(MegatronModule):
             index, doc_start = sequence_partition(total, cp), torch.zeros(total, dtype=torch.long)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         index, doc_start = index.to(query.device), doc_start.to(query.device)
-        out = context_parallel_attention(q, k, v, index=index, doc_start=doc_start,
-                                         group=self.cp_group, comm_type=self.cp_comm_type,
-                                         scale=self.softmax_scale)  # fmt: skip
+        out = context_parallel_attention(
+            q,
+            k,
+            v,
+            index=index,
+            doc_start=doc_start,
+            group=self.cp_group,
+            comm_type=self.cp_comm_type,
+            scale=self.softmax_scale,
+        )
         if params is not None:
             return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
@@ -172,9 +179,17 @@ class SDPAttention(MegatronModule):
         cu = params.cu_seqlens_q.to(device=query.device, dtype=torch.int32)
         longest = int(params.max_seqlen_q)
         out = _varlen_attn()(
-            query, key, value, cu, cu, longest, longest,
-            scale=self.softmax_scale, window_size=(-1, 0), **gqa,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            cu,
+            cu,
+            longest,
+            longest,
+            scale=self.softmax_scale,
+            window_size=(-1, 0),
+            **gqa,
+        )
         return out.reshape(out.shape[0], -1)
 
     def _per_segment(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:

@@ -97,19 +97,28 @@ def apertus_layer_spec(
     fake-quantizes its linears (local layers only: Transformer Engine's do their own matmul)."""
     if transformer_impl == "transformer_engine":
         if quant is not None and quant.enabled:
-            raise ConfigError("--quant-format needs --transformer-impl local (the Transformer "
-                              "Engine linears do their own matmul)")  # fmt: skip
+            raise ConfigError(
+                "--quant-format needs --transformer-impl local (the Transformer "
+                "Engine linears do their own matmul)"
+            )
         return _te_layer_spec(model, xielu_impl, attention_backend)
     if transformer_impl != "local":
         raise ValueError(f"unknown transformer_impl {transformer_impl!r}")
     column, row = ColumnParallelLinear, RowParallelLinear
     quant_column, quant_row = QuantColumnParallelLinear, QuantRowParallelLinear
     attention = _attention_spec(
-        model, qkv=_linear(column, quant_column, quant), core=SDPAttention,
-        proj=_linear(row, quant_row, quant), norm=RMSNorm,
-    )  # fmt: skip
-    mlp = _mlp_spec(model, xielu_impl, fc1=_linear(column, quant_column, quant),
-                    fc2=_linear(row, quant_row, quant))  # fmt: skip
+        model,
+        qkv=_linear(column, quant_column, quant),
+        core=SDPAttention,
+        proj=_linear(row, quant_row, quant),
+        norm=RMSNorm,
+    )
+    mlp = _mlp_spec(
+        model,
+        xielu_impl,
+        fc1=_linear(column, quant_column, quant),
+        fc2=_linear(row, quant_row, quant),
+    )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -192,7 +201,11 @@ def apertus_block_spec(
     if quant is not None and quant.enabled:
         _check_quantizable(model, config.tensor_model_parallel_size, quant)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    layer = apertus_layer_spec(model, xielu_impl=xielu_impl, transformer_impl=impl,
-                               attention_backend=config.attention_backend,
-                               quant=quant)  # fmt: skip
+    layer = apertus_layer_spec(
+        model,
+        xielu_impl=xielu_impl,
+        transformer_impl=impl,
+        attention_backend=config.attention_backend,
+        quant=quant,
+    )
     return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_final_norm(impl))

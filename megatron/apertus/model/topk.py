@@ -146,8 +146,10 @@ def chunked_samples(
     s, b, h = hidden_states.shape
     rows = hidden_states.reshape(s * b, h)
     u = uniforms.to(rows.device).transpose(0, 1).reshape(s * b, -1)
-    parts = [global_samples(torch.matmul(rows[c], weight.t()), u[c])
-             for c in row_chunks(s * b, chunk_rows)]  # fmt: skip
+    parts = [
+        global_samples(torch.matmul(rows[c], weight.t()), u[c])
+        for c in row_chunks(s * b, chunk_rows)
+    ]
     return torch.cat(parts).view(s, b, -1).transpose(0, 1)
 
 

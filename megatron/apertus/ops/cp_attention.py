@@ -56,8 +56,10 @@ def document_partition(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
     """[cp_size, total / cp_size] global token indices of each rank when every document of the
     packed sequence (boundaries ``cu_seqlens``) is cut into 2N chunks on its own (TE's THD CP)."""
     bounds = cu_seqlens.tolist()
-    parts = [sequence_partition(end - start, cp_size) + start
-             for start, end in zip(bounds[:-1], bounds[1:])]  # fmt: skip
+    parts = [
+        sequence_partition(end - start, cp_size) + start
+        for start, end in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(parts, dim=1)
 
 
@@ -138,8 +140,11 @@ def _pieces(length: int) -> list[slice]:
     into pieces of at most :data:`TILE` tokens."""
     half = length // 2
     halves = [(0, half), (half, length)] if half else [(0, length)]
-    return [slice(start, min(start + TILE, end))
-            for begin, end in halves for start in range(begin, end, TILE)]  # fmt: skip
+    return [
+        slice(start, min(start + TILE, end))
+        for begin, end in halves
+        for start in range(begin, end, TILE)
+    ]
 
 
 def _tiles(q_index, k_index, doc_start):
@@ -170,8 +175,10 @@ class _Ring:
         if self.size == 1:
             return tensor, []
         buffer = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group),
-               dist.P2POp(dist.irecv, buffer, self.prev, self.group)]  # fmt: skip
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.next, self.group),
+            dist.P2POp(dist.irecv, buffer, self.prev, self.group),
+        ]
         return buffer, dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -223,8 +230,16 @@ class RingAttention(torch.autograd.Function):
             k_index = index[ring.source(step)]
             kf, vf = kv[0].to(acc), kv[1].to(acc)
             for qs, ks, mask in _tiles(my_index, k_index, doc_start):
-                grads = _tile_backward(qg[..., qs, :], kf[..., ks, :], vf[..., ks, :], mask, scale,
-                                       lse[..., qs], dog[..., qs, :], delta[..., qs])  # fmt: skip
+                grads = _tile_backward(
+                    qg[..., qs, :],
+                    kf[..., ks, :],
+                    vf[..., ks, :],
+                    mask,
+                    scale,
+                    lse[..., qs],
+                    dog[..., qs, :],
+                    delta[..., qs],
+                )
                 dq[..., qs, :] += grads[0]
                 dkv[0][..., ks, :] += grads[1]
                 dkv[1][..., ks, :] += grads[2]
@@ -300,10 +315,11 @@ def causal_per_document(q, k, v, doc_start: torch.Tensor, scale: float | None) -
     gqa = k.shape[1] != q.shape[1]
     starts = torch.unique_consecutive(doc_start).tolist() + [doc_start.numel()]
     outputs = [
-        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                       scale=scale, enable_gqa=gqa)
+        F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale, enable_gqa=gqa
+        )
         for a, b in zip(starts[:-1], starts[1:])
-    ]  # fmt: skip
+    ]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 

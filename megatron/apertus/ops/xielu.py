@@ -112,8 +112,10 @@ def _auto_uses_kernel(device_type: str) -> bool:
     loaded = _load(device_type)
     if isinstance(loaded, str) and device_type not in _warned:
         _warned.add(device_type)
-        warnings.warn(f"xielu: using the PyTorch reference on {device_type}: {loaded}; "
-                      f"{_BUILD_HINT}", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"xielu: using the PyTorch reference on {device_type}: {loaded}; " f"{_BUILD_HINT}",
+            stacklevel=3,
+        )
     return not isinstance(loaded, str)
 
 

@@ -153,8 +153,9 @@ class ScheduleConfig:
             return f"--lr-{_dash(what)}-iters {iters} ({samples} samples)"
         return f"--lr-{_dash(what)}-samples {samples}"
 
-    def _schedule_given(self, samples: int, train_iters: int | None,
-                        train_samples: int | None) -> str:  # fmt: skip
+    def _schedule_given(
+        self, samples: int, train_iters: int | None, train_samples: int | None
+    ) -> str:
         """The schedule's length as the flags gave it: --lr-decay-* or, by default, the run."""
         if self.lr_decay_iters or self.lr_decay_samples:
             return self._given("decay", samples)

@@ -32,21 +32,27 @@ class QuantConfig:
     )
     quant_group_size: int = field(
         default=128,
-        metadata={"ours": True,
-                  "help": "int* formats: elements per scale along the input dimension; -1: one "
-                  "scale per output channel"},  # fmt: skip
+        metadata={
+            "ours": True,
+            "help": "int* formats: elements per scale along the input dimension; -1: one "
+            "scale per output channel",
+        },
     )
     quant_symmetric: bool = field(
         default=True,
-        metadata={"ours": True,
-                  "help": "int* formats: symmetric (no zero point); --no-quant-symmetric adds "
-                  "a zero point per group"},  # fmt: skip
+        metadata={
+            "ours": True,
+            "help": "int* formats: symmetric (no zero point); --no-quant-symmetric adds "
+            "a zero point per group",
+        },
     )
     quant_fp8_scaling: str = field(
         default="tensor",
-        metadata={"ours": True,
-                  "help": "fp8: one scale per tensor, or per channel (weights: per output "
-                  "channel, activations: per token)"},  # fmt: skip
+        metadata={
+            "ours": True,
+            "help": "fp8: one scale per tensor, or per channel (weights: per output "
+            "channel, activations: per token)",
+        },
     )
     quant_activations_only: bool = field(
         default=False,

@@ -95,22 +95,26 @@ def fp8_grid(weight: Tensor, *, per_row: bool) -> ColumnGrid:
 def nvfp4_grid(weight: Tensor) -> ColumnGrid:
     """e2m1 under a 16-column block's e4m3 scale and the fake quantizer's tensor scale."""
     if weight.shape[1] % NVFP4_BLOCK:
-        raise ValueError(f"nvfp4 needs input columns divisible by {NVFP4_BLOCK}, the weight has "
-                         f"{weight.shape[1]}")  # fmt: skip
+        raise ValueError(
+            f"nvfp4 needs input columns divisible by {NVFP4_BLOCK}, the weight has "
+            f"{weight.shape[1]}"
+        )
     tensor_scale = nvfp4_tensor_scale(weight).double()
 
     def round_column(column: Tensor, block_scale: Tensor) -> Tensor:
         return nvfp4_values(column, block_scale, tensor_scale) * block_scale * tensor_scale
 
-    return ColumnGrid(round=round_column, group=NVFP4_BLOCK,
-                      scales=lambda g: nvfp4_block_scale(g, tensor_scale))  # fmt: skip
+    return ColumnGrid(
+        round=round_column, group=NVFP4_BLOCK, scales=lambda g: nvfp4_block_scale(g, tensor_scale)
+    )
 
 
 def column_grid(weight: Tensor, quant: QuantConfig) -> ColumnGrid:
     """The :class:`ColumnGrid` of ``weight`` in ``quant``'s format."""
     if quant.int_bits is not None:
-        return int_grid(quant.int_bits, quant.quant_group_size, weight.shape[1],
-                        symmetric=quant.quant_symmetric)  # fmt: skip
+        return int_grid(
+            quant.int_bits, quant.quant_group_size, weight.shape[1], symmetric=quant.quant_symmetric
+        )
     if quant.quant_format == "fp8":
         return fp8_grid(weight, per_row=quant.quant_fp8_scaling == "channel")
     return nvfp4_grid(weight)

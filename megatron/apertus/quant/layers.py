@@ -68,8 +68,13 @@ class LinearQuantizers:
             return w  # already quantized by tools/quantize.py
         if cfg.int_bits is not None:
             per_row = cfg.quant_group_size == -1
-            return fake_int(w, cfg.int_bits, cfg.quant_group_size, symmetric=cfg.quant_symmetric,
-                            reduce=self.row_max if per_row else _identity)  # fmt: skip
+            return fake_int(
+                w,
+                cfg.int_bits,
+                cfg.quant_group_size,
+                symmetric=cfg.quant_symmetric,
+                reduce=self.row_max if per_row else _identity,
+            )
         if cfg.quant_format == "fp8":
             return self._fp8(w)
         return fake_nvfp4(w, reduce_tensor=self.tensor_max)

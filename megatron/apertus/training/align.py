@@ -59,16 +59,28 @@ def _single_prefix(flag: str, blend: list[str]) -> str | None:
 class AlignRun:
     """Datasets, reference log-probabilities and micro-batches of one alignment run."""
 
-    def __init__(self, config: AlignConfig, dataset: DatasetConfig, *, seq_length: int,
-                 pad: int, seed: int, fused_output_loss: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: AlignConfig,
+        dataset: DatasetConfig,
+        *,
+        seq_length: int,
+        pad: int,
+        seed: int,
+        fused_output_loss: bool,
+    ) -> None:
         self.config = config
         if fused_output_loss:
-            raise ConfigError("--align-objective needs each token's log-probability: add "
-                              "--no-fused-output-loss")  # fmt: skip
+            raise ConfigError(
+                "--align-objective needs each token's log-probability: add "
+                "--no-fused-output-loss"
+            )
         train = _single_prefix("--train-data-path", dataset.train_data_path)
         if train is None or dataset.data_path:
-            raise ConfigError("--align-objective reads --train-data-path PREFIX (and optionally "
-                              "--valid-data-path) from tools/preprocess_preferences.py")  # fmt: skip
+            raise ConfigError(
+                "--align-objective reads --train-data-path PREFIX (and optionally "
+                "--valid-data-path) from tools/preprocess_preferences.py"
+            )
         valid = _single_prefix("--valid-data-path", dataset.valid_data_path)
         objective = config.align_objective
         self.parts = {"train": PreferenceDataset(train, objective, seq_length, pad)}
@@ -76,9 +88,11 @@ class AlignRun:
             self.parts["valid"] = PreferenceDataset(valid, objective, seq_length, pad)
         for data in self.parts.values():
             if data.ref_logps is None and not config.ref_logps_path:
-                raise ConfigError(f"--align-objective: {data.prefix} carries no reference "
-                                  "log-probabilities: give --ref-logps-path (where the reference "
-                                  "pass stores them)")  # fmt: skip
+                raise ConfigError(
+                    f"--align-objective: {data.prefix} carries no reference "
+                    "log-probabilities: give --ref-logps-path (where the reference "
+                    "pass stores them)"
+                )
         self.order = np.random.default_rng(seed).permutation(len(self.parts["train"]))
         self.ref: dict[str, torch.Tensor] = {}
         self._stored: dict[str, tuple[Path, reference.ReferenceLogps]] = {}
@@ -93,8 +107,9 @@ class AlignRun:
 
     # -- reference log-probabilities -------------------------------------------------------------
 
-    def prepare(self, model, micro_batch_size: int, *, reference_name: str, fresh: bool,
-                reporting: bool) -> None:  # fmt: skip
+    def prepare(
+        self, model, micro_batch_size: int, *, reference_name: str, fresh: bool, reporting: bool
+    ) -> None:
         """Read the stored reference log-probabilities, computing and storing them first when
         ``--ref-logps-path`` holds none yet and the weights are the reference (``fresh``: no
         alignment step taken); every rank takes part."""
@@ -102,35 +117,44 @@ class AlignRun:
             if data.ref_logps is not None:
                 self.ref[name] = torch.from_numpy(data.ref_logps.copy())
                 if reporting:
-                    log.info(f"reference log-probabilities of {data.ref_logps.size} {name} "
-                             f"sequences read from the data ({data.prefix})")  # fmt: skip
+                    log.info(
+                        f"reference log-probabilities of {data.ref_logps.size} {name} "
+                        f"sequences read from the data ({data.prefix})"
+                    )
                 continue
             directory = Path(self.config.ref_logps_path)
             path = directory / f"{name}.bin"
             data_hash = reference.dataset_hash(data.prefix)
             if not path.exists() and not fresh:
-                raise ConfigError(f"--ref-logps-path: {path} is missing and the loaded weights "
-                                  "are no longer the reference (training has started)")  # fmt: skip
+                raise ConfigError(
+                    f"--ref-logps-path: {path} is missing and the loaded weights "
+                    "are no longer the reference (training has started)"
+                )
             if not path.exists():
                 values = self._compute(model, data, micro_batch_size, name, reporting)
                 if reporting:
                     directory.mkdir(parents=True, exist_ok=True)
                     reference.write(path, values, data_hash=data_hash, reference=reference_name)
-                    log.info(f"reference log-probabilities of {len(values.keys)} {name} sequences "
-                             f"stored in {path}")  # fmt: skip
+                    log.info(
+                        f"reference log-probabilities of {len(values.keys)} {name} sequences "
+                        f"stored in {path}"
+                    )
                 torch.distributed.barrier()
             try:
                 stored, _ = reference.read(path, data_hash=data_hash)
             except LogitStoreError as err:
                 raise ConfigError(f"--ref-logps-path: {err}") from err
             if len(stored.keys) != data.group * len(data):
-                raise ConfigError(f"--ref-logps-path {path}: {len(stored.keys)} sequences, the "
-                                  f"data has {data.group * len(data)}")  # fmt: skip
+                raise ConfigError(
+                    f"--ref-logps-path {path}: {len(stored.keys)} sequences, the "
+                    f"data has {data.group * len(data)}"
+                )
             self.ref[name] = torch.from_numpy(stored.logps.copy())
             self._stored[name] = (path, stored)
 
-    def _compute(self, model, data: PreferenceDataset, micro_batch_size: int, name: str,
-                 reporting: bool):  # fmt: skip
+    def _compute(
+        self, model, data: PreferenceDataset, micro_batch_size: int, name: str, reporting: bool
+    ):
         """Reference values of every sequence of ``data`` from the current weights."""
         dp, rank = (
             parallel_state.get_data_parallel_world_size(),
@@ -139,19 +163,29 @@ class AlignRun:
         share = -(-len(data) // dp)
         examples = [min(i, len(data) - 1) for i in range(rank * share, (rank + 1) * share)]
         zero = torch.zeros(data.group * len(data), dtype=torch.float64)
-        batches = [self._batch(data, examples[i : i + micro_batch_size], zero)
-                   for i in range(0, len(examples), micro_batch_size)]  # fmt: skip
+        batches = [
+            self._batch(data, examples[i : i + micro_batch_size], zero)
+            for i in range(0, len(examples), micro_batch_size)
+        ]
         for chunk in model:
             chunk.eval()
         reported = []
-        with torch.no_grad(), tqdm(total=share * data.group * dp, unit=" sequences",
-                                   desc=f"reference log-probs ({name})", disable=not reporting,
-                                   mininterval=1.0) as bar:  # fmt: skip
+        with torch.no_grad(), tqdm(
+            total=share * data.group * dp,
+            unit=" sequences",
+            desc=f"reference log-probs ({name})",
+            disable=not reporting,
+            mininterval=1.0,
+        ) as bar:
             for part in _pieces(batches, parallel_state.get_pipeline_model_parallel_world_size()):
-                shape = StepShape(num_microbatches=len(part), seq_length=data.seq_length,
-                                  micro_batch_size=micro_batch_size * data.group)  # fmt: skip
-                reported += run_microbatches(model, [iter(part) for _ in model], shape,
-                                             forward_only=True)  # fmt: skip
+                shape = StepShape(
+                    num_microbatches=len(part),
+                    seq_length=data.seq_length,
+                    micro_batch_size=micro_batch_size * data.group,
+                )
+                reported += run_microbatches(
+                    model, [iter(part) for _ in model], shape, forward_only=True
+                )
                 bar.update(sum(b.tokens.shape[0] for b in part) * dp)
         for chunk in model:
             chunk.train()
@@ -176,23 +210,34 @@ class AlignRun:
         rows = [data.group * e + j for e in examples for j in range(data.group)]
         return collate([data[e] for e in examples], self.config, ref[rows])
 
-    def micro_batches(self, name: str, consumed: int, global_batch: int, micro_batch_size: int,
-                      dp_size: int) -> list[Batch]:  # fmt: skip
+    def micro_batches(
+        self, name: str, consumed: int, global_batch: int, micro_batch_size: int, dp_size: int
+    ) -> list[Batch]:
         """This rank's micro-batches of the step that starts at example ``consumed``."""
         data = self.parts[name]
-        positions = rank_positions(consumed, global_batch, dp_rank=parallel_state.get_data_parallel_rank(),
-                                   dp_size=dp_size, length=len(data))  # fmt: skip
+        positions = rank_positions(
+            consumed,
+            global_batch,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=dp_size,
+            length=len(data),
+        )
         examples = [int(self.order[p]) if name == "train" else p for p in positions]
         rows = np.array([data.group * e + j for e in examples for j in range(data.group)])
         if name in self._stored:  # values from the reference pass, keyed by their sequences
             path, stored = self._stored[name]
             reference.check_keys(path, stored, rows, [data.sequence(r)[0] for r in rows])
-        return [self._batch(data, examples[i : i + micro_batch_size], self.ref[name])
-                for i in range(0, len(examples), micro_batch_size)]  # fmt: skip
+        return [
+            self._batch(data, examples[i : i + micro_batch_size], self.ref[name])
+            for i in range(0, len(examples), micro_batch_size)
+        ]
 
     def shape(self, num_microbatches: int, seq_length: int, micro_batch_size: int) -> StepShape:
-        return StepShape(num_microbatches=num_microbatches, seq_length=seq_length,
-                         micro_batch_size=micro_batch_size * self.train_data.group)  # fmt: skip
+        return StepShape(
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size * self.train_data.group,
+        )
 
 
 def _pieces(batches: list[Batch], pipeline_stages: int) -> list[list[Batch]]:

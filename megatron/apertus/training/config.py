@@ -332,8 +332,9 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
-    tokenizer_type: str = _help("TekkenTokenizer, HuggingFaceTokenizer or SentencePieceTokenizer",
-                                "TekkenTokenizer")  # fmt: skip
+    tokenizer_type: str = _help(
+        "TekkenTokenizer, HuggingFaceTokenizer or SentencePieceTokenizer", "TekkenTokenizer"
+    )
     tokenizer_model: Optional[str] = _help(
         "tokenizer file or directory (TekkenTokenizer: default the one bundled with mistral-common)",
         None,
@@ -406,8 +407,10 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         if self.wandb_project and importlib.util.find_spec("wandb") is None:
-            raise ConfigError("--wandb-project needs wandb, which is not installed: "
-                              "pip install 'megatron-apertus[wandb]'")  # fmt: skip
+            raise ConfigError(
+                "--wandb-project needs wandb, which is not installed: "
+                "pip install 'megatron-apertus[wandb]'"
+            )
         from megatron.apertus.training.gemm_metrics import STATISTICS
 
         unknown = sorted(set(self.log_intermediate_metrics or ()) - set(STATISTICS))
@@ -502,9 +505,14 @@ def add_arguments(
             action = "store_true" if f.metadata.get("switch") else argparse.BooleanOptionalAction
             group.add_argument(_flag(name), action=action, **kwargs)
             for alias in ALIASES.get(name, []):
-                group.add_argument(alias, dest=name, action="store_const", const=True,
-                                   default=argparse.SUPPRESS,
-                                   help=f"Megatron-LM's spelling of {_flag(name)}")  # fmt: skip
+                group.add_argument(
+                    alias,
+                    dest=name,
+                    action="store_const",
+                    const=True,
+                    default=argparse.SUPPRESS,
+                    help=f"Megatron-LM's spelling of {_flag(name)}",
+                )
         elif typing.get_origin(kind) is list:
             flags = [_flag(name), *ALIASES.get(name, [])]
             group.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **kwargs)

@@ -92,10 +92,15 @@ def input_statistics(x: torch.Tensor, scale: torch.Tensor | None = None) -> torc
         sums[3] += ((cast == 0) & (part != 0)).sum()
         sums[4] += (scaled.abs() > E4M3_MAX).sum()
     elements = rows.numel()
-    return torch.stack([
-        sums[0] / elements, (sums[1] / elements).sqrt(), sums[2] / rows.shape[0],
-        sums[3] / elements, sums[4] / elements,
-    ]).float()  # fmt: skip
+    return torch.stack(
+        [
+            sums[0] / elements,
+            (sums[1] / elements).sqrt(),
+            sums[2] / rows.shape[0],
+            sums[3] / elements,
+            sums[4] / elements,
+        ]
+    ).float()
 
 
 STATISTICS = ("mean", "rms", "kurtosis", "underflow", "overflow")

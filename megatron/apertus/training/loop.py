@@ -109,8 +109,14 @@ def _describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
 def _source_commit() -> str | None:
     """The git commit of this source tree, when it is a git checkout."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -196,11 +202,15 @@ def _check_context_parallel(cfg: RunConfig) -> None:
     if cp == 1:
         return
     if cfg.align.align_objective is not None:
-        raise ConfigError(f"--align-objective {cfg.align.align_objective} has no context "
-                          f"parallelism (--context-parallel-size {cp}): it scores whole sequences")  # fmt: skip
+        raise ConfigError(
+            f"--align-objective {cfg.align.align_objective} has no context "
+            f"parallelism (--context-parallel-size {cp}): it scores whole sequences"
+        )
     if cfg.dataset.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"--reset-attention-mask with --context-parallel-size {cp} runs without "
-                          "pipeline stages: use --pipeline-model-parallel-size 1")  # fmt: skip
+        raise ConfigError(
+            f"--reset-attention-mask with --context-parallel-size {cp} runs without "
+            "pipeline stages: use --pipeline-model-parallel-size 1"
+        )
 
 
 class Trainer:
@@ -210,8 +220,9 @@ class Trainer:
         if cfg.checkpoint.save:
             checkpoint.check_save_dir(cfg.checkpoint.save)
         elif cfg.logging.log_progress:
-            raise ConfigError("--log-progress writes progress.txt beside the checkpoints: it "
-                              "needs --save")  # fmt: skip
+            raise ConfigError(
+                "--log-progress writes progress.txt beside the checkpoints: it " "needs --save"
+            )
         self.device_name = parallel.resolve_device(cfg.training.device)
         self.transformer_impl = validate_engine(
             cfg.engine,
@@ -251,11 +262,18 @@ class Trainer:
         )
         self.train_data, self.valid_data = self._datasets()
         no_reader = self.align is not None or self.train_data is None  # --train-iters 0
-        self.reader = None if no_reader else MicroBatchReader(
-            self.train_data, self.batch, micro_batch_size=t.micro_batch_size,
-            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=self.dp,
-            num_workers=cfg.data.num_workers,
-        )  # fmt: skip
+        self.reader = (
+            None
+            if no_reader
+            else MicroBatchReader(
+                self.train_data,
+                self.batch,
+                micro_batch_size=t.micro_batch_size,
+                dp_rank=parallel_state.get_data_parallel_rank(),
+                dp_size=self.dp,
+                num_workers=cfg.data.num_workers,
+            )
+        )
         self.model = self._build_model()
         self.gemm_monitor = self._gemm_monitor()
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(
@@ -268,11 +286,19 @@ class Trainer:
         )
         self.state = self._resume()
         if self.align is not None:
-            self.align.prepare(self.model, t.micro_batch_size, reference_name=str(self.resume_from),
-                               fresh=self.state.iteration == 0, reporting=_is_reporting_rank())  # fmt: skip
+            self.align.prepare(
+                self.model,
+                t.micro_batch_size,
+                reference_name=str(self.resume_from),
+                fresh=self.state.iteration == 0,
+                reporting=_is_reporting_rank(),
+            )
         self.teacher = self._teacher_logits()
-        self.stop = StopRequests(handle_signals=t.exit_signal_handler, trigger_path=t.trigger_path,
-                                 exit_duration_in_mins=t.exit_duration_in_mins)  # fmt: skip
+        self.stop = StopRequests(
+            handle_signals=t.exit_signal_handler,
+            trigger_path=t.trigger_path,
+            exit_duration_in_mins=t.exit_duration_in_mins,
+        )
         self.metrics = Metrics(
             tensorboard_dir=cfg.logging.tensorboard_dir if _is_reporting_rank() else None,
             wandb_project=cfg.logging.wandb_project if _is_reporting_rank() else None,
@@ -298,9 +324,11 @@ class Trainer:
         running = get_current_running_global_batch_size()
         if running != self.cfg.training.global_batch_size and _is_reporting_rank():
             t = self.cfg.training
-            log.info(f"--decrease-batch-size-if-needed: global batch {running} instead of "
-                     f"{t.global_batch_size} (a multiple of --micro-batch-size "
-                     f"{t.micro_batch_size} x data-parallel size {self.dp})")  # fmt: skip
+            log.info(
+                f"--decrease-batch-size-if-needed: global batch {running} instead of "
+                f"{t.global_batch_size} (a multiple of --micro-batch-size "
+                f"{t.micro_batch_size} x data-parallel size {self.dp})"
+            )
 
     def _tokenizer(self) -> Tokenizer:
         tokenizer = build_tokenizer(self.cfg.data.tokenizer_type, self.cfg.data.tokenizer_model)
@@ -315,12 +343,22 @@ class Trainer:
         t = self.cfg.training
         self.align = None
         if self.cfg.align.enabled:
-            self.align = AlignRun(self.cfg.align, self.cfg.dataset, seq_length=self.cfg.model.seq_length,
-                                  pad=self.tokenizer.pad, seed=t.seed,
-                                  fused_output_loss=t.fused_output_loss)  # fmt: skip
+            self.align = AlignRun(
+                self.cfg.align,
+                self.cfg.dataset,
+                seq_length=self.cfg.model.seq_length,
+                pad=self.tokenizer.pad,
+                seed=t.seed,
+                fused_output_loss=t.fused_output_loss,
+            )
             return self.align.train_data, self.align.valid_data
-        train, valid, _ = build_datasets(self.cfg.dataset, self.tokenizer, seq_length=self.cfg.model.seq_length,
-                                         seed=t.seed, num_samples=t.dataset_sizes())  # fmt: skip
+        train, valid, _ = build_datasets(
+            self.cfg.dataset,
+            self.tokenizer,
+            seq_length=self.cfg.model.seq_length,
+            seed=t.seed,
+            num_samples=t.dataset_sizes(),
+        )
         return train, valid
 
     def _build_model(self):
@@ -374,8 +412,10 @@ class Trainer:
         if not cfg.distill.enabled:
             return None
         if not cfg.training.fused_output_loss:
-            raise ConfigError("--distill-logits-path needs the fused output-layer loss "
-                              "(drop --no-fused-output-loss)")  # fmt: skip
+            raise ConfigError(
+                "--distill-logits-path needs the fused output-layer loss "
+                "(drop --no-fused-output-loss)"
+            )
         from megatron.apertus.distill.targets import TeacherLogits
 
         teacher = TeacherLogits(
@@ -396,11 +436,15 @@ class Trainer:
         beyond it when they are needed)."""
         if consumed_samples >= self.cfg.training.total_samples():
             return
-        teacher.prefetch(rank_positions(
-            consumed_samples, get_current_running_global_batch_size(),
-            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=self.dp,
-            length=len(self.train_data),
-        ))  # fmt: skip
+        teacher.prefetch(
+            rank_positions(
+                consumed_samples,
+                get_current_running_global_batch_size(),
+                dp_rank=parallel_state.get_data_parallel_rank(),
+                dp_size=self.dp,
+                length=len(self.train_data),
+            )
+        )
 
     def _chunks(self):
         return [ddp.module for ddp in self.model]
@@ -424,10 +468,15 @@ class Trainer:
         optimizer = self.optimizer if ck.loads_optimizer() else None
         if optimizer is not None and checkpoint.has_optimizer_states(found):
             _check_resumable(self.cfg.optimizer)
-        state, full = checkpoint.load(found, self._chunks(), optimizer=optimizer,
-                                      scheduler=self.scheduler if optimizer else None,
-                                      model=self.cfg.model, rng=ck.loads_rng(),
-                                      fully_parallel=ck.ckpt_fully_parallel_load)  # fmt: skip
+        state, full = checkpoint.load(
+            found,
+            self._chunks(),
+            optimizer=optimizer,
+            scheduler=self.scheduler if optimizer else None,
+            model=self.cfg.model,
+            rng=ck.loads_rng(),
+            fully_parallel=ck.ckpt_fully_parallel_load,
+        )
         if not full:  # weights only: the optimizer's fp32 main params must follow the new weights
             self.optimizer.reload_model_params()
         if ck.finetune:
@@ -440,13 +489,22 @@ class Trainer:
     def _describe_resume(self, found: Path, state: TrainingState) -> str:
         ck = self.cfg.checkpoint
         if ck.finetune:
-            return (f"--finetune: weights loaded from {found}; iteration, consumed samples, "
-                    "optimizer, learning-rate schedule and RNG states start fresh")  # fmt: skip
-        line = (f"resumed from {found} at iteration {state.iteration}, "
-                f"{state.consumed_samples} samples consumed")  # fmt: skip
-        fresh = [f"{flag}: {what} start fresh" for flag, what, on in (
-            ("--no-load-optim", "optimizer and learning-rate schedule", ck.no_load_optim),
-            ("--no-load-rng", "RNG states", ck.no_load_rng)) if on]  # fmt: skip
+            return (
+                f"--finetune: weights loaded from {found}; iteration, consumed samples, "
+                "optimizer, learning-rate schedule and RNG states start fresh"
+            )
+        line = (
+            f"resumed from {found} at iteration {state.iteration}, "
+            f"{state.consumed_samples} samples consumed"
+        )
+        fresh = [
+            f"{flag}: {what} start fresh"
+            for flag, what, on in (
+                ("--no-load-optim", "optimizer and learning-rate schedule", ck.no_load_optim),
+                ("--no-load-rng", "RNG states", ck.no_load_rng),
+            )
+            if on
+        ]
         return line + "".join(f"; {part}" for part in fresh)
 
     def _log_fresh_start(self, source: str) -> None:
@@ -480,8 +538,9 @@ class Trainer:
     def _iterators(self, dataset, consumed: int, global_batch: int) -> list:
         if self.align is not None:
             part = "train" if dataset is self.train_data else "valid"
-            batches = self.align.micro_batches(part, consumed, global_batch,
-                                               self.cfg.training.micro_batch_size, self.dp)  # fmt: skip
+            batches = self.align.micro_batches(
+                part, consumed, global_batch, self.cfg.training.micro_batch_size, self.dp
+            )
             return [iter(batches) for _ in self.model]
         batches = step_micro_batches(
             dataset,
@@ -531,26 +590,32 @@ class Trainer:
         this job's first step, print Megatron-LM's iteration line."""
         it, samples = self.state.iteration, self.state.consumed_samples
         if result.loss is not None:
-            self.metrics.record("train/loss", it, result.loss, tag=self._objective(),
-                                samples=samples)  # fmt: skip
+            self.metrics.record(
+                "train/loss", it, result.loss, tag=self._objective(), samples=samples
+            )
         if result.grad_norm is not None and math.isfinite(result.grad_norm):
-            self.metrics.record("train/grad_norm", it, result.grad_norm, tag="grad-norm",
-                                samples=samples)  # fmt: skip
+            self.metrics.record(
+                "train/grad_norm", it, result.grad_norm, tag="grad-norm", samples=samples
+            )
         if result.goldfish_fraction is not None:
             self.metrics.record("train/goldfish_dropped", it, result.goldfish_fraction)
         for name, value in result.quantities.items():
             self.metrics.record(f"train/{metric_name(name)}", it, value)
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.record("train/lr", it, lr, tag="learning-rate", samples=samples)
-        self.metrics.record("train/batch_size", it, global_batch, tag="batch-size",
-                            samples=samples)  # fmt: skip
+        self.metrics.record("train/batch_size", it, global_batch, tag="batch-size", samples=samples)
         loss_scale = self.optimizer.get_loss_scale().item()
         if self.cfg.logging.log_loss_scale_to_tensorboard:
-            self.metrics.record("train/loss_scale", it, loss_scale, tag="loss-scale",
-                                samples=samples)  # fmt: skip
+            self.metrics.record(
+                "train/loss_scale", it, loss_scale, tag="loss-scale", samples=samples
+            )
         self.metrics.record("train/step_seconds", it, seconds, tag="iteration-time")
-        self.interval.add(seconds, global_batch * self.cfg.model.seq_length,
-                          loss=result.loss, skipped=result.skipped)  # fmt: skip
+        self.interval.add(
+            seconds,
+            global_batch * self.cfg.model.seq_length,
+            loss=result.loss,
+            skipped=result.skipped,
+        )
         regular = it % self.cfg.training.log_interval == 0
         if not (regular or not self.logged_once):
             return
@@ -561,9 +626,17 @@ class Trainer:
         self.metrics.record("train/throughput", it, tflops, tag="throughput")
         self.metrics.flush()  # on disk before the line says so
         if _is_reporting_rank():
-            log.info(self._iteration_line(summary, result, lr=lr, global_batch=global_batch,
-                                          loss_scale=loss_scale, params_norm=params_norm,
-                                          tflops=tflops))  # fmt: skip
+            log.info(
+                self._iteration_line(
+                    summary,
+                    result,
+                    lr=lr,
+                    global_batch=global_batch,
+                    loss_scale=loss_scale,
+                    params_norm=params_norm,
+                    tflops=tflops,
+                )
+            )
 
     def _objective(self) -> str:
         """The loss's name in the log line and its TensorBoard tag."""
@@ -571,9 +644,17 @@ class Trainer:
             return f"{self.cfg.align.align_objective} loss"
         return "lm loss" if self.teacher is None else "kd loss"
 
-    def _iteration_line(self, summary: IntervalSummary, result: StepResult, *, lr: float,
-                        global_batch: int, loss_scale: float, params_norm: float | None,
-                        tflops: float) -> str:  # fmt: skip
+    def _iteration_line(
+        self,
+        summary: IntervalSummary,
+        result: StepResult,
+        *,
+        lr: float,
+        global_batch: int,
+        loss_scale: float,
+        params_norm: float | None,
+        tflops: float,
+    ) -> str:
         """Megatron-LM's iteration line: its fields, names and order, each closed by " |", the
         loss averaged over the interval's steps that updated the weights and the skipped and
         NaN steps counted over it; our fields follow."""
@@ -613,11 +694,17 @@ class Trainer:
         total = None
         if logging_cfg.log_params_norm or logging_cfg.log_params_norm_per_param:
             with synced_parameters(self.model):
-                total, each = params_norms(self.model,
-                                           per_param=logging_cfg.log_params_norm_per_param)  # fmt: skip
+                total, each = params_norms(
+                    self.model, per_param=logging_cfg.log_params_norm_per_param
+                )
             if logging_cfg.log_params_norm:
-                self.metrics.record("train/params_norm", it, total, tag="params-norm",
-                                    samples=self.state.consumed_samples)  # fmt: skip
+                self.metrics.record(
+                    "train/params_norm",
+                    it,
+                    total,
+                    tag="params-norm",
+                    samples=self.state.consumed_samples,
+                )
             else:
                 total = None
             for name, value in each.items():
@@ -673,15 +760,24 @@ class Trainer:
         if evaluated is None:
             return
         loss, quantities = evaluated
-        self.metrics.record("valid/loss", self.state.iteration, loss, tag="lm loss validation",
-                            samples=self.state.consumed_samples)  # fmt: skip
+        self.metrics.record(
+            "valid/loss",
+            self.state.iteration,
+            loss,
+            tag="lm loss validation",
+            samples=self.state.consumed_samples,
+        )
         if _is_reporting_rank() and self.align is not None:
-            log.info(f"validation loss at iteration {self.state.iteration} | "
-                     f"{self.cfg.align.align_objective} loss value: {loss:.6E}"
-                     + format_quantities(quantities))  # fmt: skip
+            log.info(
+                f"validation loss at iteration {self.state.iteration} | "
+                f"{self.cfg.align.align_objective} loss value: {loss:.6E}"
+                + format_quantities(quantities)
+            )
         elif _is_reporting_rank():
-            log.info(f"validation loss at iteration {self.state.iteration} | lm loss value: "
-                     f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |")  # fmt: skip
+            log.info(
+                f"validation loss at iteration {self.state.iteration} | lm loss value: "
+                f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
+            )
         self.metrics.flush()
 
     def _run_info(self) -> dict:
@@ -707,10 +803,17 @@ class Trainer:
         if not self.cfg.checkpoint.save:
             return
         with synced_parameters(self.model):
-            path = checkpoint.save(self.cfg.checkpoint.save, self._chunks(), self.cfg.model,
-                                   self.state, optimizer=self.optimizer, scheduler=self.scheduler,
-                                   run_info=self._run_info(), options=self.save_options,
-                                   on_published=self._log_saved)  # fmt: skip
+            path = checkpoint.save(
+                self.cfg.checkpoint.save,
+                self._chunks(),
+                self.cfg.model,
+                self.state,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                run_info=self._run_info(),
+                options=self.save_options,
+                on_published=self._log_saved,
+            )
         self.gc.boundary()
         if _is_reporting_rank():
             self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)
@@ -719,18 +822,24 @@ class Trainer:
             if self.save_options.async_queue is not None:
                 log.info(f"saving checkpoint {path} in the background")
         if self.progress is not None:
-            self.progress.saved(self.state.iteration, self.state.consumed_samples,
-                                background=self.save_options.async_queue is not None)  # fmt: skip
+            self.progress.saved(
+                self.state.iteration,
+                self.state.consumed_samples,
+                background=self.save_options.async_queue is not None,
+            )
 
     def _progress_log(self) -> ProgressLog | None:
         """Megatron-LM's progress file, written by global rank 0 as Megatron-LM does."""
         if not self.cfg.logging.log_progress or torch.distributed.get_rank() != 0:
             return None
         seq = self.cfg.model.seq_length
-        progress = ProgressLog(self.cfg.checkpoint.save,
-                               world_size=torch.distributed.get_world_size(),
-                               flops_per_sample=seq * flops_per_token(self.cfg.model),
-                               tokens_per_sample=seq, consumed_samples=self.state.consumed_samples)  # fmt: skip
+        progress = ProgressLog(
+            self.cfg.checkpoint.save,
+            world_size=torch.distributed.get_world_size(),
+            flops_per_sample=seq * flops_per_token(self.cfg.model),
+            tokens_per_sample=seq,
+            consumed_samples=self.state.consumed_samples,
+        )
         progress.start()
         return progress
 
@@ -767,9 +876,11 @@ class Trainer:
             return
         self.skipped_in_a_row += 1
         if _is_reporting_rank():
-            log.warning(f"iteration {self.state.iteration}: non-finite loss or gradient norm "
-                        f"({result.loss}, {result.grad_norm}); step skipped "
-                        f"({self.skipped_in_a_row} in a row)")  # fmt: skip
+            log.warning(
+                f"iteration {self.state.iteration}: non-finite loss or gradient norm "
+                f"({result.loss}, {result.grad_norm}); step skipped "
+                f"({self.skipped_in_a_row} in a row)"
+            )
         if self.skipped_in_a_row >= self.cfg.training.max_skipped_steps:
             self.save()
             raise TrainingStopped(

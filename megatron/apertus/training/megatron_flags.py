@@ -62,57 +62,118 @@ class MegatronFlag:
 
 
 NOT_YET = "not implemented yet"
-STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
-              "return_unexpected", "return_all", "ignore_all")  # fmt: skip
+STRICTNESS = (
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
 """megatron-core's ``StrictHandling`` values, spelled out so that parsing flags needs no
 megatron-core (a test compares them with the library's)."""
 
 FLAGS: tuple[MegatronFlag, ...] = (
     # -- the architecture, restated ------------------------------------------------------------
     MegatronFlag("--xielu", "the MLP is xIELU (always)", accepts=SWITCH),
-    MegatronFlag("--swiglu", refusal="the Apertus MLP is xIELU, not gated; SwiGLU is not "
-                 "implemented"),
-    MegatronFlag("--normalization", "every norm is RMSNorm (always)",
-                 "only RMSNorm is implemented", takes=str, accepts=("RMSNorm",)),
-    MegatronFlag("--position-embedding-type", "rotary position embeddings (always)",
-                 "only rope is implemented", takes=str, accepts=("rope",)),
-    MegatronFlag("--group-query-attention", "key/value heads from --num-query-groups",
-                 accepts=SWITCH),
-    MegatronFlag("--disable-bias-linear", "the linear layers have no biases (always)",
-                 accepts=SWITCH),
-    MegatronFlag("--qknorm-impl", "picks the QK RMSNorm's kernels in Megatron-LM; here "
-                 "--transformer-impl does (the same RMSNorm)", takes=str,
-                 accepts=("apex", "torch", "te"), choices=("apex", "torch", "te")),
+    MegatronFlag(
+        "--swiglu", refusal="the Apertus MLP is xIELU, not gated; SwiGLU is not " "implemented"
+    ),
+    MegatronFlag(
+        "--normalization",
+        "every norm is RMSNorm (always)",
+        "only RMSNorm is implemented",
+        takes=str,
+        accepts=("RMSNorm",),
+    ),
+    MegatronFlag(
+        "--position-embedding-type",
+        "rotary position embeddings (always)",
+        "only rope is implemented",
+        takes=str,
+        accepts=("rope",),
+    ),
+    MegatronFlag(
+        "--group-query-attention", "key/value heads from --num-query-groups", accepts=SWITCH
+    ),
+    MegatronFlag(
+        "--disable-bias-linear", "the linear layers have no biases (always)", accepts=SWITCH
+    ),
+    MegatronFlag(
+        "--qknorm-impl",
+        "picks the QK RMSNorm's kernels in Megatron-LM; here "
+        "--transformer-impl does (the same RMSNorm)",
+        takes=str,
+        accepts=("apex", "torch", "te"),
+        choices=("apex", "torch", "te"),
+    ),
     # -- precision, regularisation, data order --------------------------------------------------
-    MegatronFlag("--main-grads-dtype", "gradients accumulate and reduce in fp32 (always)",
-                 "bf16 main gradients are " + NOT_YET, takes=str, accepts=("fp32",),
-                 choices=("fp32", "bf16")),
-    MegatronFlag("--attention-dropout", "no attention dropout (always)", "dropout is " + NOT_YET,
-                 takes=float, accepts=(0.0,)),
-    MegatronFlag("--hidden-dropout", "no hidden dropout (always)", "dropout is " + NOT_YET,
-                 takes=float, accepts=(0.0,)),
-    MegatronFlag("--no-check-for-nan-in-loss-and-grad",
-                 "changes nothing: every step checks its loss and gradient norm, a non-finite "
-                 "step is skipped (weights untouched) and --max-skipped-steps of them in a row "
-                 "stop the run (Megatron-LM without the check would apply the update)",
-                 accepts=SWITCH),
-    MegatronFlag("--dataloader-type", "each step reads the next global batch in order, split "
-                 "over the data-parallel ranks (Megatron-LM's single sampler)",
-                 "only single is implemented", takes=str, accepts=("single",),
-                 choices=("single", "cyclic", "external")),
+    MegatronFlag(
+        "--main-grads-dtype",
+        "gradients accumulate and reduce in fp32 (always)",
+        "bf16 main gradients are " + NOT_YET,
+        takes=str,
+        accepts=("fp32",),
+        choices=("fp32", "bf16"),
+    ),
+    MegatronFlag(
+        "--attention-dropout",
+        "no attention dropout (always)",
+        "dropout is " + NOT_YET,
+        takes=float,
+        accepts=(0.0,),
+    ),
+    MegatronFlag(
+        "--hidden-dropout",
+        "no hidden dropout (always)",
+        "dropout is " + NOT_YET,
+        takes=float,
+        accepts=(0.0,),
+    ),
+    MegatronFlag(
+        "--no-check-for-nan-in-loss-and-grad",
+        "changes nothing: every step checks its loss and gradient norm, a non-finite "
+        "step is skipped (weights untouched) and --max-skipped-steps of them in a row "
+        "stop the run (Megatron-LM without the check would apply the update)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--dataloader-type",
+        "each step reads the next global batch in order, split "
+        "over the data-parallel ranks (Megatron-LM's single sampler)",
+        "only single is implemented",
+        takes=str,
+        accepts=("single",),
+        choices=("single", "cyclic", "external"),
+    ),
     # -- checkpoints ---------------------------------------------------------------------------
-    MegatronFlag("--ckpt-format", "megatron-core torch_dist checkpoints (always)",
-                 "only torch_dist is implemented", takes=str, accepts=("torch_dist",)),
-    MegatronFlag("--dist-ckpt-strictness", "a load fails when the checkpoint lacks a tensor the "
-                 "model needs (Transformer Engine's FP8 _extra_state excepted) and ignores "
-                 "tensors the model does not use (always)",
-                 "loads always fail on missing tensors and ignore extra ones", takes=str,
-                 accepts=("assume_ok_unexpected", "raise_unexpected"), choices=STRICTNESS),
+    MegatronFlag(
+        "--ckpt-format",
+        "megatron-core torch_dist checkpoints (always)",
+        "only torch_dist is implemented",
+        takes=str,
+        accepts=("torch_dist",),
+    ),
+    MegatronFlag(
+        "--dist-ckpt-strictness",
+        "a load fails when the checkpoint lacks a tensor the "
+        "model needs (Transformer Engine's FP8 _extra_state excepted) and ignores "
+        "tensors the model does not use (always)",
+        "loads always fail on missing tensors and ignore extra ones",
+        takes=str,
+        accepts=("assume_ok_unexpected", "raise_unexpected"),
+        choices=STRICTNESS,
+    ),
     # -- logging -------------------------------------------------------------------------------
-    MegatronFlag("--log-throughput", "the iteration line always has tokens/s and TFLOP/s per "
-                 "device (Megatron-LM's 'throughput per GPU'), and MFU on GPUs of known peak",
-                 accepts=SWITCH),
-)  # fmt: skip
+    MegatronFlag(
+        "--log-throughput",
+        "the iteration line always has tokens/s and TFLOP/s per "
+        "device (Megatron-LM's 'throughput per GPU'), and MFU on GPUs of known peak",
+        accepts=SWITCH,
+    ),
+)
 
 
 def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
@@ -124,8 +185,9 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
         if entry.takes is None:
             group.add_argument(entry.flag, action="store_true", default=None, help=entry.help())
         else:
-            group.add_argument(entry.flag, type=entry.takes, choices=entry.choices,
-                               default=None, help=entry.help())  # fmt: skip
+            group.add_argument(
+                entry.flag, type=entry.takes, choices=entry.choices, default=None, help=entry.help()
+            )
 
 
 def refusals(args: argparse.Namespace) -> list[str]:

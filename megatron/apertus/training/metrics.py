@@ -91,8 +91,14 @@ class Metrics:
     after its last checkpoint are replaced by the ones the resumed run makes.
     """
 
-    def __init__(self, *, tensorboard_dir: str | None, wandb_project: str | None,
-                 wandb_exp_name: str | None, config: dict) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        tensorboard_dir: str | None,
+        wandb_project: str | None,
+        wandb_exp_name: str | None,
+        config: dict,
+    ) -> None:
         self.history: dict[str, list] = {}
         self.tensorboard = None
         self.wandb = None
@@ -132,8 +138,15 @@ class Metrics:
         tmp.write_text(json.dumps(self.history))
         tmp.replace(path)
 
-    def record(self, name: str, iteration: int, value: float, *, tag: str | None = None,
-               samples: int | None = None) -> None:  # fmt: skip
+    def record(
+        self,
+        name: str,
+        iteration: int,
+        value: float,
+        *,
+        tag: str | None = None,
+        samples: int | None = None,
+    ) -> None:
         """Record ``name`` (the history's and ``--log-json``'s key); TensorBoard and wandb get it
         as ``tag`` (default: ``name``), and with ``samples`` TensorBoard also as ``"<tag> vs
         samples"`` against the consumed samples, as Megatron-LM writes its scalars."""

@@ -31,8 +31,15 @@ def _field(token: str, kind: type):
 class ProgressLog:
     """Appends Megatron-LM's progress lines (call on the one reporting rank)."""
 
-    def __init__(self, save_dir: str | os.PathLike, *, world_size: int, flops_per_sample: float,
-                 tokens_per_sample: int, consumed_samples: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        *,
+        world_size: int,
+        flops_per_sample: float,
+        tokens_per_sample: int,
+        consumed_samples: int,
+    ) -> None:
         self.path = Path(save_dir) / PROGRESS_FILE
         self.world_size = world_size
         self.flops_per_sample = flops_per_sample
@@ -81,10 +88,12 @@ class ProgressLog:
         cumulative = self._tflops_per_gpu(flops - first_flops, now - first)
         tokens = consumed_samples * self.tokens_per_sample
         kind = "Saving async checkpoint" if background else "Saved checkpoint"
-        self._append(f"{kind}\tIteration: {iteration}\tJob throughput: {job:.1f} TFLOP/s/GPU\t"
-                     f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
-                     f"Floating-point operations: {flops:.2e}\t"
-                     f"Tokens (in billions): {tokens / 10**9:.2f}")  # fmt: skip
+        self._append(
+            f"{kind}\tIteration: {iteration}\tJob throughput: {job:.1f} TFLOP/s/GPU\t"
+            f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
+            f"Floating-point operations: {flops:.2e}\t"
+            f"Tokens (in billions): {tokens / 10**9:.2f}"
+        )
 
     def _tflops_per_gpu(self, flops: float, elapsed) -> float:
         seconds = max(elapsed.total_seconds(), 1e-9)

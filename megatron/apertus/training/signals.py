@@ -50,8 +50,13 @@ def past_duration(minutes: float | None, device: torch.device) -> bool:
 class StopRequests:
     """Collects signal, trigger-file and time-limit requests; ``poll()`` is a collective."""
 
-    def __init__(self, *, handle_signals: bool, trigger_path: str | None,
-                 exit_duration_in_mins: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        handle_signals: bool,
+        trigger_path: str | None,
+        exit_duration_in_mins: float | None = None,
+    ) -> None:
         self.trigger = Path(trigger_path) if trigger_path else None
         self.exit_duration_in_mins = exit_duration_in_mins
         self.signalled: int | None = None

@@ -145,8 +145,11 @@ def _loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
 
 def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
     """megatron-core forward step: per-token losses and the function that reduces them."""
-    batch = shard_batch(next(data_iterator), parallel_state.get_context_parallel_rank(),
-                        parallel_state.get_context_parallel_world_size())  # fmt: skip
+    batch = shard_batch(
+        next(data_iterator),
+        parallel_state.get_context_parallel_rank(),
+        parallel_state.get_context_parallel_world_size(),
+    )
     device = next(model.parameters()).device
     teacher = {}
     if batch.teacher is not None:  # distillation (needs the fused output-layer loss)
@@ -171,8 +174,12 @@ def packed_seq_params_to(
     if params is None:
         return None
     cu = params.cu_seqlens_q.to(device)
-    return dataclasses.replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                               cp_group=parallel_state.get_context_parallel_group())  # fmt: skip
+    return dataclasses.replace(
+        params,
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cp_group=parallel_state.get_context_parallel_group(),
+    )
 
 
 def _reduce(losses: list[dict], key: str) -> torch.Tensor | None:

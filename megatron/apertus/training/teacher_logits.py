@@ -71,8 +71,11 @@ def teacher_identifier(load: str, model: ApertusConfig) -> str:
 def _forward_step(data_iterator: Iterator[Batch], model):
     """One micro-batch; the last stage's output is already its top-k, which the schedule keeps
     as it is when there is no loss function."""
-    batch = shard_batch(next(data_iterator), parallel_state.get_context_parallel_rank(),
-                        parallel_state.get_context_parallel_world_size())  # fmt: skip
+    batch = shard_batch(
+        next(data_iterator),
+        parallel_state.get_context_parallel_rank(),
+        parallel_state.get_context_parallel_world_size(),
+    )
     device = next(model.parameters()).device
     output = model(
         batch.tokens.to(device),
@@ -115,18 +118,25 @@ class TeacherRunner:
             eod=self.tokenizer.eod, pack_documents=cfg.dataset.reset_attention_mask
         )
         if self.sampled and cfg.parallel.context_parallel_size > 1:
-            raise ConfigError("--sampling random runs the teacher without context parallelism: "
-                              "set --context-parallel-size 1")  # fmt: skip
+            raise ConfigError(
+                "--sampling random runs the teacher without context parallelism: "
+                "set --context-parallel-size 1"
+            )
         self.chunks = self._load_teacher()
         self.store_header = self._header()
         self.writer = self._writer()
 
     def _load_teacher(self) -> list:
         cfg = self.cfg
-        chunks = build_model(cfg.model, cfg.parallel, xielu_impl=cfg.training.xielu_impl,
-                             topk=cfg.logits.topk, topk_chunk_rows=cfg.logits.topk_chunk_rows,
-                             params_dtype=dtype_from_name(cfg.training.precision),
-                             use_cpu_initialization=self.device == "cpu")  # fmt: skip
+        chunks = build_model(
+            cfg.model,
+            cfg.parallel,
+            xielu_impl=cfg.training.xielu_impl,
+            topk=cfg.logits.topk,
+            topk_chunk_rows=cfg.logits.topk_chunk_rows,
+            params_dtype=dtype_from_name(cfg.training.precision),
+            use_cpu_initialization=self.device == "cpu",
+        )
         checkpoint.load_model(cfg.load, chunks)
         # No Float16Module: the parameters are already in the teacher's dtype, token ids need no
         # input conversion, and the top-k and the row statistics read each chunk's 16-bit logits
@@ -231,7 +241,9 @@ class TeacherRunner:
                 collect_non_loss_data=True,
             )
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            outputs = [self._whole_sequence(batch, output) for batch, output in zip(batches, outputs)]
+            outputs = [
+                self._whole_sequence(batch, output) for batch, output in zip(batches, outputs)
+            ]
         if not self.is_writer:
             return None
         if self.sampled:
@@ -249,8 +261,12 @@ class TeacherRunner:
         seq, draws = self.cfg.model.seq_length, self.cfg.logits.samples
         result = []
         for i, batch in enumerate(batches):
-            u = np.stack([draw_uniforms(self.sampling_seed, p, seq, draws)
-                          for p in padded[i * micro : (i + 1) * micro]])  # fmt: skip
+            u = np.stack(
+                [
+                    draw_uniforms(self.sampling_seed, p, seq, draws)
+                    for p in padded[i * micro : (i + 1) * micro]
+                ]
+            )
             result.append(torch.from_numpy(u).reshape(*batch.tokens.shape, draws))
         return result
 
@@ -265,15 +281,20 @@ class TeacherRunner:
 
     def run(self) -> None:
         pending = self.pending_blocks()
-        bar = tqdm(total=len(pending), unit="block", disable=not self.is_writer,
-                   desc=f"teacher logits (dp rank {parallel_state.get_data_parallel_rank()})")  # fmt: skip
+        bar = tqdm(
+            total=len(pending),
+            unit="block",
+            disable=not self.is_writer,
+            desc=f"teacher logits (dp rank {parallel_state.get_data_parallel_rank()})",
+        )
         start, tokens = time.perf_counter(), 0
         for block in pending:
             positions = list(self.store_header.block_positions(block))
             result = self.block_topk(positions)
             if result is not None:
-                keys = np.array([sample_key(sample_tokens(self.dataset[p])) for p in positions],
-                                dtype=np.uint64)  # fmt: skip
+                keys = np.array(
+                    [sample_key(sample_tokens(self.dataset[p])) for p in positions], dtype=np.uint64
+                )
                 if self.sampled:
                     self.writer.write_sampled_block(block, keys, *result)
                 else:

@@ -11,7 +11,6 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.training.config import DataConfig, TrainingConfig
 
-
 SAMPLING = ("topk", "random")
 """``--sampling`` values; a store's kind is ``topk`` or ``sampled`` (logit_store.KINDS)."""
 
@@ -61,8 +60,9 @@ class LogitsConfig:
         if not self.logits_dir:
             raise ConfigError("--logits-dir is required")
         if self.sampling not in SAMPLING:
-            raise ConfigError(f"--sampling must be one of {', '.join(SAMPLING)}, "
-                              f"got {self.sampling!r}")  # fmt: skip
+            raise ConfigError(
+                f"--sampling must be one of {', '.join(SAMPLING)}, " f"got {self.sampling!r}"
+            )
         if not 1 <= self.samples <= MAX_DRAWS:
             raise ConfigError(f"--samples must be in [1, {MAX_DRAWS}], got {self.samples}")
         if self.topk < 1:
