@@ -899,6 +899,12 @@ def collect(reply: Path, tree: Path) -> list[Path]:
 # -- preparing the carried folders --------------------------------------------------------------
 
 
+def pip_download(dest: Path, requirements: list[str], *options: str) -> None:
+    """Binary wheels of ``requirements`` without their dependencies into ``dest``."""
+    argv = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    subprocess.run([*argv, *options, "-d", str(dest), *requirements], check=True)
+
+
 def unpack_slim_wheels(wheels: Path) -> None:
     """``SLIM_WHEELS`` unpacked into ``wheels/pure`` without their bulk (a wheel is a zip)."""
     import tempfile
@@ -907,21 +913,7 @@ def unpack_slim_wheels(wheels: Path) -> None:
     pure = wheels / "pure"
     shutil.rmtree(pure, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--only-binary=:all:",
-                "-d",
-                tmp,
-                *SLIM_WHEELS,
-            ],
-            check=True,
-        )
+        pip_download(Path(tmp), list(SLIM_WHEELS))
         bulk = tuple(SLIM_WHEELS.values())
         for wheel in Path(tmp).glob("*.whl"):
             with zipfile.ZipFile(wheel) as archive:
@@ -954,25 +946,8 @@ def prepare(tree: Path) -> None:
     for path in (tree / ".tebundle").rglob("*"):
         path.chmod(path.stat().st_mode | 0o200)  # the shared copy is read-only
     platforms = [arg for p in MANYLINUX for arg in ("--platform", p)]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--python-version",
-            "3.12",
-            "--implementation",
-            "cp",
-            *platforms,
-            "-d",
-            str(tree / ".whl"),
-            *WHEELS,
-        ],
-        check=True,
+    pip_download(
+        tree / ".whl", WHEELS, "--python-version", "3.12", "--implementation", "cp", *platforms
     )
     unpack_slim_wheels(tree / ".whl")
     print(f"prepared {tree / '.tebundle'} and {tree / '.whl'} (carry them with .kernels)")
