@@ -174,6 +174,7 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
+            "pytest-xdist",  # make test: two workers share the CPU's cores
             "black==26.10.1",  # .ci/run checks the formatting: one black, one layout
             "isort",
             "lm-eval[hf]",

@@ -179,7 +179,25 @@ def _uses_processes(item: pytest.Item) -> bool:
     )
 
 
+def _worker_group(item: pytest.Item) -> str:
+    """The pytest-xdist group of ``item`` (``make test`` runs ``--dist loadgroup``): one per
+    test file, so that a module's fixtures are built once, and one for all the Slurm tests,
+    which share one Slurm cluster."""
+    path = Path(str(item.fspath)).relative_to(REPO)
+    return "slurm" if path.parts[:2] == ("tests", "slurm") else str(path)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if _uses_processes(item):
             item.add_marker(pytest.mark.process)
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
+def pytest_configure(config) -> None:
+    """In a pytest-xdist worker, this process's own tensor work uses one thread: the workers
+    share the CPU's cores, as the processes the tests start do (``OMP_NUM_THREADS=1``)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)

@@ -137,3 +137,35 @@ def test_atomic_outputs_rename_when_complete_and_remove_on_failure(tmp_path):
         assert temporary == str(tmp_path / "x.tmp.bin")
         Path(temporary).write_bytes(b"whole")
     assert [p.name for p in tmp_path.iterdir()] == ["x.bin"] and final.read_bytes() == b"whole"
+
+
+HOLD_LOCK = """
+import os, sys, time
+from pathlib import Path
+from megatron.apertus.cli import exclusive
+lock, log, ready = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+(ready / str(os.getpid())).touch()
+with exclusive(lock):
+    with open(log, "a") as out:
+        out.write("enter\\n")
+    deadline = time.monotonic() + 60
+    while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    with open(log, "a") as out:
+        out.write("leave\\n")
+"""
+"""A process that announces itself, then holds the lock until the other process has announced
+itself too (plus 0.3 s), logging when it enters and leaves."""
+
+
+def test_processes_sharing_a_lock_take_turns(tmp_path):
+    """Two processes enter the block one after the other; without the lock the second would
+    enter while the first waits for it."""
+    lock, log, ready = tmp_path / "cache" / "build.lock", tmp_path / "log", tmp_path / "ready"
+    ready.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-c", HOLD_LOCK, str(lock), str(log), str(ready)]
+    procs = [subprocess.Popen(command, env=env) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert log.read_text().split() == ["enter", "leave", "enter", "leave"]

@@ -9,6 +9,8 @@ The promise every tool under ``tools/`` and ``pretrain_gpt.py`` keep through thi
   with it, and so do they when the parent is killed outright.
 * Outputs appear under their final names only when complete (:func:`atomic_outputs`): an error or
   an interruption leaves neither a partial file nor a temporary one.
+* Processes that share a cache (two jobs on one node, parallel test workers) build its entries
+  one at a time (:func:`exclusive`), never writing the same files at once.
 
 Only the standard library is imported here, so that ``--help`` and argument errors cost no
 start-up time.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import os
 import signal
 import sys
@@ -98,6 +101,21 @@ def atomic_outputs(*paths: str | os.PathLike) -> Iterator[list[str]]:
         raise
     for name, path in zip(temporary, paths):
         os.replace(name, path)
+
+
+@contextlib.contextmanager
+def exclusive(lock_file: str | os.PathLike) -> Iterator[None]:
+    """Hold an advisory lock on ``lock_file`` (created with its directory if missing) for the
+    block. Whoever builds a shared cache entry checks for it again inside the block, so the
+    second of two processes finds it complete instead of writing it a second time beside the
+    first; the lock is released when the process ends, however it ends."""
+    Path(lock_file).parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

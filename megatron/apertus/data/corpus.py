@@ -20,6 +20,7 @@ import json
 import platform
 from pathlib import Path
 
+from megatron.apertus.cli import exclusive
 from megatron.apertus.data.preprocess import PreprocessConfig, output_prefix, preprocess
 from megatron.apertus.data.tokenizer import Tokenizer
 
@@ -85,14 +86,16 @@ def embedded_corpus_prefix(cache: Path, tokenizer: Tokenizer, *, build: bool = T
     directory = cache / f"embedded-v3-{tag}"
     prefix = Path(output_prefix(str(directory / "python_docs"), "text"))
     if build and not prefix.with_suffix(".idx").is_file():
-        directory.mkdir(parents=True, exist_ok=True)
-        source = write_jsonl(directory / "python_docs.jsonl", training_documents())
-        preprocess(
-            PreprocessConfig(
-                inputs=[source],
-                output_prefix=str(directory / "python_docs"),
-                tokenizer_type=type(tokenizer).__name__,
-                tokenizer_model=str(tokenizer.path),
-            )
-        )
+        with exclusive(cache / f"embedded-v3-{tag}.lock"):
+            if not prefix.with_suffix(".idx").is_file():
+                directory.mkdir(parents=True, exist_ok=True)
+                source = write_jsonl(directory / "python_docs.jsonl", training_documents())
+                preprocess(
+                    PreprocessConfig(
+                        inputs=[source],
+                        output_prefix=str(directory / "python_docs"),
+                        tokenizer_type=type(tokenizer).__name__,
+                        tokenizer_model=str(tokenizer.path),
+                    )
+                )
     return prefix

@@ -17,12 +17,14 @@ serves ``--help`` and argument errors, which must not pay for them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron.apertus.cli import exclusive
 from megatron.apertus.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -113,6 +115,17 @@ class DatasetConfig:
 
 def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "megatron-apertus"
+
+
+def _index_cache_lock(cache: str) -> contextlib.AbstractContextManager:
+    """Rank 0 holds ``cache``'s lock while megatron-core builds or reads the sample indices:
+    megatron-core builds them on rank 0 while the other ranks wait, but two runs that share a
+    cache (jobs on one node, test workers) would otherwise write the same index files at once."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return contextlib.nullcontext()
+    return exclusive(Path(cache) / "build.lock")
 
 
 def data_path_of(config: DatasetConfig) -> list[str]:
@@ -283,7 +296,9 @@ def build_datasets(
         skip_unasked_splits(gpt_config, num_samples)
         check_split_sizes(gpt_config, seq_length, num_samples)
     dataset_class = ChatGPTDataset if config.sft else GPTDataset
-    datasets = BlendedMegatronDatasetBuilder(
+    builder = BlendedMegatronDatasetBuilder(
         dataset_class, list(num_samples), lambda: True, gpt_config
-    ).build()
+    )
+    with _index_cache_lock(cache):
+        datasets = builder.build()
     return [d if n > 0 else None for d, n in zip(datasets, num_samples)]
