@@ -7,6 +7,7 @@ task cancels it (and its rerun merges)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def test_slurm_array_tokenizes_like_preprocess_and_reruns_a_lost_task_alone(slur
 
 
 def merge_job_of(stdout: str) -> str:
-    return stdout.split("submitted Slurm job ")[2].split(":")[0]
+    return re.search(r"submitted Slurm job (\d+): the merge", stdout).group(1)
 
 
 def test_merge_job_waits_for_the_tasks_and_equals_the_local_merge(slurm, tmp_path):
@@ -162,3 +163,14 @@ def test_merge_job_waits_for_the_tasks_and_equals_the_local_merge(slurm, tmp_pat
             tmp_path / f"local_merged_text_document{suffix}"
         ).read_bytes()
     assert not list(tmp_path.glob("merged*.tmp*"))
+
+    # Every task complete and the merged dataset gone: nothing to tokenize, the merge runs.
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"merged_text_document{suffix}").unlink()
+    _, stdout = tokenize_on_slurm(slurm, inputs, out, "--merge-prefix", str(merged))
+    assert "all 2 tasks are complete; nothing submitted" in stdout
+    assert slurm.wait(merge_job_of(stdout))["JobState"] == "COMPLETED", slurm.logs()
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"merged_text_document{suffix}").read_bytes() == (
+            tmp_path / f"local_merged_text_document{suffix}"
+        ).read_bytes()
