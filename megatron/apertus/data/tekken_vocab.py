@@ -143,9 +143,7 @@ def read_cache(cache: Path) -> TekkenVocabulary | None:
             lengths, blob = arrays["lengths"], arrays["blob"]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None
-    if header.get("format") != FORMAT or header["payload_sha256"] != _payload_digest(
-        lengths, blob
-    ):
+    if header.get("format") != FORMAT or header["payload_sha256"] != _payload_digest(lengths, blob):
         return None
     data = blob.tobytes()
     ends = np.cumsum(lengths, dtype=np.int64).tolist()
