@@ -26,16 +26,19 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.data.tokenizer import bundled_tekken_path
 
 
 def baseline(source: Path, prefix: str) -> int:
-    tokenizer = build_tokenizer("TekkenTokenizer")
+    """Megatron-LM's loop, with the tokenizer as mistral-common loads it (no vocabulary cache)."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    tokenizer = Tekkenizer.from_file(str(bundled_tekken_path()))
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     tokens = 0
     with open(source, encoding="utf-8") as lines:
         for line in lines:
-            ids = tokenizer.encode_document(json.loads(line)["text"])
+            ids = tokenizer.encode(json.loads(line)["text"], bos=True, eos=True)
             builder.add_document(np.asarray(ids, dtype=np.int32), [len(ids)])
             tokens += len(ids)
     builder.finalize(prefix + ".idx")

@@ -114,6 +114,16 @@ def test_export_is_complete_and_world_readable(exported):
     assert sorted(p.name for p in exported.root.iterdir()) == ["ckpt", "hf"]  # no temporary left
 
 
+def test_the_docs_list_exactly_the_exported_files():
+    """docs/hf_interop.md's table of an export's files, and its count of them, match the export."""
+    doc = (REPO / "docs" / "hf_interop.md").read_text()
+    table = doc.split("## What an export holds")[1].split("\n\n")[1]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    assert {name for row in rows for name in re.findall(r"`([^`]+)`", row)} == EXPORT_FILES
+    words = {6: "six", 7: "seven", 8: "eight"}
+    assert f"exactly the {words[len(EXPORT_FILES)]} files above" in doc
+
+
 def pipeline_documents(tmp_path: Path, documents: list[str]) -> list[list[int]]:
     """The ids ``tools/preprocess_data.py`` writes for ``documents``, read back by megatron-core."""
     source = tmp_path / "docs.jsonl"

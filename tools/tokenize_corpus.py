@@ -252,7 +252,10 @@ def build_executor(args: argparse.Namespace, files: list[str], tasks: int) -> tu
         mem_per_cpu_gb=args.mem_per_cpu_gb,
         qos=args.qos,
         env_command=env_command,
-        sbatch_args=dict(item.split("=", 1) for item in args.sbatch_args),
+        # a job whose dependency failed (the merge, datatrove's stats merge) would otherwise
+        # stay pending forever, holding its place in the queue
+        sbatch_args={"kill-on-invalid-dep": "yes"}
+        | dict(item.split("=", 1) for item in args.sbatch_args),
     )
     executor = SlurmPipelineExecutor(
         pipeline,
@@ -266,7 +269,10 @@ def build_executor(args: argparse.Namespace, files: list[str], tasks: int) -> tu
 
 
 def merge_job(args: argparse.Namespace, tokenize, slurm: dict):
-    """The Slurm job that merges the tasks' datasets once the tokenization job succeeded."""
+    """The Slurm job that merges the tasks' datasets once the tokenization job succeeded.
+
+    It runs on every submission, as the local merge does: a merge marked complete by an earlier
+    run would otherwise be skipped although its output may be gone."""
     from datatrove.executor import SlurmPipelineExecutor
 
     step = MergeTasks(
@@ -278,6 +284,7 @@ def merge_job(args: argparse.Namespace, tokenize, slurm: dict):
         job_name=args.job_name + "-merge",
         logging_dir=os.path.join(logging_dir_of(args), "merge"),
         depends=tokenize,
+        skip_completed=False,
         **slurm,
     )
 
@@ -377,7 +384,10 @@ def submit(tokenize, merge, tasks: int) -> int:
             "again after it ends to redo any failed task"
         )
     if merge is not None:
-        print(f"submitted Slurm job {merge.job_id}: the merge, once every task is complete")
+        print(
+            f"submitted Slurm job {merge.job_id}: the merge, once every task is complete "
+            "(Slurm cancels it if a task fails; run the same command again)"
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,6 +157,9 @@ def test_killed_task_rerun_alone_gives_the_same_bytes(corpus, tmp_path):
         json.loads(Path(p + ".meta.json").read_text())["tokens"] for p in task_prefixes(out, 4)[1:]
     )
     assert f"this run: {this_run} tokens in" in rerun.stdout
+    elapsed, rate = re.search(r"tokens in ([\d.]+) s \(([\d,]+) tokens/s\)", rerun.stdout).groups()
+    low, high = float(elapsed) - 0.05, float(elapsed) + 0.05  # printed to 0.1 s
+    assert this_run / high - 1 <= int(rate.replace(",", "")) <= this_run / max(low, 1e-9) + 1
     assert (out / "00000_text_document.bin").stat().st_mtime_ns == first_task
     for ours, theirs in zip(task_prefixes(out, 4), task_prefixes(root / "local", 4)):
         for suffix in (".bin", ".idx"):

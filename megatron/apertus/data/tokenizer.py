@@ -17,6 +17,7 @@ The objects also serve megatron-core's ``GPTDataset``, which reads ``eod`` and `
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from abc import ABC, abstractmethod
@@ -105,26 +106,39 @@ def cached_hub_snapshot(name: str) -> Path:
 
 
 class TekkenTokenizer(Tokenizer):
-    def __init__(self, path: str | os.PathLike) -> None:
-        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+    """Encodes with tiktoken over the vocabulary mistral-common reads from the file (cached, see
+    :mod:`~megatron.apertus.data.tekken_vocab`: the same ids, a tenth of the start-up);
+    decodes with mistral-common's ``Tekkenizer``, loaded when first needed."""
+
+    def __init__(self, path: str | os.PathLike, cache_dir: Path | None = None) -> None:
+        from megatron.apertus.data.datasets import default_cache_dir
+        from megatron.apertus.data.tekken_vocab import load_tekken_vocabulary
 
         self.path = Path(path)
-        self._tok = Tekkenizer.from_file(str(self.path))
-        self.vocab_size = self._tok.n_words
-        self.bos, self.eod, self.pad = self._tok.bos_id, self._tok.eos_id, self._tok.pad_id
+        vocabulary = load_tekken_vocabulary(self.path, cache_dir or default_cache_dir())
+        self._encoding = vocabulary.encoding(self.path.stem)
+        self._offset = vocabulary.num_special_tokens
+        self.vocab_size = vocabulary.vocab_size
+        self.bos, self.eod, self.pad = vocabulary.bos, vocabulary.eos, vocabulary.pad
+
+    @functools.cached_property
+    def _tekkenizer(self):
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+        return Tekkenizer.from_file(str(self.path))
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, bos=False, eos=False)
+        return [i + self._offset for i in self._encoding.encode(text)]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids))
+        return self._tekkenizer.decode(list(ids))
 
     def special_piece(self, token_id: int) -> str:
-        return self._tok.id_to_piece(token_id)
+        return self._tekkenizer.id_to_piece(token_id)
 
     def special_ids(self) -> list[int]:
         """Tekken reserves its first ids for control tokens (1000 in the Apertus vocabulary)."""
-        return list(range(self._tok.num_special_tokens))
+        return list(range(self._offset))
 
 
 class HuggingFaceTokenizer(Tokenizer):
