@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 KERNEL_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 
-.PHONY: demo quant-demo test test-fast install smoke format format-check
+.PHONY: demo quant-demo test test-fast install smoke smoke-install format format-check
 
 $(STAMP): setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,8 @@ test-fast: $(STAMP)
 SMOKE_VENV ?= .venv312
 SMOKE_PYTHON ?= $(shell PYENV_VERSION=3.12.1 pyenv which python 2>/dev/null || command -v python3.12)
 
-smoke:
+smoke-install:
 	$(MAKE) install VENV=$(SMOKE_VENV) PYTHON="$(SMOKE_PYTHON)"
+
+smoke: smoke-install
 	$(SMOKE_VENV)/bin/python -m pytest -q -m smoke --durations=10
