@@ -17,8 +17,10 @@ are those of the full logits (docs/teacher_logits.md: where that was measured, a
 chunks for which a GEMM differs in the last bit).
 
 This runner lives in ``training`` beside the loop because, like the loop, it drives a model
-from checkpoints, configs and step helpers of this layer; ``distill`` keeps only what the
-trainer consumes (store, codec, targets, config), so it never imports ``training``.
+from checkpoints, configs and step helpers of this layer, and builds its device, process groups,
+tokenizer, the student's dataset and its model chunks through the loop's own
+:mod:`megatron.apertus.training.runtime`; ``distill`` keeps only what the trainer consumes
+(store, codec, targets, config), so it never imports ``training``.
 """
 
 from __future__ import annotations
