@@ -105,11 +105,8 @@ class CrossEntropy(Objective):
 
     def __init__(self, cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> None:
         t = cfg.training
-        self.micro_batch_size, self.seq_length, self.dp = (
-            t.micro_batch_size,
-            cfg.model.seq_length,
-            dp,
-        )
+        self.micro_batch_size, self.seq_length = t.micro_batch_size, cfg.model.seq_length
+        self.dp = dp
         self.batch = BatchConfig(
             eod=tokenizer.eod,
             pack_documents=cfg.dataset.reset_attention_mask,
