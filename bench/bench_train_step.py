@@ -307,7 +307,7 @@ def measure(argv: list[str], warmup: int, timed: int, profile: bool = False) -> 
     tflops = tokens_s * flops_per_token(cfg.model) / 1e12
     peak = torch.cuda.max_memory_allocated() / 2**30
     return {
-        "transformer_impl": trainer.transformer_impl,
+        "transformer_impl": trainer.runtime.transformer_impl,
         "step_s_median": step,
         "step_s_min": min(seconds),
         "tokens_per_s_per_gpu": tokens_s,

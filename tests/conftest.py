@@ -106,9 +106,9 @@ def after_backward(hook: Callable[[int, list], None]) -> Iterator[None]:
     original = step_module.run_microbatches
     passes = 0
 
-    def with_hook(model, data_iterators, shape, *, forward_only: bool):
+    def with_hook(model, data_iterators, shape, *, forward_only: bool, **objective):
         nonlocal passes
-        losses = original(model, data_iterators, shape, forward_only=forward_only)
+        losses = original(model, data_iterators, shape, forward_only=forward_only, **objective)
         if not forward_only:
             passes += 1
             hook(passes, model)

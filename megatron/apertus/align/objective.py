@@ -3,7 +3,8 @@
 A micro-batch of ``m`` examples holds ``m * g`` rows (g completions per example, DPO's chosen
 then rejected), each its own causal sequence padded to ``seq_length``; the model returns
 per-token losses (``-log p`` of each label) and :func:`alignment_loss` sums them over each
-row's loss mask into the sequence log-probability. The loss returned to the schedule is the
+row's loss mask into the sequence log-probability. The reference log-probabilities (and QRPO's
+quantiles) travel with the rows in a :class:`PreferenceBatch`. The loss returned to the schedule is the
 sum over the micro-batch's examples with the example count, so megatron-core's per-token
 normalisation (here: per example) averages over the global batch whatever the micro-batching
 and data parallelism.
@@ -18,7 +19,7 @@ policy's median reward gain probability and those below lose it).
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
@@ -75,19 +76,26 @@ def _qrpo_terms(config: AlignConfig, logps, ref, lengths, quantiles, ref_counts)
     }
 
 
+@dataclass
+class PreferenceBatch(Batch):
+    """A micro-batch of examples with the targets their loss compares against."""
+
+    ref_logps: torch.Tensor | None = None
+    """The reference policy's sequence log-probability of each row, float64."""
+    quantiles: torch.Tensor | None = None
+    """QRPO: each completion's reward quantile among the reference completions' rewards."""
+    ref_counts: torch.Tensor | None = None
+    """QRPO: how many reference rewards each quantile was taken over."""
+
+
 def alignment_loss(
-    config: AlignConfig,
-    ref_logps: torch.Tensor,
-    quantiles: torch.Tensor | None,
-    ref_counts: torch.Tensor | None,
-    batch: Batch,
-    loss_mask: torch.Tensor,
-    output: torch.Tensor,
+    config: AlignConfig, batch: PreferenceBatch, loss_mask: torch.Tensor, output: torch.Tensor
 ):
     """(loss sum, examples, reported) of one micro-batch; ``reported`` holds the objective's
     quantities (:data:`QUANTITIES`) as sums over the examples with their count."""
     logps = sequence_logps(output, loss_mask)
-    ref = ref_logps.to(logps.device)
+    ref = batch.ref_logps.to(logps.device)
+    quantiles, ref_counts = batch.quantiles, batch.ref_counts
     lengths = loss_mask.double().sum(-1) if config.align_length_normalization else None
     if config.align_objective == "dpo":
         losses, quantities = _dpo_terms(config, logps, ref, lengths)
@@ -106,7 +114,7 @@ def alignment_loss(
     return losses.sum().float(), count.to(torch.int), reported
 
 
-def collate(samples: list[dict], config: AlignConfig, ref_logps: torch.Tensor) -> Batch:
+def collate(samples: list[dict], ref_logps: torch.Tensor) -> PreferenceBatch:
     """One micro-batch of examples, rows in example order; ``ref_logps`` [rows] float64."""
     tokens = torch.cat([s["tokens"] for s in samples]).long()
     labels = torch.cat([s["labels"] for s in samples]).long()
@@ -115,6 +123,12 @@ def collate(samples: list[dict], config: AlignConfig, ref_logps: torch.Tensor) -
     quantiles = torch.cat([s["quantile"] for s in samples]) if qrpo_data else None
     ref_counts = torch.cat([s["ref_count"] for s in samples]) if qrpo_data else None
     positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
-    batch = Batch(tokens, labels, loss_mask, positions)
-    batch.sequence_loss = partial(alignment_loss, config, ref_logps, quantiles, ref_counts)
-    return batch
+    return PreferenceBatch(
+        tokens,
+        labels,
+        loss_mask,
+        positions,
+        ref_logps=ref_logps,
+        quantiles=quantiles,
+        ref_counts=ref_counts,
+    )

@@ -48,14 +48,10 @@ class Batch:
     loss_positions: int = 0
     teacher: TeacherTargets | None = None
     """A teacher's top-k per token (distillation), in the same [b, s] or packed layout."""
-    sequence_loss: Callable | None = None
-    """``f(batch, loss_mask, per_token_losses) -> (loss, count, reported)`` of an objective
-    over whole sequences (alignment); None: the masked per-token loss. ``reported`` entries
-    named ``QUANTITY_PREFIX + name`` are (sum, count) pairs the step averages over the global
-    batch and logs as the objective's own quantities."""
 
 
 QUANTITY_PREFIX = "quantity/"
+"""Names the (sum, count) pairs an objective's loss reports of its own quantities."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -57,8 +57,6 @@ def shard_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
     """This CP rank's tokens of ``batch`` (the batch itself when ``cp_size`` is 1)."""
     if cp_size == 1:
         return batch
-    if batch.sequence_loss is not None:
-        raise ValueError("sequence-level objectives (alignment) have no context parallelism")
     counts = {} if cp_rank == 0 else {"goldfish_dropped": 0, "loss_positions": 0}
     params = batch.packed_seq_params
     if params is None:

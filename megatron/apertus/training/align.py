@@ -17,6 +17,7 @@ samples are (:func:`megatron.apertus.data.batches.rank_positions`).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,25 +28,14 @@ from tqdm import tqdm
 from megatron.apertus.align import reference
 from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.align.data import PreferenceDataset
-from megatron.apertus.align.objective import collate
-from megatron.apertus.data.batches import Batch, rank_positions
+from megatron.apertus.align.objective import PreferenceBatch, alignment_loss, collate
+from megatron.apertus.data.batches import rank_positions
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.training.step import StepShape, run_microbatches
 
 log = logging.getLogger("apertus")
-
-
-def metric_name(quantity: str) -> str:
-    """The TensorBoard / JSON-log name of a reported quantity: ``reward margin`` ->
-    ``reward_margin``."""
-    return quantity.replace(" ", "_").replace("-", "_")
-
-
-def format_quantities(quantities: dict[str, float]) -> str:
-    """What the iteration and validation lines add: `` | reward margin: 1.234E-01 | ...``."""
-    return "".join(f" | {name}: {value:.6E}" for name, value in quantities.items())
 
 
 def _single_prefix(flag: str, blend: list[str]) -> str | None:
@@ -184,7 +174,11 @@ class AlignRun:
                     micro_batch_size=micro_batch_size * data.group,
                 )
                 reported += run_microbatches(
-                    model, [iter(part) for _ in model], shape, forward_only=True
+                    model,
+                    [iter(part) for _ in model],
+                    shape,
+                    forward_only=True,
+                    loss=partial(alignment_loss, self.config),
                 )
                 bar.update(sum(b.tokens.shape[0] for b in part) * dp)
         for chunk in model:
@@ -206,13 +200,15 @@ class AlignRun:
 
     # -- micro-batches ---------------------------------------------------------------------------
 
-    def _batch(self, data: PreferenceDataset, examples: list[int], ref: torch.Tensor) -> Batch:
+    def _batch(
+        self, data: PreferenceDataset, examples: list[int], ref: torch.Tensor
+    ) -> PreferenceBatch:
         rows = [data.group * e + j for e in examples for j in range(data.group)]
-        return collate([data[e] for e in examples], self.config, ref[rows])
+        return collate([data[e] for e in examples], ref[rows])
 
     def micro_batches(
         self, name: str, consumed: int, global_batch: int, micro_batch_size: int, dp_size: int
-    ) -> list[Batch]:
+    ) -> list[PreferenceBatch]:
         """This rank's micro-batches of the step that starts at example ``consumed``."""
         data = self.parts[name]
         positions = rank_positions(
@@ -240,7 +236,7 @@ class AlignRun:
         )
 
 
-def _pieces(batches: list[Batch], pipeline_stages: int) -> list[list[Batch]]:
+def _pieces(batches: list[PreferenceBatch], pipeline_stages: int) -> list[list[PreferenceBatch]]:
     """The reference pass's micro-batches in schedule calls of at least ``2 x stages`` (and 8)
     micro-batches each, so that the progress bar moves while the pipeline stays full."""
     count = max(1, len(batches) // max(8, 2 * pipeline_stages))

@@ -37,26 +37,12 @@ from megatron.core.transformer.module import Float16Module
 from megatron.apertus import checkpoint, parallel
 from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.checkpoint_files import METRICS_FILE, read_run_info
-from megatron.apertus.data.batches import (
-    BatchConfig,
-    MicroBatchReader,
-    rank_positions,
-    step_micro_batches,
-)
-from megatron.apertus.data.datasets import build_datasets
-from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.mcore_compat import init_num_microbatches_calculator
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.config import ParallelConfig, dtype_from_name
-from megatron.apertus.model.engine import (
-    EngineConfig,
-    enable_deterministic_mode,
-    select_te_attention_backend,
-    validate_engine,
-)
+from megatron.apertus.model.config import ParallelConfig
+from megatron.apertus.model.engine import EngineConfig
 from megatron.apertus.model.flops import flops_per_token
-from megatron.apertus.training.align import AlignRun, format_quantities, metric_name
+from megatron.apertus.training import runtime
 from megatron.apertus.training.config import OptimizerSettings, RunConfig, TrainingConfig
 from megatron.apertus.training.diagnostics import (
     ManualGC,
@@ -70,11 +56,11 @@ from megatron.apertus.training.metrics import (
     LogInterval,
     Metrics,
     device_peak_tflops,
-    perplexity,
 )
+from megatron.apertus.training.objectives import build_objective, metric_name
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
 from megatron.apertus.training.progress import ProgressLog
-from megatron.apertus.training.run_log import warn_if_slow_precision
+from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.signals import StopRequests, past_duration
 from megatron.apertus.training.step import (
     StepResult,
@@ -135,16 +121,6 @@ class TrainingStopped(RuntimeError):
     """Too many consecutive non-finite steps; the last good state was saved."""
 
 
-def _is_reporting_rank() -> bool:
-    """The one rank that holds the loss and writes reports: last stage, first TP and DP rank."""
-    return (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-        and parallel_state.get_context_parallel_rank() == 0
-    )
-
-
 def _check_resumable(settings: OptimizerSettings) -> None:
     """megatron-core 0.16.1 cannot load its distributed Adam without TE or Apex (fused Adam)."""
     if settings.optimizer != "adam" or not settings.use_distributed_optimizer:
@@ -195,17 +171,12 @@ def _check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> No
 
 
 def _check_context_parallel(cfg: RunConfig) -> None:
-    """Refuse, naming the flag, what context parallelism cannot serve: objectives over whole
-    sequences, and packed documents between pipeline stages (padding each document to 2 x CP
-    tokens makes the micro-batch's length vary, the stages' messages have a fixed shape)."""
+    """Refuse, naming the flag, packed documents between pipeline stages under context
+    parallelism (padding each document to 2 x CP tokens makes the micro-batch's length vary, the
+    stages' messages have a fixed shape); objectives refuse what they cannot serve themselves."""
     cp = cfg.parallel.context_parallel_size
     if cp == 1:
         return
-    if cfg.align.align_objective is not None:
-        raise ConfigError(
-            f"--align-objective {cfg.align.align_objective} has no context "
-            f"parallelism (--context-parallel-size {cp}): it scores whole sequences"
-        )
     if cfg.dataset.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
         raise ConfigError(
             f"--reset-attention-mask with --context-parallel-size {cp} runs without "
@@ -213,66 +184,36 @@ def _check_context_parallel(cfg: RunConfig) -> None:
         )
 
 
+def _check_before_start(cfg: RunConfig) -> None:
+    """What the flags get wrong, refused before any process group exists: the layout, and a
+    --save that cannot be written (or a --log-progress without one)."""
+    _check_context_parallel(cfg)
+    if cfg.checkpoint.save:
+        checkpoint.check_save_dir(cfg.checkpoint.save)
+    elif cfg.logging.log_progress:
+        raise ConfigError(
+            "--log-progress writes progress.txt beside the checkpoints: it " "needs --save"
+        )
+
+
 class Trainer:
+    """One process's run: its objective, model chunks, optimizer and the state it continues."""
+
     def __init__(self, cfg: RunConfig) -> None:
+        """Build in the order a run needs: refusals of the flags first, then the process
+        groups, the batch-size calculator, the objective with its data, the model, the
+        optimizer, the state to continue from, and what reports on the run."""
         self.cfg = cfg
-        _check_context_parallel(cfg)
-        if cfg.checkpoint.save:
-            checkpoint.check_save_dir(cfg.checkpoint.save)
-        elif cfg.logging.log_progress:
-            raise ConfigError(
-                "--log-progress writes progress.txt beside the checkpoints: it " "needs --save"
-            )
-        self.device_name = parallel.resolve_device(cfg.training.device)
-        self.transformer_impl = validate_engine(
-            cfg.engine,
-            device=self.device_name,
-            num_layers=cfg.model.num_layers,
+        _check_before_start(cfg)
+        self.runtime = runtime.start(
+            cfg.parallel, model=cfg.model, training=cfg.training, engine=cfg.engine
         )
-        if cfg.engine.deterministic_mode:
-            enable_deterministic_mode()
-        select_te_attention_backend(cfg.engine.attention_backend)
-        self.dp = parallel.initialize(
-            cfg.parallel, device=self.device_name, seed=cfg.training.seed, model=cfg.model
-        )
-        warn_if_slow_precision(cfg.training.precision, self.device_name)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.device_name == "cuda"
-            else torch.device("cpu")
-        )
-        t = cfg.training
-        _check_batch_sizes(t, cfg.parallel, self.dp)
+        self.device, self.dp = self.runtime.device, self.runtime.dp
+        _check_batch_sizes(cfg.training, cfg.parallel, self.dp)
         self.resume_from = self._find_checkpoint()
-        init_num_microbatches_calculator(
-            torch.distributed.get_rank(),
-            t.rampup_batch_size,
-            t.global_batch_size,
-            t.micro_batch_size,
-            self.dp,
-            decrease_batch_size_if_needed=t.decrease_batch_size_if_needed,
-        )
-        self._log_decreased_batch()
-        self.tokenizer = self._tokenizer()
-        self.batch = BatchConfig(
-            eod=self.tokenizer.eod,
-            pack_documents=cfg.dataset.reset_attention_mask,
-            goldfish=cfg.goldfish if cfg.data.goldfish_loss else None,
-            special_ids=tuple(self.tokenizer.special_ids()) if cfg.goldfish.exempt_special else (),
-        )
-        self.train_data, self.valid_data = self._datasets()
-        no_reader = self.align is not None or self.train_data is None  # --train-iters 0
-        self.reader = (
-            None
-            if no_reader
-            else MicroBatchReader(
-                self.train_data,
-                self.batch,
-                micro_batch_size=t.micro_batch_size,
-                dp_rank=parallel_state.get_data_parallel_rank(),
-                dp_size=self.dp,
-                num_workers=cfg.data.num_workers,
-            )
+        self._start_microbatches()
+        self.objective = build_objective(
+            cfg, tokenizer=runtime.tokenizer(cfg.data, cfg.model), dp=self.dp
         )
         self.model = self._build_model()
         self.gemm_monitor = self._gemm_monitor()
@@ -282,32 +223,45 @@ class Trainer:
             cfg.schedule,
             cfg.ademamix,
             cfg.training,
-            precision=t.precision,
+            precision=cfg.training.precision,
         )
         self.state = self._resume()
-        if self.align is not None:
-            self.align.prepare(
-                self.model,
-                t.micro_batch_size,
-                reference_name=str(self.resume_from),
-                fresh=self.state.iteration == 0,
-                reporting=_is_reporting_rank(),
-            )
-        self.teacher = self._teacher_logits()
+        self.objective.prepare(self.model, state=self.state, resume_from=self.resume_from)
+        self._start_reporting()
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def _start_microbatches(self) -> None:
+        """megatron-core's calculator of the step's micro-batches (a ramp-up changes them)."""
+        t = self.cfg.training
+        init_num_microbatches_calculator(
+            torch.distributed.get_rank(),
+            t.rampup_batch_size,
+            t.global_batch_size,
+            t.micro_batch_size,
+            self.dp,
+            decrease_batch_size_if_needed=t.decrease_batch_size_if_needed,
+        )
+        self._log_decreased_batch()
+
+    def _start_reporting(self) -> None:
+        """Stop requests, metrics (continued from a resumed checkpoint's), the JSON log, the
+        iteration line's interval, the garbage collector, saving and the progress file."""
+        cfg, t = self.cfg, self.cfg.training
         self.stop = StopRequests(
             handle_signals=t.exit_signal_handler,
             trigger_path=t.trigger_path,
             exit_duration_in_mins=t.exit_duration_in_mins,
         )
         self.metrics = Metrics(
-            tensorboard_dir=cfg.logging.tensorboard_dir if _is_reporting_rank() else None,
-            wandb_project=cfg.logging.wandb_project if _is_reporting_rank() else None,
+            tensorboard_dir=cfg.logging.tensorboard_dir if is_reporting_rank() else None,
+            wandb_project=cfg.logging.wandb_project if is_reporting_rank() else None,
             wandb_exp_name=cfg.logging.wandb_exp_name,
             config={k: asdict(v) for k, v in vars(cfg).items()},
         )
         if cfg.checkpoint.load and self.state.iteration > 0:
             self.metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, self.state.iteration)
-        if cfg.logging.log_json and _is_reporting_rank():
+        if cfg.logging.log_json and is_reporting_rank():
             self.metrics.open_json_log(cfg.logging.log_json)
         self.total_iterations = t.total_iterations(self.dp)
         self.interval = LogInterval()
@@ -317,12 +271,10 @@ class Trainer:
         self.save_options = self._save_options()
         self.progress = self._progress_log()
 
-    # -- setup -----------------------------------------------------------------------------------
-
     def _log_decreased_batch(self) -> None:
         """Say when megatron-core runs a smaller global batch than --global-batch-size."""
         running = get_current_running_global_batch_size()
-        if running != self.cfg.training.global_batch_size and _is_reporting_rank():
+        if running != self.cfg.training.global_batch_size and is_reporting_rank():
             t = self.cfg.training
             log.info(
                 f"--decrease-batch-size-if-needed: global batch {running} instead of "
@@ -330,50 +282,19 @@ class Trainer:
                 f"{t.micro_batch_size} x data-parallel size {self.dp})"
             )
 
-    def _tokenizer(self) -> Tokenizer:
-        tokenizer = build_tokenizer(self.cfg.data.tokenizer_type, self.cfg.data.tokenizer_model)
-        if tokenizer.vocab_size > self.cfg.model.vocab_size:
-            raise ConfigError(
-                f"--vocab-size ({self.cfg.model.vocab_size}) is smaller than the tokenizer's "
-                f"vocabulary ({tokenizer.vocab_size})"
-            )
-        return tokenizer
-
-    def _datasets(self):
-        t = self.cfg.training
-        self.align = None
-        if self.cfg.align.enabled:
-            self.align = AlignRun(
-                self.cfg.align,
-                self.cfg.dataset,
-                seq_length=self.cfg.model.seq_length,
-                pad=self.tokenizer.pad,
-                seed=t.seed,
-                fused_output_loss=t.fused_output_loss,
-            )
-            return self.align.train_data, self.align.valid_data
-        train, valid, _ = build_datasets(
-            self.cfg.dataset,
-            self.tokenizer,
-            seq_length=self.cfg.model.seq_length,
-            seed=t.seed,
-            num_samples=t.dataset_sizes(),
-        )
-        return train, valid
-
     def _build_model(self):
         cfg = self.cfg
-        if _is_reporting_rank():
-            log.info(_describe_engine(self.transformer_impl, cfg.engine, cfg.training.precision))
-        chunks = build_model(
+        if is_reporting_rank():
+            impl = self.runtime.transformer_impl
+            log.info(_describe_engine(impl, cfg.engine, cfg.training.precision))
+        chunks = runtime.model_chunks(
             cfg.model,
             cfg.parallel,
-            xielu_impl=cfg.training.xielu_impl,
+            training=cfg.training,
+            runtime=self.runtime,
             fused_loss=cfg.training.fused_output_loss,
             quant=cfg.quant,
-            params_dtype=dtype_from_name(cfg.training.precision),
-            use_cpu_initialization=self.device_name == "cpu",
-            transformer_impl=self.transformer_impl,
+            transformer_impl=self.runtime.transformer_impl,
             engine=cfg.engine,
             **cfg.training.recompute_overrides(),
             **cfg.communication.transformer_overrides(
@@ -405,46 +326,6 @@ class Trainer:
         logging_cfg = self.cfg.logging
         interval = logging_cfg.log_intermediate_metrics_interval or self.cfg.training.log_interval
         return self.gemm_monitor is not None and (iteration % interval == 0 or iteration == 1)
-
-    def _teacher_logits(self):
-        """The teacher's top-k for the training samples, when this run distils."""
-        cfg = self.cfg
-        if not cfg.distill.enabled:
-            return None
-        if not cfg.training.fused_output_loss:
-            raise ConfigError(
-                "--distill-logits-path needs the fused output-layer loss "
-                "(drop --no-fused-output-loss)"
-            )
-        from megatron.apertus.distill.targets import TeacherLogits
-
-        teacher = TeacherLogits(
-            cfg.distill,
-            dataset=self.train_data,
-            dataset_hash=self.train_data.unique_description_hash,
-            seq_length=cfg.model.seq_length,
-            vocab_size=cfg.model.vocab_size,
-            first_position=self.state.consumed_samples,
-            last_position=self.cfg.training.total_samples(),
-        )
-        self._prefetch_teacher(teacher, self.state.consumed_samples)
-        return teacher
-
-    def _prefetch_teacher(self, teacher, consumed_samples: int) -> None:
-        """Start decoding the teacher targets of the step that starts at ``consumed_samples``
-        (its global batch taken as the current one: a batch-size ramp-up reads the samples
-        beyond it when they are needed)."""
-        if consumed_samples >= self.cfg.training.total_samples():
-            return
-        teacher.prefetch(
-            rank_positions(
-                consumed_samples,
-                get_current_running_global_batch_size(),
-                dp_rank=parallel_state.get_data_parallel_rank(),
-                dp_size=self.dp,
-                length=len(self.train_data),
-            )
-        )
 
     def _chunks(self):
         return [ddp.module for ddp in self.model]
@@ -482,7 +363,7 @@ class Trainer:
         if ck.finetune:
             state = TrainingState()
         update_num_microbatches(state.consumed_samples, consistency_check=False)
-        if _is_reporting_rank():
+        if is_reporting_rank():
             log.info(self._describe_resume(found, state))
         return state
 
@@ -511,7 +392,7 @@ class Trainer:
         """As Megatron-LM does, a --load without a checkpoint starts from scratch. --load equal
         to --save is the usual restartable job (its first start finds nothing); another --load
         names a checkpoint to start from, so finding none there is a warning."""
-        if not _is_reporting_rank():
+        if not is_reporting_rank():
             return
         save = self.cfg.checkpoint.save
         if save and Path(save).resolve() == Path(source).resolve():
@@ -525,53 +406,23 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
 
     def _shape(self) -> StepShape:
-        mbs, seq = self.cfg.training.micro_batch_size, self.cfg.model.seq_length
-        if self.align is not None:
-            return self.align.shape(get_num_microbatches(), seq, mbs)
-        packed = self.batch.pack_documents
-        return StepShape(
-            num_microbatches=get_num_microbatches(),
-            seq_length=seq * mbs if packed else seq,
-            micro_batch_size=1 if packed else mbs,
-        )
+        return self.objective.shape(get_num_microbatches())
 
-    def _iterators(self, dataset, consumed: int, global_batch: int) -> list:
-        if self.align is not None:
-            part = "train" if dataset is self.train_data else "valid"
-            batches = self.align.micro_batches(
-                part, consumed, global_batch, self.cfg.training.micro_batch_size, self.dp
-            )
-            return [iter(batches) for _ in self.model]
-        batches = step_micro_batches(
-            dataset,
-            self.batch,
-            consumed_samples=consumed,
-            global_batch_size=global_batch,
-            micro_batch_size=self.cfg.training.micro_batch_size,
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=self.dp,
-        )
+    def _iterators(self, batches: list) -> list:
+        """One iterator per model chunk over the step's micro-batches (interleaved pipeline
+        schedules run the chunks' micro-batches in their own orders)."""
         return [iter(batches) for _ in self.model]
 
     def step(self) -> StepResult:
         global_batch = get_current_running_global_batch_size()
-        teacher = self.teacher.targets if self.teacher is not None else None
-        consumed = self.state.consumed_samples
-        if self.align is not None:  # preference pairs or groups, read by the alignment run
-            iterators = self._iterators(self.train_data, consumed, global_batch)
-        else:
-            batches = self.reader.read(consumed, global_batch, teacher)
-            # This step's data is taken: read (and decode the teacher targets of) the next
-            # step's now, taking its global batch to be this one's.
-            self.reader.prefetch(consumed + global_batch, global_batch)
-            iterators = [iter(batches) for _ in self.model]
-        if self.teacher is not None:
-            self._prefetch_teacher(self.teacher, consumed + global_batch)
+        batches = self.objective.train_batches(self.state.consumed_samples, global_batch)
         iteration = self.state.iteration + 1
         measure = self._measures_gemm_inputs(iteration)
         if measure:
             self.gemm_monitor.attach()
-        result = train_step(self.model, self.optimizer, iterators, self._shape())
+        result = train_step(
+            self.model, self.optimizer, self._iterators(batches), self._shape(), self.objective.loss
+        )
         if measure:
             for name, value in self.gemm_monitor.detach().items():
                 self.metrics.record(f"intermediate/{name}", iteration, value)
@@ -591,7 +442,7 @@ class Trainer:
         it, samples = self.state.iteration, self.state.consumed_samples
         if result.loss is not None:
             self.metrics.record(
-                "train/loss", it, result.loss, tag=self._objective(), samples=samples
+                "train/loss", it, result.loss, tag=self.objective.loss_name, samples=samples
             )
         if result.grad_norm is not None and math.isfinite(result.grad_norm):
             self.metrics.record(
@@ -625,7 +476,7 @@ class Trainer:
         tflops = summary.tokens_per_second * flops_per_token(self.cfg.model) / 1e12
         self.metrics.record("train/throughput", it, tflops, tag="throughput")
         self.metrics.flush()  # on disk before the line says so
-        if _is_reporting_rank():
+        if is_reporting_rank():
             log.info(
                 self._iteration_line(
                     summary,
@@ -637,12 +488,6 @@ class Trainer:
                     tflops=tflops,
                 )
             )
-
-    def _objective(self) -> str:
-        """The loss's name in the log line and its TensorBoard tag."""
-        if self.align is not None:
-            return f"{self.cfg.align.align_objective} loss"
-        return "lm loss" if self.teacher is None else "kd loss"
 
     def _iteration_line(
         self,
@@ -667,7 +512,7 @@ class Trainer:
             f"global batch size: {global_batch:5d}",
         ]
         if summary.loss is not None:
-            fields.append(f"{self._objective()}: {summary.loss:.6E}")
+            fields.append(f"{self.objective.loss_name}: {summary.loss:.6E}")
         fields.append(f"loss scale: {loss_scale:.1f}")
         if result.grad_norm is not None:
             fields.append(f"grad norm: {result.grad_norm:.3f}")
@@ -718,7 +563,7 @@ class Trainer:
         """Mean validation loss per token over ``--eval-iters`` global batches, and the means of
         the objective's own quantities (alignment)."""
         t = self.cfg.training
-        if t.eval_iters == 0 or self.valid_data is None:
+        if t.eval_iters == 0 or self.objective.valid_data is None:
             return None
         for chunk in self.model:
             chunk.eval()
@@ -727,8 +572,14 @@ class Trainer:
         global_batch = get_current_running_global_batch_size()
         with torch.no_grad(), synced_parameters(self.model):
             for i in range(t.eval_iters):
-                iterators = self._iterators(self.valid_data, i * global_batch, global_batch)
-                losses = run_microbatches(self.model, iterators, self._shape(), forward_only=True)
+                batches = self.objective.valid_batches(i * global_batch, global_batch)
+                losses = run_microbatches(
+                    self.model,
+                    self._iterators(batches),
+                    self._shape(),
+                    forward_only=True,
+                    loss=self.objective.loss,
+                )
                 reported.extend(losses)
                 if past_duration(t.exit_duration_in_mins, self.device):
                     timed_out = True
@@ -741,7 +592,7 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         if timed_out:  # as Megatron-LM: no partial result; the loop saves and exits next
-            if _is_reporting_rank():
+            if is_reporting_rank():
                 log.info("--exit-duration-in-mins reached during validation: stopping it")
             return None
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -767,17 +618,8 @@ class Trainer:
             tag="lm loss validation",
             samples=self.state.consumed_samples,
         )
-        if _is_reporting_rank() and self.align is not None:
-            log.info(
-                f"validation loss at iteration {self.state.iteration} | "
-                f"{self.cfg.align.align_objective} loss value: {loss:.6E}"
-                + format_quantities(quantities)
-            )
-        elif _is_reporting_rank():
-            log.info(
-                f"validation loss at iteration {self.state.iteration} | lm loss value: "
-                f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
-            )
+        if is_reporting_rank():
+            log.info(self.objective.validation_line(self.state.iteration, loss, quantities))
         self.metrics.flush()
 
     def _run_info(self) -> dict:
@@ -815,7 +657,7 @@ class Trainer:
                 on_published=self._log_saved,
             )
         self.gc.boundary()
-        if _is_reporting_rank():
+        if is_reporting_rank():
             self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)
             self.metrics.plot(self._plot_path())
             self.metrics.flush()
@@ -844,7 +686,7 @@ class Trainer:
         return progress
 
     def _log_saved(self, path: Path) -> None:
-        if _is_reporting_rank():
+        if is_reporting_rank():
             log.info(f"saved checkpoint {path}")
 
     def _save_options(self) -> checkpoint.SaveOptions:
@@ -875,7 +717,7 @@ class Trainer:
             self.skipped_in_a_row = 0
             return
         self.skipped_in_a_row += 1
-        if _is_reporting_rank():
+        if is_reporting_rank():
             log.warning(
                 f"iteration {self.state.iteration}: non-finite loss or gradient norm "
                 f"({result.loss}, {result.grad_norm}); step skipped "
@@ -931,7 +773,7 @@ class Trainer:
 
     def _close(self, *, completed: bool) -> dict:
         self.finish_saves()
-        if _is_reporting_rank():
+        if is_reporting_rank():
             self.metrics.close(self._plot_path())
         self.metrics.history["completed"] = completed
         return self.metrics.history
@@ -939,8 +781,7 @@ class Trainer:
     def shutdown(self) -> None:
         self.finish_saves()
         self.gc.close()
-        if self.teacher is not None:
-            self.teacher.close()
+        self.objective.close()
         destroy_num_microbatches_calculator()
         parallel.shutdown()
 

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -128,8 +128,18 @@ def synced_parameters(model: list[DistributedDataParallel]) -> Iterator[None]:
             chunk.enable_forward_pre_hook()
 
 
-def _loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
-    """(loss sum, loss tokens, reported values) of a micro-batch.
+LossFunction = Callable[
+    [Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]
+]
+"""``f(batch, loss_mask, output) -> (loss, count, reported)``: an objective's reduction of one
+micro-batch's model output. The schedule divides the summed loss by the summed count of the
+global batch; ``reported`` holds ``lm loss`` and ``goldfish`` (sum, count) pairs, and entries
+named ``QUANTITY_PREFIX + name`` the step averages over the global batch and logs as the
+objective's own quantities."""
+
+
+def token_loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
+    """(loss sum, loss tokens, reported values) of a micro-batch: the masked per-token loss.
 
     ``output`` is the model's per-token losses, or (fused output layer) their masked sum.
     """
@@ -143,8 +153,9 @@ def _loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
     return loss_sum, mask.sum().to(torch.int), reported
 
 
-def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
-    """megatron-core forward step: per-token losses and the function that reduces them."""
+def forward_step(loss: LossFunction, data_iterator: Iterator[Batch], model: GPTModel):
+    """megatron-core forward step (``loss`` bound first): the model's output and the objective's
+    function that reduces it."""
     batch = shard_batch(
         next(data_iterator),
         parallel_state.get_context_parallel_rank(),
@@ -164,8 +175,7 @@ def forward_step(data_iterator: Iterator[Batch], model: GPTModel):
         packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
         **teacher,
     )
-    reduce = _loss if batch.sequence_loss is None else batch.sequence_loss
-    return output, partial(reduce, batch, batch.loss_mask.to(device))
+    return output, partial(loss, batch, batch.loss_mask.to(device))
 
 
 def packed_seq_params_to(
@@ -248,10 +258,11 @@ def run_microbatches(
     shape: StepShape,
     *,
     forward_only: bool,
+    loss: LossFunction = token_loss,
 ) -> list[dict]:
     """megatron-core's schedule over one global batch; the reported losses (last stage only)."""
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, loss),
         data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
         model=model,
         num_microbatches=shape.num_microbatches,
@@ -266,16 +277,18 @@ def train_step(
     optimizer: MegatronOptimizer,
     data_iterators: list[Iterator[Batch]],
     shape: StepShape,
+    loss: LossFunction = token_loss,
 ) -> StepResult:
     """Forward and backward over ``num_microbatches``, then one optimizer step.
 
     ``data_iterators`` holds one iterator per model chunk (interleaved pipeline schedules run
-    the chunks' micro-batches in their own orders), each over the same samples.
+    the chunks' micro-batches in their own orders), each over the same samples; ``loss`` is the
+    objective's reduction of each micro-batch's output.
     """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = run_microbatches(model, data_iterators, shape, forward_only=False)
+    losses = run_microbatches(model, data_iterators, shape, forward_only=False, loss=loss)
     loss, goldfish = _reduce(losses, "lm loss"), _reduce(losses, "goldfish")
     device = next(model[0].parameters()).device
     updated, grad_norm = optimizer_step(optimizer, _all_finite(loss, device))

@@ -17,8 +17,10 @@ are those of the full logits (docs/teacher_logits.md: where that was measured, a
 chunks for which a GEMM differs in the last bit).
 
 This runner lives in ``training`` beside the loop because, like the loop, it drives a model
-from checkpoints, configs and step helpers of this layer; ``distill`` keeps only what the
-trainer consumes (store, codec, targets, config), so it never imports ``training``.
+from checkpoints, configs and step helpers of this layer, and builds its device, process groups,
+tokenizer, the student's dataset and its model chunks through the loop's own
+:mod:`megatron.apertus.training.runtime`; ``distill`` keeps only what the trainer consumes
+(store, codec, targets, config), so it never imports ``training``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ from tqdm import tqdm
 from megatron.apertus import checkpoint, parallel
 from megatron.apertus.data.batches import Batch, BatchConfig, collate
 from megatron.apertus.data.context_parallel import gather_tokens, shard_batch
-from megatron.apertus.data.datasets import build_datasets
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import (
     LogitStoreWriter,
     StoreHeader,
@@ -49,9 +49,8 @@ from megatron.apertus.distill.logit_store import (
 )
 from megatron.apertus.distill.targets import sample_tokens
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.config import ApertusConfig, dtype_from_name
-from megatron.apertus.training.run_log import warn_if_slow_precision
+from megatron.apertus.model.config import ApertusConfig
+from megatron.apertus.training import runtime
 from megatron.apertus.training.step import packed_seq_params_to
 from megatron.apertus.training.teacher_logits_config import GenerationConfig
 
@@ -101,19 +100,11 @@ class TeacherRunner:
 
     def __init__(self, cfg: GenerationConfig) -> None:
         self.cfg = cfg
-        device = parallel.resolve_device(cfg.training.device)
-        self.device = device
-        parallel.initialize(cfg.parallel, device=device, seed=cfg.training.seed, model=cfg.model)
-        warn_if_slow_precision(cfg.training.precision, device)
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
-        train, _, _ = build_datasets(
-            cfg.dataset,
-            self.tokenizer,
-            seq_length=cfg.model.seq_length,
-            seed=cfg.training.seed,
-            num_samples=cfg.training.dataset_sizes(),
+        self.runtime = runtime.start(cfg.parallel, model=cfg.model, training=cfg.training)
+        self.tokenizer = runtime.tokenizer(cfg.data, cfg.model)
+        self.dataset, _ = runtime.pretraining_datasets(
+            cfg.dataset, self.tokenizer, model=cfg.model, training=cfg.training
         )
-        self.dataset = train
         self.batch = BatchConfig(
             eod=self.tokenizer.eod, pack_documents=cfg.dataset.reset_attention_mask
         )
@@ -128,14 +119,13 @@ class TeacherRunner:
 
     def _load_teacher(self) -> list:
         cfg = self.cfg
-        chunks = build_model(
+        chunks = runtime.model_chunks(
             cfg.model,
             cfg.parallel,
-            xielu_impl=cfg.training.xielu_impl,
+            training=cfg.training,
+            runtime=self.runtime,
             topk=cfg.logits.topk,
             topk_chunk_rows=cfg.logits.topk_chunk_rows,
-            params_dtype=dtype_from_name(cfg.training.precision),
-            use_cpu_initialization=self.device == "cpu",
         )
         checkpoint.load_model(cfg.load, chunks)
         # No Float16Module: the parameters are already in the teacher's dtype, token ids need no
@@ -191,8 +181,7 @@ class TeacherRunner:
         return writer
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        device = torch.cuda.current_device() if self.device == "cuda" else "cpu"
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return torch.tensor(values, dtype=torch.int64, device=self.runtime.device)
 
     def pending_blocks(self) -> list[int]:
         """This data-parallel group's unfinished blocks, as its writer sees them."""

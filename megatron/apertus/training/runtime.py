@@ -1,0 +1,134 @@
+"""What every process that drives a model builds first: device, process groups, tokenizer,
+pretraining datasets and model chunks.
+
+The training loop (:class:`megatron.apertus.training.loop.Trainer`) and the teacher-logit runner
+(:mod:`megatron.apertus.training.teacher_logits`) build these here, from the same config groups,
+so that they cannot drift apart: the teacher's store is keyed by the positions of the student's
+dataset, which both take from :func:`pretraining_datasets` with the student's flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+
+from megatron.apertus import parallel
+from megatron.apertus.data.datasets import DatasetConfig, build_datasets
+from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig, dtype_from_name
+from megatron.apertus.model.engine import (
+    EngineConfig,
+    enable_deterministic_mode,
+    select_te_attention_backend,
+    validate_engine,
+)
+from megatron.apertus.training.config import DataConfig, TrainingConfig
+from megatron.apertus.training.run_log import warn_if_slow_precision
+
+
+@dataclass(kw_only=True, frozen=True)
+class Runtime:
+    """The device and process groups of this process, once they exist."""
+
+    device_name: str
+    """``cuda`` or ``cpu``."""
+    dp: int
+    """The data-parallel size (context-parallel ranks share their data and are not counted)."""
+    transformer_impl: str | None = None
+    """The transformer implementation the engine config chose (None: the builder's default)."""
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device (the current CUDA device, which the process-group setup chose)."""
+        if self.device_name == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def start(
+    layout: ParallelConfig,
+    *,
+    model: ApertusConfig,
+    training: TrainingConfig,
+    engine: EngineConfig | None = None,
+) -> Runtime:
+    """Resolve the device, set up the transformer engine (when ``engine`` is given: it is
+    checked before any process group exists), the process groups and the seeds."""
+    device_name = parallel.resolve_device(training.device)
+    transformer_impl = None
+    if engine is not None:
+        transformer_impl = _prepare_engine(engine, device_name, model)
+    dp = parallel.initialize(layout, device=device_name, seed=training.seed, model=model)
+    warn_if_slow_precision(training.precision, device_name)
+    return Runtime(device_name=device_name, dp=dp, transformer_impl=transformer_impl)
+
+
+def _prepare_engine(engine: EngineConfig, device_name: str, model: ApertusConfig) -> str:
+    """Check the engine flags against the device and model, and apply the process-wide ones
+    (deterministic kernels, TE's attention backend); returns the transformer implementation."""
+    transformer_impl = validate_engine(engine, device=device_name, num_layers=model.num_layers)
+    if engine.deterministic_mode:
+        enable_deterministic_mode()
+    select_te_attention_backend(engine.attention_backend)
+    return transformer_impl
+
+
+def is_reporting_rank() -> bool:
+    """The one rank that holds the loss and writes reports: last stage, first TP and DP rank."""
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_context_parallel_rank() == 0
+    )
+
+
+def tokenizer(data: DataConfig, model: ApertusConfig) -> Tokenizer:
+    """The run's tokenizer, refused when its ids do not fit the model's vocabulary."""
+    built = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
+    if built.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"--vocab-size ({model.vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({built.vocab_size})"
+        )
+    return built
+
+
+def pretraining_datasets(
+    dataset: DatasetConfig, tokenizer: Tokenizer, *, model: ApertusConfig, training: TrainingConfig
+):
+    """The training and validation GPT datasets of a run (None where a part holds no samples),
+    sized by the run's length; the same flags give the same samples at the same positions."""
+    train, valid, _ = build_datasets(
+        dataset,
+        tokenizer,
+        seq_length=model.seq_length,
+        seed=training.seed,
+        num_samples=training.dataset_sizes(),
+    )
+    return train, valid
+
+
+def model_chunks(
+    model: ApertusConfig,
+    layout: ParallelConfig,
+    *,
+    training: TrainingConfig,
+    runtime: Runtime,
+    **options,
+) -> list:
+    """This rank's model chunks in the run's precision, initialised on the CPU when the run is
+    there; ``options`` go to :func:`megatron.apertus.model.builder.build_model` (the output
+    layer, quantization, recomputation, the engine)."""
+    return build_model(
+        model,
+        layout,
+        xielu_impl=training.xielu_impl,
+        params_dtype=dtype_from_name(training.precision),
+        use_cpu_initialization=runtime.device_name == "cpu",
+        **options,
+    )
