@@ -1,12 +1,17 @@
 """Students distilled with each kind of teacher target, same steps, seeds and data, one process.
 
     python bench/bench_kd_estimators.py --teacher-checkpoint SAVE_DIR [--steps 40] [--batch 4]
-        [--distinct 12] [--device cpu]
+        [--distinct 12] [--train-data-path PREFIX --valid-data-path PREFIX]
+        [--reset-attention-mask] [--device cpu]
 
 The teacher (a ``pretrain_gpt.py`` checkpoint) and five students of the tiny preset (same
-initialisation) run in one process on the embedded corpus, cut into samples of the teacher's
-sequence length (the first 90% of the documents train, the last 10% are held out). Each student
-takes ``--steps`` AdamW steps on the same batches with one loss:
+initialisation) run in one process on documents cut into samples of the teacher's sequence
+length: the embedded corpus (the first 90% of the documents train, the last 10% are held out),
+or the token files of ``--train-data-path`` and ``--valid-data-path`` (``tools/preprocess_data.py``
+prefixes, e.g. a demo's ``data/student_text_document`` and ``data/valid_text_document``). With
+``--reset-attention-mask`` every forward packs the documents (attention and positions restart
+after each end of document, as ``pretrain_gpt.py`` does with that flag). Each step runs the
+teacher once on the step's batch, and each student takes one AdamW step on it with one loss:
 
 * ``cross-entropy``: labels only;
 * ``top-k 256`` and ``top-k 12``: 0.9 KL to the teacher's top-k (``--kd-tail label``, the
@@ -50,27 +55,70 @@ ALPHA = 0.9
 BINS = 15
 
 
-def corpus_samples(seq_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """int64 [n, seq_length + 1] windows of the training (first 90%) and held-out documents."""
+def windows(documents: list[np.ndarray], seq_length: int) -> np.ndarray:
+    """int64 [n, seq_length + 1] windows of the documents' concatenated tokens."""
+    tokens = np.concatenate(documents).astype(np.int64)
+    n = (len(tokens) - 1) // seq_length
+    return np.stack([tokens[i * seq_length : (i + 1) * seq_length + 1] for i in range(n)])
+
+
+def corpus_samples(seq_length: int, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Windows of the embedded corpus' training (first 90%) and held-out documents."""
     from megatron.apertus.data.corpus import training_documents
-    from megatron.apertus.data.tokenizer import build_tokenizer
 
-    documents = training_documents()
+    documents = [np.array(tokenizer.encode_document(d)) for d in training_documents()]
     cut = int(round(len(documents) * 0.9))
-    tokenizer = build_tokenizer("TekkenTokenizer")
-
-    def windows(docs) -> np.ndarray:
-        tokens = np.concatenate([tokenizer.encode_document(d) for d in docs]).astype(np.int64)
-        n = (len(tokens) - 1) // seq_length
-        return np.stack([tokens[i * seq_length : (i + 1) * seq_length + 1] for i in range(n)])
-
-    return windows(documents[:cut]), windows(documents[cut:])
+    return windows(documents[:cut], seq_length), windows(documents[cut:], seq_length)
 
 
-def teacher_logprobs(teacher, tokens: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+def token_file_samples(prefix: str, seq_length: int) -> np.ndarray:
+    """Windows of the documents of a ``tools/preprocess_data.py`` output prefix."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    return windows([np.array(dataset[i]) for i in range(len(dataset))], seq_length)
+
+
+class Layout:
+    """A window batch as the models take it: ``[b, s]`` rows with causal attention, or (packed
+    documents) one ``[1, b*s]`` sequence whose attention and positions restart after each end
+    of document (``data/batches.py``)."""
+
+    def __init__(self, window: np.ndarray, eod: int | None) -> None:
+        from megatron.apertus.data.batches import BatchConfig, collate
+
+        window = torch.from_numpy(window)
+        samples = [
+            {"tokens": w[:-1], "labels": w[1:], "loss_mask": torch.ones(len(w) - 1)} for w in window
+        ]
+        config = BatchConfig(eod=-1 if eod is None else eod, pack_documents=eod is not None)
+        self.batch = collate(samples, config)
+        self.shape = tuple(window[:, 1:].shape)  # [b, s]
+
+    def forward(self, model, **kwargs) -> torch.Tensor:
+        """The model's output on this batch (kwargs: labels, loss_mask, teacher for the fused
+        loss, in the batch's layout)."""
+        batch = self.batch
+        params = {"packed_seq_params": batch.packed_seq_params} if batch.packed_seq_params else {}
+        return model(batch.tokens, batch.position_ids, None, **params, **kwargs)
+
+    def log_softmax(self, model) -> torch.Tensor:
+        """[b, s, V] next-token log-probabilities."""
+        logits = self.forward(model).float()
+        return torch.log_softmax(logits, -1).reshape(*self.shape, -1)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, s, ...]`` in the batch's layout."""
+        return t.reshape(*self.batch.tokens.shape, *t.shape[2:])
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.batch.labels.reshape(self.shape)
+
+
+def teacher_logprobs(teacher, layout: Layout) -> torch.Tensor:
     with torch.no_grad():
-        return torch.log_softmax(teacher(tokens, positions, None).float(), -1)
+        return layout.log_softmax(teacher)
 
 
 def topk_targets(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,35 +150,35 @@ def draws_for(logprobs: torch.Tensor, distinct: float) -> int:
     raise SystemExit(f"no draw count up to 4096 gives {distinct} distinct ids per token")
 
 
-def student_loss(student, tokens, labels, mode: str, target) -> torch.Tensor:
+def student_loss(student, layout: Layout, mode: str, target) -> torch.Tensor:
     """Mean per-token loss of ``mode`` (``target``: teacher ids/weights or log-probabilities)."""
     from megatron.apertus.model.fused_loss import TeacherTargets
 
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    mask = torch.ones(tokens.shape, dtype=torch.float32)
-    n = tokens.numel()
+    labels = layout.labels
     if mode == "full KD (online)":
-        logq = torch.log_softmax(student(tokens, positions, None).float(), -1)
+        logq = layout.log_softmax(student)
         kl = (target.exp() * (target - logq)).sum(-1)
         ce = -logq.gather(-1, labels[..., None]).squeeze(-1)
         return (ALPHA * kl + (1 - ALPHA) * ce).mean()
     teacher = None
     if mode != "cross-entropy":
         tail = "ignore" if mode.startswith("sampled") else "label"
-        teacher = TeacherTargets(target[0], target[1], ALPHA, tail)
-    return student(tokens, positions, None, labels=labels, loss_mask=mask, teacher=teacher) / n
+        teacher = TeacherTargets(layout.rows(target[0]), layout.rows(target[1]), ALPHA, tail)
+    batch = layout.batch
+    loss_sum = layout.forward(
+        student, labels=batch.labels, loss_mask=batch.loss_mask, teacher=teacher
+    )
+    return loss_sum / labels.numel()
 
 
-def held_out(student, samples: np.ndarray, batch: int) -> tuple[float, float]:
+def held_out(student, samples: np.ndarray, batch: int, eod: int | None) -> tuple[float, float]:
     """Mean cross-entropy and expected calibration error of the top-1 next-token probability."""
     losses, confidence, correct = [], [], []
     with torch.no_grad():
         for start in range(0, len(samples), batch):
-            window = torch.from_numpy(samples[start : start + batch])
-            tokens, labels = window[:, :-1], window[:, 1:]
-            logq = torch.log_softmax(
-                student(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None).float(), -1
-            )
+            layout = Layout(samples[start : start + batch], eod)
+            labels = layout.labels
+            logq = layout.log_softmax(student)
             losses.append(-logq.gather(-1, labels[..., None]).flatten())
             top = logq.max(-1)
             confidence.append(top.values.exp().flatten())
@@ -168,7 +216,17 @@ def store_bytes(mode: str, logprobs: torch.Tensor, draws: torch.Tensor | None) -
     return size / (b * s)
 
 
-def main() -> None:
+def target_of(mode: str, logprobs: torch.Tensor, draws: int, first_position: int):
+    """(the student's target of ``mode``, the draws of a sampled store or None)."""
+    if mode.startswith("top-k"):
+        return topk_targets(logprobs, int(mode.split()[-1])), None
+    if mode.startswith("sampled"):
+        ids, weights, drawn = sampled_targets(logprobs, draws, first_position)
+        return (ids, weights), drawn
+    return logprobs, None
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -178,67 +236,96 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--distinct", type=float, default=12.0)
     parser.add_argument("--held-out-samples", type=int, default=64)
+    parser.add_argument("--train-data-path", help="token files the students train on (prefix)")
+    parser.add_argument("--valid-data-path", help="held-out token files (prefix)")
+    parser.add_argument(
+        "--reset-attention-mask", action="store_true", help="pack documents in every forward"
+    )
     parser.add_argument("--device", choices=["cpu"], default="cpu")
+    parser.add_argument(
+        "--name", default="kd_estimators", help="results file: bench/results/NAME_<device>.json"
+    )
     args = parser.parse_args()
+    if (args.train_data_path is None) != (args.valid_data_path is None):
+        parser.error("give both --train-data-path and --valid-data-path, or neither")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     from megatron.apertus import parallel
     from megatron.apertus.checkpoint import load_model, load_model_config
+    from megatron.apertus.data.tokenizer import build_tokenizer
     from megatron.apertus.model import ParallelConfig
     from megatron.apertus.model.builder import build_model
     from megatron.apertus.model.presets import preset
 
     teacher_config = load_model_config(args.teacher_checkpoint)
-    student_config = preset("tiny", seq_length=teacher_config.seq_length)
+    seq = teacher_config.seq_length
+    student_config = preset("tiny", seq_length=seq)
     layout = ParallelConfig()
     parallel.initialize(layout, device="cpu", seed=0, model=teacher_config)
     (teacher,) = build_model(teacher_config, layout, use_cpu_initialization=True)
     load_model(args.teacher_checkpoint, [teacher])
     teacher.eval()
-    train, valid = corpus_samples(teacher_config.seq_length)
+    tokenizer = build_tokenizer("TekkenTokenizer")
+    eod = tokenizer.eod if args.reset_attention_mask else None
+    if args.train_data_path:
+        train = token_file_samples(args.train_data_path, seq)
+        valid = token_file_samples(args.valid_data_path, seq)
+    else:
+        train, valid = corpus_samples(seq, tokenizer)
     valid = valid[: args.held_out_samples]
-    first = teacher_logprobs(teacher, torch.from_numpy(train[: args.batch, :-1]))
+    first = teacher_logprobs(teacher, Layout(train[: args.batch], eod))
     draws = draws_for(first, args.distinct)
+    del first
     modes = ["cross-entropy", "top-k 256", "top-k 12", f"sampled {draws} draws", "full KD (online)"]
+    teacher_loss, teacher_ece = held_out(teacher, valid, args.batch, eod)
     print(
-        f"{len(train)} training, {len(valid)} held-out samples of {teacher_config.seq_length} "
-        f"tokens; sampled: {draws} draws per token"
+        f"{len(train)} training, {len(valid)} held-out samples of {seq} tokens; "
+        f"sampled: {draws} draws per token; teacher: held-out {teacher_loss:.4f}, "
+        f"ECE {teacher_ece:.4f}",
+        flush=True,
     )
-    rows = []
-    for mode in modes:
+    students, optimizers = {}, {}
+    for mode in modes:  # the same initialisation for every student
         torch.manual_seed(0)
-        (student,) = build_model(
+        (students[mode],) = build_model(
             student_config, layout, fused_loss=True, use_cpu_initialization=True
         )
-        optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
-        times, sizes, distinct = [], [], []
-        for step in range(args.steps):
-            start = step * args.batch % (len(train) - args.batch)
-            window = torch.from_numpy(train[start : start + args.batch])
-            tokens, labels = window[:, :-1], window[:, 1:]
-            logprobs = teacher_logprobs(teacher, tokens)
-            drawn, target = None, logprobs
-            if mode.startswith("top-k"):
-                target = topk_targets(logprobs, int(mode.split()[-1]))
-            elif mode.startswith("sampled"):
-                ids, weights, drawn = sampled_targets(logprobs, draws, start)
-                target = (ids, weights)
-                distinct.append(float((weights > 0).sum(-1).float().mean()))
+        optimizers[mode] = torch.optim.AdamW(
+            students[mode].parameters(), lr=args.lr, weight_decay=0.0
+        )
+    times = {mode: [] for mode in modes}
+    sizes = {mode: [] for mode in modes}
+    distinct = []
+    for step in range(args.steps):
+        start = step * args.batch % (len(train) - args.batch)
+        batch = Layout(train[start : start + args.batch], eod)
+        logprobs = teacher_logprobs(teacher, batch)
+        for mode in modes:
+            target, drawn = target_of(mode, logprobs, draws, start)
+            if drawn is not None:
+                distinct.append(float((target[1] > 0).sum(-1).float().mean()))
             if step < 4:
-                sizes.append(store_bytes(mode, logprobs, drawn))
+                sizes[mode].append(store_bytes(mode, logprobs, drawn))
             began = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            student_loss(student, tokens, labels, mode, target).backward()
-            optimizer.step()
-            times.append(time.perf_counter() - began)
-        loss, ece = held_out(student, valid, args.batch)
+            optimizers[mode].zero_grad(set_to_none=True)
+            student_loss(students[mode], batch, mode, target).backward()
+            optimizers[mode].step()
+            times[mode].append(time.perf_counter() - began)
+        print(f"step {step + 1}/{args.steps}", flush=True)
+    rows = []
+    for mode in modes:
+        loss, ece = held_out(students[mode], valid, args.batch, eod)
         row = {
             "mode": mode,
             "held_out_loss": loss,
             "ece": ece,
-            "bytes_per_token": statistics.mean(sizes),
-            "step_s": statistics.median(times[1:]),
+            "bytes_per_token": statistics.mean(sizes[mode]),
+            "step_s": statistics.median(times[mode][1:]),
         }
-        if distinct:
+        if mode.startswith("sampled"):
             row["distinct_ids_per_token"] = statistics.mean(distinct)
         rows.append(row)
         print(
@@ -251,12 +338,17 @@ def main() -> None:
     parallel.shutdown()
     extra = {
         "teacher_checkpoint": args.teacher_checkpoint,
+        "teacher_held_out_loss": teacher_loss,
+        "teacher_ece": teacher_ece,
+        "train_data_path": args.train_data_path or "embedded corpus",
+        "valid_data_path": args.valid_data_path or "embedded corpus",
+        "reset_attention_mask": args.reset_attention_mask,
         "steps": args.steps,
         "batch": args.batch,
         "lr": args.lr,
         "draws": draws,
     }
-    print(f"wrote {write_results('kd_estimators', rows, extra)}")
+    print(f"wrote {write_results(args.name, rows, extra)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Teacher logits end to end: generation (TP, DP, chunked output layer, resume), checks against
-the teacher's own logits, student training from them (exact resume, alpha=0 equals plain CE),
-refusal of logits made for other data. Real subprocesses, real tokenizer, the embedded corpus."""
+"""Teacher logits end to end: generation (TP, PP, DP, chunked output layer, resume), checks
+against the teacher's own logits, student training from them (exact resume, alpha=0 equals plain
+CE), refusal of logits made for other data. Real subprocesses, real tokenizer, the embedded
+corpus."""
 
 from __future__ import annotations
 
@@ -214,6 +215,16 @@ def test_parallel_generation_matches_one_process_and_resumes(teacher, logits, tm
     assert "1/1" in output  # the owner of block 1 had one block to do
     assert {b: block_path(dp2, b).stat().st_mtime_ns for b in (0, 2)} == kept
     assert block_digests(dp2, 3) == block_digests(logits, 3)
+
+
+def test_pipeline_stages_write_the_same_bytes(teacher, logits, tmp_path):
+    """PP=2: the first stage runs the embedding and two layers, the last takes the top-k; the
+    store is one process's, byte for byte."""
+    pp2 = tmp_path / "pp2"
+    generate(teacher, pp2, nproc=2, extra=["--pipeline-model-parallel-size", "2"])
+    for name in ("header.json", "index.bin"):
+        assert (pp2 / name).read_bytes() == (logits / name).read_bytes()
+    assert block_digests(pp2, 3) == block_digests(logits, 3)
 
 
 def test_student_distils_and_resumes_at_the_right_logit_position(logits, tmp_path):
