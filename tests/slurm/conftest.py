@@ -77,6 +77,9 @@ def node_definition(host: str) -> str:
 
 
 def slurm_conf(root: Path, host: str, munge_socket: Path) -> str:
+    """The test cluster's configuration. The timeouts are long and jobs are never requeued:
+    on a loaded 2-core machine a slow slurmd must not get the node declared lost and a running
+    job started a second time beside its first attempt's processes."""
     return f"""\
 ClusterName=apertustest
 SlurmctldHost={host}(127.0.0.1)
@@ -103,6 +106,9 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
 KillWait=30
+SlurmdTimeout=1200
+MessageTimeout=60
+JobRequeue=0
 MinJobAge=3600
 {node_definition(host)}
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
