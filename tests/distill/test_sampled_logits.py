@@ -1,7 +1,9 @@
 """Sampled teacher stores end to end (``--sampling random``): the draws follow the teacher's
-distribution, do not depend on the parallel layout or the block size, resume, train a student
-(which resumes exactly), and a wrong-kind, corrupted, truncated or other-data store is refused
-in one line. Real subprocesses, real tokenizer, the embedded corpus."""
+distribution, do not depend on the parallel layout or the block size, resume, follow packed
+documents, train a student (which resumes exactly; with Goldfish, and quantization-aware, its
+loss is the sampled estimate on the kept tokens), and a wrong-kind, corrupted, truncated or
+other-data store is refused in one line. Real subprocesses, real tokenizer, the embedded
+corpus."""
 
 from __future__ import annotations
 
@@ -15,24 +17,37 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.apertus import checkpoint
+from megatron.apertus.data.batches import document_lengths
+from megatron.apertus.data.goldfish import GoldfishConfig, goldfish_drop_mask
+from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import (
     HEADER_FILE,
     INDEX_FILE,
     LogitStoreReader,
     block_path,
+    draw_uniforms,
 )
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from megatron.apertus.quant.config import QuantConfig
+from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
 from tests.distill.test_distillation import (
     GENERATE,
     SAMPLES_PER_BLOCK,
     STUDENT,
     STUDENT_DATA,
     block_digests,
+    student_train_data,
     teacher,  # noqa: F401  (module fixture)
     teacher_logprobs,
 )
+from tests.quant.test_qad import QAD_RUN
 
 DRAWS = 64
+STORED_SAMPLES = 24  # the student's 6 steps of 4 samples
+SAMPLING_SEED = 11  # --seed of STUDENT_DATA: the default sampling seed
+PACKED = ["--reset-attention-mask", "--reset-position-ids"]
+LOSS_RTOL = 1e-6
+"""A logged fp32 loss against its float64 estimate (measured within 5e-8)."""
 
 
 def generate_sampled(teacher: Path, out: Path, *, nproc: int = 1, extra: list[str] = ()) -> str:
@@ -83,7 +98,7 @@ def test_draws_follow_the_teachers_distribution(teacher, sampled):  # noqa: F811
 
 def drawn_weights(store: Path) -> torch.Tensor:
     """Every position's weights over the vocabulary, [positions, V]."""
-    rows = LogitStoreReader(store).read(range(24))
+    rows = LogitStoreReader(store).read(range(STORED_SAMPLES))
     k = rows.ids.shape[-1]
     weights = torch.zeros(rows.ids.shape[0] * rows.ids.shape[1], 131072)
     return weights.scatter_(1, rows.ids.reshape(-1, k), rows.probs.reshape(-1, k))
@@ -217,3 +232,137 @@ def test_pipeline_stages_write_the_same_bytes(teacher, sampled, tmp_path):  # no
     for name in (HEADER_FILE, INDEX_FILE):
         assert (pp2 / name).read_bytes() == (sampled / name).read_bytes()
     assert block_digests(pp2, 3) == block_digests(sampled, 3)
+
+
+def inverse_cdf_weights(logprobs: torch.Tensor, uniforms: np.ndarray) -> torch.Tensor:
+    """counts / N over the vocabulary [s, V] of the ids drawn from ``logprobs [s, V]`` at
+    ``uniforms [s, N]``: the id whose CDF interval holds each uniform (float64 CDF)."""
+    cdf = (logprobs.double() - logprobs.double().amax(-1, keepdim=True)).exp().cumsum(-1)
+    point = torch.from_numpy(uniforms) * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, point, right=True).clamp_max(cdf.shape[-1] - 1)
+    weights = torch.zeros(cdf.shape, dtype=torch.float64)
+    return weights.scatter_add_(
+        1, ids, torch.full(ids.shape, 1 / ids.shape[1], dtype=torch.float64)
+    )
+
+
+def document_logprobs(model, sample: dict, eod: int) -> tuple[torch.Tensor, int]:
+    """The teacher ``model``'s log-probabilities [s, V] on each document of ``sample`` run
+    alone (positions from 0), which document masking must reproduce; and the number of
+    documents."""
+    tokens = torch.as_tensor(sample["tokens"]).long()
+    lengths = document_lengths(tokens[None], eod)
+    with torch.no_grad():
+        logits = [
+            model(doc[None], torch.arange(len(doc))[None], None)[0] for doc in tokens.split(lengths)
+        ]
+    return torch.log_softmax(torch.cat(logits).float(), -1), len(lengths)
+
+
+def stored_weights(rows, i: int) -> torch.Tensor:
+    """Row ``i`` of a read: its weights over the vocabulary [s, V]."""
+    weights = torch.zeros(rows.ids.shape[1], 131072, dtype=torch.float64)
+    return weights.scatter_(1, rows.ids[i], rows.probs[i].double())
+
+
+def test_packed_documents_draw_from_each_document_alone(teacher, sampled, tmp_path):  # noqa: F811
+    """With --reset-attention-mask --reset-position-ids the draws of every stored sample are
+    those of the teacher on each of its documents alone, at the store's uniforms; samples that
+    span documents draw otherwise than the unpacked store. (The packed attention sums in
+    another order than a lone document's: a draw within fp32 round-off of a CDF boundary may
+    move, so 99.9% of the draws must agree.)"""
+    packed = tmp_path / "packed"
+    generate_sampled(teacher, packed, extra=PACKED)
+    positions = range(STORED_SAMPLES)
+    stored = LogitStoreReader(packed).read(positions)
+    unpacked = LogitStoreReader(sampled).read(positions)
+    eod = build_tokenizer("TekkenTokenizer").eod
+    shared, spanning = [], []
+    with cpu_models() as models:
+        model = models.build(load=teacher).eval()
+        train = student_train_data(checkpoint.load_model_config(teacher).seq_length)
+        for position in positions:
+            logprobs, documents = document_logprobs(model, train[position], eod)
+            uniforms = draw_uniforms(SAMPLING_SEED, position, logprobs.shape[0], DRAWS)
+            expected = inverse_cdf_weights(logprobs, uniforms)
+            got = stored_weights(stored, position)
+            shared.append(torch.minimum(got, expected).sum(1).mean().item())
+            if documents > 1:
+                spanning.append(position)
+                assert not torch.equal(got, stored_weights(unpacked, position)), position
+    assert spanning, "no sample spans two documents: the test shows nothing"
+    assert min(shared) > 0.999, shared
+
+
+def first_step_reference(model, store: Path) -> tuple[float, float]:
+    """Step 1's loss (the first global batch, positions 0-3) of a Goldfish student ``model``
+    (k=50, h=50) reading the sampled ``store``, from the full-vocabulary log-softmax: per label
+    position 0.9 KL(counts/N || student) + 0.1 CE, averaged over the positions Goldfish keeps;
+    and the same average over all positions (what a run without Goldfish would log)."""
+    train = student_train_data(LogitStoreReader(store).header.seq_length)
+    samples = [train[p] for p in range(4)]
+    tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in samples]).long()
+    labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]).long()
+    mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in samples]).double()
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+    logq = torch.log_softmax(logits.double(), -1)
+    stored = LogitStoreReader(store).read(range(4))
+    w = stored.probs.double()
+    kl = torch.where(w > 0, w * (w.clamp_min(1e-30).log() - logq.gather(-1, stored.ids)), 0)
+    ce = -logq.gather(-1, labels[..., None])[..., 0]
+    per_token = 0.9 * kl.sum(-1) + 0.1 * ce
+    dropped = goldfish_drop_mask(labels, GoldfishConfig(), torch.tensor([], dtype=torch.int64))
+    assert dropped.any(), "Goldfish drops nothing here: the test shows nothing"
+    keep = mask.masked_fill(dropped, 0)
+    average = lambda m: float((per_token * m).sum() / m.sum())  # noqa: E731
+    return average(keep), average(mask)
+
+
+def self_distillation(teacher: Path, store: Path, log: Path, *quant: str) -> list[str]:
+    """The teacher fine-tuned (``--finetune``: weights only, step 0) on its own sampled store
+    with Goldfish, optionally quantization-aware."""
+    return QAD_RUN + [
+        "--load",
+        str(teacher),
+        "--finetune",
+        "--distill-logits-path",
+        str(store),
+        "--kd-alpha",
+        "0.9",
+        "--log-json",
+        str(log),
+        *quant,
+    ]
+
+
+def test_goldfish_student_takes_the_sampled_estimate_on_kept_tokens(
+    teacher, sampled, tmp_path  # noqa: F811
+):
+    """A Goldfish student's first loss from a sampled store is the in-process estimate over the
+    tokens Goldfish keeps, not over all tokens."""
+    log = tmp_path / "student.json"
+    run_entry(PRETRAIN, self_distillation(teacher, sampled, log))
+    steps, losses = series(read_json(log), "train/loss")
+    with cpu_models() as models:
+        kept, everything = first_step_reference(models.build(load=teacher).eval(), sampled)
+    assert steps[0] == 1 and losses[0] == pytest.approx(kept, rel=LOSS_RTOL)
+    assert abs(everything - kept) > 10 * LOSS_RTOL * kept, "Goldfish does not show"
+
+
+def test_qad_from_a_sampled_store_takes_the_estimate(teacher, sampled, tmp_path):  # noqa: F811
+    """Quantization-aware distillation (the teacher's own weights fake-quantized) from a
+    sampled store: its first loss is the estimate of the quantized teacher, with Goldfish, and
+    not that of the unquantized one. int2: the test teacher is barely trained, and int4 moves
+    its first loss by only ~4e-6 (relative), too close to the tolerance to tell."""
+    log = tmp_path / "qad.json"
+    quant = QuantConfig(quant_format="int2", quant_group_size=16)
+    flags = ["--quant-format", quant.quant_format, "--quant-group-size", "16"]
+    run_entry(PRETRAIN, self_distillation(teacher, sampled, log, *flags))
+    steps, losses = series(read_json(log), "train/loss")
+    with cpu_models() as models:
+        kept, _ = first_step_reference(models.build(load=teacher, quant=quant).eval(), sampled)
+        plain, _ = first_step_reference(models.build(load=teacher).eval(), sampled)
+    assert steps == [1, 2, 3, 4, 5, 6] and all(np.isfinite(losses))
+    assert losses[0] == pytest.approx(kept, rel=LOSS_RTOL)
+    assert abs(plain - kept) > 10 * LOSS_RTOL * kept, "quantization does not show"
