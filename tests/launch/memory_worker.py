@@ -42,15 +42,17 @@ def _local_positions(seq: int, cp: int, cp_rank: int):
     return positions[[cp_rank, 2 * cp - 1 - cp_rank]].flatten() if cp > 1 else positions.flatten()
 
 
-def _random_batches(run, count: int):
-    """Random tokens at this rank's share of each sequence (the planner's unit of activations)."""
+def _random_batches(run, count: int, *, whole: bool = False):
+    """Random tokens at this rank's share of each sequence (the planner's unit of activations),
+    or with ``whole`` the whole sequences, as the trainer's forward step takes them (it keeps
+    this rank's share itself)."""
     import torch
     from megatron.core import parallel_state
 
     from megatron.apertus.data.batches import Batch
 
     generator = torch.Generator().manual_seed(0)
-    cp = run.parallel.context_parallel_size
+    cp = 1 if whole else run.parallel.context_parallel_size
     cp_rank = parallel_state.get_context_parallel_rank() if cp > 1 else 0
     positions = _local_positions(run.model.seq_length, cp, cp_rank)
     b, s = run.training.micro_batch_size, positions.numel()
@@ -142,7 +144,7 @@ def _train(run, dp: int, steps: int) -> list[float]:
     )
     losses = []
     for _ in range(steps):
-        batches = list(_random_batches(run, microbatches))
+        batches = list(_random_batches(run, microbatches, whole=True))
         losses.append(train_step(model, optimizer, [iter(batches) for _ in model], shape).loss)
     return losses
 

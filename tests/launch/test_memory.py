@@ -174,13 +174,6 @@ PEAK_FLAGS = [
     "ademamix",
 ]
 """A 4-layer model (hidden 256, micro-batch 4, 2 micro-batches, AdEMAMix, fp32)."""
-CP_MISMATCH = pytest.mark.xfail(
-    strict=True,
-    reason="the planner's CP memory model does not match CPU measurements yet: at 1024 tokens "
-    "CP=2 saves 289 MB measured against 160 MB estimated",
-)
-"""The CP=2 measurements against the estimate: expected to fail until the model is mended (strict:
-a pass means the mark must go)."""
 MEASURED = [(256, 1), (1024, 1), (256, 2), (1024, 2)]
 """(sequence length, context-parallel size) of the peak-memory measurements."""
 
@@ -242,7 +235,7 @@ def peaks(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "seq, cp",
-    [pytest.param(seq, cp, marks=CP_MISMATCH if cp > 1 else ()) for seq, cp in MEASURED],
+    MEASURED,
     ids=[f"seq{seq}-cp{cp}" for seq, cp in MEASURED],
 )
 def test_estimate_within_15_percent_of_measured_peak_memory(peaks, seq, cp):
@@ -251,7 +244,7 @@ def test_estimate_within_15_percent_of_measured_peak_memory(peaks, seq, cp):
     assert abs(estimate - measured) / measured < 0.15
 
 
-@pytest.mark.parametrize("cp", [1, pytest.param(2, marks=CP_MISMATCH)])
+@pytest.mark.parametrize("cp", [1, 2])
 def test_memory_added_by_a_longer_sequence_matches_the_estimate(peaks, cp):
     """From 256 to 1024 tokens per sequence the activations quadruple: the estimate's growth
     is the measured growth within 15%, at each context-parallel size."""
@@ -260,7 +253,6 @@ def test_memory_added_by_a_longer_sequence_matches_the_estimate(peaks, cp):
     assert abs((long_estimate - short_estimate) - (long - short)) / (long - short) < 0.15
 
 
-@CP_MISMATCH
 def test_memory_saved_by_context_parallelism_matches_the_estimate(peaks):
     """At 1024 tokens, CP 2 against CP 1: each rank's saving, measured and estimated."""
     (one, one_estimate), (two, two_estimate) = peaks(1024, 1), peaks(1024, 2)
