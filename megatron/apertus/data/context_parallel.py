@@ -53,6 +53,18 @@ def _shard_teacher(teacher, index: torch.Tensor):
     return teacher._replace(ids=_take(teacher.ids, index), probs=_take(teacher.probs, index))
 
 
+def shard_tokens(t: torch.Tensor, batch: Batch, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """This CP rank's tokens of a per-token tensor ``t`` [b, s, ...] laid out as ``batch``'s
+    tokens, in the order :func:`shard_batch` keeps them (padding repeats a document's last)."""
+    if cp_size == 1:
+        return t
+    params = batch.packed_seq_params
+    if params is None:
+        return _take(t, sequence_partition(batch.tokens.shape[1], cp_size)[cp_rank])
+    sources, _, cu_padded = padded_document_sources(params.cu_seqlens_q, cp_size)
+    return _take(t, sources[document_partition(cu_padded, cp_size)[cp_rank]])
+
+
 def shard_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
     """This CP rank's tokens of ``batch`` (the batch itself when ``cp_size`` is 1)."""
     if cp_size == 1:

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from megatron.apertus import checkpoint, parallel
 from megatron.apertus.data.batches import Batch, BatchConfig, collate
-from megatron.apertus.data.context_parallel import gather_tokens, shard_batch
+from megatron.apertus.data.context_parallel import gather_tokens, shard_batch, shard_tokens
 from megatron.apertus.distill.logit_store import (
     LogitStoreWriter,
     StoreHeader,
@@ -48,7 +48,6 @@ from megatron.apertus.distill.logit_store import (
     sample_key,
 )
 from megatron.apertus.distill.targets import sample_tokens
-from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.training import runtime
 from megatron.apertus.training.step import packed_seq_params_to
@@ -108,11 +107,6 @@ class TeacherRunner:
         self.batch = BatchConfig(
             eod=self.tokenizer.eod, pack_documents=cfg.dataset.reset_attention_mask
         )
-        if self.sampled and cfg.parallel.context_parallel_size > 1:
-            raise ConfigError(
-                "--sampling random runs the teacher without context parallelism: "
-                "set --context-parallel-size 1"
-            )
         self.chunks = self._load_teacher()
         self.store_header = self._header()
         self.writer = self._writer()
@@ -245,9 +239,12 @@ class TeacherRunner:
 
     def _uniforms(self, positions: list[int], micro: int, batches: list[Batch]) -> list:
         """Each micro-batch's uniforms [b, s, N] (packed: [1, b*s, N]), fixed by the sampling
-        seed and each sample's position alone (the padding repeats the last sample's)."""
+        seed and each sample's position alone (the padding repeats the last sample's); under
+        context parallelism this rank's tokens of them, as its share of the batch."""
         padded = positions + [positions[-1]] * (-len(positions) % micro)
         seq, draws = self.cfg.model.seq_length, self.cfg.logits.samples
+        rank = parallel_state.get_context_parallel_rank()
+        size = parallel_state.get_context_parallel_world_size()
         result = []
         for i, batch in enumerate(batches):
             u = np.stack(
@@ -256,7 +253,8 @@ class TeacherRunner:
                     for p in padded[i * micro : (i + 1) * micro]
                 ]
             )
-            result.append(torch.from_numpy(u).reshape(*batch.tokens.shape, draws))
+            whole = torch.from_numpy(u).reshape(*batch.tokens.shape, draws)
+            result.append(shard_tokens(whole, batch, rank, size))
         return result
 
     @staticmethod
