@@ -21,7 +21,7 @@ from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.training.loop import train
-from tests.conftest import PRETRAIN, REPO, run_entry
+from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 
 TOOL = REPO / "tools" / "preprocess_preferences.py"
 TINY = [
@@ -236,6 +236,31 @@ def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd, caplog):
     assert {"train/mean_target", "train/mean_beta_log_ratio", "valid/mean_target"} <= set(
         events.Tags()["scalars"]
     )
+
+
+@pytest.mark.parametrize(
+    "objective, extra, quantity",
+    [("dpo", (), "reward_margin"), ("qrpo", ("--align-length-normalization",), "mean_target")],
+)
+def test_context_parallel_alignment_matches_one_process(data, tmp_path, objective, extra, quantity):
+    """CP=2 (two processes, p2p): each row's log-probability and completion length are summed
+    over the ranks' shares; the reference pass stores the one-process values, and the losses,
+    gradient norms and the objective's quantities of three steps are the one-process ones."""
+    runs, stored = {}, {}
+    for cp in (1, 2):
+        out = tmp_path / f"cp{cp}"
+        args = align_args(data, out, objective, 3, *extra, "--log-json", str(out / "log.json"))
+        run_entry(PRETRAIN, args + ["--context-parallel-size", str(cp)], nproc=cp)
+        runs[cp] = read_json(out / "log.json")
+        data_hash = reference.dataset_hash(data[objective])
+        stored[cp], _ = reference.read(out / "ref" / "train.bin", data_hash=data_hash)
+    np.testing.assert_allclose(stored[2].logps, stored[1].logps, rtol=1e-6)
+    for name, rtol in (("loss", 2e-6), ("grad_norm", 5e-4), (quantity, 1e-5)):
+        steps, values = series(runs[2], f"train/{name}")
+        assert steps == [1, 2, 3], name
+        np.testing.assert_allclose(values, series(runs[1], f"train/{name}")[1], rtol=rtol)
+    losses = series(runs[1], "train/loss")[1]
+    assert np.ptp(losses) > 100 * 2e-6 * abs(losses[0])  # the steps move the losses
 
 
 def test_reference_logps_carried_by_the_data_replace_the_reference_pass(

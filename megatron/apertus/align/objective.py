@@ -9,6 +9,12 @@ sum over the micro-batch's examples with the example count, so megatron-core's p
 normalisation (here: per example) averages over the global batch whatever the micro-batching
 and data parallelism.
 
+Under context parallelism each rank holds a share of every row's tokens: the sums over a row
+(log-probability, completion length) are summed over the CP group before the loss, which every
+CP rank then computes whole; the gradient flows back to each rank's own tokens unchanged, so the
+ranks' gradients add up to the one-process gradient (as the tokens' losses do for cross-entropy),
+and CP rank 0 alone counts the examples and reports the quantities.
+
 Besides the loss, each micro-batch reports the objective's own quantities as (sum, count)
 pairs under :data:`QUANTITY_PREFIX`, which the training loop averages over the global batch:
 DPO's reward margin and reward accuracy (the implicit reward is ``beta * ratio``, beta as
@@ -22,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.align.losses import dpo, qrpo, sequence_log_ratio
@@ -40,6 +48,15 @@ def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> tor
     if per_token_loss.dim() != 2:
         raise ConfigError("alignment needs per-token losses: run with --no-fused-output-loss")
     return -(per_token_loss.double() * loss_mask.double()).sum(-1)
+
+
+def over_context_parallel_ranks(per_row: torch.Tensor) -> torch.Tensor:
+    """Per-row sums over this rank's tokens -> over the whole rows: summed over the CP group in
+    the forward, passed through unchanged in the backward (megatron-core's reduce-from-region,
+    on the CP group), since every CP rank differentiates the same loss through its own tokens."""
+    return reduce_from_tensor_model_parallel_region(
+        per_row, group=parallel_state.get_context_parallel_group()
+    )
 
 
 def _dpo_terms(config: AlignConfig, logps, ref, lengths):
@@ -93,24 +110,27 @@ def alignment_loss(
 ):
     """(loss sum, examples, reported) of one micro-batch; ``reported`` holds the objective's
     quantities (:data:`QUANTITIES`) as sums over the examples with their count."""
-    logps = sequence_logps(output, loss_mask)
+    logps = over_context_parallel_ranks(sequence_logps(output, loss_mask))
     ref = batch.ref_logps.to(logps.device)
     quantiles, ref_counts = batch.quantiles, batch.ref_counts
-    lengths = loss_mask.double().sum(-1) if config.align_length_normalization else None
+    lengths = None
+    if config.align_length_normalization:
+        lengths = over_context_parallel_ranks(loss_mask.double().sum(-1))
     if config.align_objective == "dpo":
         losses, quantities = _dpo_terms(config, logps, ref, lengths)
     else:
         losses, quantities = _qrpo_terms(
             config, logps, ref, lengths, quantiles.to(logps.device), ref_counts.to(logps.device)
         )
-    count = torch.tensor(float(losses.numel()), device=logps.device)
+    counted = parallel_state.get_context_parallel_rank() == 0
+    count = torch.tensor(float(losses.numel() if counted else 0), device=logps.device)
     reported = {
-        "lm loss": torch.stack([losses.sum().detach().float(), count]),
+        "lm loss": torch.stack([losses.sum().detach().float() * counted, count]),
         "goldfish": torch.zeros(2, device=logps.device),
         "sequence logp": logps.detach(),
     }
     for name, values in quantities.items():
-        reported[QUANTITY_PREFIX + name] = torch.stack([values.sum().float(), count])
+        reported[QUANTITY_PREFIX + name] = torch.stack([values.sum().float() * counted, count])
     return losses.sum().float(), count.to(torch.int), reported
 
 

@@ -226,12 +226,7 @@ class Alignment(Objective):
     whose sequence log-probabilities :class:`AlignRun` computes once or reads."""
 
     def __init__(self, cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> None:
-        align, cp = cfg.align, cfg.parallel.context_parallel_size
-        if cp > 1:
-            raise ConfigError(
-                f"--align-objective {align.align_objective} has no context "
-                f"parallelism (--context-parallel-size {cp}): it scores whole sequences"
-            )
+        align = cfg.align
         self.config, self.dp = align, dp
         self.micro_batch_size, self.seq_length = cfg.training.micro_batch_size, cfg.model.seq_length
         self.run = AlignRun(
