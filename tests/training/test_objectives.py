@@ -23,10 +23,6 @@ ALIGN = ["--no-fused-output-loss", "--align-objective", "dpo", "--train-data-pat
             "--align-objective and --distill-logits-path are two objectives",
         ),
         (
-            [*ALIGN, "--context-parallel-size", "2"],
-            "--align-objective dpo has no context parallelism (--context-parallel-size 2)",
-        ),
-        (
             ["--no-fused-output-loss", "--distill-logits-path", "store"],
             "--distill-logits-path needs the fused output-layer loss",
         ),
