@@ -152,6 +152,13 @@ def test_packed_documents_with_goldfish_match_one_process(root, packed_goldfish,
     _assert_same_run(got, packed_goldfish)
 
 
+@pytest.mark.slow
+def test_packed_documents_with_pipeline_stages_match_one_process(root, packed_goldfish):
+    """Documents padded per CP rank make micro-batch lengths vary: the stages exchange shapes."""
+    args = PACKED + GOLDFISH + _cp(2) + ["--pipeline-model-parallel-size", "2"]
+    _assert_same_run(_run(root, "packed-cp2-pp2", args, 4), packed_goldfish)
+
+
 def _store_digest(store) -> dict[str, str]:
     files = sorted(p for p in store.rglob("*") if p.is_file())
     return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
@@ -202,6 +209,25 @@ def _draws(store) -> torch.Tensor:
     k = rows.ids.shape[-1]
     weights = torch.zeros(rows.ids.shape[0] * rows.ids.shape[1], reader.header.vocab_size)
     return weights.scatter_(1, rows.ids.reshape(-1, k), rows.probs.reshape(-1, k))
+
+
+@pytest.mark.slow
+def test_packed_teacher_logits_with_pipeline_stages_are_the_same_bytes(root):
+    """CP=2 (a2a) x PP=2 on packed documents: the stages exchange shapes; one process's bytes."""
+    stores = {}
+    for name, args, nproc in (
+        ("packed", [], 1),
+        ("packed-cp2-pp2", _cp(2, "a2a") + ["--pipeline-model-parallel-size", "2"], 4),
+    ):
+        stores[name] = root / f"logits-{name}"
+        run_entry(
+            GENERATE,
+            ["--load", str(root / "init"), "--logits-dir", str(stores[name]), *TOPK, *GENERATION]
+            + PACKED
+            + args,
+            nproc=nproc,
+        )
+    assert _store_digest(stores["packed-cp2-pp2"]) == _store_digest(stores["packed"])
 
 
 @pytest.fixture(scope="module")

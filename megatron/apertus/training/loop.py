@@ -170,29 +170,14 @@ def _check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> No
         )
 
 
-def _check_context_parallel(cfg: RunConfig) -> None:
-    """Refuse, naming the flag, packed documents between pipeline stages under context
-    parallelism (padding each document to 2 x CP tokens makes the micro-batch's length vary, the
-    stages' messages have a fixed shape); objectives refuse what they cannot serve themselves."""
-    cp = cfg.parallel.context_parallel_size
-    if cp == 1:
-        return
-    if cfg.dataset.reset_attention_mask and cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError(
-            f"--reset-attention-mask with --context-parallel-size {cp} runs without "
-            "pipeline stages: use --pipeline-model-parallel-size 1"
-        )
-
-
 def _check_before_start(cfg: RunConfig) -> None:
-    """What the flags get wrong, refused before any process group exists: the layout, and a
-    --save that cannot be written (or a --log-progress without one)."""
-    _check_context_parallel(cfg)
+    """What the flags get wrong, refused before any process group exists: a --save that cannot
+    be written (or a --log-progress without one)."""
     if cfg.checkpoint.save:
         checkpoint.check_save_dir(cfg.checkpoint.save)
     elif cfg.logging.log_progress:
         raise ConfigError(
-            "--log-progress writes progress.txt beside the checkpoints: it " "needs --save"
+            "--log-progress writes progress.txt beside the checkpoints: it needs --save"
         )
 
 
@@ -292,6 +277,7 @@ class Trainer:
             cfg.parallel,
             training=cfg.training,
             runtime=self.runtime,
+            packed_documents=cfg.dataset.reset_attention_mask,
             fused_loss=cfg.training.fused_output_loss,
             quant=cfg.quant,
             transformer_impl=self.runtime.transformer_impl,

@@ -119,11 +119,20 @@ def model_chunks(
     *,
     training: TrainingConfig,
     runtime: Runtime,
+    packed_documents: bool = False,
     **options,
 ) -> list:
     """This rank's model chunks in the run's precision, initialised on the CPU when the run is
     there; ``options`` go to :func:`megatron.apertus.model.builder.build_model` (the output
-    layer, quantization, recomputation, the engine)."""
+    layer, quantization, recomputation, the engine).
+
+    ``packed_documents`` under context parallelism pads each document to a multiple of 2 x CP
+    tokens, so the length of a micro-batch varies: pipeline stages then send each message's
+    shape before it (megatron-core's ``variable_seq_lengths``; its config refuses that beside
+    the default MoE token dispatcher, which a dense model never builds, so the other is named)."""
+    varying = packed_documents and layout.context_parallel_size > 1
+    if varying and layout.pipeline_model_parallel_size > 1:
+        options.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     return build_model(
         model,
         layout,

@@ -118,6 +118,7 @@ class TeacherRunner:
             cfg.parallel,
             training=cfg.training,
             runtime=self.runtime,
+            packed_documents=cfg.dataset.reset_attention_mask,
             topk=cfg.logits.topk,
             topk_chunk_rows=cfg.logits.topk_chunk_rows,
         )
