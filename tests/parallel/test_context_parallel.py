@@ -250,14 +250,22 @@ def test_sampled_teacher_logits_at_cp2(root, sampled_logits, packed):
     assert shared > 0.999, f"p2p shares only {shared:.4%} of the draws"
 
 
-@pytest.mark.parametrize("store", ["logits", "sampled_logits"], ids=["topk", "sampled"])
-def test_distillation_from_stored_logits_matches_one_process(root, request, store):
+@pytest.mark.parametrize(
+    "store, quant",
+    [
+        ("logits", []),
+        ("sampled_logits", []),
+        ("logits", ["--quant-format", "int4", "--quant-group-size", "16"]),
+    ],
+    ids=["topk", "sampled", "topk-qad-int4"],
+)
+def test_distillation_from_stored_logits_matches_one_process(root, request, store, quant):
+    """Students of either store kind, and quantization-aware (int4 fake-quantized weights,
+    replicated over the CP ranks like the weights themselves)."""
     path = request.getfixturevalue(store)
-    distil = ["--distill-logits-path", str(path), "--kd-alpha", "0.9"] + GOLDFISH
-    _assert_same_run(
-        _run(root, f"distill-{store}-cp2", distil + _cp(2), 2),
-        _run(root, f"distill-{store}", distil),
-    )
+    distil = ["--distill-logits-path", str(path), "--kd-alpha", "0.9"] + GOLDFISH + quant
+    name = f"distill-{store}{'-qad' if quant else ''}"
+    _assert_same_run(_run(root, f"{name}-cp2", distil + _cp(2), 2), _run(root, name, distil))
 
 
 @pytest.fixture(scope="module")
