@@ -730,15 +730,15 @@ def metrics_overhead_stage(ctx: Context, stage: Stage) -> dict:
 STAGES = [
     Stage("attention", "TE attention backend, unpacked and packed (THD)", 0.5, attention_stage),
     Stage("pytest-gpu", "pytest -m gpu tests/gpu tests/ops", 4, pytest_gpu_stage),
-    Stage("fp8-resume", "FP8 delayed scaling: deterministic, exact resume", 2, fp8_resume_stage),
+    Stage("fp8-resume", "FP8 delayed scaling: deterministic, exact resume", 2.5, fp8_resume_stage),
     Stage(
         "train-step-8b", "8B layer shapes: bf16 vs FP8 recipes, bf16 ends", 3.5, train_step_8b_stage
     ),
     Stage("fp8-loss", "bf16 vs FP8 loss over 300 steps, with kurtosis", 4.5, fp8_loss_stage),
-    Stage("train-step-small", "1.5B / 0.5B TE rows with TE's attention", 7, train_step_small_stage),
+    Stage("train-step-small", "1.5B / 0.5B TE rows with TE's attention", 4, train_step_small_stage),
     Stage("fp8-profile", "8B layer shapes: kernel time by category", 4, fp8_profile_stage),
-    Stage("determinism", "--deterministic-mode cost in tokens/s", 4, determinism_stage),
-    Stage("metrics-overhead", "--log-intermediate-metrics overhead", 4, metrics_overhead_stage),
+    Stage("determinism", "--deterministic-mode cost in tokens/s", 3, determinism_stage),
+    Stage("metrics-overhead", "--log-intermediate-metrics overhead", 2.5, metrics_overhead_stage),
 ]
 """In order of value."""
 

@@ -8,7 +8,12 @@ import pytest
 
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ParallelConfig
-from megatron.apertus.model.engine import EngineConfig, resolve_transformer_impl, validate_engine
+from megatron.apertus.model.engine import (
+    EngineConfig,
+    deterministic_core_attention,
+    resolve_transformer_impl,
+    validate_engine,
+)
 from pretrain_gpt import parse_args
 
 HOPPER, ADA, AMPERE, BLACKWELL = (9, 0), (8, 9), (8, 0), (10, 0)
@@ -86,6 +91,40 @@ def test_fp8_is_accepted_from_ada_on(gpu):
     engine = EngineConfig(fp8_format="hybrid", fp8_recipe="tensorwise")
     assert check(engine, gpu=gpu) == "transformer_engine"
     assert check(EngineConfig(fp8_format="e4m3", fp8_recipe="mxfp8"), gpu=BLACKWELL)
+
+
+@pytest.mark.parametrize(
+    "gpu, packed, backend",
+    [
+        (HOPPER, True, "local"),  # TE's deterministic THD backward is off on Hopper
+        (HOPPER, False, "auto"),  # cuDNN's deterministic sbhd backward stays
+        (AMPERE, False, "local"),  # no deterministic cuDNN attention before Hopper
+        (AMPERE, True, "local"),
+        (BLACKWELL, True, "auto"),
+    ],
+)
+def test_deterministic_mode_avoids_te_unfused_attention(gpu, packed, backend):
+    engine = EngineConfig(deterministic_mode=True)
+    chosen = deterministic_core_attention(
+        engine, "transformer_engine", packed_documents=packed, capability=lambda: gpu
+    )
+    assert chosen.attention_backend == backend
+    assert chosen.deterministic_mode
+
+
+@pytest.mark.parametrize(
+    "engine, impl",
+    [
+        (EngineConfig(), "transformer_engine"),  # not deterministic
+        (EngineConfig(deterministic_mode=True, attention_backend="fused"), "transformer_engine"),
+        (EngineConfig(deterministic_mode=True), "local"),
+    ],
+)
+def test_deterministic_core_attention_leaves_other_choices_alone(engine, impl):
+    chosen = deterministic_core_attention(
+        engine, impl, packed_documents=True, capability=lambda: HOPPER
+    )
+    assert chosen == engine
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from megatron.apertus.errors import ConfigError
@@ -37,6 +37,11 @@ FP8_MIN_CAPABILITY = (8, 9)
 """FP8 tensor-core GEMMs: Ada (8.9) and Hopper (9.0) onwards."""
 MXFP8_MIN_CAPABILITY = (10, 0)
 """MXFP8 block scaling is a Blackwell (10.x) hardware format."""
+TE_DETERMINISTIC_FUSED_MIN_CAPABILITY = (9, 0)
+"""Transformer Engine's cuDNN attention trains deterministically from Hopper on."""
+TE_DETERMINISTIC_PACKED_MIN_CAPABILITY = (10, 0)
+"""...and on packed (THD) batches only past Hopper, whose deterministic backward TE turns off
+once documents x heads x longest document^2 reaches 2^30 (a cuDNN workspace limit)."""
 
 
 def _help(text: str, default: Any = None) -> Any:
@@ -216,6 +221,40 @@ def _validate_fp8(
                 f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) "
                 f"must be between 0 and --num-layers ({num_layers})"
             )
+
+
+def deterministic_core_attention(
+    engine: EngineConfig,
+    impl: str,
+    *,
+    packed_documents: bool,
+    capability: Callable[[], tuple[int, int] | None] = cuda_capability,
+) -> EngineConfig:
+    """``engine`` with ``--attention-backend local`` where ``--deterministic-mode`` would leave
+    Transformer Engine nothing but its unfused attention.
+
+    Under ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` TE (2.x) turns its cuDNN attention off before
+    Hopper, and on Hopper for packed documents of realistic sizes; flash-attn is not among its
+    dependencies. The unfused fallback holds every score matrix (documents x heads x longest
+    document^2) and runs out of memory on the 1.5B's packed 4k samples (docs/gpu.md). torch's
+    flash and varlen kernels train bitwise reproducibly there and keep TE's linears and FP8.
+    An explicitly chosen backend is left alone.
+    """
+    if not (
+        engine.deterministic_mode
+        and impl == "transformer_engine"
+        and engine.attention_backend == "auto"
+    ):
+        return engine
+    cap = capability()
+    if cap is None:
+        return engine
+    needed = (
+        TE_DETERMINISTIC_PACKED_MIN_CAPABILITY
+        if packed_documents
+        else TE_DETERMINISTIC_FUSED_MIN_CAPABILITY
+    )
+    return replace(engine, attention_backend="local") if cap < needed else engine
 
 
 def _capability_name(cap: tuple[int, int] | None) -> str:

@@ -89,6 +89,9 @@ def _describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
     if engine.fp8:
         precision = f"FP8 {engine.fp8_format} GEMMs, {engine.fp8_recipe} scaling"
     determinism = ", deterministic kernels" if engine.deterministic_mode else ""
+    if engine.deterministic_mode and impl == "transformer_engine":
+        if engine.attention_backend == "local":
+            determinism += " (core attention: torch flash / varlen, deterministic on this GPU)"
     return f"transformer implementation: {impl}{chosen}; {precision}{determinism}"
 
 
@@ -191,7 +194,11 @@ class Trainer:
         self.cfg = cfg
         _check_before_start(cfg)
         self.runtime = runtime.start(
-            cfg.parallel, model=cfg.model, training=cfg.training, engine=cfg.engine
+            cfg.parallel,
+            model=cfg.model,
+            training=cfg.training,
+            engine=cfg.engine,
+            packed_documents=cfg.dataset.reset_attention_mask,
         )
         self.device, self.dp = self.runtime.device, self.runtime.dp
         _check_batch_sizes(cfg.training, cfg.parallel, self.dp)
@@ -271,7 +278,7 @@ class Trainer:
         cfg = self.cfg
         if is_reporting_rank():
             impl = self.runtime.transformer_impl
-            log.info(_describe_engine(impl, cfg.engine, cfg.training.precision))
+            log.info(_describe_engine(impl, self.runtime.engine, cfg.training.precision))
         chunks = runtime.model_chunks(
             cfg.model,
             cfg.parallel,
@@ -281,7 +288,7 @@ class Trainer:
             fused_loss=cfg.training.fused_output_loss,
             quant=cfg.quant,
             transformer_impl=self.runtime.transformer_impl,
-            engine=cfg.engine,
+            engine=self.runtime.engine,
             **cfg.training.recompute_overrides(),
             **cfg.communication.transformer_overrides(
                 virtual_pipeline=cfg.parallel.virtual_pipeline_model_parallel_size is not None

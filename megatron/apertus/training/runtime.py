@@ -22,6 +22,7 @@ from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig, dtype_from_name
 from megatron.apertus.model.engine import (
     EngineConfig,
+    deterministic_core_attention,
     enable_deterministic_mode,
     select_te_attention_backend,
     validate_engine,
@@ -40,6 +41,8 @@ class Runtime:
     """The data-parallel size (context-parallel ranks share their data and are not counted)."""
     transformer_impl: str | None = None
     """The transformer implementation the engine config chose (None: the builder's default)."""
+    engine: EngineConfig | None = None
+    """The engine flags as this machine runs them (None: the builder's default)."""
 
     @property
     def device(self) -> torch.device:
@@ -55,26 +58,31 @@ def start(
     model: ApertusConfig,
     training: TrainingConfig,
     engine: EngineConfig | None = None,
+    packed_documents: bool = False,
 ) -> Runtime:
     """Resolve the device, set up the transformer engine (when ``engine`` is given: it is
-    checked before any process group exists), the process groups and the seeds."""
+    checked before any process group exists), the process groups and the seeds.
+    ``packed_documents`` (the run's ``--reset-attention-mask``) decides which core attention a
+    deterministic TE run can use."""
     device_name = parallel.resolve_device(training.device)
     transformer_impl = None
     if engine is not None:
-        transformer_impl = _prepare_engine(engine, device_name, model)
+        transformer_impl = validate_engine(engine, device=device_name, num_layers=model.num_layers)
+        engine = deterministic_core_attention(
+            engine, transformer_impl, packed_documents=packed_documents
+        )
+        _apply_engine(engine)
     dp = parallel.initialize(layout, device=device_name, seed=training.seed, model=model)
     warn_if_slow_precision(training.precision, device_name)
-    return Runtime(device_name=device_name, dp=dp, transformer_impl=transformer_impl)
+    return Runtime(device_name=device_name, dp=dp, transformer_impl=transformer_impl, engine=engine)
 
 
-def _prepare_engine(engine: EngineConfig, device_name: str, model: ApertusConfig) -> str:
-    """Check the engine flags against the device and model, and apply the process-wide ones
-    (deterministic kernels, TE's attention backend); returns the transformer implementation."""
-    transformer_impl = validate_engine(engine, device=device_name, num_layers=model.num_layers)
+def _apply_engine(engine: EngineConfig) -> None:
+    """The process-wide switches of the engine flags: deterministic kernels, TE's attention
+    backend."""
     if engine.deterministic_mode:
         enable_deterministic_mode()
     select_te_attention_backend(engine.attention_backend)
-    return transformer_impl
 
 
 def is_reporting_rank() -> bool:
