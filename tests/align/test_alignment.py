@@ -240,7 +240,10 @@ def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd, caplog):
 
 @pytest.mark.parametrize(
     "objective, extra, quantity",
-    [("dpo", (), "reward_margin"), ("qrpo", ("--align-length-normalization",), "mean_target")],
+    [
+        pytest.param("dpo", (), "reward_margin", marks=pytest.mark.slow),  # the same reduction
+        ("qrpo", ("--align-length-normalization",), "mean_target"),
+    ],
 )
 def test_context_parallel_alignment_matches_one_process(data, tmp_path, objective, extra, quantity):
     """CP=2 (two processes, p2p): each row's log-probability and completion length are summed

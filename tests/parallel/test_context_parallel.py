@@ -125,7 +125,7 @@ def unpacked(root):
     [
         ("cp2-p2p", _cp(2), 2),
         ("cp2-a2a", _cp(2, "a2a"), 2),
-        ("cp4-p2p", _cp(4), 4),
+        pytest.param("cp4-p2p", _cp(4), 4, marks=pytest.mark.slow),
         ("cp2-tp2", _cp(2) + ["--tensor-model-parallel-size", "2"], 4),
     ],
 )

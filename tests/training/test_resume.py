@@ -91,8 +91,19 @@ def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tupl
     "name, extra, nproc",
     [
         pytest.param("one-process", [], 1, marks=pytest.mark.smoke),
-        pytest.param("tp2", ["--tensor-model-parallel-size", "2"], 2, marks=pytest.mark.smoke),
-        pytest.param("pp2", ["--pipeline-model-parallel-size", "2"], 2, marks=pytest.mark.smoke),
+        # TP and PP: in the other megatron-core line's tier, which CI runs too.
+        pytest.param(
+            "tp2",
+            ["--tensor-model-parallel-size", "2"],
+            2,
+            marks=[pytest.mark.smoke, pytest.mark.slow],
+        ),
+        pytest.param(
+            "pp2",
+            ["--pipeline-model-parallel-size", "2"],
+            2,
+            marks=[pytest.mark.smoke, pytest.mark.slow],
+        ),
         # Background saves at every step, the one the stop asks for too.
         ("async-save", ["--async-save", "--save-interval", "1"], 1),
         (
@@ -178,7 +189,11 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, lines: list[str]) -> Non
     raise AssertionError(f"process ended before printing {needle!r}:\n{''.join(lines[-30:])}")
 
 
-@pytest.mark.parametrize("extra", [[], ["--async-save"]], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], pytest.param(["--async-save"], marks=pytest.mark.slow)],  # async saves: the matrix above
+    ids=["sync", "async"],
+)
 def test_sigusr2_saves_exits_zero_and_resumes_on_the_same_trajectory(uninterrupted, extra):
     root, (ref_steps, ref_losses), _ = uninterrupted
     save = root / f"signal{'-'.join(extra)}"
