@@ -29,12 +29,14 @@ fields of ``apertus_model.json``.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import tempfile
 from dataclasses import dataclass
 from functools import partial
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +50,7 @@ from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
 )
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
@@ -63,6 +66,7 @@ from megatron.apertus.checkpoint_files import (
     iteration_dir,
     latest_iteration,
 )
+from megatron.apertus.cli import die_with_parent
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.mcore_compat import check_checkpoint_readable
 from megatron.apertus.model.config import ApertusConfig
@@ -235,6 +239,17 @@ class SaveOptions:
     """Keep the fully parallel save's distribution of tensors between saves."""
 
 
+def _write_results_queue_ends_with_this_process() -> None:
+    """megatron-core's torch_dist writer reports through a queue served by a multiprocessing
+    manager process that it starts at the first save. A trainer killed by SIGKILL (a job's time
+    limit, the OOM killer) leaves that process behind, waiting for ever; so it is started here
+    instead, set to end with this process."""
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+
+
 def _save_strategy(options: SaveOptions):
     strategy = get_default_save_sharded_strategy("torch_dist")
     if options.fully_parallel and parallel_state.get_data_parallel_world_size() > 1:
@@ -277,6 +292,7 @@ def save(
         tmp.mkdir(parents=True)
     dist.barrier()
     sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=optimizer is not None)
+    _write_results_queue_ends_with_this_process()
     request = dist_checkpointing.save(
         sharded,
         str(tmp),

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 
+import psutil
+
 from megatron.apertus.training.metrics import read_history
 from tests.conftest import PRETRAIN, REPO
 
@@ -89,8 +91,12 @@ def test_a_killed_run_keeps_its_json_log_and_plot(tmp_path):
             logged.append(int(match.group(1)))
         if len(logged) == 3:
             break
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "the checkpoint writer's results queue is served by a process"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    _, left = psutil.wait_procs(children, timeout=30)
+    assert not left, f"processes outlived the killed run: {left}"
     assert logged == [1, 2, 4]
     steps = [iteration for iteration, _ in read_history(log)["train/loss"]]
     assert steps[: logged[-1]] == list(range(1, logged[-1] + 1)), "every step up to the kill"
