@@ -433,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seq-length", type=int, default=4096)
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
+    parser.add_argument(
+        "--micro-batch", type=int, help="micro-batch size (default: the model's, MICRO_BATCH)"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument(
@@ -461,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def micro_batch(args: argparse.Namespace, model: str) -> int:
+    return args.micro_batch or MICRO_BATCH[model]
+
+
 def throughput_argv(args: argparse.Namespace, model: str, config: str) -> list[str]:
     """The trainer flags of one throughput row (one step more when profiled)."""
     steps = args.warmup + args.steps + int(args.profile)
@@ -469,7 +476,7 @@ def throughput_argv(args: argparse.Namespace, model: str, config: str) -> list[s
         config,
         seq=args.seq_length,
         steps=steps,
-        micro=MICRO_BATCH[model],
+        micro=micro_batch(args, model),
         global_batch=args.global_batch,
         extra=THROUGHPUT,
     )
@@ -507,7 +514,7 @@ def main() -> None:
                 "model": model,
                 "config": config,
                 "seq_length": args.seq_length,
-                "micro_batch": MICRO_BATCH[model],
+                "micro_batch": micro_batch(args, model),
                 "global_batch": args.global_batch,
                 "argv": argv,
                 **run_child(argv, args.warmup, args.steps, args.profile),

@@ -571,6 +571,43 @@ def train_step_8b_stage(ctx: Context, stage: Stage) -> dict:
     )
 
 
+LONG_CONTEXT = ((4096, 2, 16), (16384, 1, 4), (32768, 1, 2))
+"""(sequence length, micro-batch, global batch): 65,536 tokens a step at every length."""
+
+
+def long_context_stage(ctx: Context, stage: Stage) -> dict:
+    """The 1.5B with TE bf16 and packed documents (THD) at 16k and 32k tokens against 4k, the
+    same tokens a step: tokens/s and peak memory on one GPU (context parallelism 1)."""
+    results = {
+        f"seq_{seq}": bench_stage(
+            ctx,
+            f"{stage.name}-{seq}",
+            [
+                "--models",
+                "apertus-v1.1-1.5b",
+                "--seq-length",
+                str(seq),
+                "--micro-batch",
+                str(micro),
+                "--global-batch",
+                str(global_batch),
+                "--warmup",
+                "2",
+                "--steps",
+                "4",
+                "--configs",
+                "te-bf16-packed",
+            ],
+        )
+        for seq, micro, global_batch in LONG_CONTEXT
+    }
+    statuses = {result["status"] for result in results.values()}
+    return {
+        "status": next(s for s in ("cut", "failed", "dry", "ok") if s in statuses),
+        **{name: result.get("bench", result) for name, result in results.items()},
+    }
+
+
 def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
     """Where a step's time goes at the 8B's layer shapes, bf16 against FP8: kernel time by
     category (GEMMs, FP8 casts / transposes / amax, attention, xIELU, loss, norms, optimizer)."""
@@ -626,15 +663,15 @@ LOSS_FLAGS = [
     "300",
     "--loss-configs",
     "te-bf16-packed",
-    "te-fp8-tensorwise-packed",
     "te-fp8-delayed-packed",
 ]
 """No throughput rows; the loss runs, bf16 first (their configs take the attention stage's
-verdict). Delayed scaling is the recipe that pays at the 8B's shapes."""
+verdict). Delayed scaling is the recipe that pays at the 8B's shapes (tensorwise ran before:
+docs/gpu.md)."""
 
 
 def fp8_loss_stage(ctx: Context, stage: Stage) -> dict:
-    """bf16 against FP8 (tensorwise, delayed) over 300 steps of the 0.5B on the same data, each
+    """bf16 against FP8 (delayed scaling) over 300 steps of the 0.5B on the same data, each
     with the GEMM-input statistics (kurtosis, under/overflow); in the dry run, two tiny CPU runs."""
     if ctx.dry:
         check_bench_argv(ctx, LOSS_FLAGS)
@@ -739,8 +776,9 @@ STAGES = [
     Stage(
         "train-step-8b", "8B layer shapes: bf16 vs FP8 recipes, bf16 ends", 3.5, train_step_8b_stage
     ),
-    Stage("fp8-loss", "bf16 vs FP8 loss over 300 steps, with kurtosis", 6.5, fp8_loss_stage),
+    Stage("fp8-loss", "bf16 vs FP8 loss over 300 steps, with kurtosis", 4.5, fp8_loss_stage),
     Stage("train-step-small", "1.5B / 0.5B TE rows with TE's attention", 4, train_step_small_stage),
+    Stage("long-context", "1.5B at 16k / 32k tokens against 4k (THD)", 3, long_context_stage),
     Stage("fp8-profile", "8B layer shapes: kernel time by category", 4, fp8_profile_stage),
     Stage("determinism", "--deterministic-mode cost in tokens/s", 3, determinism_stage),
     Stage("metrics-overhead", "--log-intermediate-metrics overhead", 2.5, metrics_overhead_stage),
