@@ -89,9 +89,8 @@ def _describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
     if engine.fp8:
         precision = f"FP8 {engine.fp8_format} GEMMs, {engine.fp8_recipe} scaling"
     determinism = ", deterministic kernels" if engine.deterministic_mode else ""
-    if engine.deterministic_mode and impl == "transformer_engine":
-        if engine.attention_backend == "local":
-            determinism += " (core attention: torch flash / varlen, deterministic on this GPU)"
+    if determinism and impl == "transformer_engine" and engine.attention_backend == "local":
+        determinism += " (core attention: torch flash / varlen, deterministic on this GPU)"
     return f"transformer implementation: {impl}{chosen}; {precision}{determinism}"
 
 
