@@ -63,6 +63,40 @@ def test_first_iteration_line_of_the_smallest_run_comes_within_15_lines(tmp_path
     assert "Params for bucket" in (tmp_path / "runs" / "tiny" / "debug.log").read_text()
 
 
+QUEUE_FROM_A_THREAD = """
+import os, sys, threading, time
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.apertus import checkpoint
+if __name__ == "__main__":
+    starter = threading.Thread(target=checkpoint._write_results_queue_ends_with_this_process)
+    starter.start()
+    starter.join()
+    queue = filesystem_async._results_queue
+    queue.put("served")
+    print(queue.get(), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_checkpoint_results_queue_outlives_its_thread_not_its_process(tmp_path):
+    """The first save may come from any thread: the queue's server stays while the trainer
+    lives, and ends when the trainer is killed."""
+    script = tmp_path / "queue_from_a_thread.py"
+    script.write_text(QUEUE_FROM_A_THREAD)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "served"
+        servers = psutil.Process(proc.pid).children(recursive=True)
+        assert servers
+    finally:
+        proc.kill()
+        proc.wait()
+    _, left = psutil.wait_procs(servers, timeout=30)
+    assert not left, f"processes outlived the killed trainer: {left}"
+
+
 def test_a_killed_run_keeps_its_json_log_and_plot(tmp_path):
     save, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     proc = _start(
