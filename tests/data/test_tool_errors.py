@@ -142,7 +142,7 @@ def test_input_without_a_usable_line_writes_nothing(tmp_path, content):
 def test_interrupted_preprocessing_ends_quietly_and_leaves_nothing(tmp_path, signum):
     """Ctrl-C reaches the whole process group (the workers too); SIGTERM the main process."""
     docs = embedded_documents()
-    # Minutes of work: the signal must land while it runs, however late a loaded machine
+    # About a minute of work: the signal must land while it runs, however late a loaded machine
     # schedules this test after the first bytes are written.
     source = jsonl(tmp_path / "in.jsonl", [json.dumps({"text": d}) for d in docs * 400])
     out = tmp_path / "out"

@@ -64,7 +64,7 @@ def test_first_iteration_line_of_the_smallest_run_comes_within_15_lines(tmp_path
 
 
 QUEUE_FROM_A_THREAD = """
-import os, sys, threading, time
+import threading, time
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.apertus import checkpoint
 if __name__ == "__main__":
@@ -86,6 +86,7 @@ def test_checkpoint_results_queue_outlives_its_thread_not_its_process(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True
     )
+    servers = []
     try:
         assert proc.stdout.readline().strip() == "served"
         servers = psutil.Process(proc.pid).children(recursive=True)
