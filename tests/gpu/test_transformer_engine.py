@@ -253,8 +253,9 @@ def test_local_packed_runs_are_deterministic(tmp_path):
 
 @needs_te
 def test_te_packed_runs_are_deterministic(tmp_path):
-    """Before Blackwell TE has no deterministic attention for packed documents but its unfused
-    one; the run takes torch's varlen kernel beside TE's linears instead, bitwise repeatable."""
+    """Before Blackwell, TE's deterministic attention for packed documents of realistic sizes is
+    its unfused one; the run takes torch's varlen kernel beside TE's linears instead, bitwise
+    repeatable."""
     flags = ["--transformer-impl", "transformer_engine", "--deterministic-mode"]
     assert pretrain(tmp_path, "te-det-a", *flags) == pretrain(tmp_path, "te-det-b", *flags)
 
