@@ -601,9 +601,8 @@ def long_context_stage(ctx: Context, stage: Stage) -> dict:
         )
         for seq, micro, global_batch in LONG_CONTEXT
     }
-    statuses = {result["status"] for result in results.values()}
     return {
-        "status": next(s for s in ("cut", "failed", "dry", "ok") if s in statuses),
+        "status": worst_status(results.values()),
         **{name: result.get("bench", result) for name, result in results.items()},
     }
 
@@ -629,6 +628,12 @@ def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
     return bench_stage(ctx, stage.name, flags)
 
 
+def worst_status(results) -> str:
+    """The status of a stage made of several runs: its worst run's."""
+    statuses = {result["status"] for result in results}
+    return next(s for s in ("cut", "failed", "dry", "ok") if s in statuses)
+
+
 def train_step_small_stage(ctx: Context, stage: Stage) -> dict:
     """The 1.5B and 0.5B TE rows again, with TE's own attention (fused / flash)."""
     flags = [
@@ -648,10 +653,8 @@ def train_step_small_stage(ctx: Context, stage: Stage) -> dict:
         "train-step-0.5b",
         ["--models", "apertus-v1.1-0.5b", *flags[:5], "te-bf16-packed", "te-fp8-delayed-packed"],
     )
-    statuses = {large["status"], small["status"]}
-    worst = next(s for s in ("cut", "failed", "dry", "ok") if s in statuses)
     return {
-        "status": worst,
+        "status": worst_status([large, small]),
         "bench": large.get("bench", large),
         "bench_0.5b": small.get("bench", small),
     }

@@ -34,8 +34,6 @@ import os
 import random
 import shutil
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.managers import SyncManager
@@ -68,6 +66,7 @@ from megatron.apertus.checkpoint_files import (
     iteration_dir,
     latest_iteration,
 )
+from megatron.apertus.cli import end_with_parent
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.mcore_compat import check_checkpoint_readable
 from megatron.apertus.model.config import ApertusConfig
@@ -240,18 +239,6 @@ class SaveOptions:
     """Keep the fully parallel save's distribution of tensors between saves."""
 
 
-def _end_with(parent: int) -> None:
-    """In a helper process: end once ``parent`` has, however it ended. (The parent-death
-    signal would follow the thread that started the helper, not the process.)"""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def _write_results_queue_ends_with_this_process() -> None:
     """megatron-core's torch_dist writer reports through a queue served by a multiprocessing
     manager process that it starts at the first save. A trainer killed by SIGKILL (a job's time
@@ -259,7 +246,7 @@ def _write_results_queue_ends_with_this_process() -> None:
     instead, set to end with this process."""
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_end_with, initargs=(os.getpid(),))
+        manager.start(initializer=end_with_parent, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()
 
 

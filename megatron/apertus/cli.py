@@ -25,6 +25,8 @@ import fcntl
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
@@ -131,3 +133,16 @@ def die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() == 1:  # the parent died before prctl took effect
             os._exit(1)
+
+
+def end_with_parent(parent: int) -> None:
+    """In a helper process: end once ``parent`` has, however it ended. For helpers that a
+    parent may start from any thread: the parent-death signal of :func:`die_with_parent`
+    follows the thread that started the helper, not the process."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
