@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -192,6 +193,33 @@ def pytest_collection_modifyitems(config, items) -> None:
         if _uses_processes(item):
             item.add_marker(pytest.mark.process)
         item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
+_MODULES_WITH_FAILURES: set[str] = set()
+"""Node ids of the test modules in which a test failed or errored: their scratch is kept."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        _MODULES_WITH_FAILURES.add(item.module.__name__)
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_scratch_removed(request, tmp_path_factory) -> Iterator[None]:
+    """The temporary folders a test module made (its fixtures' checkpoints and runs, several
+    GB for the whole suite) are removed when the module ends, unless one of its tests failed:
+    pytest keeps module-scoped folders until the session ends, and a full run would fill a
+    small disk."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.module.__name__ in _MODULES_WITH_FAILURES:
+        return
+    for path in set(base.iterdir()) - before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_configure(config) -> None:
