@@ -196,7 +196,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 _MODULES_WITH_FAILURES: set[str] = set()
-"""Node ids of the test modules in which a test failed or errored: their scratch is kept."""
+"""Names of the test modules in which a test failed or errored: their scratch is kept."""
 
 
 @pytest.hookimpl(wrapper=True)

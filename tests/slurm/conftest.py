@@ -67,8 +67,8 @@ def _free_port() -> int:
 
 def first_job_id() -> int:
     """A first job id whose rendezvous port is free now. Our launcher derives ``MASTER_PORT``
-    from the job id (``megatron.apertus.launch.slurm.Job.master_port``), so two test clusters on one machine (two
-    workers, or two suites) that both start at job 1 would both listen on one port."""
+    from the job id (``megatron.apertus.launch.slurm.Job.master_port``), so two test clusters
+    on one machine (two workers, or two suites) that both start at job 1 would collide."""
     while True:
         job_id = random.randrange(1, 20000 - 100)
         with socket.socket() as sock:
