@@ -4,7 +4,7 @@
         [--distinct 12] [--train-data-path PREFIX --valid-data-path PREFIX]
         [--reset-attention-mask] [--device cpu]
 
-The teacher (a ``pretrain_gpt.py`` checkpoint) and five students of the tiny preset (same
+The teacher (a ``pretrain_gpt.py`` checkpoint) and six students of the tiny preset (same
 initialisation) run in one process on documents cut into samples of the teacher's sequence
 length: the embedded corpus (the first 90% of the documents train, the last 10% are held out),
 or the token files of ``--train-data-path`` and ``--valid-data-path`` (``tools/preprocess_data.py``
@@ -16,6 +16,9 @@ teacher once on the step's batch, and each student takes one AdamW step on it wi
 * ``cross-entropy``: labels only;
 * ``top-k 256`` and ``top-k 12``: 0.9 KL to the teacher's top-k (``--kd-tail label``, the
   default) + 0.1 CE, the targets a top-k store holds;
+* ``top-k 256 renormalize``: the same with the top-k renormalised to sum to 1
+  (``--kd-tail renormalize``), the top-k target of Sparse Logit Sampling's comparison and of
+  most offline distillation trainers;
 * ``sampled``: 0.9 CE to ``count / N`` of N draws from the teacher (the draws a sampled store
   holds, ``global_samples`` at ``draw_uniforms``) + 0.1 CE; N is the smallest draw count whose
   first batch has at least ``--distinct`` distinct ids per token on average;
@@ -162,7 +165,7 @@ def student_loss(student, layout: Layout, mode: str, target) -> torch.Tensor:
         return (ALPHA * kl + (1 - ALPHA) * ce).mean()
     teacher = None
     if mode != "cross-entropy":
-        tail = "ignore" if mode.startswith("sampled") else "label"
+        tail = "ignore" if mode.startswith("sampled") else topk_tail(mode)
         teacher = TeacherTargets(layout.rows(target[0]), layout.rows(target[1]), ALPHA, tail)
     batch = layout.batch
     loss_sum = layout.forward(
@@ -203,7 +206,7 @@ def store_bytes(mode: str, logprobs: torch.Tensor, draws: torch.Tensor | None) -
             draws.reshape(b * s, -1).numpy(), samples=b, vocab_size=v, zstd_level=3
         )
     else:
-        k = int(mode.split()[-1])
+        k = topk_k(mode)
         top = logprobs.topk(k, dim=-1)
         encoded = encode_block(
             top.indices.reshape(b * s, k).numpy(),
@@ -216,10 +219,21 @@ def store_bytes(mode: str, logprobs: torch.Tensor, draws: torch.Tensor | None) -
     return size / (b * s)
 
 
+def topk_k(mode: str) -> int:
+    """k of a ``top-k K [TAIL]`` mode."""
+    return int(mode.split()[1])
+
+
+def topk_tail(mode: str) -> str:
+    """``--kd-tail`` of a ``top-k K [TAIL]`` mode (``label`` unless named)."""
+    words = mode.split()
+    return words[2] if len(words) > 2 else "label"
+
+
 def target_of(mode: str, logprobs: torch.Tensor, draws: int, first_position: int):
     """(the student's target of ``mode``, the draws of a sampled store or None)."""
     if mode.startswith("top-k"):
-        return topk_targets(logprobs, int(mode.split()[-1])), None
+        return topk_targets(logprobs, topk_k(mode)), None
     if mode.startswith("sampled"):
         ids, weights, drawn = sampled_targets(logprobs, draws, first_position)
         return (ids, weights), drawn
@@ -279,7 +293,14 @@ def main() -> None:
     first = teacher_logprobs(teacher, Layout(train[: args.batch], eod))
     draws = draws_for(first, args.distinct)
     del first
-    modes = ["cross-entropy", "top-k 256", "top-k 12", f"sampled {draws} draws", "full KD (online)"]
+    modes = [
+        "cross-entropy",
+        "top-k 256",
+        "top-k 256 renormalize",
+        "top-k 12",
+        f"sampled {draws} draws",
+        "full KD (online)",
+    ]
     teacher_loss, teacher_ece = held_out(teacher, valid, args.batch, eod)
     print(
         f"{len(train)} training, {len(valid)} held-out samples of {seq} tokens; "
