@@ -211,7 +211,7 @@ def pytest_runtest_makereport(item, call):
 def _module_scratch_removed(request, tmp_path_factory) -> Iterator[None]:
     """The temporary folders a test module made (its fixtures' checkpoints and runs, several
     GB for the whole suite) are removed when the module ends, unless one of its tests failed:
-    pytest keeps module-scoped folders until the session ends, and a full run would fill a
+    pytest keeps module-scoped folders until the whole run ends, and a full run would fill a
     small disk."""
     base = tmp_path_factory.getbasetemp()
     before = set(base.iterdir())
