@@ -17,13 +17,17 @@ from typing import Callable
 
 import torch
 
+from megatron.apertus.ops.cpu_capability import cpu_name, native_bf16_matmul
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict:
-    """Where the numbers come from."""
+    """Where the numbers come from: the CPU's model and vector capability, and whether it
+    multiplies bf16 natively (CPU figures differ by that far more than by core count)."""
     info = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
+        "cpu_native_bf16": native_bf16_matmul(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
