@@ -4,6 +4,8 @@ rules through the probe parameters."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron.apertus.errors import ConfigError
@@ -12,6 +14,7 @@ from megatron.apertus.model.engine import (
     EngineConfig,
     deterministic_core_attention,
     resolve_transformer_impl,
+    select_te_attention_backend,
     validate_engine,
 )
 from pretrain_gpt import parse_args
@@ -125,6 +128,45 @@ def test_deterministic_core_attention_leaves_other_choices_alone(engine, impl):
         engine, impl, packed_documents=True, capability=lambda: HOPPER
     )
     assert chosen == engine
+
+
+SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def exported(monkeypatch, **switches: str) -> None:
+    """A cluster environment that exports TE's attention switches; all three are restored after
+    the test, also where megatron-core sets them while building a model."""
+    for name in SWITCHES:
+        monkeypatch.setenv(name, switches.get(name, ""))
+        if name not in switches:
+            monkeypatch.delenv(name)
+
+
+def test_a_named_te_backend_turns_the_others_off(monkeypatch):
+    exported(monkeypatch, NVTE_FLASH_ATTN="1")
+    select_te_attention_backend("fused", "transformer_engine")
+    assert [os.environ[name] for name in SWITCHES] == ["0", "1", "0"]
+
+
+@pytest.mark.parametrize(
+    "backend, impl", [("auto", "local"), ("local", "local"), ("local", "transformer_engine")]
+)
+def test_switches_are_dropped_where_te_attention_is_unused(backend, impl, monkeypatch, tiny_cpu):
+    """A deterministic TE run may switch to local core attention by itself; an exported switch
+    must not stop it in megatron-core's backend assertion."""
+    exported(monkeypatch, NVTE_FLASH_ATTN="1", NVTE_FUSED_ATTN="0")
+    select_te_attention_backend(backend, impl)
+    assert not any(name in os.environ for name in SWITCHES)
+    tiny_cpu.build(engine=EngineConfig(attention_backend=backend))
+
+
+def test_auto_under_te_refuses_a_backend_switched_off(monkeypatch):
+    exported(monkeypatch, NVTE_FUSED_ATTN="0")
+    with pytest.raises(ConfigError, match="NVTE_FUSED_ATTN=0 .* --attention-backend flash"):
+        select_te_attention_backend("auto", "transformer_engine")
+    exported(monkeypatch, NVTE_FLASH_ATTN="1")
+    select_te_attention_backend("auto", "transformer_engine")
+    assert os.environ["NVTE_FLASH_ATTN"] == "1"
 
 
 @pytest.mark.parametrize(

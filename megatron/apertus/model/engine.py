@@ -302,9 +302,37 @@ def enable_deterministic_mode() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def select_te_attention_backend(backend: str) -> None:
-    """Restrict Transformer Engine's attention to one backend (its environment switches, read
-    when attention runs); ``auto`` and ``local`` leave TE's own choice alone."""
-    if backend in ("flash", "fused", "unfused"):
-        for name in ("flash", "fused", "unfused"):
-            os.environ[f"NVTE_{name.upper()}_ATTN"] = "1" if name == backend else "0"
+TE_ATTENTION_BACKENDS = ("flash", "fused", "unfused")
+
+
+def select_te_attention_backend(backend: str, impl: str) -> None:
+    """Set Transformer Engine's attention switches for ``--attention-backend`` before
+    megatron-core builds the model, which asserts them against the backend (a traceback).
+
+    * flash / fused / unfused: that backend on, the others off.
+    * TE's attention unused (``--transformer-impl local``, or the ``local`` core attention that
+      a deterministic TE run may pick by itself): the switches mean nothing to the run, so values
+      a cluster environment exports are dropped instead of stopping it.
+    * auto under TE: TE chooses among the backends the environment leaves on, and megatron-core's
+      auto allows none to be off; such a switch is refused in one line naming the flag that does
+      the same.
+    """
+    switches = [f"NVTE_{name.upper()}_ATTN" for name in TE_ATTENTION_BACKENDS]
+    if backend in TE_ATTENTION_BACKENDS:
+        for name, switch in zip(TE_ATTENTION_BACKENDS, switches):
+            os.environ[switch] = "1" if name == backend else "0"
+    elif impl != "transformer_engine" or backend == "local":
+        for switch in switches:
+            os.environ.pop(switch, None)
+    else:
+        off = [
+            f"{switch}={os.environ[switch]}"
+            for switch in switches
+            if os.environ.get(switch, "1") != "1"
+        ]
+        if off:
+            raise ConfigError(
+                f"{', '.join(off)} in the environment turns a Transformer Engine attention "
+                "backend off, which --attention-backend auto does not allow (megatron-core); "
+                "unset it, or name the backend with --attention-backend flash|fused|unfused"
+            )

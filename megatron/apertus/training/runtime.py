@@ -71,18 +71,18 @@ def start(
         engine = deterministic_core_attention(
             engine, transformer_impl, packed_documents=packed_documents
         )
-        _apply_engine(engine)
+        _apply_engine(engine, transformer_impl)
     dp = parallel.initialize(layout, device=device_name, seed=training.seed, model=model)
     warn_if_slow_precision(training.precision, device_name)
     return Runtime(device_name=device_name, dp=dp, transformer_impl=transformer_impl, engine=engine)
 
 
-def _apply_engine(engine: EngineConfig) -> None:
+def _apply_engine(engine: EngineConfig, transformer_impl: str) -> None:
     """The process-wide switches of the engine flags: deterministic kernels, TE's attention
     backend."""
     if engine.deterministic_mode:
         enable_deterministic_mode()
-    select_te_attention_backend(engine.attention_backend)
+    select_te_attention_backend(engine.attention_backend, transformer_impl)
 
 
 def is_reporting_rank() -> bool:
