@@ -17,7 +17,8 @@ APERTUS_DATA_FLAGS=(
 APERTUS_DISTILL_SAMPLES=415039062
 
 APERTUS_RECIPE=(
-    --device cuda --precision bf16 --max-position-embeddings "$APERTUS_SEQ_LENGTH"
+    --device cuda --precision bf16 --transformer-impl transformer_engine
+    --max-position-embeddings "$APERTUS_SEQ_LENGTH"
     --optimizer ademamix --adam-beta1 0.9 --adam-beta2 0.999 --ademamix-beta3 0.9999
     --ademamix-alpha 8 --ademamix-alpha-warmup 100000 --ademamix-beta3-warmup 100000
     --weight-decay 0.1 --clip-grad 0.1 --use-distributed-optimizer

@@ -258,3 +258,35 @@ def test_memory_saved_by_context_parallelism_matches_the_estimate(peaks):
     (one, one_estimate), (two, two_estimate) = peaks(1024, 1), peaks(1024, 2)
     assert two < one
     assert abs((one_estimate - two_estimate) - (one - two)) / (one - two) < 0.15
+
+
+GPU_PEAKS = REPO / "bench/results/gpu_suite_long-context_NVIDIA-H200.json"
+"""The 1.5B with Transformer Engine at 4k, 16k and 32k tokens on an H200 (``gpu_suite.py
+long-context``): each row's trainer flags and ``torch.cuda.max_memory_allocated``."""
+
+
+def recorded_gpu_rows() -> list[dict]:
+    stages = json.loads(GPU_PEAKS.read_text())
+    return [stages[name]["rows"][0] for name in ("seq_4096", "seq_16384", "seq_32768")]
+
+
+@pytest.mark.parametrize("row", recorded_gpu_rows(), ids=lambda row: f"seq{row['seq_length']}")
+def test_transformer_engine_estimate_within_3_percent_of_recorded_gpu_peak(row):
+    """The plan of the recorded run's own flags, TE's activation table, against its GPU peak."""
+    assert "transformer_engine" in row["argv"]
+    run_plan = plan(run_from_args(row["argv"]), Cluster(gpus=1, gpus_per_node=1))
+    estimate_gib = run_plan.peak.total / 2**30
+    assert abs(estimate_gib - row["peak_memory_gib"]) / row["peak_memory_gib"] < 0.03
+
+
+def test_local_layers_are_planned_with_more_activation_memory():
+    """Left to choose, a run may fall back to the local layers; the plan counts theirs."""
+    argv = recorded_gpu_rows()[2]["argv"]
+    without_impl = (
+        argv[: argv.index("--transformer-impl")] + argv[argv.index("--transformer-impl") + 2 :]
+    )
+    te, local = (
+        plan(run_from_args(flags), Cluster(gpus=1, gpus_per_node=1)).peak.activations
+        for flags in (argv, without_impl)
+    )
+    assert local > 1.3 * te

@@ -18,7 +18,9 @@ input, fused QKV with per-head QK-norm, GQA, SDPA attention that keeps the flash
 log-sum-exp instead of the s x s scores (so there is no ``5as/h`` term, and megatron-core's
 selective recomputation of ``core_attn`` only saves the log-sum-exp), no dropout masks, and the
 non-gated xIELU MLP (two f-wide tensors). The table was read off the saved-tensor hooks of the
-real layer and is tested against them (``tests/launch/test_memory.py``).
+real layer and is tested against them (``tests/launch/test_memory.py``). Transformer Engine's
+layers save less (``--transformer-impl transformer_engine``: norms fused into the GEMMs, no
+fp32 copies), a table checked against peak GPU memory instead.
 
 Context parallelism (CP ranks share one sequence, Megatron's split into 2 x CP chunks): every
 tensor above holds the rank's seq / CP tokens, so activations, RoPE tables and the loss buffers
@@ -89,6 +91,8 @@ class Shape:
     context_parallel: int = 1
     """Ranks that share each sequence (``--context-parallel-size``)."""
     cp_comm_type: str = "p2p"
+    transformer_impl: str = "local"
+    """``--transformer-impl``: the layers whose saved tensors ``layer_activation_bytes`` counts."""
 
     @property
     def local_seq_length(self) -> int:
@@ -145,6 +149,18 @@ def layer_activation_bytes(model: ApertusConfig, shape: Shape, *, selective: boo
     ``selective``: megatron-core's selective recomputation of core attention, which drops
     SDPA's log-sum-exp (its inputs and output stay saved).
     """
+    per_token = (
+        _te_layer_bytes_per_token(model, shape, selective)
+        if shape.transformer_impl == "transformer_engine"
+        else _local_layer_bytes_per_token(model, shape, selective)
+    )
+    rope_tables = 4 * shape.local_seq_length * model.kv_channels * shape.dtype_bytes  # q, k cos/sin
+    xielu_alphas = 2 * shape.dtype_bytes
+    return per_token * shape.tokens + rope_tables + xielu_alphas
+
+
+def _local_layer_bytes_per_token(model: ApertusConfig, shape: Shape, selective: bool) -> float:
+    """The local layers: RMSNorms that save an fp32 copy of their input, separate linears."""
     h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_channels * model.num_query_groups
     nh, ng, p, t, r = (
         model.num_attention_heads,
@@ -158,7 +174,7 @@ def layer_activation_bytes(model: ApertusConfig, shape: Shape, *, selective: boo
     # .float() returns that copy (or, for k and for one group, the QKV output's view) itself.
     q_copy = FP32 * h if p < FP32 or ng > t else 0
     k_copy = FP32 * kv if p < FP32 else 0
-    per_token = (
+    return (
         2 * norm  # input and pre-MLP RMSNorm
         + 2 * p * h / r  # inputs of linear_qkv and linear_fc1 (gathered again in backward)
         + p * (h + 2 * kv) / t  # QKV output (its views k and v are saved)
@@ -169,9 +185,30 @@ def layer_activation_bytes(model: ApertusConfig, shape: Shape, *, selective: boo
         + (0 if selective else FP32 * nh / t)  # SDPA log-sum-exp
         + 2 * p * f / t  # xIELU input (fc1 output) and fc2 input
     )
-    rope_tables = 4 * shape.local_seq_length * model.kv_channels * p  # cos and sin for q and k
-    xielu_alphas = 2 * p
-    return per_token * shape.tokens + rope_tables + xielu_alphas
+
+
+def _te_layer_bytes_per_token(model: ApertusConfig, shape: Shape, selective: bool) -> float:
+    """Transformer Engine's layers: RMSNorm fused into the QKV and fc1 GEMMs, which keep the
+    input and the normalised input in the training dtype (sequence-split, gathered again in
+    backward) and an fp32 1/rms, and TE's QK-norm, which keeps only 1/rms beside its input (the
+    QKV output). Checked against the 1.5B's peak memory on an H200 (docs/long_context.md)."""
+    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_channels * model.num_query_groups
+    nh, ng, p, t, r = (
+        model.num_attention_heads,
+        model.num_query_groups,
+        shape.dtype_bytes,
+        shape.tp,
+        shape.seq_split,
+    )
+    return (
+        2 * (2 * p * h + FP32) / r  # fused norm + linear (QKV, fc1): input, normalised, 1/rms
+        + p * (h + 2 * kv) / t  # QKV output: q and k as QK-norm's inputs, v as attention's
+        + FP32 * (nh + ng) / t  # QK-norm's 1/rms per head
+        + p * (h + kv) / t  # q and k after RoPE
+        + p * h / t  # attention output = linear_proj input
+        + (0 if selective else FP32 * nh / t)  # softmax statistics
+        + 2 * p * f / t  # xIELU input (fc1 output) and fc2 input
+    )
 
 
 def kv_block_bytes(model: ApertusConfig, shape: Shape) -> float:
@@ -318,9 +355,14 @@ def stage_memory(
     chunks = in_flight_chunks(parallel, pipeline_rank, run.microbatches)
     kept, working = chunk_activation_bytes(model, shape, layers, run.recompute)
     activations = chunks * kept + working
-    if shape.dtype_bytes < FP32 and run.recompute.granularity != "full":
+    if (
+        shape.dtype_bytes < FP32
+        and run.recompute.granularity != "full"
+        and shape.transformer_impl != "transformer_engine"
+    ):
         # The schedule keeps the input it received for each chunk in flight (in fp32 the first
-        # RMSNorm saves that very tensor); on the first stage, about 1/VP of them are embeddings.
+        # RMSNorm saves that very tensor, as TE's fused norm + linear does in any dtype); on the
+        # first stage, about 1/VP of them are embeddings.
         received = chunks if pipeline_rank > 0 else chunks * (vp - 1) / vp
         activations += received * layer_input_bytes(model, shape)
     loss = 0.0

@@ -36,6 +36,7 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch import memory
 from megatron.apertus.launch.memory import Recompute, Shape, StageMemory, Workload
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig, validate_layout
+from megatron.apertus.model.engine import EngineConfig
 from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.parallel import resolve_device
 from megatron.apertus.training import config as C
@@ -79,6 +80,7 @@ class Run:
     parallel: ParallelConfig
     training: C.TrainingConfig
     optimizer: C.OptimizerSettings
+    engine: EngineConfig
     forward_only: bool = False
 
     @property
@@ -120,7 +122,7 @@ class Plan:
 # -- reading a run's flags -------------------------------------------------------------------
 
 
-PLANNED_GROUPS = ("model", "parallel", "training", "optimizer")
+PLANNED_GROUPS = ("model", "parallel", "training", "optimizer", "engine")
 """The config groups of ``pretrain_gpt.py``'s command line that a layout depends on."""
 
 
@@ -265,7 +267,16 @@ def _shape(run: Run) -> Shape:
         device="cpu" if run.training.device == "cpu" else "cuda",
         context_parallel=run.parallel.context_parallel_size,
         cp_comm_type=run.parallel.cp_comm_type,
+        transformer_impl=_planned_impl(run),
     )
+
+
+def _planned_impl(run: Run) -> str:
+    """The layers whose activations the plan counts: Transformer Engine's only when the run names
+    them. Left to choose, a run falls back to the local layers where TE does not import, and
+    those save more; the plan allows for that."""
+    named = run.engine.transformer_impl
+    return "transformer_engine" if named == "transformer_engine" else "local"
 
 
 def _stages(run: Run, dp: int, microbatches: int, recompute: Recompute) -> list[StageMemory]:
