@@ -1,7 +1,7 @@
 """Students distilled with each kind of teacher target, same steps, seeds and data, one process.
 
     python bench/bench_kd_estimators.py --teacher-checkpoint SAVE_DIR [--steps 40] [--batch 4]
-        [--distinct 12] [--train-data-path PREFIX --valid-data-path PREFIX]
+        [--distinct 12] [--lr-wsd-decay-iters 0] [--train-data-path PREFIX --valid-data-path PREFIX]
         [--reset-attention-mask] [--device cpu]
 
 The teacher (a ``pretrain_gpt.py`` checkpoint) and six students of the tiny preset (same
@@ -11,7 +11,9 @@ or the token files of ``--train-data-path`` and ``--valid-data-path`` (``tools/p
 prefixes, e.g. a demo's ``data/student_text_document`` and ``data/valid_text_document``). With
 ``--reset-attention-mask`` every forward packs the documents (attention and positions restart
 after each end of document, as ``pretrain_gpt.py`` does with that flag). Each step runs the
-teacher once on the step's batch, and each student takes one AdamW step on it with one loss:
+teacher once on the step's batch, and each student takes one AdamW step on it with one loss, at
+a constant learning rate or, with ``--lr-wsd-decay-iters N``, the recipe's WSD schedule whose
+last N steps cool down as 1 - sqrt (megatron-core's ``OptimizerParamScheduler``):
 
 * ``cross-entropy``: labels only;
 * ``top-k 256`` and ``top-k 12``: 0.9 KL to the teacher's top-k (``--kd-tail label``, the
@@ -249,6 +251,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--distinct", type=float, default=12.0)
+    parser.add_argument(
+        "--lr-wsd-decay-iters",
+        type=int,
+        default=0,
+        help="the last N steps cool the learning rate down to 0 (1-sqrt); 0: constant",
+    )
     parser.add_argument("--held-out-samples", type=int, default=64)
     parser.add_argument("--train-data-path", help="token files the students train on (prefix)")
     parser.add_argument("--valid-data-path", help="held-out token files (prefix)")
@@ -263,6 +271,28 @@ def parse_args() -> argparse.Namespace:
     if (args.train_data_path is None) != (args.valid_data_path is None):
         parser.error("give both --train-data-path and --valid-data-path, or neither")
     return args
+
+
+def wsd_schedule(optimizer: torch.optim.Optimizer, lr: float, steps: int, decay_steps: int):
+    """Constant ``lr``, then over the last ``decay_steps`` steps 1 - sqrt down to 0: the recipe's
+    WSD shape, stepped once per optimizer step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=lr,
+        max_lr=lr,
+        min_lr=0.0,
+        lr_warmup_steps=0,
+        lr_decay_steps=steps,
+        lr_decay_style="WSD" if decay_steps else "constant",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=steps,
+        wd_incr_style="constant",
+        wsd_decay_steps=decay_steps or None,
+        lr_wsd_decay_style="minus_sqrt",
+    )
 
 
 def main() -> None:
@@ -317,6 +347,10 @@ def main() -> None:
         optimizers[mode] = torch.optim.AdamW(
             students[mode].parameters(), lr=args.lr, weight_decay=0.0
         )
+    schedulers = {
+        mode: wsd_schedule(optimizer, args.lr, args.steps, args.lr_wsd_decay_iters)
+        for mode, optimizer in optimizers.items()
+    }
     times = {mode: [] for mode in modes}
     sizes = {mode: [] for mode in modes}
     distinct = []
@@ -334,6 +368,7 @@ def main() -> None:
             optimizers[mode].zero_grad(set_to_none=True)
             student_loss(students[mode], batch, mode, target).backward()
             optimizers[mode].step()
+            schedulers[mode].step(1)
             times[mode].append(time.perf_counter() - began)
         print(f"step {step + 1}/{args.steps}", flush=True)
     rows = []
@@ -367,6 +402,7 @@ def main() -> None:
         "steps": args.steps,
         "batch": args.batch,
         "lr": args.lr,
+        "lr_wsd_decay_iters": args.lr_wsd_decay_iters,
         "draws": draws,
     }
     print(f"wrote {write_results(args.name, rows, extra)}")

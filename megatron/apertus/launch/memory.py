@@ -159,16 +159,25 @@ def layer_activation_bytes(model: ApertusConfig, shape: Shape, *, selective: boo
     return per_token * shape.tokens + rope_tables + xielu_alphas
 
 
-def _local_layer_bytes_per_token(model: ApertusConfig, shape: Shape, selective: bool) -> float:
-    """The local layers: RMSNorms that save an fp32 copy of their input, separate linears."""
-    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_channels * model.num_query_groups
-    nh, ng, p, t, r = (
+def _layer_dims(model: ApertusConfig, shape: Shape) -> tuple[int, ...]:
+    """Hidden, FFN and key/value widths, heads, query groups, bytes per element, TP and the
+    sequence split: the letters of the activation tables."""
+    kv = model.kv_channels * model.num_query_groups
+    return (
+        model.hidden_size,
+        model.ffn_hidden_size,
+        kv,
         model.num_attention_heads,
         model.num_query_groups,
         shape.dtype_bytes,
         shape.tp,
         shape.seq_split,
     )
+
+
+def _local_layer_bytes_per_token(model: ApertusConfig, shape: Shape, selective: bool) -> float:
+    """The local layers: RMSNorms that save an fp32 copy of their input, separate linears."""
+    h, f, kv, nh, ng, p, t, r = _layer_dims(model, shape)
     norm = (FP32 * h + p * h + FP32) / r  # fp32 copy of the input, normalised x, 1/rms
     # q is copied out of the fused QKV output when a rank holds several query groups; in fp32
     # .float() returns that copy (or, for k and for one group, the QKV output's view) itself.
@@ -192,14 +201,7 @@ def _te_layer_bytes_per_token(model: ApertusConfig, shape: Shape, selective: boo
     input and the normalised input in the training dtype (sequence-split, gathered again in
     backward) and an fp32 1/rms, and TE's QK-norm, which keeps only 1/rms beside its input (the
     QKV output). Checked against the 1.5B's peak memory on an H200 (docs/long_context.md)."""
-    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_channels * model.num_query_groups
-    nh, ng, p, t, r = (
-        model.num_attention_heads,
-        model.num_query_groups,
-        shape.dtype_bytes,
-        shape.tp,
-        shape.seq_split,
-    )
+    h, f, kv, nh, ng, p, t, r = _layer_dims(model, shape)
     return (
         2 * (2 * p * h + FP32) / r  # fused norm + linear (QKV, fc1): input, normalised, 1/rms
         + p * (h + 2 * kv) / t  # QKV output: q and k as QK-norm's inputs, v as attention's
