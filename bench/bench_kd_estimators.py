@@ -146,6 +146,17 @@ def sampled_targets(logprobs: torch.Tensor, draws: int, first_position: int):
     return top.indices.view(shape), (top.values / draws).view(shape), drawn.view(shape)
 
 
+def teacher_spread(logprobs: torch.Tensor) -> dict:
+    """How flat the teacher's next-token distributions are: their mean entropy and the mass of
+    their 12 most likely ids. The flatter, the more draws a sampled store needs for the same
+    noise."""
+    p = logprobs.exp()
+    return {
+        "teacher_entropy_nats": float(-(p * logprobs).sum(-1).mean()),
+        "teacher_top12_mass": float(p.topk(12, dim=-1).values.sum(-1).mean()),
+    }
+
+
 def draws_for(logprobs: torch.Tensor, distinct: float) -> int:
     """The smallest draw count whose targets have >= ``distinct`` distinct ids per token."""
     for draws in range(int(distinct), 4096):
@@ -322,6 +333,7 @@ def main() -> None:
     valid = valid[: args.held_out_samples]
     first = teacher_logprobs(teacher, Layout(train[: args.batch], eod))
     draws = draws_for(first, args.distinct)
+    spread = teacher_spread(first)
     del first
     modes = [
         "cross-entropy",
@@ -335,7 +347,8 @@ def main() -> None:
     print(
         f"{len(train)} training, {len(valid)} held-out samples of {seq} tokens; "
         f"sampled: {draws} draws per token; teacher: held-out {teacher_loss:.4f}, "
-        f"ECE {teacher_ece:.4f}",
+        f"ECE {teacher_ece:.4f}; next-token entropy {spread['teacher_entropy_nats']:.2f} nats, "
+        f"top-12 mass {spread['teacher_top12_mass']:.2f} (first batch)",
         flush=True,
     )
     students, optimizers = {}, {}
@@ -379,7 +392,7 @@ def main() -> None:
             "held_out_loss": loss,
             "ece": ece,
             "bytes_per_token": statistics.mean(sizes[mode]),
-            "step_s": statistics.median(times[mode][1:]),
+            "step_s": statistics.median(times[mode][1:] or times[mode]),
         }
         if mode.startswith("sampled"):
             row["distinct_ids_per_token"] = statistics.mean(distinct)
@@ -404,6 +417,7 @@ def main() -> None:
         "lr": args.lr,
         "lr_wsd_decay_iters": args.lr_wsd_decay_iters,
         "draws": draws,
+        **spread,
     }
     print(f"wrote {write_results(args.name, rows, extra)}")
 
