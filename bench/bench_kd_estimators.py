@@ -13,7 +13,7 @@ prefixes, e.g. a demo's ``data/student_text_document`` and ``data/valid_text_doc
 after each end of document, as ``pretrain_gpt.py`` does with that flag). Each step runs the
 teacher once on the step's batch, and each student takes one AdamW step on it with one loss, at
 a constant learning rate or, with ``--lr-wsd-decay-iters N``, the recipe's WSD schedule whose
-last N steps cool down as 1 - sqrt (megatron-core's ``OptimizerParamScheduler``):
+last N steps cool down as 1 - sqrt (the trainer's scheduler, megatron-core's):
 
 * ``cross-entropy``: labels only;
 * ``top-k 256`` and ``top-k 12``: 0.9 KL to the teacher's top-k (``--kd-tail label``, the
@@ -285,25 +285,21 @@ def parse_args() -> argparse.Namespace:
 
 
 def wsd_schedule(optimizer: torch.optim.Optimizer, lr: float, steps: int, decay_steps: int):
-    """Constant ``lr``, then over the last ``decay_steps`` steps 1 - sqrt down to 0: the recipe's
-    WSD shape, stepped once per optimizer step."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    """Constant ``lr``, then over the last ``decay_steps`` steps 1 - sqrt down to 0: the
+    trainer's own scheduler with ``--lr-decay-style WSD --lr-wsd-decay-iters decay_steps``,
+    one sample a step."""
+    from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=lr,
-        max_lr=lr,
-        min_lr=0.0,
-        lr_warmup_steps=0,
-        lr_decay_steps=steps,
-        lr_decay_style="WSD" if decay_steps else "constant",
-        start_wd=0.0,
-        end_wd=0.0,
-        wd_incr_steps=steps,
-        wd_incr_style="constant",
-        wsd_decay_steps=decay_steps or None,
-        lr_wsd_decay_style="minus_sqrt",
+    from megatron.apertus.optim.param_scheduler import build_scheduler
+    from megatron.apertus.optim.schedule import ScheduleConfig
+
+    schedule = (
+        ScheduleConfig(lr_decay_style="WSD", lr_wsd_decay_iters=decay_steps)
+        if decay_steps
+        else ScheduleConfig()
     )
+    config = OptimizerConfig(lr=lr, min_lr=0.0, weight_decay=0.0)
+    return build_scheduler(optimizer, schedule, config, global_batch_size=1, train_iters=steps)
 
 
 def main() -> None:
