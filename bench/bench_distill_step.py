@@ -1,6 +1,7 @@
 """Extra time of a distillation step over a cross-entropy step, in one process.
 
     python bench/bench_distill_step.py [--logits runs/demo/logits] [--rounds 7] [--device cuda]
+        [--results-dir bench/results]
 
 A training step differs only in its loss (the rest of the model is the same): the fused output
 layer + loss with ``alpha=0`` and no teacher (cross-entropy) against ``alpha=0.9`` with the
@@ -8,10 +9,10 @@ teacher's top-k (the sparse KL correction at k ids per token), forward + backwar
 one step's teacher targets from a store (decode; in training this overlaps the previous step in a
 background thread). The two losses alternate round by round, so load from other processes hits
 both alike. Shapes on CPU (fp32): the demo student (hidden 64) and the CPU shape of the kernel
-benchmark (2048 tokens, hidden 512), V = 131072, k = 64 and 256. On CUDA (bf16): one micro-batch of
-8 x 2048 tokens at the hidden sizes of the Apertus-v1.1 0.5B, 1.5B and 4B students, k = 256. The
-``sampled`` rows are a sampled store's targets (``--sampling random``): 12 distinct ids per token
-with weights count / 32 summing to 1, and no tail term.
+benchmark (2048 tokens, hidden 512), V = 131072, k = 64 and 256. On CUDA (bf16): one micro-batch
+of 8 x 2048 tokens at the hidden sizes of the Apertus-v1.1 0.5B, 1.5B and 4B students, k = 256.
+Both add ``sampled`` rows: a sampled store's targets (``--sampling random``), 12 distinct ids per
+token with weights count / 32 summing to 1, and no tail term.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_results  # noqa: E402
+from _common import RESULTS, write_results  # noqa: E402
 
 from megatron.apertus.ops.sparse_kl import fused_linear_sparse_kd
 
@@ -39,7 +40,14 @@ SHAPES = {  # tokens, hidden, k (a sampled store's rows: 12 distinct ids of 32 d
         (2048, 512, 256),
         (2048, 512, "sampled"),
     ],
-    "cuda": [(16384, 1024, 256), (16384, 1024, "sampled"), (16384, 2048, 256), (16384, 3072, 256)],
+    "cuda": [
+        (16384, 1024, 256),
+        (16384, 1024, "sampled"),
+        (16384, 2048, 256),
+        (16384, 2048, "sampled"),
+        (16384, 3072, 256),
+        (16384, 3072, "sampled"),
+    ],
 }
 SAMPLED_DISTINCT, SAMPLED_DRAWS = 12, 32
 DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
@@ -139,12 +147,17 @@ def read_step(logits: Path, samples: int, rounds: int) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logits", type=Path, default=Path("runs/demo/logits"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", choices=sorted(SHAPES), default="cpu")
-    args = parser.parse_args()
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where the JSON goes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.manual_seed(0)
@@ -155,13 +168,13 @@ def main() -> None:
         print(
             f"N={tokens} H={hidden} {row['store']} k={row['k']}: "
             f"CE {row['cross_entropy_ms']:.0f} ms, distillation "
-            f"{row['distillation_ms']:.0f} ms (+{100 * row['extra_fraction']:.1f}%)"
+            f"{row['distillation_ms']:.0f} ms ({100 * row['extra_fraction']:+.1f}%)"
         )
     extra = {"load_average_1_5_15min": os.getloadavg()}
     if (args.logits / "index.bin").is_file():
         extra["teacher_targets_read"] = read_step(args.logits, 16, args.rounds)
         print(f"reading one step's targets: {extra['teacher_targets_read']['read_ms']:.1f} ms")
-    print(write_results("distill_step", rows, extra))
+    print(write_results("distill_step", rows, extra, args.results_dir))
 
 
 if __name__ == "__main__":

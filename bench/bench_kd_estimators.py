@@ -1,8 +1,8 @@
 """Students distilled with each kind of teacher target, same steps, seeds and data, one process.
 
     python bench/bench_kd_estimators.py --teacher-checkpoint SAVE_DIR [--steps 40] [--batch 4]
-        [--distinct 12] [--lr-wsd-decay-iters 0] [--train-data-path PREFIX --valid-data-path PREFIX]
-        [--reset-attention-mask] [--device cpu]
+        [--distinct 12] [--lr-wsd-decay-iters 0] [--teacher-temperature 1]
+        [--train-data-path PREFIX --valid-data-path PREFIX] [--reset-attention-mask] [--device cpu]
 
 The teacher (a ``pretrain_gpt.py`` checkpoint) and six students of the tiny preset (same
 initialisation) run in one process on documents cut into samples of the teacher's sequence
@@ -13,7 +13,10 @@ prefixes, e.g. a demo's ``data/student_text_document`` and ``data/valid_text_doc
 after each end of document, as ``pretrain_gpt.py`` does with that flag). Each step runs the
 teacher once on the step's batch, and each student takes one AdamW step on it with one loss, at
 a constant learning rate or, with ``--lr-wsd-decay-iters N``, the recipe's WSD schedule whose
-last N steps cool down as 1 - sqrt (the trainer's scheduler, megatron-core's):
+last N steps cool down as 1 - sqrt (the trainer's scheduler, megatron-core's). With
+``--teacher-temperature T`` every target comes from the teacher's logits divided by T: T < 1
+sharpens a weak teacher towards an LLM's next-token entropy (a few nats), the regime a sampled
+store is made for. The students' targets are:
 
 * ``cross-entropy``: labels only;
 * ``top-k 256`` and ``top-k 12``: 0.9 KL to the teacher's top-k (``--kd-tail label``, the
@@ -107,10 +110,10 @@ class Layout:
         params = {"packed_seq_params": batch.packed_seq_params} if batch.packed_seq_params else {}
         return model(batch.tokens, batch.position_ids, None, **params, **kwargs)
 
-    def log_softmax(self, model) -> torch.Tensor:
-        """[b, s, V] next-token log-probabilities."""
+    def log_softmax(self, model, temperature: float = 1.0) -> torch.Tensor:
+        """[b, s, V] next-token log-probabilities of the logits divided by ``temperature``."""
         logits = self.forward(model).float()
-        return torch.log_softmax(logits, -1).reshape(*self.shape, -1)
+        return torch.log_softmax(logits / temperature, -1).reshape(*self.shape, -1)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """``[b, s, ...]`` in the batch's layout."""
@@ -121,9 +124,9 @@ class Layout:
         return self.batch.labels.reshape(self.shape)
 
 
-def teacher_logprobs(teacher, layout: Layout) -> torch.Tensor:
+def teacher_logprobs(teacher, layout: Layout, temperature: float) -> torch.Tensor:
     with torch.no_grad():
-        return layout.log_softmax(teacher)
+        return layout.log_softmax(teacher, temperature)
 
 
 def topk_targets(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,14 +190,16 @@ def student_loss(student, layout: Layout, mode: str, target) -> torch.Tensor:
     return loss_sum / labels.numel()
 
 
-def held_out(student, samples: np.ndarray, batch: int, eod: int | None) -> tuple[float, float]:
+def held_out(
+    model, samples: np.ndarray, batch: int, eod: int | None, temperature: float = 1.0
+) -> tuple[float, float]:
     """Mean cross-entropy and expected calibration error of the top-1 next-token probability."""
     losses, confidence, correct = [], [], []
     with torch.no_grad():
         for start in range(0, len(samples), batch):
             layout = Layout(samples[start : start + batch], eod)
             labels = layout.labels
-            logq = layout.log_softmax(student)
+            logq = layout.log_softmax(model, temperature)
             losses.append(-logq.gather(-1, labels[..., None]).flatten())
             top = logq.max(-1)
             confidence.append(top.values.exp().flatten())
@@ -268,6 +273,13 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="the last N steps cool the learning rate down to 0 (1-sqrt); 0: constant",
     )
+    parser.add_argument(
+        "--teacher-temperature",
+        type=float,
+        default=1.0,
+        help="divide the teacher's logits by T before every target and the teacher's held-out "
+        "figures: T < 1 sharpens a weak teacher towards an LLM's next-token entropy",
+    )
     parser.add_argument("--held-out-samples", type=int, default=64)
     parser.add_argument("--train-data-path", help="token files the students train on (prefix)")
     parser.add_argument("--valid-data-path", help="held-out token files (prefix)")
@@ -281,6 +293,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if (args.train_data_path is None) != (args.valid_data_path is None):
         parser.error("give both --train-data-path and --valid-data-path, or neither")
+    if args.teacher_temperature <= 0:
+        parser.error(f"--teacher-temperature must be positive, not {args.teacher_temperature}")
     return args
 
 
@@ -327,7 +341,7 @@ def main() -> None:
     else:
         train, valid = corpus_samples(seq, tokenizer)
     valid = valid[: args.held_out_samples]
-    first = teacher_logprobs(teacher, Layout(train[: args.batch], eod))
+    first = teacher_logprobs(teacher, Layout(train[: args.batch], eod), args.teacher_temperature)
     draws = draws_for(first, args.distinct)
     spread = teacher_spread(first)
     del first
@@ -339,7 +353,7 @@ def main() -> None:
         f"sampled {draws} draws",
         "full KD (online)",
     ]
-    teacher_loss, teacher_ece = held_out(teacher, valid, args.batch, eod)
+    teacher_loss, teacher_ece = held_out(teacher, valid, args.batch, eod, args.teacher_temperature)
     print(
         f"{len(train)} training, {len(valid)} held-out samples of {seq} tokens; "
         f"sampled: {draws} draws per token; teacher: held-out {teacher_loss:.4f}, "
@@ -366,7 +380,7 @@ def main() -> None:
     for step in range(args.steps):
         start = step * args.batch % (len(train) - args.batch)
         batch = Layout(train[start : start + args.batch], eod)
-        logprobs = teacher_logprobs(teacher, batch)
+        logprobs = teacher_logprobs(teacher, batch, args.teacher_temperature)
         for mode in modes:
             target, drawn = target_of(mode, logprobs, draws, start)
             if drawn is not None:
@@ -412,6 +426,7 @@ def main() -> None:
         "batch": args.batch,
         "lr": args.lr,
         "lr_wsd_decay_iters": args.lr_wsd_decay_iters,
+        "teacher_temperature": args.teacher_temperature,
         "draws": draws,
         **spread,
     }

@@ -628,6 +628,27 @@ def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
     return bench_stage(ctx, stage.name, flags)
 
 
+def distill_step_stage(ctx: Context, stage: Stage) -> dict:
+    """``bench_distill_step.py --device cuda``: the fused loss step with a top-k 256 store's and a
+    sampled store's targets against cross-entropy, at the 0.5B / 1.5B / 4B students' hidden
+    sizes. The dry run parses its command line."""
+    work = Path("/tmp/gpu_suite") / stage.name
+    argv = ["--device", "cuda", "--rounds", "5", "--results-dir", str(work)]
+    script = REPO / "bench" / "bench_distill_step.py"
+    if ctx.dry:
+        import bench_distill_step
+
+        bench_distill_step.build_parser().parse_args(argv)
+        ctx.write_log(f"dry run: {script.name} {' '.join(argv)} parsed")
+        return {"status": "dry", "argv": argv}
+    shutil.rmtree(work, ignore_errors=True)
+    code, _ = ctx.call([python(), str(script), *argv], limit_s=stage_limit(ctx))
+    files = sorted(work.glob("distill_step_*.json"))
+    result = json.loads(files[0].read_text()) if files else {}
+    ok = code == 0 and bool(result.get("rows"))
+    return {"status": status(ok, code, ctx), "bench": result}
+
+
 def worst_status(results) -> str:
     """The status of a stage made of several runs: its worst run's."""
     statuses = {result["status"] for result in results}
@@ -782,6 +803,7 @@ STAGES = [
     Stage("fp8-loss", "bf16 vs FP8 loss over 300 steps, with kurtosis", 4.5, fp8_loss_stage),
     Stage("train-step-small", "1.5B / 0.5B TE rows with TE's attention", 4, train_step_small_stage),
     Stage("long-context", "1.5B at 16k / 32k tokens against 4k (THD)", 3, long_context_stage),
+    Stage("distill-step", "fused KD loss step: top-k and sampled vs CE", 1.5, distill_step_stage),
     Stage("fp8-profile", "8B layer shapes: kernel time by category", 4, fp8_profile_stage),
     Stage("determinism", "--deterministic-mode cost in tokens/s", 3, determinism_stage),
     Stage("metrics-overhead", "--log-intermediate-metrics overhead", 2.5, metrics_overhead_stage),

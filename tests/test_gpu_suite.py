@@ -68,6 +68,9 @@ def test_dry_run_selects_builds_writes_and_plots(tmp_path):
         ["tensorwise", "delayed", "blockwise", "tensorwise", "blockwise"]
     )
     assert sum("--first-last-layers-bf16" in argv for argv in planned) == 2
+    # the distillation-step stage's command line parses with the benchmark's own parser
+    assert results["distill-step"]["argv"][:2] == ["--device", "cuda"]
+    assert "bench_distill_step.py --device cuda" in (out / "distill-step.log").read_text()
     # the loss stage recorded two real runs with their GEMM-input kurtosis
     runs = results["fp8-loss"]["bench"]["loss_comparison"]
     assert len(runs) == 2 and all(r["valid_loss"] > 0 for r in runs)
