@@ -1,7 +1,8 @@
 """Students distilled with each kind of teacher target, same steps, seeds and data, one process.
 
     python bench/bench_kd_estimators.py --teacher-checkpoint SAVE_DIR [--steps 40] [--batch 4]
-        [--distinct 12] [--lr-wsd-decay-iters 0] [--teacher-temperature 1]
+        [--distinct 12] [--lr-wsd-decay-iters 0] [--teacher-temperature 1] [--sampling-seed 0]
+        [--modes ce topk256 topk256-renormalize topk12 sampled full]
         [--train-data-path PREFIX --valid-data-path PREFIX] [--reset-attention-mask] [--device cpu]
 
 The teacher (a ``pretrain_gpt.py`` checkpoint) and six students of the tiny preset (same
@@ -61,6 +62,14 @@ from megatron.apertus.distill.logit_codec import (  # noqa: E402
 
 ALPHA = 0.9
 BINS = 15
+MODES = {  # --modes key: the student's name (the sampled one's names its draw count)
+    "ce": "cross-entropy",
+    "topk256": "top-k 256",
+    "topk256-renormalize": "top-k 256 renormalize",
+    "topk12": "top-k 12",
+    "sampled": None,
+    "full": "full KD (online)",
+}
 
 
 def windows(documents: list[np.ndarray], seq_length: int) -> np.ndarray:
@@ -134,13 +143,14 @@ def topk_targets(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     return top.indices, top.values.exp()
 
 
-def sampled_targets(logprobs: torch.Tensor, draws: int, first_position: int):
-    """(ids [b, s, draws], weights count / draws (0 for the padding ids)) and the draws."""
+def sampled_targets(logprobs: torch.Tensor, draws: int, first_position: int, seed: int):
+    """(ids [b, s, draws], weights count / draws (0 for the padding ids)) and the draws of a
+    store made with ``--sampling-seed seed``."""
     from megatron.apertus.model.topk import global_samples
 
     b, s, v = logprobs.shape
     uniforms = np.stack(
-        [logit_store.draw_uniforms(0, first_position + i, s, draws) for i in range(b)]
+        [logit_store.draw_uniforms(seed, first_position + i, s, draws) for i in range(b)]
     )
     drawn = global_samples(logprobs.reshape(-1, v), torch.from_numpy(uniforms.reshape(-1, draws)))
     counts = torch.zeros(b * s, v).scatter_add_(1, drawn.long(), torch.ones(drawn.shape))
@@ -160,10 +170,10 @@ def teacher_spread(logprobs: torch.Tensor) -> dict:
     }
 
 
-def draws_for(logprobs: torch.Tensor, distinct: float) -> int:
+def draws_for(logprobs: torch.Tensor, distinct: float, seed: int) -> int:
     """The smallest draw count whose targets have >= ``distinct`` distinct ids per token."""
     for draws in range(int(distinct), 4096):
-        _, weights, _ = sampled_targets(logprobs, draws, 0)
+        _, weights, _ = sampled_targets(logprobs, draws, 0, seed)
         if (weights > 0).sum(-1).float().mean() >= distinct:
             return draws
     raise SystemExit(f"no draw count up to 4096 gives {distinct} distinct ids per token")
@@ -248,12 +258,12 @@ def topk_tail(mode: str) -> str:
     return words[2] if len(words) > 2 else "label"
 
 
-def target_of(mode: str, logprobs: torch.Tensor, draws: int, first_position: int):
+def target_of(mode: str, logprobs: torch.Tensor, draws: int, first_position: int, seed: int):
     """(the student's target of ``mode``, the draws of a sampled store or None)."""
     if mode.startswith("top-k"):
         return topk_targets(logprobs, topk_k(mode)), None
     if mode.startswith("sampled"):
-        ids, weights, drawn = sampled_targets(logprobs, draws, first_position)
+        ids, weights, drawn = sampled_targets(logprobs, draws, first_position, seed)
         return (ids, weights), drawn
     return logprobs, None
 
@@ -279,6 +289,19 @@ def parse_args() -> argparse.Namespace:
         default=1.0,
         help="divide the teacher's logits by T before every target and the teacher's held-out "
         "figures: T < 1 sharpens a weak teacher towards an LLM's next-token entropy",
+    )
+    parser.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=0,
+        help="seed of the sampled student's draws (generate_teacher_logits.py --sampling-seed)",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="the students to train (default: all); the step-time ratio needs ce",
     )
     parser.add_argument("--held-out-samples", type=int, default=64)
     parser.add_argument("--train-data-path", help="token files the students train on (prefix)")
@@ -342,17 +365,10 @@ def main() -> None:
         train, valid = corpus_samples(seq, tokenizer)
     valid = valid[: args.held_out_samples]
     first = teacher_logprobs(teacher, Layout(train[: args.batch], eod), args.teacher_temperature)
-    draws = draws_for(first, args.distinct)
+    draws = draws_for(first, args.distinct, args.sampling_seed)
     spread = teacher_spread(first)
     del first
-    modes = [
-        "cross-entropy",
-        "top-k 256",
-        "top-k 256 renormalize",
-        "top-k 12",
-        f"sampled {draws} draws",
-        "full KD (online)",
-    ]
+    modes = [MODES[key] or f"sampled {draws} draws" for key in args.modes]
     teacher_loss, teacher_ece = held_out(teacher, valid, args.batch, eod, args.teacher_temperature)
     print(
         f"{len(train)} training, {len(valid)} held-out samples of {seq} tokens; "
@@ -382,7 +398,7 @@ def main() -> None:
         batch = Layout(train[start : start + args.batch], eod)
         logprobs = teacher_logprobs(teacher, batch, args.teacher_temperature)
         for mode in modes:
-            target, drawn = target_of(mode, logprobs, draws, start)
+            target, drawn = target_of(mode, logprobs, draws, start, args.sampling_seed)
             if drawn is not None:
                 distinct.append(float((target[1] > 0).sum(-1).float().mean()))
             if step < 4:
@@ -412,8 +428,10 @@ def main() -> None:
             f"B/token  step {row['step_s'] * 1e3:.0f} ms",
             flush=True,
         )
+    ce_step = next((row["step_s"] for row in rows if row["mode"] == MODES["ce"]), None)
     for row in rows:
-        row["step_vs_ce"] = row["step_s"] / rows[0]["step_s"]
+        if ce_step:
+            row["step_vs_ce"] = row["step_s"] / ce_step
     parallel.shutdown()
     extra = {
         "teacher_checkpoint": args.teacher_checkpoint,
@@ -428,6 +446,7 @@ def main() -> None:
         "lr_wsd_decay_iters": args.lr_wsd_decay_iters,
         "teacher_temperature": args.teacher_temperature,
         "draws": draws,
+        "sampling_seed": args.sampling_seed,
         **spread,
     }
     print(f"wrote {write_results(args.name, rows, extra)}")
