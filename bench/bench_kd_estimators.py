@@ -9,12 +9,12 @@ The teacher (a ``pretrain_gpt.py`` checkpoint) and six students (``--modes``: so
 the tiny preset (same initialisation) run in one process on documents cut into samples of the
 teacher's sequence length: the embedded corpus (the first 90% of the documents train, the last
 10% are held out), or the token files of ``--train-data-path`` and ``--valid-data-path``
-(``tools/preprocess_data.py`` prefixes, e.g. a demo's ``data/student_text_document`` and ``data/valid_text_document``). With
-``--reset-attention-mask`` every forward packs the documents (attention and positions restart
-after each end of document, as ``pretrain_gpt.py`` does with that flag). Each step runs the
-teacher once on the step's batch, and each student takes one AdamW step on it with one loss, at
-a constant learning rate or, with ``--lr-wsd-decay-iters N``, the recipe's WSD schedule whose
-last N steps cool down as 1 - sqrt (the trainer's scheduler, megatron-core's). With
+(``tools/preprocess_data.py`` prefixes, e.g. a demo's ``data/student_text_document`` and
+``data/valid_text_document``). With ``--reset-attention-mask`` every forward packs the documents
+(attention and positions restart after each end of document, as ``pretrain_gpt.py`` does with
+that flag). Each step runs the teacher once on the step's batch, and each student takes one
+AdamW step on it with one loss, at a constant learning rate or, with ``--lr-wsd-decay-iters N``,
+the recipe's WSD schedule whose last N steps cool down as 1 - sqrt (the trainer's scheduler, megatron-core's). With
 ``--teacher-temperature T`` every target comes from the teacher's logits divided by T: T < 1
 sharpens a weak teacher towards an LLM's next-token entropy (a few nats), the regime a sampled
 store is made for. The students' targets are:
