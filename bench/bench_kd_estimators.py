@@ -5,19 +5,19 @@
         [--modes ce topk256 topk256-renormalize topk12 sampled full]
         [--train-data-path PREFIX --valid-data-path PREFIX] [--reset-attention-mask] [--device cpu]
 
-The teacher (a ``pretrain_gpt.py`` checkpoint) and six students (``--modes``: some of them) of
-the tiny preset (same initialisation) run in one process on documents cut into samples of the
-teacher's sequence length: the embedded corpus (the first 90% of the documents train, the last
-10% are held out), or the token files of ``--train-data-path`` and ``--valid-data-path``
+The teacher (a ``pretrain_gpt.py`` checkpoint) and six students (``--modes``: some of them) of the
+tiny preset (same initialisation) run in one process on documents cut into samples of the teacher's
+sequence length: the embedded corpus (the first 90% of the documents train, the last 10% are held
+out), or the token files of ``--train-data-path`` and ``--valid-data-path``
 (``tools/preprocess_data.py`` prefixes, e.g. a demo's ``data/student_text_document`` and
 ``data/valid_text_document``). With ``--reset-attention-mask`` every forward packs the documents
-(attention and positions restart after each end of document, as ``pretrain_gpt.py`` does with
-that flag). Each step runs the teacher once on the step's batch, and each student takes one
-AdamW step on it with one loss, at a constant learning rate or, with ``--lr-wsd-decay-iters N``,
-the recipe's WSD schedule whose last N steps cool down as 1 - sqrt (the trainer's scheduler, megatron-core's). With
+(attention and positions restart after each end of document, as ``pretrain_gpt.py`` does with that
+flag). Each step runs the teacher once on the step's batch, and each student takes one AdamW step on
+it with one loss, at a constant learning rate or, with ``--lr-wsd-decay-iters N``, the recipe's WSD
+schedule whose last N steps cool down as 1 - sqrt (the trainer's scheduler, megatron-core's). With
 ``--teacher-temperature T`` every target comes from the teacher's logits divided by T: T < 1
-sharpens a weak teacher towards an LLM's next-token entropy (a few nats), the regime a sampled
-store is made for. The students' targets are:
+sharpens a weak teacher towards an LLM's next-token entropy (a few nats), the regime a sampled store
+is made for. The students' targets are:
 
 * ``cross-entropy``: labels only;
 * ``top-k 256`` and ``top-k 12``: 0.9 KL to the teacher's top-k (``--kd-tail label``, the
