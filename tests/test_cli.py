@@ -169,3 +169,39 @@ def test_processes_sharing_a_lock_take_turns(tmp_path):
     procs = [subprocess.Popen(command, env=env) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert log.read_text().split() == ["enter", "leave", "enter", "leave"]
+
+
+STARTING_WORKERS = """
+import multiprocessing, signal, sys, time
+from megatron.apertus import cli
+
+def stay():
+    time.sleep(60)
+
+def main():
+    context = multiprocessing.get_context("fork")
+    for _ in range(int(sys.argv[1])):
+        worker = context.Process(target=stay)
+        worker.start()
+        worker.terminate()  # SIGTERM while the child may still be starting
+        worker.join()
+        assert worker.exitcode == -signal.SIGTERM, worker.exitcode
+
+cli.run(main, "probe")
+"""
+
+
+def test_a_worker_stopped_while_starting_ends_quietly():
+    """SIGTERM sent to forked workers at once (as a tool's pool does when the tool is stopped)
+    ends each silently, wherever its start-up code is: the parent's handler, which raises
+    ``cli.Terminated``, never runs in a child."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", STARTING_WORKERS, "200"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]

@@ -6,7 +6,8 @@ The promise every tool under ``tools/`` and ``pretrain_gpt.py`` keep through thi
   ends the program with one line, ``PROG: error: ...`` naming the flag, file or line, and exit
   code 2; no traceback, no usage dump (``PROG --help`` shows the usage).
 * Ctrl-C or SIGTERM ends it with one line and exit code 130 or 143; worker processes end quietly
-  with it, and so do they when the parent is killed outright.
+  with it, also while they are still starting, and so do they when the parent is killed
+  outright.
 * Outputs appear under their final names only when complete (:func:`atomic_outputs`): an error or
   an interruption leaves neither a partial file nor a temporary one.
 * Processes that share a cache (two jobs on one node, parallel test workers) build its entries
@@ -58,12 +59,53 @@ def error_line(prog: str, err: BaseException) -> str:
     return f"{prog}: error: {err}"
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _hold_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def _release_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _forked_child_stops_quietly() -> None:
+    """In a child just forked from a tool (a worker): the parent's handlers would raise
+    ``Terminated`` or ``KeyboardInterrupt`` inside the worker's start-up code and print its
+    traceback; SIGTERM ends the child silently and Ctrl-C is left to the parent, which stops its
+    workers itself. Signals that arrived since the fork were held and take effect now."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _release_stop_signals()
+
+
+_fork_hooks_registered = False
+
+
+def _quiet_forked_children() -> None:
+    """Every ``os.fork`` of this process (multiprocessing's fork workers) holds SIGINT and
+    SIGTERM across the fork: the parent receives them once the fork returns, and the child
+    only after :func:`_forked_child_stops_quietly` has set its own handlers, so that no signal
+    reaches a half-started worker while it still runs the parent's handlers."""
+    global _fork_hooks_registered
+    if _fork_hooks_registered:
+        return
+    os.register_at_fork(
+        before=_hold_stop_signals,
+        after_in_parent=_release_stop_signals,
+        after_in_child=_forked_child_stops_quietly,
+    )
+    _fork_hooks_registered = True
+
+
 def run(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
     """Run a tool's ``main`` and exit with its status; user errors and interruptions become one
     line. An ``OSError`` that names a file (permission denied, disk full, read-only file system)
     is the user's to fix; one without a file name is a bug and keeps its traceback."""
     prog = prog or os.path.basename(sys.argv[0])
     signal.signal(signal.SIGTERM, _raise_terminated)
+    _quiet_forked_children()
     try:
         code = main()
     except ConfigError as err:
@@ -125,7 +167,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def die_with_parent() -> None:
     """In a worker process: end when the parent ends, even by SIGKILL (Linux); leave Ctrl-C to
-    the parent, which stops the workers itself, so that they print no traceback of their own."""
+    the parent, which stops the workers itself, so that they print no traceback of their own.
+    (Under :func:`run` the fork itself already set these handlers.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):

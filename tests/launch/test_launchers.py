@@ -191,3 +191,25 @@ def test_container_runtimes(monkeypatch, tmp_path):
 def test_environment_snapshot_withholds_secrets():
     text = slurm.environment_text({"WANDB_API_KEY": "abc", "HF_TOKEN": "x", "NCCL_DEBUG": "WARN"})
     assert text == "HF_TOKEN=<withheld>\nNCCL_DEBUG=WARN\nWANDB_API_KEY=<withheld>\n"
+
+
+def test_the_rendezvous_port_is_one_no_one_holds(monkeypatch):
+    """The batch step runs on the rendezvous host and takes a port the operating system finds
+    free there: a port another program holds (here: one this test holds) is never chosen, as a
+    port derived from the job id could be. An exported ``MASTER_PORT`` is kept as given."""
+    import socket
+
+    job = slurm.Job(id="12624", name="x", nodelist="localhost")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    derived = 10000 + int(job.id) % 20000
+    with socket.socket() as held:
+        held.bind(("", derived))
+        held.listen()
+        ports = {job.master_port(socket.gethostname()) for _ in range(20)}
+        assert derived not in ports
+        for port in ports:
+            with socket.socket() as probe:
+                probe.bind(("", port))
+    assert job.master_port("another-host") == derived
+    monkeypatch.setenv("MASTER_PORT", "29123")
+    assert job.master_port(socket.gethostname()) == 29123

@@ -11,7 +11,6 @@ idle, and stops them at teardown, also when a test failed.
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import socket
@@ -65,20 +64,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def first_job_id() -> int:
-    """A first job id whose rendezvous port is free now. Our launcher derives ``MASTER_PORT``
-    from the job id (``megatron.apertus.launch.slurm.Job.master_port``), so two test clusters
-    on one machine (two workers, or two suites) that both start at job 1 would collide."""
-    while True:
-        job_id = random.randrange(1, 20000 - 100)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", 10000 + job_id))
-            except OSError:
-                continue
-        return job_id
-
-
 def node_definition(host: str) -> str:
     """This machine as ``slurmd -C`` sees it, with a little memory held back: a node whose
     real memory falls below its configured memory is drained."""
@@ -102,7 +87,6 @@ SlurmUser=root
 SlurmdUser=root
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
-FirstJobId={first_job_id()}
 AuthType=auth/munge
 AuthInfo=socket={munge_socket}
 CredType=cred/munge

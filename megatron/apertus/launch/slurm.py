@@ -32,6 +32,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -215,9 +216,24 @@ class Job:
         ).stdout.split()
         return hosts[0]
 
-    def master_port(self) -> int:
-        """A port derived from the job id, so that jobs sharing a node do not collide."""
+    def master_port(self, master_addr: str) -> int:
+        """The rendezvous port: ``MASTER_PORT`` when the submitting environment exports one;
+        else one the operating system finds free on the rendezvous host, which is where the
+        batch step runs (the allocation's first host), so that no other job or program that
+        holds a port there collides with this job; else (a batch step elsewhere) one derived
+        from the job id."""
+        if os.environ.get("MASTER_PORT"):
+            return int(os.environ["MASTER_PORT"])
+        if master_addr.split(".")[0] == socket.gethostname().split(".")[0]:
+            return free_port()
         return 10000 + int(self.id) % 20000
+
+
+def free_port() -> int:
+    """A TCP port that no process on this host holds now (the operating system's choice)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def container_prefix(repo: Path, run_dir: Path) -> tuple[list[str], list[str]]:
@@ -283,7 +299,7 @@ def task_environment(job: Job, repo: Path) -> dict[str, str]:
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(repo)]
     env["PYTHONPATH"] = os.pathsep.join([str(repo), *paths])
     env["MASTER_ADDR"] = job.master_addr()
-    env["MASTER_PORT"] = str(job.master_port())
+    env["MASTER_PORT"] = str(job.master_port(env["MASTER_ADDR"]))
     return env
 
 
