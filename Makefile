@@ -1,10 +1,16 @@
 # The two commands of the README. Each creates (or reuses) .venv inside the repo and installs
-# what it needs: torch first, pinned, so that pip takes the CPU wheel and never a CUDA build.
+# what it needs, torch first and pinned. From PyPI, torch==2.13.0 is the CUDA build with its
+# NVIDIA libraries (about 2.6 GB to download; it runs on CPU too); TORCH_INDEX_URL takes it from
+# another index instead, e.g. PyTorch's CPU wheels on a machine without a GPU (about 200 MB):
+#   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# (A machine that keeps a local torch wheel for pip, as a wheelhouse or pip's own configuration
+# provides, gets that one either way.)
 # The default line: Python 3.11 (python3), megatron-core 0.16.x; `make smoke` checks the other.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 # pytest-xdist workers of make test and make test-fast: a test that starts one process
 # (OMP_NUM_THREADS=1) keeps one core busy, so two workers keep two cores busy.
 TEST_WORKERS ?= 2
@@ -16,7 +22,7 @@ KERNEL_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h'
 $(STAMP): setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
 	$(PY) -m pip install -q setuptools wheel
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $(STAMP)
@@ -38,12 +44,15 @@ quant-demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
-# black formats the code (settings in pyproject.toml); CI runs format-check before the tests.
+# black and isort format the code (settings in pyproject.toml); CI runs format-check before
+# the tests.
 format: $(STAMP)
+	$(PY) -m isort -q .
 	$(PY) -m black -q .
 
 format-check: $(STAMP)
 	$(PY) -m black --check -q .
+	$(PY) -m isort --check-only -q .
 
 # The unit tests that start no process (no subprocess, torchrun or Slurm): tests/conftest.py
 # marks the others "process". For daily work; CI runs `make test`.

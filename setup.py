@@ -176,7 +176,7 @@ setup(
             "pytest-timeout",
             "pytest-xdist",  # make test: two workers share the CPU's cores
             "black==26.10.1",  # .ci/run checks the formatting: one black, one layout
-            "isort",
+            "isort==9.0.2",  # and the order of the imports
             "lm-eval[hf]",
             "nltk",
         ],  # nltk: --split-sentences

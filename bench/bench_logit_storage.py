@@ -82,12 +82,11 @@ def teacher_topk(
     """(tokens [n, T], ids int64 [n, T, k], logprobs float32 [n, T, k], sampled int64
     [n, T, draws]) of the fp32 teacher; the draws as the generator makes them (inverse CDF at
     ``draw_uniforms`` of seed 0 and each sample's index)."""
-    from megatron.apertus.model.topk import global_samples
-
     from megatron.apertus import parallel
     from megatron.apertus.checkpoint import load_model, load_model_config
     from megatron.apertus.model import ParallelConfig
     from megatron.apertus.model.builder import build_model
+    from megatron.apertus.model.topk import global_samples
 
     model = load_model_config(checkpoint)
     layout = ParallelConfig()

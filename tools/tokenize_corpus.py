@@ -25,7 +25,6 @@ from collections import Counter
 from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
-from megatron.apertus.errors import ConfigError
 from megatron.apertus.data.preprocess import RECORD_SUFFIX, tokenizer_record
 from megatron.apertus.data.tokenize_pipeline import (
     IndexedDatasetWriter,
@@ -36,6 +35,7 @@ from megatron.apertus.data.tokenize_pipeline import (
     task_prefix,
 )
 from megatron.apertus.data.tokenizer import TOKENIZER_TYPES
+from megatron.apertus.errors import ConfigError
 
 ADDITION = " [megatron-apertus addition]"
 PLAN_FILE = "tokenize_corpus.json"

@@ -30,6 +30,7 @@ from megatron.apertus.distill.logit_store import (
 )
 from megatron.apertus.quant.config import QuantConfig
 from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
+from tests.distill.test_distillation import teacher  # noqa: F401  (module fixture)
 from tests.distill.test_distillation import (
     GENERATE,
     SAMPLES_PER_BLOCK,
@@ -37,7 +38,6 @@ from tests.distill.test_distillation import (
     STUDENT_DATA,
     block_digests,
     student_train_data,
-    teacher,  # noqa: F401  (module fixture)
     teacher_logprobs,
 )
 from tests.quant.test_qad import QAD_RUN

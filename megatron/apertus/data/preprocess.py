@@ -42,9 +42,9 @@ from typing import BinaryIO, Callable, Iterator, Protocol
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs, die_with_parent
-from megatron.apertus.errors import ConfigError
 from megatron.apertus.data.indexed_writer import IndexedDatasetWriter
 from megatron.apertus.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megatron.apertus.errors import ConfigError
 
 log = logging.getLogger("apertus.preprocess")
 

@@ -65,8 +65,8 @@ from megatron.apertus.training.signals import StopRequests, past_duration
 from megatron.apertus.training.step import (
     StepResult,
     StepShape,
-    reduce_quantities,
     data_and_context_parallel_group,
+    reduce_quantities,
     run_microbatches,
     synced_parameters,
     train_step,
