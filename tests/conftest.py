@@ -25,16 +25,27 @@ from megatron.apertus.model import ApertusConfig, ParallelConfig, preset, transf
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.training import step as step_module
 from megatron.apertus.training.metrics import read_history
+from tests import warm_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain_gpt.py"
 
 
-def run_entry(
-    script: Path, args: list[str], *, nproc: int = 1, timeout: int = 600, python: str = ""
+def run_script(
+    script: Path,
+    args: list[str],
+    *,
+    nproc: int = 1,
+    env: dict | None = None,
+    timeout: int = 600,
+    python: str = "",
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` with ``args`` (under torchrun when ``nproc`` > 1) by ``python`` (this
-    interpreter unless given); fail with its output."""
+    """What ``python SCRIPT ARGS`` (``torchrun --nproc-per-node N --standalone`` when ``nproc``
+    > 1) returns, run by ``python`` (this interpreter unless given) from the repository with
+    ``env`` (default: this process's) and without a rendezvous inherited from it. With this
+    interpreter, the processes are forked from a warm one (``tests/warm_interpreter.py``)
+    instead of importing torch and megatron-core again."""
+    warm = not python and warm_interpreter.enabled()
     python = python or sys.executable
     if nproc == 1:
         cmd = [python, str(script), *args]
@@ -50,12 +61,23 @@ def run_entry(
             *args,
         ]
     rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in rendezvous}
+    if warm:
+        return warm_interpreter.run(cmd, str(script), args, nproc, env, timeout)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_entry(
+    script: Path, args: list[str], *, nproc: int = 1, timeout: int = 600, python: str = ""
+) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``args`` (see :func:`run_script`), one thread per process; fail
+    with its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = run_script(script, args, nproc=nproc, env=env, timeout=timeout, python=python)
     if proc.returncode != 0:
         pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
+            f"{proc.stderr[-4000:]}"
         )
     return proc
 

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,6 +30,7 @@ from megatron.apertus.convert.hf import (
 from megatron.apertus.data.tokenizer import bundled_tekken_path, load_tokenizer
 from megatron.apertus.model.presets import preset
 from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
+from tests.conftest import run_entry
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "hf_interop_helper.py"
@@ -47,16 +45,7 @@ TOKENIZER = ("--tokenizer", str(bundled_tekken_path()))
 
 def run(script: Path, *args: str, nproc: int = 1) -> None:
     """Run a script with this interpreter (under torchrun when ``nproc`` > 1); fail with its output."""
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd = [sys.executable, *(torchrun if nproc > 1 else []), str(script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}  # this tree's package
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT
-    )
-    if proc.returncode != 0:
-        pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
+    run_entry(script, list(args), nproc=nproc, timeout=SUBPROCESS_TIMEOUT)
 
 
 def sample_text() -> str:
