@@ -10,6 +10,7 @@ A test is marked ``process`` when it, one of its fixtures, or a function of ``te
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from typing import Callable, Iterator
 import pytest
 
 from megatron.apertus import checkpoint, parallel
+from megatron.apertus.cli import exclusive
 from megatron.apertus.model import ApertusConfig, ParallelConfig, preset, transformer_config
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.training import step as step_module
@@ -80,6 +82,29 @@ def run_entry(
             f"{proc.stderr[-4000:]}"
         )
     return proc
+
+
+SHARED = "built-once"
+"""The folder, beside the pytest workers' own, of what :func:`built_once` builds."""
+
+
+def built_once(tmp_path_factory, name: str, key: object, build: Callable[[Path], None]) -> Path:
+    """A folder that ``build(folder)`` fills, built once per pytest run for ``name`` and ``key``
+    (what decides its contents, e.g. a command line) and shared by every test module and
+    pytest-xdist worker that asks for it: a tiny teacher and its stored logits are trained and
+    written once, not once per module. Whoever asks first builds it under a lock; the others
+    wait for it. What is built must only be read."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / SHARED
+    folder = root / f"{name}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}"
+    complete = folder.with_name(folder.name + ".complete")
+    with exclusive(folder.with_name(folder.name + ".lock")):
+        if not complete.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            build(folder)
+            complete.touch()
+    return folder
 
 
 def read_json(path: Path) -> dict:
@@ -241,7 +266,8 @@ def _module_scratch_removed(request, tmp_path_factory) -> Iterator[None]:
     if request.module.__name__ in _MODULES_WITH_FAILURES:
         return
     for path in set(base.iterdir()) - before:
-        shutil.rmtree(path, ignore_errors=True)
+        if path.name != SHARED:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_configure(config) -> None:

@@ -274,10 +274,8 @@ class WarmInterpreter:
 
     def close(self) -> None:
         """End the server and whatever it still runs (its own process group)."""
-        try:
+        if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
         self.channel.close()
 
@@ -301,16 +299,29 @@ def _server_environment() -> dict:
     return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
+def start() -> WarmInterpreter:
+    """This process's warm interpreter, started (its imports done) if it was not."""
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = WarmInterpreter(_server_environment())
+        atexit.register(_server.close)
+    return _server
+
+
+def stop() -> None:
+    """End this process's warm interpreter, if it runs."""
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
 def run(
     cmd: list[str], script: str, args: list[str], nproc: int, env: dict, timeout: float
 ) -> subprocess.CompletedProcess:
     """Run ``script`` with ``args`` and ``env`` as ``nproc`` ranks forked from this process's
     warm interpreter (started on first use)."""
-    global _server
-    if _server is None or _server.proc.poll() is not None:
-        _server = WarmInterpreter(_server_environment())
-        atexit.register(_server.close)
-    return _server.run(cmd, script, args, nproc, env, timeout)
+    return start().run(cmd, script, args, nproc, env, timeout)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,15 @@ from megatron.apertus.distill.logit_store import LogitStoreReader, block_path
 from megatron.apertus.distill.targets import TeacherLogits, dataset_key
 from megatron.apertus.model import ParallelConfig
 from megatron.apertus.training.config import TrainingConfig
-from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
+from tests.conftest import (
+    PRETRAIN,
+    REPO,
+    built_once,
+    cpu_models,
+    read_json,
+    run_entry,
+    series,
+)
 
 GENERATE = REPO / "tools" / "generate_teacher_logits.py"
 TOPK = 16
@@ -60,29 +68,30 @@ STUDENT = [
 ]
 
 
+TEACHER = [
+    "--model-preset",
+    "tiny",
+    "--seed",
+    "3",
+    "--lr",
+    "3e-3",
+    "--train-iters",
+    "5",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+]
+
+
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Path:
-    save = tmp_path_factory.mktemp("teacher") / "ckpt"
-    run_entry(
-        PRETRAIN,
-        [
-            "--model-preset",
-            "tiny",
-            "--seed",
-            "3",
-            "--lr",
-            "3e-3",
-            "--train-iters",
-            "5",
-            "--global-batch-size",
-            "4",
-            "--micro-batch-size",
-            "2",
-            "--save",
-            str(save),
-        ],
-    )
-    return save
+    """The tiny teacher (``ckpt``), trained once per pytest run for every module that uses it."""
+
+    def train(folder: Path) -> None:
+        run_entry(PRETRAIN, TEACHER + ["--save", str(folder / "ckpt")])
+
+    return built_once(tmp_path_factory, "teacher", TEACHER, train) / "ckpt"
 
 
 def generate(teacher: Path, out: Path, *, nproc: int = 1, extra: list[str] = ()) -> str:
@@ -107,9 +116,12 @@ def generate(teacher: Path, out: Path, *, nproc: int = 1, extra: list[str] = ())
 
 @pytest.fixture(scope="module")
 def logits(teacher, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("logits") / "store"
-    generate(teacher, out)
-    return out
+    """The teacher's top-k store of the student's samples, written once per pytest run."""
+
+    def write(folder: Path) -> None:
+        generate(teacher, folder / "store")
+
+    return built_once(tmp_path_factory, "logits", (TEACHER, TOPK, STUDENT_DATA), write) / "store"
 
 
 def block_digests(store: Path, blocks: int) -> list[str]:
