@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import queue
 import random
 import shutil
 import tempfile
@@ -239,15 +240,29 @@ class SaveOptions:
     """Keep the fully parallel save's distribution of tensors between saves."""
 
 
-def _write_results_queue_ends_with_this_process() -> None:
-    """megatron-core's torch_dist writer reports through a queue served by a multiprocessing
-    manager process that it starts at the first save. A trainer killed by SIGKILL (a job's time
-    limit, the OOM killer) leaves that process behind, waiting for ever; so it is started here
-    instead, set to end with this process."""
-    if filesystem_async._results_queue is None:
+_background_results_queue = None
+"""The queue through which background writes report (see :func:`_use_write_results_queue`)."""
+
+
+def _use_write_results_queue(background: bool) -> None:
+    """The queue through which megatron-core's torch_dist writer reports what it wrote.
+
+    A synchronous save writes from this process and reads the report here, so an in-process
+    queue serves it. megatron-core would start a multiprocessing manager (a fresh interpreter,
+    which imports torch to unpickle the report: 3-4 s at the first save of every run) for it.
+    Background writes report from another process and need that manager; it is started here,
+    set to end with this process: megatron-core's own would be left waiting for ever after a
+    trainer killed by SIGKILL (a job's time limit, the OOM killer). Each write keeps the queue
+    it was prepared with, so a change between saves reaches no write in flight."""
+    global _background_results_queue
+    if not background:
+        filesystem_async._results_queue = queue.Queue()
+        return
+    if _background_results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
         manager.start(initializer=end_with_parent, initargs=(os.getpid(),))
-        filesystem_async._results_queue = manager.Queue()
+        _background_results_queue = manager.Queue()
+    filesystem_async._results_queue = _background_results_queue
 
 
 def _save_strategy(options: SaveOptions):
@@ -292,7 +307,7 @@ def save(
         tmp.mkdir(parents=True)
     dist.barrier()
     sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=optimizer is not None)
-    _write_results_queue_ends_with_this_process()
+    _use_write_results_queue(background=options.async_queue is not None)
     request = dist_checkpointing.save(
         sharded,
         str(tmp),

@@ -4,6 +4,7 @@ and the TE layers load into each other (checked on GPU in tests/gpu/test_transfo
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 
@@ -24,6 +25,18 @@ def test_weights_round_trip(tiny_cpu, tmp_path):
     for (name, want), got in zip(saved.state_dict().items(), loaded.state_dict().values()):
         if torch.is_tensor(want):
             assert torch.equal(want, got), name
+
+
+def test_a_synchronous_save_leaves_no_process_behind(tiny_cpu, tmp_path):
+    """megatron-core's writer would start a multiprocessing manager (a fresh interpreter that
+    imports torch) for the report of a save written by this very process."""
+    model, saved = tiny(tiny_cpu)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    checkpoint.save_model(tmp_path, 0, [saved], model)
+    checkpoint.save_model(tmp_path, 1, [saved], model)
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not started, [p.cmdline() for p in started]
+    assert checkpoint.latest_iteration(tmp_path) == 1
 
 
 def test_a_checkpoint_missing_weights_is_refused_naming_them(tiny_cpu, tmp_path):
