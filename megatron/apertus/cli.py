@@ -62,12 +62,17 @@ def error_line(prog: str, err: BaseException) -> str:
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
+_mask_before_fork: set[signal.Signals] = set()
+
+
 def _hold_stop_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    global _mask_before_fork
+    _mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def _release_stop_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    """Back to the signal mask from before the fork."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
 
 
 def _forked_child_stops_quietly() -> None:
