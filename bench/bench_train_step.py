@@ -205,6 +205,9 @@ def run_args(
         str(steps),
         "--seed",
         "1234",
+        # the Apertus launch arrays' optimizer: its buffer layout also aligns every main_grad
+        # for TE's gradient-accumulation fusion
+        "--use-distributed-optimizer",
         *CONFIGS[config],
         *extra,
     ]
@@ -225,16 +228,17 @@ THROUGHPUT = [
 # -- one configuration (child process) ------------------------------------------------------------
 
 KERNEL_CATEGORIES = [
-    ("fp8 cast / transpose / amax", r"cast|quantiz|amax|transpose|fp8|float8"),
-    ("gemm", r"gemm|nvjet|cutlass|xmma|wgmma|aten::(mm|addmm|bmm)$"),
     ("attention", r"flash|fmha|attn|attention|sdpa"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|wgmma|aten::(mm|addmm|bmm)$"),
+    ("fp8 cast / transpose / amax", r"cast|quantiz|amax|transpose|fp8|float8"),
     ("xielu", r"xielu"),
     ("fused loss (non-GEMM)", r"sparse_kl"),
     ("norm", r"norm"),
     ("optimizer", r"adam|multi_tensor"),
     ("communication", r"nccl"),
 ]
-"""Kernel-name patterns, first match wins. Names come from cuBLAS, CUTLASS, TE, cuDNN and our
+"""Kernel-name patterns, first match wins (an FP8 GEMM's or attention kernel's name may say
+``fp8`` or ``e4m3``: those come first). Names come from cuBLAS, CUTLASS, TE, cuDNN and our
 kernels (``xielu::``, ``sparse_kl::``); the output layer's GEMMs inside the fused loss count as
 ``gemm``."""
 
@@ -263,21 +267,32 @@ def time_by_category(averages: list, device: str) -> dict[str, float]:
 
 
 def profile_step(trainer) -> dict:
-    """Kernel time of one more optimizer step by category, and its ten longest kernels."""
+    """Kernel time of one more optimizer step by category, its 25 longest kernels, and the
+    profiled step's wall time: where it exceeds the kernels' sum, the GPU waited on the host
+    (launch overhead, what CUDA graphs remove)."""
     import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
         trainer.step()
         torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
     averages = prof.key_averages()
     kernels = sorted(
         (e for e in averages if e.self_device_time_total > 0),
         key=lambda e: -e.self_device_time_total,
-    )[:10]
+    )
+    by_category = time_by_category(averages, "cuda")
     return {
-        "kernel_ms_by_category": time_by_category(averages, "cuda"),
-        "top_kernels_ms": {e.key[:160]: e.self_device_time_total / 1e3 for e in kernels},
+        "profiled_step_wall_ms": wall_ms,
+        "kernel_ms_total": sum(by_category.values()),
+        "kernel_launches": sum(e.count for e in kernels),
+        "host_waits": {
+            e.key: e.count for e in averages if re.match(r"cuda\w*(Synchronize|Memcpy)", e.key)
+        },
+        "kernel_ms_by_category": by_category,
+        "top_kernels_ms": {e.key[:160]: e.self_device_time_total / 1e3 for e in kernels[:25]},
     }
 
 

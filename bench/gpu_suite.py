@@ -266,6 +266,9 @@ def setup_kernels(ctx: Context) -> bool:
     if code:
         return False
     built = sorted((REPO / "megatron" / "apertus" / "ops").glob("_*.so"))
+    if shutil.which("strip"):
+        # debug sections are five sixths of each library: the archive then fits a later call
+        ctx.call(["strip", "--strip-debug", *map(str, built)], limit_s=60)
     partial = ctx.out / f"kernels_{stamp}.tar.gz.part"
     with tarfile.open(partial, "w:gz") as tar:
         for path in built:
@@ -457,6 +460,19 @@ def fp8_resume_stage(ctx: Context, stage: Stage) -> dict:
     """FP8 (delayed scaling) runs twice bitwise alike and resumes exactly; the test itself sets
     ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` for the resumed leg."""
     return run_pytest(ctx, [RESUME_TEST])
+
+
+def grad_fusion_stage(ctx: Context, stage: Stage) -> dict:
+    """TE's weight-gradient GEMMs accumulating into ``main_grad``: the same gradients as the
+    bf16 gradient plus DDP's add, and a run that trains as the unfused one does."""
+    return run_pytest(
+        ctx,
+        [
+            "tests/gpu/test_transformer_engine.py",
+            "-k",
+            "main_grad or gradient_accumulation_fusion",
+        ],
+    )
 
 
 def attention_suffix(ctx: Context) -> str:
@@ -797,6 +813,7 @@ STAGES = [
     Stage("attention", "TE attention backend, unpacked and packed (THD)", 0.5, attention_stage),
     Stage("pytest-gpu", "pytest -m gpu tests/gpu tests/ops", 4, pytest_gpu_stage),
     Stage("fp8-resume", "FP8 delayed scaling: deterministic, exact resume", 2.5, fp8_resume_stage),
+    Stage("grad-fusion", "TE wgrad GEMMs accumulate into main_grad", 1.5, grad_fusion_stage),
     Stage(
         "train-step-8b", "8B layer shapes: bf16 vs FP8 recipes, bf16 ends", 3.5, train_step_8b_stage
     ),

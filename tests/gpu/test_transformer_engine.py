@@ -225,6 +225,67 @@ FP8 = [
 ]
 
 
+def te_weight_gradients(ddp, batch) -> dict[str, torch.Tensor]:
+    """``main_grad`` of every TE linear's weight after two micro-batches' backward."""
+    from megatron.apertus.training.step import packed_seq_params_to
+
+    ddp.zero_grad_buffer()
+    for _ in range(2):
+        out = ddp(
+            batch.tokens.cuda(),
+            batch.position_ids.cuda(),
+            None,
+            packed_seq_params=packed_seq_params_to(batch.packed_seq_params, "cuda"),
+        )
+        out.float().square().mean().backward()
+    return {
+        name: module.weight.main_grad.clone()
+        for name, module in ddp.named_modules()
+        if hasattr(module, "fuse_wgrad_accumulation")
+    }
+
+
+@needs_te
+def test_te_weight_gradients_accumulate_into_main_grad(gpu):
+    """With the fusion TE's GEMMs write the fp32 ``main_grad`` themselves (DDP adds nothing) and
+    it holds what the bf16 gradient plus DDP's add gave."""
+    from megatron.apertus.model.engine import fuse_te_wgrad_accumulation
+    from megatron.apertus.training.step import wrap_ddp
+
+    chunk = build(gpu, "transformer_engine").train()
+    # the distributed optimizer's buffer layout starts every parameter 16-byte aligned
+    (ddp,) = wrap_ddp([chunk], chunk.config, use_distributed_optimizer=True)
+    rows, eod = real_documents([256, 256])
+    batch = batch_of(rows, eod, pack=False)
+    added = te_weight_gradients(ddp, batch)
+    assert fuse_te_wgrad_accumulation(ddp) == (len(added), len(added))
+    assert len(added) >= 4 * gpu.num_layers
+    fused = te_weight_gradients(ddp, batch)
+    for name, grad in fused.items():
+        weight = ddp.get_submodule(name).weight
+        assert weight.grad_added_to_main_grad and weight.grad is None, name
+        assert grad.abs().sum() > 0, name
+        # fp32 accumulation against a bf16 gradient added in fp32: equal to bf16's precision
+        assert (grad - added[name]).norm() <= 1e-2 * added[name].norm(), name
+
+
+@needs_te
+def test_gradient_accumulation_fusion_trains_as_the_add_does(tmp_path):
+    flags = [
+        "--transformer-impl",
+        "transformer_engine",
+        "--deterministic-mode",
+        "--use-distributed-optimizer",
+    ]
+    fused = pretrain(tmp_path, "fused", *flags)
+    added = pretrain(tmp_path, "added", *flags, "--no-gradient-accumulation-fusion")
+    assert fused[-1] < fused[0] - 1.0
+    assert fused == pytest.approx(added, rel=1e-2), (fused, added)
+    # FP8 weight-gradient GEMMs accumulate into fp32 only from 16-byte aligned buffers
+    fp8 = pretrain(tmp_path, "fp8-fused", *FP8, "--use-distributed-optimizer")
+    assert fp8[-1] < fp8[0] - 1.0
+
+
 @needs_te
 def test_fp8_trains_is_deterministic_and_resumes_exactly(tmp_path):
     first = pretrain(tmp_path, "fp8-a", *FP8, "--deterministic-mode")

@@ -226,3 +226,17 @@ def test_entry_point_exits_2_with_one_line_before_building_anything(flags, messa
     assert exit_.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert ": error: " in last and message in last
+
+
+@pytest.mark.parametrize("distributed_optimizer", [True, False])
+def test_main_grad_alignment_follows_the_buffer_layout(tiny_cpu, distributed_optimizer):
+    """Gradient-accumulation fusion lets TE's GEMMs write only 16-byte aligned ``main_grad``s:
+    the distributed optimizer's buffer aligns every parameter; the plain one packs them, and
+    xIELU's scalar parameters shift the weights after them."""
+    from megatron.apertus.model.engine import is_gemm_aligned
+    from megatron.apertus.training.step import wrap_ddp
+
+    chunk = tiny_cpu.build()
+    (ddp,) = wrap_ddp([chunk], chunk.config, use_distributed_optimizer=distributed_optimizer)
+    aligned = [is_gemm_aligned(p.main_grad) for p in ddp.parameters() if p.dim() == 2]
+    assert all(aligned) if distributed_optimizer else not all(aligned)

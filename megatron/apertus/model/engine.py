@@ -88,6 +88,12 @@ class EngineConfig:
     deterministic_mode: bool = _help(
         "bitwise-reproducible GPU runs: deterministic kernels only (slower; docs/gpu.md)", False
     )
+    gradient_accumulation_fusion: bool = _help(
+        "Transformer Engine's weight-gradient GEMMs accumulate straight into the fp32 main_grad "
+        "(no bf16 gradient, no separate add per micro-batch); --no-gradient-accumulation-fusion "
+        "keeps the add (the local implementation always does)",
+        True,
+    )
 
     def __post_init__(self) -> None:
         choices = (
@@ -283,6 +289,43 @@ def transformer_config_fields(engine: EngineConfig, impl: str) -> dict:
             num_layers_at_end_in_bf16=engine.num_layers_at_end_in_bf16,
         )
     return fields
+
+
+GEMM_ALIGNMENT_BYTES = 16
+"""cuBLAS's FP8 GEMMs need every operand 16-byte aligned; its fast bf16 kernels want the same."""
+
+
+def fuse_te_wgrad_accumulation(chunk: Any) -> tuple[int, int]:
+    """Let the Transformer Engine linears of ``chunk`` write their weight gradients into the
+    parameters' fp32 ``main_grad`` (megatron-core DDP's buffer) with the GEMM's accumulate;
+    ``(fused, TE linears)``.
+
+    megatron-core's ``gradient_accumulation_fusion`` would also switch the local output layer to
+    APEX's ``fused_weight_gradient_mlp_cuda``, which we do not ship; TE reads the switch at each
+    forward, so it is set on TE's modules alone, once DDP has made ``main_grad``. Without it each
+    micro-batch writes a bf16 weight gradient and DDP's hook adds it to ``main_grad`` in a
+    separate pass over every weight (docs/gpu.md: 9-11% of an 8B-shaped step on an H100).
+
+    Only a ``main_grad`` that starts on a :data:`GEMM_ALIGNMENT_BYTES` boundary is written by the
+    GEMM: DDP packs parameters back to back unless the distributed optimizer pads them, and
+    xIELU's scalar parameters then shift every later weight by 4 bytes, where cuBLAS has no FP8
+    kernel and only a slow bf16 one.
+    """
+    fused = linears = 0
+    for module in chunk.modules():
+        if not hasattr(module, "fuse_wgrad_accumulation"):
+            continue
+        linears += 1
+        main_grad = getattr(module.weight, "main_grad", None)
+        if main_grad is not None and is_gemm_aligned(main_grad):
+            module.fuse_wgrad_accumulation = True
+            fused += 1
+    return fused, linears
+
+
+def is_gemm_aligned(tensor: Any) -> bool:
+    """Whether ``tensor`` starts on a :data:`GEMM_ALIGNMENT_BYTES` boundary."""
+    return tensor.data_ptr() % GEMM_ALIGNMENT_BYTES == 0
 
 
 def enable_deterministic_mode() -> None:

@@ -305,6 +305,7 @@ class Trainer:
             overlap_grad_reduce=cfg.communication.overlap_grad_reduce,
             overlap_param_gather=cfg.communication.overlap_param_gather,
             bucket_size=cfg.communication.ddp_bucket_size,
+            gradient_accumulation_fusion=cfg.engine.gradient_accumulation_fusion,
         )
 
     def _gemm_monitor(self) -> GemmInputMonitor | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,6 +30,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
 from megatron.apertus.data.context_parallel import shard_batch
+from megatron.apertus.model.engine import fuse_te_wgrad_accumulation
+
+log = logging.getLogger("apertus")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -63,11 +67,14 @@ def wrap_ddp(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     bucket_size: int | None = None,
+    gradient_accumulation_fusion: bool = False,
 ) -> list[DistributedDataParallel]:
     """Wrap each model chunk in megatron-core DDP (gradients go to ``param.main_grad``).
 
     With ``overlap_param_gather`` several chunks (virtual pipeline stages) gather their
-    parameters in the order the schedule first runs them (``align_param_gather``)."""
+    parameters in the order the schedule first runs them (``align_param_gather``). With
+    ``gradient_accumulation_fusion`` Transformer Engine's linears accumulate their weight
+    gradients into ``main_grad`` themselves (:func:`fuse_te_wgrad_accumulation`)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -77,10 +84,22 @@ def wrap_ddp(
         use_distributed_optimizer=use_distributed_optimizer,
         fp8_param_gather=fp8_param_gather,
     )
-    return [
+    wrapped = [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
+    if gradient_accumulation_fusion:
+        fused = [fuse_te_wgrad_accumulation(chunk) for chunk in wrapped]
+        fused_linears, linears = (sum(counts) for counts in zip(*fused))
+        if fused_linears < linears:
+            log.info(
+                "gradient accumulation fusion: %d of %d Transformer Engine linears (the rest "
+                "have a main_grad off a 16-byte boundary; --use-distributed-optimizer aligns "
+                "every parameter)",
+                fused_linears,
+                linears,
+            )
+    return wrapped
 
 
 def install_schedule_hooks(
