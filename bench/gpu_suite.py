@@ -462,15 +462,17 @@ def fp8_resume_stage(ctx: Context, stage: Stage) -> dict:
     return run_pytest(ctx, [RESUME_TEST])
 
 
-def grad_fusion_stage(ctx: Context, stage: Stage) -> dict:
-    """TE's weight-gradient GEMMs accumulating into ``main_grad``: the same gradients as the
-    bf16 gradient plus DDP's add, and a run that trains as the unfused one does."""
+def step_levers_stage(ctx: Context, stage: Stage) -> dict:
+    """The step's own levers, checked: TE's weight-gradient GEMMs accumulating into
+    ``main_grad`` (the same gradients as a bf16 gradient plus DDP's add; bf16 and FP8 runs that
+    train), and host waits that do not grow with the micro-batches."""
     return run_pytest(
         ctx,
         [
+            "tests/gpu/test_step_host_waits.py",
             "tests/gpu/test_transformer_engine.py",
             "-k",
-            "main_grad or gradient_accumulation_fusion",
+            "main_grad or gradient_accumulation_fusion or host_waits",
         ],
     )
 
@@ -813,7 +815,7 @@ STAGES = [
     Stage("attention", "TE attention backend, unpacked and packed (THD)", 0.5, attention_stage),
     Stage("pytest-gpu", "pytest -m gpu tests/gpu tests/ops", 4, pytest_gpu_stage),
     Stage("fp8-resume", "FP8 delayed scaling: deterministic, exact resume", 2.5, fp8_resume_stage),
-    Stage("grad-fusion", "TE wgrad GEMMs accumulate into main_grad", 1.5, grad_fusion_stage),
+    Stage("step-levers", "wgrad accumulation fusion, host waits per step", 2.5, step_levers_stage),
     Stage(
         "train-step-8b", "8B layer shapes: bf16 vs FP8 recipes, bf16 ends", 3.5, train_step_8b_stage
     ),
