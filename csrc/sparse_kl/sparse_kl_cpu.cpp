@@ -27,13 +27,28 @@
 
 namespace {
 
-// exp(x) for x <= 0 without a libm call, so that loops over it vectorise: x = k*ln2 + r with
-// |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial (truncation error < 6e-9 relative,
-// below fp32 rounding), 2^k assembled in the exponent bits. Below -87 the result is 0 (exp(-87)
-// is already at the bottom of the normal fp32 range).
+// c ? a : b as bit arithmetic. A `?:` on computed values becomes a branch, and under the default
+// -ftrapping-math the vectoriser does not speculate the FP operations back: the AVX2 and
+// baseline loops would stay scalar (AVX-512 masks them; the same reason as in xielu_math.h).
+inline float pick(bool c, float a, float b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  uint32_t a_bits, b_bits;
+  std::memcpy(&a_bits, &a, sizeof(a));
+  std::memcpy(&b_bits, &b, sizeof(b));
+  const uint32_t bits = (a_bits & mask) | (b_bits & ~mask);
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+// exp(x) for x <= 0 without a libm call or a branch, so that loops over it vectorise: x = k*ln2
+// + r with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial (truncation error < 6e-9
+// relative, below fp32 rounding), 2^k assembled in the exponent bits. Below -87 the result is 0
+// (exp(-87) is already at the bottom of the normal fp32 range).
 inline float exp_nonpositive(float x) {
   const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the mantissa
-  const float clamped = x < -87.0f ? -87.0f : x;
+  const bool underflow = x < -87.0f;
+  const float clamped = pick(underflow, -87.0f, x);
   const float k = (clamped * 1.44269504088896341f + kRound) - kRound;
   float r = clamped - k * 0.693145751953125f;  // ln2 split into an exact high part ...
   r = r - k * 1.42860682030941723e-06f;        // ... and the remainder (Cody-Waite)
@@ -48,7 +63,7 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
+  return pick(underflow, 0.0f, p * scale);
 }
 
 SPARSE_KL_CLONES float row_max(const float* z, int64_t v) {

@@ -131,11 +131,30 @@ def chunked_topk(
     """
     s, b, h = hidden_states.shape
     rows = hidden_states.reshape(s * b, h)
-    parts = [
-        global_topk(torch.matmul(rows[c], weight.t()), k) for c in row_chunks(s * b, chunk_rows)
-    ]
+    chunks = row_chunks(s * b, chunk_rows)
+    logits = _chunk_logits(rows, weight, max(c.stop - c.start for c in chunks))
+    parts = [global_topk(logits(rows[c]), k) for c in chunks]
     ids, logprobs = (torch.cat(p).view(s, b, -1).transpose(0, 1) for p in zip(*parts))
     return ids, logprobs
+
+
+def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, most_rows: int):
+    """``chunk -> torch.matmul(chunk, weight.t())`` for chunks of at most ``most_rows`` rows.
+
+    On CPU every chunk's logits go to one buffer: a fresh [rows, V_local] buffer (hundreds of
+    MiB) per chunk would be mapped, faulted in page by page and unmapped each time (the same
+    measurement as in ``ops/sparse_kl.py``). The product is the same call, so the same bits.
+    CUDA's caching allocator already reuses its blocks.
+    """
+    if rows.is_cuda:
+        return lambda chunk: torch.matmul(chunk, weight.t())
+    buffer = torch.empty(most_rows * weight.shape[0], dtype=rows.dtype, device=rows.device)
+
+    def logits(chunk: torch.Tensor) -> torch.Tensor:
+        out = buffer[: chunk.shape[0] * weight.shape[0]].view(chunk.shape[0], weight.shape[0])
+        return torch.matmul(chunk, weight.t(), out=out)
+
+    return logits
 
 
 def chunked_samples(
@@ -146,10 +165,9 @@ def chunked_samples(
     s, b, h = hidden_states.shape
     rows = hidden_states.reshape(s * b, h)
     u = uniforms.to(rows.device).transpose(0, 1).reshape(s * b, -1)
-    parts = [
-        global_samples(torch.matmul(rows[c], weight.t()), u[c])
-        for c in row_chunks(s * b, chunk_rows)
-    ]
+    chunks = row_chunks(s * b, chunk_rows)
+    logits = _chunk_logits(rows, weight, max(c.stop - c.start for c in chunks))
+    parts = [global_samples(logits(rows[c]), u[c]) for c in chunks]
     return torch.cat(parts).view(s, b, -1).transpose(0, 1)
 
 
