@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -235,11 +236,40 @@ def _worker_group(item: pytest.Item) -> str:
     return "slurm" if path.parts[:2] == ("tests", "slurm") else str(path)
 
 
+GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
+"""Seconds each xdist group took in a recorded full run (``APERTUS_RECORD_GROUP_SECONDS=1 make
+test`` rewrites it)."""
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    """Mark process tests and xdist groups, and put the groups that took longest first.
+
+    pytest-xdist hands whole groups to the workers in collection order; a long group dealt last
+    runs alone while the other worker idles (8 minutes at the end of a full run). Longest first
+    keeps both workers busy to the end."""
     for item in items:
         if _uses_processes(item):
             item.add_marker(pytest.mark.process)
         item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+    seconds = json.loads(GROUP_SECONDS.read_text()) if GROUP_SECONDS.exists() else {}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(_worker_group(item), 0.0), order[id(item)]))
+
+
+_GROUP_TOTALS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Seconds per xdist group (set-up, call and tear-down), summed in the controller."""
+    path = Path(report.nodeid.split("::")[0])
+    group = "slurm" if path.parts[:2] == ("tests", "slurm") else str(path)
+    _GROUP_TOTALS[group] = _GROUP_TOTALS.get(group, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    if os.environ.get("APERTUS_RECORD_GROUP_SECONDS") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        ranked = dict(sorted(_GROUP_TOTALS.items(), key=lambda kv: -kv[1]))
+        GROUP_SECONDS.write_text(json.dumps({k: round(v, 1) for k, v in ranked.items()}, indent=1))
 
 
 _MODULES_WITH_FAILURES: set[str] = set()
