@@ -15,17 +15,23 @@ one preprocess_data.py run over all inputs. Rerunning the same command skips com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
 import shutil
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
-from megatron.apertus.data.preprocess import RECORD_SUFFIX, tokenizer_record
+from megatron.apertus.data.preprocess import (
+    RECORD_SUFFIX,
+    Summary,
+    check_input_files,
+    require_documents,
+    tokenizer_record,
+)
 from megatron.apertus.data.tokenize_pipeline import (
     IndexedDatasetWriter,
     MergeTasks,
@@ -152,6 +158,7 @@ def expand_inputs(patterns: list[str]) -> list[str]:
         if not matches:
             raise InputError(f"--input {pattern}: no such file")
         files.extend(matches)
+    check_input_files(files)
     return files
 
 
@@ -291,26 +298,36 @@ def merge_job(args: argparse.Namespace, tokenize, slurm: dict):
 
 def summarize(
     output_dir: str, tasks: int, ran: list[int], key: str, elapsed: float
-) -> tuple[str, int]:
+) -> tuple[str, Summary]:
     """One line over every task's record (tokens/s over the tasks of this run only), and the
-    number of rejected lines."""
-    documents = tokens = tokens_run = 0
-    rejected = Counter()
+    totals of all tasks."""
+    total, tokens_run = Summary(), 0
     for rank in range(tasks):
         record = json.loads(Path(task_prefix(output_dir, rank, key) + RECORD_SUFFIX).read_text())
-        documents += record["documents"]
-        tokens += record["tokens"]
+        total.documents += record["documents"]
+        total.tokens += record["tokens"]
         tokens_run += record["tokens"] if rank in ran else 0
-        rejected.update(record["rejected"])
-    reasons = ", ".join(f"{count} {reason}" for reason, count in rejected.most_common())
+        total.rejected.update(record["rejected"])
+    reasons = ", ".join(f"{count} {reason}" for reason, count in total.rejected.most_common())
     skipped = f", {tasks - len(ran)} complete before" if len(ran) < tasks else ""
     line = (
-        f"wrote {tasks} datasets ({len(ran)} in this run{skipped}), {documents} documents, "
-        f"{tokens} tokens ({key}); this run: {tokens_run} tokens in {elapsed:.1f} s "
-        f"({tokens_run / max(elapsed, 1e-9):,.0f} tokens/s); rejected "
-        f"{sum(rejected.values())} lines" + (f" ({reasons})" if reasons else "")
+        f"wrote {tasks} datasets ({len(ran)} in this run{skipped}), {total.documents} "
+        f"documents, {total.tokens} tokens ({key}); this run: {tokens_run} tokens in "
+        f"{elapsed:.1f} s ({tokens_run / max(elapsed, 1e-9):,.0f} tokens/s); rejected "
+        f"{total.rejected_lines} lines" + (f" ({reasons})" if reasons else "")
     )
-    return line, sum(rejected.values())
+    return line, total
+
+
+def forget_tasks(executor, ranks: list[int], output_dir: str, keys: list[str]) -> None:
+    """Undo the tasks of a refused run: their records go, and datatrove's completion markers
+    with them, so that the same command runs them again (and refuses again) instead of calling
+    them complete."""
+    for rank in ranks:
+        for key in keys:
+            Path(task_prefix(output_dir, rank, key) + RECORD_SUFFIX).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            executor.logging_dir.rm_file(f"completions/{rank:05d}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,11 +370,16 @@ def main(argv: list[str] | None = None) -> int:
     if not to_run:
         print(f"nothing to do: all {tasks} tasks were complete")
     else:
-        line, rejected = summarize(
+        line, total = summarize(
             output_dir, tasks, to_run, args.json_keys[0], time.perf_counter() - start
         )
+        try:
+            require_documents(files, total)
+        except InputError:
+            forget_tasks(executor, to_run, output_dir, args.json_keys)
+            raise
         print(line)
-        if args.strict and rejected:
+        if args.strict and total.rejected_lines:
             return 1
     if args.merge_prefix:
         MergeTasks(output_dir, args.json_keys, args.merge_prefix).run()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron.apertus.data.corpus import embedded_documents
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script
 
 TOOLS = REPO / "tools"
 NOBODY = 65534
@@ -46,6 +46,17 @@ def assert_one_line_exit_2(proc: subprocess.CompletedProcess, *fragments: str) -
     assert len(error_lines) == 1, proc.stderr[-2000:]
     for fragment in fragments:
         assert fragment in error_lines[0], error_lines[0]
+
+
+def warm_tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python tools/NAME ARGS``, forked from the warm interpreter (no torch import to pay)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return run_script(TOOLS / name, list(args), env=env, timeout=600)
+
+
+def written_files(folder: Path) -> list[Path]:
+    """What a tool left under ``folder``, its logs (datatrove's ``.datatrove``) aside."""
+    return [p for p in folder.rglob("*") if p.is_file() and ".datatrove" not in p.parts]
 
 
 def jsonl(path: Path, lines: list[str]) -> Path:
@@ -136,6 +147,37 @@ def test_input_without_a_usable_line_writes_nothing(tmp_path, content):
         expected = "all 3 lines were rejected" if content else "no lines; nothing written"
         assert_one_line_exit_2(proc, str(source), expected)
         assert not list(out.iterdir()), name
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "a directory, not a file"),
+        ("", "no lines; nothing written"),
+        ('not json\n{"title": "no text"}\n', "all 2 lines were rejected"),
+    ],
+    ids=["directory", "empty", "all-malformed"],
+)
+def test_tokenize_corpus_refuses_what_preprocess_data_refuses(tmp_path, content, expected):
+    """A directory, an empty file or one without a usable line: both tools end in one line,
+    and a rerun of tokenize_corpus is refused again rather than found complete."""
+    source = tmp_path / "in.jsonl"
+    if content is None:
+        source.mkdir()
+    else:
+        source.write_text(content)
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = [
+        ("preprocess_data.py", "--output-prefix", str(out / "x")),
+        ("tokenize_corpus.py", "--output-dir", str(out / "tokens")),
+        ("tokenize_corpus.py", "--output-dir", str(out / "tokens")),
+    ]
+    for name, *output in runs:
+        proc = warm_tool(name, "--input", str(source), *output)
+        assert_one_line_exit_2(proc, f"--input {source}", expected)
+        assert not written_files(out), name
+        assert "wrote" not in proc.stdout
 
 
 def _sigint_as_at_a_terminal() -> None:

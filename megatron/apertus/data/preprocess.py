@@ -37,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Protocol
+from typing import BinaryIO, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 
@@ -295,12 +295,42 @@ def encode_chunk(chunk: list[Line]) -> list[tuple[int, int, dict | None, str | N
 # -- writer side -------------------------------------------------------------------------------
 
 
+def check_input_files(paths: Iterable[str | Path]) -> None:
+    """Refuse ``--input`` names that are not files before any work: a directory or a missing
+    name would otherwise read as input without a single line. fsspec URLs are left to their
+    reader."""
+    local = [Path(p) for p in paths if "://" not in str(p)]
+    directories = [str(p) for p in local if p.is_dir()]
+    if directories:
+        raise ConfigError(
+            f"--input {', '.join(directories)}: a directory, not a file (give its files, "
+            "e.g. DIR/*.jsonl)"
+        )
+    missing = [str(p) for p in local if not p.is_file()]
+    if missing:
+        raise ConfigError(f"--input: input file(s) not found: {', '.join(missing)}")
+
+
+def require_documents(inputs: Iterable[str | Path], summary: Summary) -> None:
+    """Refuse input without a single usable line, as every tokenizing tool does: megatron-core
+    cannot open an empty dataset, and a run that kept nothing is a mistake to report, not a
+    success."""
+    if summary.documents:
+        return
+    names = ", ".join(str(p) for p in inputs)
+    if not summary.rejected_lines:
+        raise ConfigError(f"--input {names}: no lines; nothing written")
+    reasons = ", ".join(f"{n} {reason}" for reason, n in summary.rejected.most_common())
+    raise ConfigError(
+        f"--input {names}: all {summary.rejected_lines} lines were rejected ({reasons}); "
+        "nothing written"
+    )
+
+
 def check_inputs(config: PreprocessConfig) -> Tokenizer:
     """Fail before any work on missing inputs, an unknown tokenizer or a missing output
     directory, naming the flag."""
-    missing = [str(p) for p in config.inputs if not Path(p).is_file()]
-    if missing:
-        raise ConfigError(f"input file(s) not found: {', '.join(missing)}")
+    check_input_files(config.inputs)
     if not config.json_keys:
         raise ConfigError("--json-keys needs at least one key")
     out_dir = Path(config.output_prefix).parent
@@ -354,8 +384,7 @@ def preprocess(
         summary, key_tokens = _tokenize_all(config, line_encoder, outputs, writers)
         for writer, idx_path in zip(writers.values(), temporary[1::2]):
             writer.finalize(idx_path)
-        if not summary.documents:
-            raise ConfigError(_nothing_to_write(config, summary))
+        require_documents(config.inputs, summary)
     record = tokenizer_record(config.tokenizer_type, tokenizer)
     for key, (prefix, dtype) in outputs.items():
         if dtype in TOKEN_DTYPES:
@@ -383,17 +412,6 @@ def _open_writers(
             f"--output-prefix {config.output_prefix}: cannot write "
             f"{err.filename}: {err.strerror}"
         ) from None
-
-
-def _nothing_to_write(config: PreprocessConfig, summary: Summary) -> str:
-    inputs = ", ".join(str(p) for p in config.inputs)
-    if not summary.rejected_lines:
-        return f"--input {inputs}: no lines; nothing written"
-    reasons = ", ".join(f"{n} {reason}" for reason, n in summary.rejected.most_common())
-    return (
-        f"--input {inputs}: all {summary.rejected_lines} lines were rejected ({reasons}); "
-        "nothing written"
-    )
 
 
 def _tokenize_all(
