@@ -11,7 +11,8 @@ What the command carries (ignored folders of the repository root, made by ``--pr
 * ``.tebundle/``: Transformer Engine 2.20.2 for sm_90 (``shared/tools/te-device/bundle``: the
   pruned core library, TE's wheels, its torch extension prebuilt for torch 2.11.0+cu130 /
   Python 3.12, ``install_te.sh``);
-* ``.whl/``: wheels the GPU image lacks, for CPython 3.12 (``WHEELS``): megatron-core,
+* ``.whl/``: wheels the GPU image lacks, for CPython 3.12 (``WHEELS``): megatron-core (both
+  lines: ``--megatron-core`` picks the one a call installs),
   mistral-common (the tekken tokenizer) and their dependencies, zstandard;
 * ``.kernels/``: our CUDA and CPU kernels (``csrc/``) prebuilt for the device's torch, Python,
   architecture and sources, as the suite returns them after building them once
@@ -61,8 +62,9 @@ CALL_FILES = 8
 SUITE_RESULT = "SUITE_RESULT "
 TE_BUNDLE = "shared/tools/te-device/bundle"
 """The TE bundle, relative to the parent of the repository root."""
+MEGATRON_CORE_LINES = ("0.16.1", "0.19.2")
+"""The two megatron-core lines we support; the first is the default (``--megatron-core``)."""
 WHEELS = [
-    "megatron-core==0.16.1",
     "mistral-common==1.13.1",
     "pydantic-extra-types==2.11.1",
     "jsonschema==4.26.0",
@@ -71,7 +73,8 @@ WHEELS = [
     "rpds-py==2026.9.1",
     "zstandard==0.25.0",
 ]
-"""Python packages the GPU image lacks (its list: the device notes' KINDS.md)."""
+"""Python packages the GPU image lacks (its list: the device notes' KINDS.md), besides
+megatron-core (``MEGATRON_CORE_LINES``)."""
 MANYLINUX = [
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
@@ -109,6 +112,11 @@ class Context:
     budget_s: float
     log: Path | None = None
     stage_started: float = 0.0
+    megatron_core: str = MEGATRON_CORE_LINES[0]
+
+    def record(self, stage: str) -> str:
+        """The name of ``stage``'s log and result: with ``-mcore<version>`` on the other line."""
+        return record_name(stage, self.megatron_core)
 
     def remaining_s(self) -> float:
         return self.budget_s - (time.monotonic() - self.started)
@@ -203,7 +211,12 @@ def setup(ctx: Context, te_checks: bool) -> bool:
                 ctx.env.update(env_from_script(TE_SITE / "te_env.sh"))
     else:
         ctx.write_log(f"no {install.relative_to(REPO)}: TE must already be importable")
-    wheels = sorted((REPO / ".whl").glob("*.whl"))
+    other_lines = [v for v in MEGATRON_CORE_LINES if v != ctx.megatron_core]
+    wheels = [
+        wheel
+        for wheel in sorted((REPO / ".whl").glob("*.whl"))
+        if not wheel.name.startswith(tuple(f"megatron_core-{v}-" for v in other_lines))
+    ]
     if wheels:
         argv = [
             python(),
@@ -304,6 +317,10 @@ class Stage:
     """Expected wall time: measured on an H200 where a stage has run, with a margin for an H100
     (the suite starts a stage only when this much is left)."""
     run: Callable[[Context, "Stage"], dict]
+
+
+def record_name(stage: str, megatron_core: str) -> str:
+    return stage if megatron_core == MEGATRON_CORE_LINES[0] else f"{stage}-mcore{megatron_core}"
 
 
 def stage_limit(ctx: Context) -> float:
@@ -849,14 +866,16 @@ def done_in_tree(tree: Path, stage: str) -> bool:
     return False
 
 
-def select(names: list[str], tree: Path) -> tuple[list[Stage], list[str]]:
+def select(
+    names: list[str], tree: Path, megatron_core: str = MEGATRON_CORE_LINES[0]
+) -> tuple[list[Stage], list[str]]:
     """The candidate stages and why others are left: named ones as given; else the ones without
-    results in the tree, in order of value."""
+    results in the tree (for this megatron-core line), in order of value."""
     if names:
         return [stage_named(n) for n in names], []
     pending, notes = [], []
     for stage in STAGES:
-        if done_in_tree(tree, stage.name):
+        if done_in_tree(tree, record_name(stage.name, megatron_core)):
             notes.append(f"{stage.name}: has results in the tree (name it to run it again)")
         else:
             pending.append(stage)
@@ -879,7 +898,7 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def run_stage(ctx: Context, stage: Stage) -> dict:
-    ctx.log = ctx.out / f"{stage.name}.log"
+    ctx.log = ctx.out / f"{ctx.record(stage.name)}.log"
     ctx.log.write_text("")
     ctx.write_log(f"== {stage.name}: {stage.what}")
     start = ctx.stage_started = time.monotonic()
@@ -891,16 +910,17 @@ def run_stage(ctx: Context, stage: Stage) -> dict:
     from _common import git_commit, machine
 
     payload = {
-        "stage": stage.name,
+        "stage": ctx.record(stage.name),
         "what": stage.what,
         **result,
         "wall_s": time.monotonic() - start,
         "device": device_tag(ctx.dry),
         "machine": machine(),
+        "megatron_core": ctx.megatron_core,
         "git_commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    write_json(ctx.out / f"{stage.name}.json", payload)
+    write_json(ctx.out / f"{ctx.record(stage.name)}.json", payload)
     ctx.write_log(f"== {stage.name}: {payload['status']} in {payload['wall_s']:.0f} s")
     return payload
 
@@ -1032,10 +1052,11 @@ def prepare(tree: Path) -> None:
     shutil.copytree(bundle, tree / ".tebundle")
     for path in (tree / ".tebundle").rglob("*"):
         path.chmod(path.stat().st_mode | 0o200)  # the shared copy is read-only
-    platforms = [arg for p in MANYLINUX for arg in ("--platform", p)]
-    pip_download(
-        tree / ".whl", WHEELS, "--python-version", "3.12", "--implementation", "cp", *platforms
-    )
+    target = ["--python-version", "3.12", "--implementation", "cp"]
+    target += [arg for p in MANYLINUX for arg in ("--platform", p)]
+    pip_download(tree / ".whl", WHEELS, *target)
+    for version in MEGATRON_CORE_LINES:  # one resolver run each: they cannot share one
+        pip_download(tree / ".whl", [f"megatron-core=={version}"], *target)
     unpack_slim_wheels(tree / ".whl")
     print(f"prepared {tree / '.tebundle'} and {tree / '.whl'} (carry them with .kernels)")
 
@@ -1064,6 +1085,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--te-checks",
         action="store_true",
         help="install_te.sh's fat-binary load and smoke test too",
+    )
+    parser.add_argument(
+        "--megatron-core",
+        choices=MEGATRON_CORE_LINES,
+        default=MEGATRON_CORE_LINES[0],
+        help="the megatron-core line to install and run (results of the other line are named "
+        "<stage>-mcore<version>)",
     )
     parser.add_argument("--tree", type=Path, default=REPO, help="where results are looked up")
     parser.add_argument("--list", action="store_true", help="the stages and whether they are done")
@@ -1095,7 +1123,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.list:
         for stage in STAGES:
-            done = "done" if done_in_tree(args.tree, stage.name) else "pending"
+            name = record_name(stage.name, args.megatron_core)
+            done = "done" if done_in_tree(args.tree, name) else "pending"
             print(f"{stage.name:18s} {done:8s} ~{stage.minutes:g} min  {stage.what}")
         return 0
     if not args.dry_run and len(args.stages) > args.max_stages:
@@ -1113,9 +1142,10 @@ def main(argv: list[str] | None = None) -> int:
         started=time.monotonic(),
         budget_s=args.budget_s,
         log=args.out / "setup.log",
+        megatron_core=args.megatron_core,
     )
     ctx.log.write_text("")
-    stages, notes = select(args.stages, args.tree)
+    stages, notes = select(args.stages, args.tree, args.megatron_core)
     for note in notes:
         ctx.write_log(note)
     if not stages:
