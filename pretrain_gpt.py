@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         restored = C.apply_checkpoint_args(args)
         if restored and os.environ.get("RANK", "0") == "0":
             print(restored)
-        config = C.run_from_arguments(args)
+        config = C.run_from_arguments(args, C.given_destinations(parser, argv))
         check_schedule(config.schedule, config.training)
     except (ConfigError, ValueError) as err:
         parser.error(str(err))

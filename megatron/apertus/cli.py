@@ -59,6 +59,26 @@ def error_line(prog: str, err: BaseException) -> str:
     return f"{prog}: error: {err}"
 
 
+def check_output(flag: str, path: str | os.PathLike, *, directory: bool) -> None:
+    """Refuse, before any work, an output the program could not write when it gets there: a
+    file where a directory is wanted or the reverse, or no permission to create or replace it.
+    Nothing is created, so ``--dry-run`` may call it. Permissions are what ``os.access`` says,
+    so root passes where it could write."""
+    path = Path(path)
+    if path.exists():
+        if path.is_dir() != directory:
+            wanted, found = ("directory", "file") if directory else ("file", "directory")
+            raise ConfigError(f"{flag} {path} is a {found}, not a {wanted}")
+        # A file is replaced through a temporary name beside it: its directory must be writable.
+        target = path if directory else path.parent
+    else:
+        target = next(p for p in path.absolute().parents if p.exists())
+        if not target.is_dir():
+            raise ConfigError(f"{flag} {path}: {target} is a file, not a directory")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: cannot write in {target} (permission denied)")
+
+
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 

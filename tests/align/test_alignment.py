@@ -233,9 +233,9 @@ def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd, caplog):
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert {"train/mean_target", "train/mean_beta_log_ratio", "valid/mean_target"} <= set(
-        events.Tags()["scalars"]
-    )
+    tags = set(events.Tags()["scalars"])
+    assert {"train/mean_target", "train/mean_beta_log_ratio", "valid/mean_target"} <= tags
+    assert "qrpo loss validation" in tags and "lm loss validation" not in tags, sorted(tags)
 
 
 @pytest.mark.parametrize(

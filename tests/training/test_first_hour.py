@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron.apertus import checkpoint
-from tests.conftest import PRETRAIN, REPO, run_entry
+from tests.conftest import PRETRAIN, REPO, run_entry, run_script
 
 BASE = [
     "--model-preset",
@@ -46,8 +46,10 @@ def run(script: Path, args: list[str]) -> subprocess.CompletedProcess:
 
 
 def refused(args: list[str], base: list[str] = TINY) -> str:
-    """The one error line of a run that must stop at a user mistake."""
-    proc = run(PRETRAIN, base + args)
+    """The one error line of a run that must stop at a user mistake (forked from the warm
+    interpreter: the refusal, not torch's import, is what is tested)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = run_script(PRETRAIN, base + args, env=env, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
@@ -220,3 +222,97 @@ def test_a_hub_tokenizer_name_says_to_pass_a_local_copy():
     )
     assert line.startswith("--tokenizer-model swiss-ai/Apertus-8B-2509: no such file or directory")
     assert "`hf download swiss-ai/Apertus-8B-2509 tokenizer.json tokenizer_config.json`" in line
+
+
+# -- values, files and outputs, refused when the flags are read (--dry-run too) ---------------
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
+        (["--lr", "nan", "--dry-run"], "--lr must be a finite number >= 0, got nan"),
+        (["--adam-beta1", "2"], "--adam-beta1 must be in [0, 1), got 2.0"),
+        (["--log-interval", "0"], "--log-interval must be >= 1, got 0"),
+        (["--micro-batch-size", "0", "--dry-run"], "--micro-batch-size must be >= 1, got 0"),
+    ],
+)
+def test_a_value_out_of_range_is_refused_with_its_flag(flags, expected):
+    assert refused(flags) == expected
+
+
+def test_the_layout_planner_refuses_a_micro_batch_of_zero_with_its_flag():
+    proc = run_script(
+        REPO / "tools" / "plan_layout.py",
+        ["--gpus", "8", "--", "--model-preset", "apertus-8b", "--micro-batch-size", "0"],
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("plan_layout.py: error: --micro-batch-size must be >= 1, got 0")
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["run", "dry-run"])
+@pytest.mark.parametrize("kind", ["missing", "a directory", "not a tokenizer"])
+def test_a_tokenizer_model_that_is_no_tokenizer_is_named(tmp_path, kind, dry_run):
+    path = tmp_path / "tekken.json"
+    if kind == "a directory":
+        path.mkdir()
+    elif kind == "not a tokenizer":
+        path.write_text('{"vocab": []}')
+    expected = {
+        "missing": f"--tokenizer-model {path}: no such file or directory",
+        "a directory": f"--tokenizer-model {path}: a directory, not a TekkenTokenizer file",
+        "not a tokenizer": f"--tokenizer-model {path}: not a TekkenTokenizer file (",
+    }[kind]
+    assert refused(["--tokenizer-model", str(path), *dry_run]).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    "flag, make, expected",
+    [
+        ("--log-json", "directory", "{p} is a directory, not a file"),
+        ("--loss-plot", "directory", "{p} is a directory, not a file"),
+        ("--tensorboard-dir", "file", "{p} is a file, not a directory"),
+        ("--data-cache-path", "file", "{p} is a file, not a directory"),
+        ("--log-json", "under a file", "{p}: {p.parent} is a file, not a directory"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_is_built(
+    tmp_path, flag, make, expected
+):
+    path = tmp_path / "out"
+    if make == "directory":
+        path.mkdir()
+    elif make == "file":
+        path.write_text("")
+    else:
+        (tmp_path / "file").write_text("")
+        path = tmp_path / "file" / "log.jsonl"
+    before = sorted(tmp_path.iterdir())
+    assert refused([flag, str(path)]) == f"{flag} " + expected.format(p=path)
+    assert sorted(tmp_path.iterdir()) == before, "nothing is written beside it"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+@pytest.mark.parametrize("flag", ["--log-json", "--tensorboard-dir", "--data-cache-path"])
+def test_an_output_in_a_read_only_directory_is_refused_before_the_model_is_built(tmp_path, flag):
+    (tmp_path / "ro").mkdir(mode=0o555)
+    path = tmp_path / "ro" / "out"
+    try:
+        message = refused([flag, str(path), "--dry-run"])
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+    assert message == f"{flag} {path}: cannot write in {tmp_path / 'ro'} (permission denied)"
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--align-beta", "0.1"], "--align-beta"),
+        (["--no-align-length-normalization"], "--align-length-normalization"),
+    ],
+    ids=["beta", "length-normalization"],
+)
+def test_an_alignment_flag_at_its_default_without_an_objective_is_refused(flags, named):
+    assert refused([*flags, "--dry-run"]) == f"{named} needs --align-objective (dpo or qrpo)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 OBJECTIVES = ("dpo", "qrpo")
 TRANSFORMS = ("identity", "log", "normal-icdf")
@@ -101,10 +101,18 @@ class AlignConfig:
                 if name.startswith("qrpo_"):
                     raise ValueError(f"{_flag(name)} applies to --align-objective qrpo only")
 
-    def _refuse_without_objective(self) -> None:
-        changed = _changed(self)
+    def _refuse_without_objective(self, given: Iterable[str] = ()) -> None:
+        named = [f.name for f in dataclasses.fields(self) if f.name in set(given)]
+        changed = named or _changed(self)
         if changed:
             raise ValueError(f"{_flag(changed[0])} needs --align-objective (dpo or qrpo)")
+
+    def check_given(self, given: Iterable[str]) -> None:
+        """Refuse an alignment flag the command line gives without --align-objective, even at
+        its default value: such a run would silently train plain LM. ``given``: the flags'
+        destinations the command line set; the construction itself only sees values."""
+        if not self.enabled:
+            self._refuse_without_objective(given)
 
     @property
     def enabled(self) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron.apertus.cli import exclusive
+from megatron.apertus.cli import check_output, exclusive
 from megatron.apertus.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -95,6 +95,8 @@ class DatasetConfig:
             raise ValueError("give the blend with --data-path or --data-args-path, not both")
         if self.data_args_path and not Path(self.data_args_path).is_file():
             raise ValueError(f"--data-args-path {self.data_args_path}: no such file")
+        if self.data_cache_path:
+            check_output("--data-cache-path", self.data_cache_path, directory=True)
         if self.per_split and not self.train_data_path:
             raise ValueError("--valid-data-path/--test-data-path need --train-data-path")
         if self.sft and not (self.data_path or self.train_data_path):

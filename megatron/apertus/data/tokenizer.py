@@ -236,6 +236,37 @@ def build_tokenizer(tokenizer_type: str = "TekkenTokenizer", model: str | None =
     )
 
 
+def checked_tokenizer(tokenizer_type: str, model: str | None) -> Tokenizer:
+    """:func:`build_tokenizer` for the flags as given: any failure to read ``--tokenizer-model``
+    becomes one line naming it. Each tokenizer library fails in its own way on a file of another
+    kind (a JSON error, a ``KeyError``, a protobuf ``RuntimeError``), so every ``Exception`` of
+    the load counts as the user's file not being a tokenizer."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ConfigError(
+            f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "
+            f"{', '.join(TOKENIZER_TYPES)}"
+        )
+    if model is None and tokenizer_type != "TekkenTokenizer":
+        raise ConfigError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
+    path = Path(model) if model is not None else None
+    if path is not None and tokenizer_type != "HuggingFaceTokenizer":  # hub names: see there
+        if not path.exists():
+            raise ConfigError(f"--tokenizer-model {model}: no such file or directory")
+        if path.is_dir():
+            raise ConfigError(
+                f"--tokenizer-model {model}: a directory, not a {tokenizer_type} file"
+            )
+    try:
+        return build_tokenizer(tokenizer_type, model)
+    except ConfigError:
+        raise
+    except Exception as err:
+        detail = err.strerror if isinstance(err, OSError) and err.strerror else repr(err)
+        raise ConfigError(
+            f"--tokenizer-model {model}: not a {tokenizer_type} file ({detail})"
+        ) from None
+
+
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     """The tekken tokenizer at ``path``, or the one bundled with mistral-common."""
     return build_tokenizer("TekkenTokenizer", str(path) if path else None)

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from megatron.apertus.align.config import AlignConfig
+from megatron.apertus.cli import check_output
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.data.tokenizer import checked_tokenizer
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import (
@@ -52,6 +53,12 @@ from megatron.apertus.optim.schedule import ScheduleConfig
 from megatron.apertus.quant.config import QuantConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def require(ok: bool, flag: str, value: Any, rule: str) -> None:
+    """Refuse a flag's value in one line naming the flag and the rule it breaks."""
+    if not ok:
+        raise ConfigError(f"{flag} must be {rule}, got {value}")
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, *, ours: bool = False, **kwargs) -> Any:
@@ -132,6 +139,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         self._resolve_precision()
+        self._check_ranges()
         if (self.train_iters is None) == (self.train_samples is None):
             raise ConfigError("give exactly one of --train-iters and --train-samples")
         if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
@@ -144,12 +152,34 @@ class TrainingConfig:
         ):
             # Nothing to ramp: megatron-core's calculator would divide by zero increments.
             object.__setattr__(self, "rampup_batch_size", None)
+        if self.rampup_batch_size is not None:
+            for part, value in zip(("START", "INCREMENT"), self.rampup_batch_size):
+                require(value >= 1, f"--rampup-batch-size {part}", value, ">= 1")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ConfigError(
                 f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}"
             )
         if self.manual_gc_interval < 0:
             raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
+
+    def _check_ranges(self) -> None:
+        """Counts a run divides by or steps with, refused here so that ``--dry-run`` and the
+        launch planner name the flag instead of dividing by zero."""
+        for flag, value in (
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--global-batch-size", self.global_batch_size),
+            ("--log-interval", self.log_interval),
+            ("--train-samples", self.train_samples),
+            ("--recompute-num-layers", self.recompute_num_layers),
+        ):
+            require(value is None or value >= 1, flag, value, ">= 1")
+        for flag, value in (
+            ("--train-iters", self.train_iters),
+            ("--eval-interval", self.eval_interval),
+            ("--eval-iters", self.eval_iters),
+            ("--exit-interval", self.exit_interval),
+        ):
+            require(value is None or value >= 0, flag, value, ">= 0")
 
     def total_iterations(self, dp: int) -> int:
         """Optimizer steps of the run, following megatron-core's batch-size ramp-up."""
@@ -232,6 +262,21 @@ class OptimizerSettings:
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "ademamix"):
             raise ConfigError(f"--optimizer must be adam or ademamix, got {self.optimizer!r}")
+        for flag, value in (
+            ("--lr", self.lr),
+            ("--min-lr", self.min_lr),
+            ("--weight-decay", self.weight_decay),
+            ("--clip-grad", self.clip_grad),
+        ):
+            require(math.isfinite(value) and value >= 0, flag, value, "a finite number >= 0")
+        for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            require(0 <= value < 1, flag, value, "in [0, 1)")
+        require(
+            math.isfinite(self.adam_eps) and self.adam_eps > 0,
+            "--adam-eps",
+            self.adam_eps,
+            "a finite number > 0",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -350,6 +395,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.tokenizer_model is not None or self.tokenizer_type != "TekkenTokenizer":
+            # Read now, not at the first batch: --dry-run and the tools refuse a wrong file too.
+            checked_tokenizer(self.tokenizer_type, self.tokenizer_model)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -406,6 +454,7 @@ class LoggingConfig:
     )
 
     def __post_init__(self) -> None:
+        self._check_outputs()
         if self.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ConfigError(
                 "--wandb-project needs wandb, which is not installed: "
@@ -422,6 +471,15 @@ class LoggingConfig:
         interval = self.log_intermediate_metrics_interval
         if interval is not None and interval < 1:
             raise ConfigError(f"--log-intermediate-metrics-interval must be >= 1, got {interval}")
+
+    def _check_outputs(self) -> None:
+        """Outputs refused when the flags are read, not when the run first writes them after
+        building the model (or after its first log interval)."""
+        for flag, path in (("--log-json", self.log_json), ("--loss-plot", self.loss_plot)):
+            if path:
+                check_output(flag, path, directory=False)
+        if self.tensorboard_dir:
+            check_output("--tensorboard-dir", self.tensorboard_dir, directory=True)
 
 
 ALIASES = {
@@ -617,13 +675,7 @@ def model_from_arguments(args: argparse.Namespace) -> ApertusConfig:
 
 
 def _tokenizer_vocab_size(args: argparse.Namespace) -> int:
-    try:
-        return build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
-    except (OSError, ValueError) as err:
-        raise ConfigError(
-            f"--make-vocab-size-divisible-by pads the tokenizer's vocabulary, which did not "
-            f"load: {err}"
-        ) from err
+    return checked_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
 
 
 def parallel_from_arguments(args: argparse.Namespace, model: ApertusConfig) -> ParallelConfig:
@@ -723,11 +775,24 @@ def groups_from_arguments(
     return values
 
 
-def run_from_arguments(args: argparse.Namespace) -> RunConfig:
-    """The whole run, checked across groups (overlap flags, engine against device and layout)."""
+def given_destinations(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
+    """The destinations ``argv`` sets itself, told apart from defaults (equal values included):
+    argparse fills in a default only where the namespace holds nothing yet, so in a namespace
+    filled with a marker beforehand the marker stays exactly where no flag was given."""
+    unset = object()
+    probe = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    parser.parse_known_args(argv, probe)
+    return frozenset(name for name, value in vars(probe).items() if value is not unset)
+
+
+def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> RunConfig:
+    """The whole run, checked across groups (overlap flags, engine against device and layout);
+    ``given``: the destinations the command line set (:func:`given_destinations`), for the
+    flags that must not appear without another even at their default values."""
     from megatron.apertus.parallel import resolve_device
 
     config = RunConfig(**groups_from_arguments(args))
+    config.align.check_given(given)
     config.communication.check(
         distributed_optimizer=config.optimizer.use_distributed_optimizer,
         virtual_pipeline=config.parallel.virtual_pipeline_model_parallel_size is not None,

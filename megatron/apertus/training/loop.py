@@ -608,7 +608,7 @@ class Trainer:
             "valid/loss",
             self.state.iteration,
             loss,
-            tag="lm loss validation",
+            tag=f"{self.objective.valid_loss_name} validation",
             samples=self.state.consumed_samples,
         )
         if is_reporting_rank():

@@ -64,6 +64,10 @@ class Objective(ABC):
 
     loss_name: str
     """The loss's name in the iteration line and its TensorBoard tag (``lm loss``)."""
+    valid_loss_name: str = "lm loss"
+    """The validation loss's name; its TensorBoard tag is ``<name> validation``. Megatron's
+    ``lm loss`` wherever validation measures the cross-entropy (distillation too), so that
+    curves of other objectives never share its tag."""
     train_data: object | None
     valid_data: object | None
     """The validation data; None: the run has no validation."""
@@ -238,7 +242,7 @@ class Alignment(Objective):
             fused_output_loss=cfg.training.fused_output_loss,
         )
         self.train_data, self.valid_data = self.run.train_data, self.run.valid_data
-        self.loss_name = f"{align.align_objective} loss"
+        self.loss_name = self.valid_loss_name = f"{align.align_objective} loss"
 
     def prepare(self, model: list, *, state: TrainingState, resume_from: Path | None) -> None:
         """The reference log-probabilities: computed by the starting weights when none are
