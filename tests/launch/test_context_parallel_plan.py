@@ -224,3 +224,38 @@ def test_sweep_keeps_the_tokens_per_step():
     assert (
         "refused: global batch 128 not a multiple of micro-batch x DP 512; needs 120 GiB" in table
     )
+
+
+TINY_A2A = [
+    "--model-preset",
+    "tiny",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "1",
+    "--seq-length",
+    "256",
+    "--context-parallel-size",
+    "2",
+    "--cp-comm-type",
+    "a2a",
+    "--train-iters",
+    "1",
+]
+
+
+def test_the_planner_and_the_trainer_apply_one_context_parallel_rule():
+    """4 heads and 1 query group at CP=2 with a2a: the local implementation repeats K/V per head
+    and runs it; Transformer Engine's all-to-all would split the one group, so both the planner
+    (a GPU run: TE unless told otherwise) and the trainer under TE refuse it, in the same line."""
+    from megatron.apertus.model.config import validate_context_parallel
+
+    run = run_from_args(TINY_A2A)
+    local = plan(run_from_args(TINY_A2A + ["--transformer-impl", "local"]), Cluster(gpus=2, **GH200))
+    assert not [p for p in local.problems if "--cp-comm-type" in p], local.problems
+    validate_context_parallel(run.model, run.parallel, "local")
+    (refusal,) = [p for p in plan(run, Cluster(gpus=2, **GH200)).problems if "--cp-comm-type" in p]
+    assert refusal.startswith("--cp-comm-type a2a: --num-query-groups (1)")
+    with pytest.raises(ConfigError) as trainer:
+        validate_context_parallel(run.model, run.parallel, "transformer_engine")
+    assert str(trainer.value) == refusal

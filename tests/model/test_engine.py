@@ -215,7 +215,7 @@ def test_context_parallel_size_is_validated():
                 "--num-query-groups",
                 "2",
             ],
-            "--cp-comm-type a2a: the 2 attention heads",
+            "--cp-comm-type a2a: --num-attention-heads (2) / --tensor-model-parallel-size (1)",
         ),
         (["--log-intermediate-metrics", "skew"], "--log-intermediate-metrics: unknown skew"),
     ],

@@ -35,7 +35,12 @@ import torch
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch import memory
 from megatron.apertus.launch.memory import Recompute, Shape, StageMemory, Workload
-from megatron.apertus.model.config import ApertusConfig, ParallelConfig, validate_layout
+from megatron.apertus.model.config import (
+    ApertusConfig,
+    ParallelConfig,
+    context_parallel_problems,
+    validate_layout,
+)
 from megatron.apertus.model.engine import EngineConfig
 from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.parallel import resolve_device
@@ -183,34 +188,20 @@ def _batch_problems(run: Run, dp: int) -> list[str]:
 
 
 def _context_problems(run: Run) -> list[str]:
-    """The sequence and heads over context-parallel ranks (none without CP)."""
+    """The sequence and heads over context-parallel ranks (the trainer's rule, under the
+    implementation the run would get on a GPU), and sequence parallelism's split of each
+    rank's tokens."""
     par, model = run.parallel, run.model
     cp, tp, seq = par.context_parallel_size, par.tensor_model_parallel_size, model.seq_length
-    if cp == 1:
-        return []
-    if seq % (2 * cp):
-        return [
-            f"--seq-length ({seq}) is not divisible by 2 x --context-parallel-size ({cp}): "
-            "each context-parallel rank holds 2 of 2 x CP equal chunks"
-        ]
-    problems = []
-    if par.sequence_parallel and (seq // cp) % tp:
+    problems = context_parallel_problems(
+        model, par, run.engine.transformer_impl or "transformer_engine"
+    )
+    if cp > 1 and not seq % (2 * cp) and par.sequence_parallel and (seq // cp) % tp:
         problems.append(
             f"--seq-length ({seq}) / --context-parallel-size ({cp}) = {seq // cp} tokens per "
             f"rank is not divisible by --tensor-model-parallel-size ({tp}), which "
             "--sequence-parallel splits them over"
         )
-    if par.cp_comm_type == "a2a":
-        for value, arg in (
-            (model.num_attention_heads, "--num-attention-heads"),
-            (model.num_query_groups, "--num-query-groups"),
-        ):
-            if (value // tp) % cp:
-                problems.append(
-                    f"--cp-comm-type a2a: {arg} ({value}) / --tensor-model-parallel-size ({tp}) "
-                    f"= {value // tp} per rank is not divisible by --context-parallel-size "
-                    f"({cp}), over which the all-to-all splits them"
-                )
     return problems
 
 

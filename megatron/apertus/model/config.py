@@ -236,20 +236,46 @@ def validate_layout(model: ApertusConfig, parallel: ParallelConfig, world_size: 
     return world_size // (tp * pp * cp)
 
 
-def validate_context_parallel(model: ApertusConfig, parallel: ParallelConfig) -> None:
-    """The sequence splits into 2 x CP equal chunks; a2a splits each TP rank's heads over CP."""
-    cp = parallel.context_parallel_size
+def context_parallel_problems(
+    model: ApertusConfig, parallel: ParallelConfig, impl: str = "local"
+) -> list[str]:
+    """Every reason ``parallel``'s context parallelism cannot run ``model`` under the
+    transformer implementation ``impl``, one line each: the rule the trainer and the launch
+    planner share.
+
+    The sequence splits into 2 x CP equal chunks. a2a's all-to-all splits each tensor-parallel
+    rank's attention heads over CP; Transformer Engine's splits K/V's query groups too (its
+    kernel asserts it), while the local implementation repeats K/V per query head first.
+    """
+    cp, tp = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    if cp == 1:
+        return []
     if model.seq_length % (2 * cp):
-        raise ConfigError(
+        return [
             f"--seq-length ({model.seq_length}) is not divisible by 2 x --context-parallel-size "
             f"({cp}): each rank keeps two of 2 x CP equal chunks"
-        )
-    heads = model.num_attention_heads // parallel.tensor_model_parallel_size
-    if cp > 1 and parallel.cp_comm_type == "a2a" and heads % cp:
-        raise ConfigError(
-            f"--cp-comm-type a2a: the {heads} attention heads per tensor-parallel rank are not "
-            f"divisible by --context-parallel-size ({cp}); use --cp-comm-type p2p"
-        )
+        ]
+    if parallel.cp_comm_type != "a2a":
+        return []
+    split = [(model.num_attention_heads, "--num-attention-heads", "")]
+    if impl == "transformer_engine":
+        split.append((model.num_query_groups, "--num-query-groups", " (Transformer Engine)"))
+    return [
+        f"--cp-comm-type a2a: {flag} ({value}) / --tensor-model-parallel-size ({tp}) = "
+        f"{value // tp} per rank is not divisible by --context-parallel-size ({cp}), over which "
+        f"the all-to-all{who} splits them; use --cp-comm-type p2p"
+        for value, flag, who in split
+        if (value // tp) % cp
+    ]
+
+
+def validate_context_parallel(
+    model: ApertusConfig, parallel: ParallelConfig, impl: str = "local"
+) -> None:
+    """:func:`context_parallel_problems`, the first one raised."""
+    problems = context_parallel_problems(model, parallel, impl)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 def virtual_stages(num_layers: int, pipeline: int, layers_per_virtual_stage: int) -> int | None:

@@ -19,7 +19,12 @@ from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.config import ApertusConfig, ParallelConfig, dtype_from_name
+from megatron.apertus.model.config import (
+    ApertusConfig,
+    ParallelConfig,
+    dtype_from_name,
+    validate_context_parallel,
+)
 from megatron.apertus.model.engine import (
     EngineConfig,
     deterministic_core_attention,
@@ -68,6 +73,7 @@ def start(
     transformer_impl = None
     if engine is not None:
         transformer_impl = validate_engine(engine, device=device_name, num_layers=model.num_layers)
+        validate_context_parallel(model, layout, transformer_impl)
         engine = deterministic_core_attention(
             engine, transformer_impl, packed_documents=packed_documents
         )
