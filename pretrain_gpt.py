@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from megatron.apertus.cli import ArgumentParser
+from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.training import config as C
 from megatron.apertus.training.config import RunConfig
@@ -70,7 +70,13 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     return config
 
 
+CHECKPOINTS_KEPT = "the checkpoints saved before it are kept"
+"""What an interrupted run leaves: a save cut short stays under its temporary name, which
+the next save removes; a resumed run never reads it."""
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Parse and train; user errors and interruptions end in one line (:func:`cli.run`)."""
     config = parse_args(argv)
     from megatron.apertus.distill.logit_store import LogitStoreError
     from megatron.apertus.training.loop import TrainingStopped, train
@@ -79,12 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(config.checkpoint.save)
     try:
         train(config)
-    except (ConfigError, LogitStoreError) as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except LogitStoreError as err:
+        raise ConfigError(str(err)) from None
     except TrainingStopped as err:
         sys.exit(f"pretrain_gpt.py: stopped: {err}")
 
 
 if __name__ == "__main__":
-    main()
+    run(main, kept=CHECKPOINTS_KEPT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -205,3 +206,61 @@ def test_a_worker_stopped_while_starting_ends_quietly():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]
+
+
+def _sigint_as_at_a_terminal() -> None:
+    """A suite started in the background inherits Ctrl-C ignored; a terminal's job does not."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_training(args: list[str], save: Path) -> subprocess.Popen:
+    """A tiny run long enough to be stopped, past its first step once this returns."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    command = [
+        sys.executable,
+        str(REPO / "pretrain_gpt.py"),
+        *("--model-preset", "tiny", "--global-batch-size", "2", "--eval-iters", "0"),
+        *("--train-iters", "100000", "--log-interval", "1", "--save", str(save), *args),
+    ]
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_as_at_a_terminal,
+    )
+    for line in proc.stdout:
+        if "iteration        1/" in line:
+            return proc
+    raise AssertionError(f"the run ended before its first step:\n{proc.stderr.read()[-3000:]}")
+
+
+@pytest.mark.parametrize(
+    "signum, line",
+    [
+        (signal.SIGINT, "pretrain_gpt.py: interrupted; the checkpoints saved before it are kept"),
+        (signal.SIGTERM, "pretrain_gpt.py: terminated; the checkpoints saved before it are kept"),
+    ],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_stopped_training_run_says_so_in_one_line(tmp_path, signum, line):
+    proc = start_training([], tmp_path / "save")
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == line
+
+
+def test_ctrl_c_with_the_exit_signal_handler_saves_and_exits_zero(tmp_path):
+    from megatron.apertus import checkpoint
+
+    proc = start_training(["--exit-signal-handler"], tmp_path / "save")
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "exit requested by signal SIGINT: saving a checkpoint and stopping" in stdout + stderr
+    assert checkpoint.latest_iteration(tmp_path / "save") >= 1

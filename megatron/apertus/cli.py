@@ -124,10 +124,17 @@ def _quiet_forked_children() -> None:
     _fork_hooks_registered = True
 
 
-def run(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
+INTERRUPTED_NOTE = "no partial output was kept"
+"""What the line of an interrupted tool adds: its outputs appear only when complete."""
+
+
+def run(
+    main: Callable[[], int | None], prog: str | None = None, *, kept: str = INTERRUPTED_NOTE
+) -> NoReturn:
     """Run a tool's ``main`` and exit with its status; user errors and interruptions become one
     line. An ``OSError`` that names a file (permission denied, disk full, read-only file system)
-    is the user's to fix; one without a file name is a bug and keeps its traceback."""
+    is the user's to fix; one without a file name is a bug and keeps its traceback. ``kept``
+    ends the line of an interruption: what the user finds afterwards."""
     prog = prog or os.path.basename(sys.argv[0])
     signal.signal(signal.SIGTERM, _raise_terminated)
     _quiet_forked_children()
@@ -142,10 +149,10 @@ def run(main: Callable[[], int | None], prog: str | None = None) -> NoReturn:
         print(error_line(prog, err), file=sys.stderr)
         sys.exit(EXIT_USAGE)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted; no partial output was kept", file=sys.stderr)
+        print(f"{prog}: interrupted; {kept}", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     except Terminated:
-        print(f"{prog}: terminated; no partial output was kept", file=sys.stderr)
+        print(f"{prog}: terminated; {kept}", file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
     sys.exit(code or 0)
 

@@ -1,7 +1,9 @@
 """Requests to save or stop, from signals and trigger files, agreed on by every rank.
 
 * ``--exit-signal-handler``: SIGUSR2 (what Slurm's ``--signal=SIGUSR2@N`` sends before the time
-  limit) and SIGTERM set a flag; at the end of the current step the run saves and exits 0.
+  limit), SIGTERM and Ctrl-C (SIGINT) set a flag; at the end of the current step the run saves
+  and exits 0. A second Ctrl-C stops at once, without saving. Without the flag, Ctrl-C and
+  SIGTERM stop the run at once with one line (``cli.run``), exit code 130 or 143.
 * ``--trigger-path DIR``: a file ``DIR/save`` asks for a checkpoint (the file is removed once
   honoured), ``DIR/exit`` for a checkpoint and a clean exit.
 * ``--exit-duration-in-mins M``: once the process has run M minutes (counted from its start, as
@@ -61,11 +63,15 @@ class StopRequests:
         self.exit_duration_in_mins = exit_duration_in_mins
         self.signalled: int | None = None
         if handle_signals:
-            for sig in (signal.SIGUSR2, signal.SIGTERM):
-                signal.signal(sig, self._on_signal)
+            for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+                # A job started with Ctrl-C ignored (nohup, `cmd &`) keeps ignoring it.
+                if signal.getsignal(sig) != signal.SIG_IGN:
+                    signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
         self.signalled = signum
+        if signum == signal.SIGINT:  # the next Ctrl-C does not wait for the save
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _local(self) -> tuple[bool, bool, bool]:
         save = exit_ = self.signalled is not None
