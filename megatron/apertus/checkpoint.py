@@ -35,7 +35,7 @@ import queue
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.managers import SyncManager
 from pathlib import Path
@@ -81,6 +81,9 @@ class TrainingState:
 
     iteration: int = 0
     consumed_samples: int = 0
+    extra: dict = field(default_factory=dict)
+    """State of the loop's own watchers (plain numbers, strings, lists, dicts), kept so that a
+    resumed run goes on where it stopped; saved by rank 0."""
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -218,6 +221,7 @@ def _training_state_dict(
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
         "layout": _layout(),  # RNG states are restored only into the layout that saved them
+        "extra": state.extra,
     }
     return sharded
 
@@ -409,7 +413,9 @@ def load(
         _load_schedule(scheduler, common["scheduler"], directory)
     saved = common.get("training_state", {})
     state = TrainingState(
-        iteration=saved.get("iteration", 0), consumed_samples=saved.get("consumed_samples", 0)
+        iteration=saved.get("iteration", 0),
+        consumed_samples=saved.get("consumed_samples", 0),
+        extra=saved.get("extra") or {},
     )
     return state, full
 

@@ -51,6 +51,7 @@ from megatron.apertus.model.presets import PRESETS, preset
 from megatron.apertus.optim.builder import AdEMAMixSettings
 from megatron.apertus.optim.schedule import ScheduleConfig
 from megatron.apertus.quant.config import QuantConfig
+from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -721,6 +722,7 @@ class RunConfig:
     dataset: DatasetConfig = group("datasets")
     goldfish: GoldfishConfig = group("goldfish loss", prefix="goldfish_")
     logging: LoggingConfig = group("logging")
+    fp8_guard: Fp8GuardConfig = group("FP8 guard")
     distill: DistillConfig = group("distillation (sparse top-k teacher logits)")
     align: AlignConfig = group("alignment (DPO, QRPO)")
     quant: QuantConfig = group("quantization-aware training")

@@ -9,7 +9,9 @@ attention projection, fc1, fc2) for one training step and reports, per GEMM inpu
 * ``kurtosis``: the fourth standardised moment of each token's vector, averaged over tokens
   (3 for a Gaussian; outlier channels drive it up);
 * ``underflow``: the share of non-zero elements that the FP8 (e4m3) cast flushes to zero;
-* ``overflow``: the share that saturates at the e4m3 maximum (448).
+* ``overflow``: the share that saturates at the e4m3 maximum (448): scaled beyond 464, the
+  midpoint to the next power step, below which the cast merely rounds to 448 (under current
+  scaling the amax element itself lands an ulp either side of 448 and is not counted).
 
 The last two use the scale the FP8 cast uses: under delayed scaling the module's own scale
 (from the amax history), otherwise per-tensor current scaling (``448 / amax``, what the
@@ -30,6 +32,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 E4M3_MAX = 448.0
+E4M3_SATURATES = 464.0
+"""Scaled magnitudes above this lose more to the cast's clamp than to rounding (448 and 480,
+the step e4m3fn lacks, are 32 apart)."""
 GEMMS = {
     "qkv": ("self_attention", "linear_qkv"),
     "proj": ("self_attention", "linear_proj"),
@@ -90,7 +95,7 @@ def input_statistics(x: torch.Tensor, scale: torch.Tensor | None = None) -> torc
         scaled = part * scale
         cast = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
         sums[3] += ((cast == 0) & (part != 0)).sum()
-        sums[4] += (scaled.abs() > E4M3_MAX).sum()
+        sums[4] += (scaled.abs() > E4M3_SATURATES).sum()
     elements = rows.numel()
     return torch.stack(
         [

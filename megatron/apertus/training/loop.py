@@ -50,6 +50,7 @@ from megatron.apertus.training.diagnostics import (
     params_norms,
     peak_memory_gib,
 )
+from megatron.apertus.training.fp8_guard import CHECKPOINT_KEY, GuardedRun, gemm_statistics
 from megatron.apertus.training.gemm_metrics import GemmInputMonitor
 from megatron.apertus.training.metrics import (
     IntervalSummary,
@@ -120,7 +121,8 @@ def _package_version() -> str | None:
 
 
 class TrainingStopped(RuntimeError):
-    """Too many consecutive non-finite steps; the last good state was saved."""
+    """The run stopped itself (too many consecutive non-finite steps, or the FP8 guard); the
+    last good state was saved."""
 
 
 def _check_resumable(settings: OptimizerSettings) -> None:
@@ -261,6 +263,13 @@ class Trainer:
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         self.save_options = self._save_options()
         self.progress = self._progress_log()
+        self.fp8_guard = GuardedRun(
+            cfg.fp8_guard,
+            reporting=is_reporting_rank(),
+            metrics=self.metrics,
+            save_dir=cfg.checkpoint.save,
+            state=self.state.extra.get(CHECKPOINT_KEY),
+        )
 
     def _log_decreased_batch(self) -> None:
         """Say when megatron-core runs a smaller global batch than --global-batch-size."""
@@ -309,7 +318,7 @@ class Trainer:
         )
 
     def _gemm_monitor(self) -> GemmInputMonitor | None:
-        names = self.cfg.logging.log_intermediate_metrics
+        names = gemm_statistics(self.cfg.logging.log_intermediate_metrics, self.cfg.fp8_guard)
         if not names:
             return None
         delayed = self.cfg.engine.fp8 and self.cfg.engine.fp8_recipe == "delayed"
@@ -416,8 +425,9 @@ class Trainer:
         result = train_step(
             self.model, self.optimizer, self._iterators(batches), self._shape(), self.objective.loss
         )
+        self.gemm_inputs = self.gemm_monitor.detach() if measure else {}
         if measure:
-            for name, value in self.gemm_monitor.detach().items():
+            for name, value in self.gemm_inputs.items():
                 self.metrics.record(f"intermediate/{name}", iteration, value)
         self.state.iteration = iteration
         self.state.consumed_samples += global_batch
@@ -637,6 +647,7 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
+        self.fp8_guard.save_into(self.state.extra)
         with synced_parameters(self.model):
             path = checkpoint.save(
                 self.cfg.checkpoint.save,
@@ -734,8 +745,12 @@ class Trainer:
             start = time.perf_counter()
             result = self.step()
             self._report(result, time.perf_counter() - start, global_batch)
-            self._check_finite(result)
             it = self.state.iteration
+            stop = self.fp8_guard.after_step(it, result, self.gemm_inputs)
+            if stop is not None:
+                self.save()
+                raise TrainingStopped(stop)
+            self._check_finite(result)
             self.gc.step(it)
             if t.eval_interval and it % t.eval_interval == 0:
                 self.validate()

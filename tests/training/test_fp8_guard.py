@@ -1,0 +1,284 @@
+"""``--fp8-guard``: its decisions on given figures, and in real tiny runs on the CPU where one
+hidden channel of one layer's fc2 input is made an outlier from a chosen step on."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from megatron.core import dist_checkpointing
+
+import pretrain_gpt
+from megatron.apertus import checkpoint
+from megatron.apertus.training.fp8_guard import Fp8Guard, Fp8GuardConfig
+from megatron.apertus.training.loop import TrainingStopped, train
+from tests.conftest import PRETRAIN, after_backward, read_json, run_script, series
+
+# -- the decisions ---------------------------------------------------------------------------
+
+
+def guard(**thresholds) -> Fp8Guard:
+    return Fp8Guard(Fp8GuardConfig(fp8_guard=True, **thresholds))
+
+
+def feed(g: Fp8Guard, iteration: int, **figures):
+    figures = {"loss": 2.0, "grad_norm": 1.0, "skipped": False, **figures}
+    return g.observe(iteration, **figures)
+
+
+def test_kurtosis_alarms_after_the_given_consecutive_measurements():
+    g = guard(fp8_guard_kurtosis=100.0, fp8_guard_intervals=3)
+    high = {"layer002/fc2/kurtosis": 250.0, "layer001/fc2/kurtosis": 20.0}
+    assert feed(g, 10, gemm_inputs=high) == []
+    assert feed(g, 11) == [], "a step without measurement neither counts nor resets"
+    assert feed(g, 20, gemm_inputs=high) == []
+    (alarm,) = feed(g, 30, gemm_inputs=high)
+    assert (alarm.layer, alarm.gemm, alarm.figure) == ("layer002", "fc2", "kurtosis")
+    assert (alarm.value, alarm.threshold, alarm.iteration) == (250.0, 100.0, 30)
+    assert alarm.name == "fp8_guard/layer002/fc2/kurtosis"
+    assert "layer002 fc2 kurtosis 250 > 100" in alarm.describe()
+
+
+def test_a_measurement_below_the_bound_starts_the_count_over():
+    g = guard(fp8_guard_kurtosis=100.0, fp8_guard_intervals=2)
+    key = "layer003/qkv/kurtosis"
+    assert feed(g, 1, gemm_inputs={key: 150.0}) == []
+    assert feed(g, 2, gemm_inputs={key: 50.0}) == []
+    assert feed(g, 3, gemm_inputs={key: 150.0}) == []
+    assert len(feed(g, 4, gemm_inputs={key: 150.0})) == 1
+
+
+def test_underflow_overflow_and_nan_statistics():
+    g = guard(fp8_guard_underflow=0.001, fp8_guard_overflow=1e-4, fp8_guard_intervals=1)
+    alarms = feed(
+        g,
+        5,
+        gemm_inputs={
+            "layer001/fc2/underflow": 0.0014,
+            "layer001/fc1/underflow": 0.0004,
+            "layer001/proj/overflow": 2e-4,
+            "layer001/qkv/kurtosis": math.nan,
+            "layer001/qkv/mean": 1e9,  # not watched
+        },
+    )
+    assert sorted(a.name for a in alarms) == [
+        "fp8_guard/layer001/fc2/underflow",
+        "fp8_guard/layer001/proj/overflow",
+        "fp8_guard/layer001/qkv/kurtosis",
+    ]
+
+
+def test_a_bound_of_zero_is_off():
+    g = guard(fp8_guard_kurtosis=0.0, fp8_guard_intervals=1)
+    assert feed(g, 1, gemm_inputs={"layer001/fc2/kurtosis": 1e6}) == []
+
+
+def test_loss_and_grad_norm_spikes_after_the_window():
+    g = guard(fp8_guard_window=20, fp8_guard_loss_z=6.0, fp8_guard_grad_norm_z=6.0)
+    for i in range(1, 40):  # a slowly falling, slightly noisy loss raises nothing
+        figures = dict(loss=3.0 - 0.01 * i + 0.02 * (-1) ** i, grad_norm=1.0 + 0.05 * (i % 3))
+        assert feed(g, i, **figures) == []
+    alarms = feed(g, 40, loss=5.0, grad_norm=30.0)
+    assert [a.figure for a in alarms] == ["loss_spike", "grad_norm_spike"]
+    assert alarms[0].value == 5.0 and 2.7 < alarms[0].threshold < 3.5
+
+
+def test_no_spike_alarm_before_the_window_is_full():
+    g = guard(fp8_guard_window=20)
+    for i in range(1, 10):
+        feed(g, i, loss=3.0)
+    assert feed(g, 10, loss=300.0, grad_norm=1e6) == []
+
+
+def test_skipped_steps_alarm_at_the_given_count_in_a_row():
+    g = guard(fp8_guard_skipped=2)
+    assert feed(g, 1, loss=math.nan, grad_norm=math.nan, skipped=True) == []
+    (alarm,) = feed(g, 2, loss=math.nan, grad_norm=math.nan, skipped=True)
+    assert alarm.figure == "skipped_steps" and alarm.value == 2
+    assert feed(g, 3) == []
+    assert feed(g, 4, skipped=True) == [], "the count starts over after a good step"
+
+
+def test_state_round_trip_keeps_counts_moments_and_alarms():
+    cfg = Fp8GuardConfig(fp8_guard=True, fp8_guard_kurtosis=100.0, fp8_guard_intervals=2)
+    g = Fp8Guard(cfg)
+    for i in range(1, 6):
+        feed(g, i, loss=3.0 + 0.1 * i)
+    feed(g, 6, gemm_inputs={"layer001/fc2/kurtosis": 300.0})
+    g.stopped_at = 6
+    resumed = Fp8Guard(cfg, state=g.state())
+    assert resumed.state() == g.state()
+    # the resumed guard goes on counting: one more measurement above the bound is the second
+    (alarm,) = feed(resumed, 8, gemm_inputs={"layer001/fc2/kurtosis": 300.0})
+    assert alarm.detail == "2 measurement(s) in a row"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fp8-guard-kurtosis", "-1"], "--fp8-guard-kurtosis must be >= 0, got -1.0"),
+        (["--fp8-guard-underflow", "1.5"], "--fp8-guard-underflow is a share: it must be < 1"),
+        (["--fp8-guard-intervals", "0"], "--fp8-guard-intervals must be >= 1, got 0"),
+        (["--fp8-guard-window", "1"], "--fp8-guard-window must be >= 2, got 1"),
+        (["--fp8-guard-loss-z", "nan"], "--fp8-guard-loss-z must be >= 0, got nan"),
+        (["--fp8-guard-action", "panic"], "--fp8-guard-action must be one of warn, stop"),
+        (["--fp8-guard-action", "bf16-layers"], "bf16-layers is not available yet; use warn"),
+    ],
+)
+def test_bad_thresholds_are_refused_in_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.parse_args(["--train-iters", "2", "--fp8-guard", *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_bad_threshold_exits_2_from_the_command_line():
+    proc = run_script(PRETRAIN, ["--train-iters", "2", "--fp8-guard-intervals", "0"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --fp8-guard-intervals must be >= 1, got 0 "
+        "(see pretrain_gpt.py --help)"
+    ]
+
+
+# -- real tiny runs --------------------------------------------------------------------------
+
+BASE = [
+    "--model-preset",
+    "tiny",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "2",
+    "--lr",
+    "3e-3",
+    "--device",
+    "cpu",
+    "--log-intermediate-metrics-interval",
+    "2",
+]
+GUARD = ["--fp8-guard", "--fp8-guard-kurtosis", "60", "--fp8-guard-intervals", "1"]
+"""The tiny model's fc2 input is 192 wide (kurtosis at most ~190; 3-20 when healthy), so the
+kurtosis bound is lowered from the default for it, and one measurement suffices."""
+OUTLIER_LAYER, OUTLIER_CHANNEL, OUTLIER_SIZE = 2, 7, 100.0
+
+
+def outlier_from(step: int):
+    """An ``after_backward`` hook that, after the backward pass of ``step``, adds
+    ``OUTLIER_SIZE`` times the input's RMS to channel ``OUTLIER_CHANNEL`` of layer
+    ``OUTLIER_LAYER``'s fc2 input in every later forward pass (a forward pre-hook on that GEMM,
+    ahead of the monitor's). Added, not multiplied: training cannot shrink it away, so it stays
+    an outlier at every later measurement."""
+
+    def add_outlier(module, args):
+        x = args[0].clone()
+        x[..., OUTLIER_CHANNEL] += OUTLIER_SIZE * x.detach().pow(2).mean().sqrt()
+        return (x, *args[1:])
+
+    def hook(iteration: int, model) -> None:
+        if iteration == step:
+            fc2 = model[0].module.decoder.layers[OUTLIER_LAYER - 1].mlp.linear_fc2
+            fc2.register_forward_pre_hook(add_outlier)
+
+    return hook
+
+
+def guard_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("FP8 guard")]
+
+
+def test_an_injected_outlier_is_warned_within_one_interval(tmp_path, caplog):
+    log = tmp_path / "h.json"
+    cfg = pretrain_gpt.parse_args(BASE + GUARD + ["--train-iters", "6", "--log-json", str(log)])
+    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(outlier_from(2)):
+        history = train(cfg)
+    assert history["completed"], "warn lets the run go on"
+    lines = guard_lines(caplog)
+    assert lines and lines[0].startswith("FP8 guard: iteration 4: layer002 fc2 kurtosis "), lines
+    assert not [line for line in lines if "layer002 fc2" not in line and "spike" not in line]
+    steps, kurtosis = series(read_json(log), "fp8_guard/layer002/fc2/kurtosis")
+    assert steps == [4, 6] and min(kurtosis) > 60, (steps, kurtosis)
+    assert series(read_json(log), "fp8_guard/layer002/fc2/kurtosis_threshold")[1] == [60.0] * 2
+    before = dict(history["intermediate/layer002/fc2/kurtosis"])
+    assert before[2] < 30, "the clean steps are well below the bound"
+
+
+def test_stop_saves_and_exits_with_one_line(tmp_path):
+    save = tmp_path / "ckpt"
+    cfg = pretrain_gpt.parse_args(
+        BASE + GUARD + ["--fp8-guard-action", "stop", "--train-iters", "8", "--save", str(save)]
+    )
+    with pytest.raises(TrainingStopped) as err, after_backward(outlier_from(2)):
+        train(cfg)
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("the FP8 guard stopped the run at iteration 4: layer002 fc2 kurtosis ")
+    assert f"resume with --load {save}" in line and "--fp8-guard-action warn" in line
+    assert checkpoint.latest_iteration(save) == 4
+    common = dist_checkpointing.load_common_state_dict(str(checkpoint.find_checkpoint(save)))
+    kept = common["training_state"]["extra"]["fp8_guard"]
+    assert kept["stopped_at"] == 4 and kept["above"]["layer002/fc2/kurtosis"] == 1
+    assert kept["fired"][0]["name"] == "fp8_guard/layer002/fc2/kurtosis"
+
+
+def test_a_resumed_run_keeps_the_guard_state(tmp_path, caplog):
+    """Stopped at the first alarm, resumed with warn: the counts come from the checkpoint, so
+    the next measurement is the second in a row (a fresh guard would say 1)."""
+    save = tmp_path / "ckpt"
+    flags = BASE + GUARD + ["--save", str(save), "--load", str(save), "--train-iters", "8"]
+    stop = pretrain_gpt.parse_args(flags + ["--fp8-guard-action", "stop"])
+    with pytest.raises(TrainingStopped), after_backward(outlier_from(2)):
+        train(stop)
+    caplog.clear()
+    go_on = pretrain_gpt.parse_args(flags)
+    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(outlier_from(1)):
+        train(go_on)
+    lines = guard_lines(caplog)
+    assert "FP8 guard: this run was stopped by it at iteration 4" in lines[0], lines
+    assert any(
+        line.startswith("FP8 guard: iteration 6: layer002 fc2 kurtosis")
+        and "2 measurement(s) in a row" in line
+        for line in lines
+    ), lines
+
+
+def test_with_the_guard_off_the_same_outlier_goes_unsaid(tmp_path, caplog):
+    log = tmp_path / "h.json"
+    cfg = pretrain_gpt.parse_args(
+        BASE
+        + ["--log-intermediate-metrics", "kurtosis", "--train-iters", "6"]
+        + ["--log-json", str(log)]
+    )
+    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(outlier_from(2)):
+        history = train(cfg)
+    assert history["completed"]
+    assert guard_lines(caplog) == []
+    history = read_json(log)
+    assert not [name for name in history if name.startswith("fp8_guard")]
+    assert dict(history["intermediate/layer002/fc2/kurtosis"])[4] > 60, "the outlier is there"
+
+
+def test_a_clean_run_raises_no_alarm(tmp_path, caplog):
+    """Default bounds, each alarming at its first measurement."""
+    log = tmp_path / "h.json"
+    cfg = pretrain_gpt.parse_args(
+        BASE
+        + ["--fp8-guard", "--fp8-guard-intervals", "1"]
+        + ["--train-iters", "6", "--log-json", str(log)]
+    )
+    with caplog.at_level(logging.INFO, logger="apertus"):
+        history = train(cfg)
+    assert history["completed"] and guard_lines(caplog) == []
+    recorded = read_json(log)
+    assert not [name for name in recorded if name.startswith("fp8_guard")]
+    measured = {k for k in recorded if k.startswith("intermediate/")}
+    assert "intermediate/layer004/qkv/underflow" in measured, "the guard turned its statistics on"
+    assert max(v for _, v in recorded["intermediate/layer004/fc2/kurtosis"]) < 60
+    assert torch.isfinite(torch.tensor(series(recorded, "train/loss")[1])).all()
