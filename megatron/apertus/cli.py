@@ -166,17 +166,26 @@ def temporary_name(path: str | os.PathLike) -> str:
 @contextlib.contextmanager
 def atomic_outputs(*paths: str | os.PathLike) -> Iterator[list[str]]:
     """Temporary names for ``paths``; all are renamed to their final names when the block ends
-    normally, and removed when it raises (errors, Ctrl-C, SIGTERM through :func:`run`)."""
+    normally, and removed when it raises (errors, Ctrl-C, SIGTERM through :func:`run`) or a
+    rename fails (a final name that is a directory): that error names the final path, which is
+    the user's to fix, not the temporary one."""
     temporary = [temporary_name(p) for p in paths]
     try:
         yield temporary
+        for name, path in zip(temporary, paths):
+            _rename(name, path)
     except BaseException:
         for name in temporary:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(name)
         raise
-    for name, path in zip(temporary, paths):
-        os.replace(name, path)
+
+
+def _rename(temporary: str, path: str | os.PathLike) -> None:
+    try:
+        os.replace(temporary, path)
+    except OSError as err:
+        raise type(err)(err.errno, err.strerror, os.fspath(path)) from None
 
 
 @contextlib.contextmanager

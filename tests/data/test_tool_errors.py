@@ -247,3 +247,23 @@ def test_mixture_weights_must_be_positive_finite_numbers(tmp_path, weight):
     )
     assert_one_line_exit_2(proc, f"--weights {float(weight)} 1.0", "positive finite number")
     assert not (tmp_path / "mix").exists()
+
+
+def test_output_onto_a_directory_is_one_line_and_leaves_no_temporary(tmp_path):
+    """The rename that completes an output fails (the final name is a directory): the error
+    names that path, and the temporary file is gone with it."""
+    source = jsonl(
+        tmp_path / "in.jsonl", [json.dumps({"text": d}) for d in embedded_documents()[:2]]
+    )
+    data = tmp_path / "data"
+    data.mkdir()
+    made = warm_tool(
+        "preprocess_data.py", "--input", str(source), "--output-prefix", str(data / "c")
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    existing = tmp_path / "phase2.args"
+    existing.mkdir()
+    proc = warm_tool("data_config.py", str(data), "--output", str(existing))
+    assert_one_line_exit_2(proc, f"{existing}: Is a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in.jsonl", "phase2.args"]
+    assert not list(existing.iterdir()) and not proc.stdout
