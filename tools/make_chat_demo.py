@@ -36,16 +36,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--valid", type=int, default=55, help="held-out callables")
     args = parser.parse_args(argv)
+    if args.valid < 0:
+        parser.error(f"--valid {args.valid}: the number of held-out callables must be 0 or more")
     out = Path(args.output_dir)
     if not out.parent.is_dir():
         print(f"make_chat_demo.py: error: {out.parent} does not exist", file=sys.stderr)
         return 2
-    out.mkdir(exist_ok=True)
     sets = {
         "sft": (docstring_conversations(), 1),
         "dpo": (docstring_preferences(), 1),
         "qrpo": (docstring_rewards(), 2),
     }
+    callables = len(sets["sft"][0])
+    if args.valid > callables:
+        parser.error(f"--valid {args.valid}: there are only {callables} callables to hold out")
+    out.mkdir(exist_ok=True)
     for name, (records, per_callable) in sets.items():
         cut = len(records) - args.valid * per_callable
         write(out / f"{name}_train.jsonl", records[:cut])

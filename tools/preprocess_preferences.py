@@ -105,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.perf_counter()
     summary = preprocess(config, encoder)
-    print(format_summary(summary, time.perf_counter() - start).replace("documents", "examples"))
     try:
         _check_reference(args)
     except ValueError as err:
         _remove_outputs(args.output_prefix, args.objective)
         print(f"preprocess_preferences.py: error: {err}", file=sys.stderr)
         return 2
+    print(format_summary(summary, time.perf_counter() - start).replace("documents", "examples"))
     return 0
 
 

@@ -163,10 +163,10 @@ def test_a_file_whose_every_line_is_rejected_is_an_error(tmp_path):
 def test_reference_logps_on_some_lines_only_are_refused(captured, tmp_path):
     pair = {"prompt": [USER], "chosen": "It counts.", "rejected": "IT COUNTS."}
     carried = {**pair, "ref_chosen_logps": -4.5, "ref_rejected_logps": -9.25}  # TRL's names
-    code, _, err, source, prefix = run_tool(
+    code, out, err, source, prefix = run_tool(
         captured, tmp_path, "dpo", [json.dumps(carried), json.dumps(pair)]
     )
-    assert code == 2
+    assert code == 2 and "wrote" not in out, "no success reported before the refusal"
     assert err.strip().splitlines()[-1] == (
         f"preprocess_preferences.py: error: {source}: 2 of 4 sequences carry a reference "
         "log-probability; give it on every line or on none"

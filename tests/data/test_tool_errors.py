@@ -267,3 +267,28 @@ def test_output_onto_a_directory_is_one_line_and_leaves_no_temporary(tmp_path):
     assert_one_line_exit_2(proc, f"{existing}: Is a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in.jsonl", "phase2.args"]
     assert not list(existing.iterdir()) and not proc.stdout
+
+
+def test_every_rejected_line_report_starts_a_line_of_its_own(tmp_path):
+    """In a log file the progress bar's carriage returns erase nothing: ``grep FILE:LINE``
+    must find the first report too, not only those after it."""
+    good = {"prompt": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}
+    source = jsonl(tmp_path / "in.jsonl", ["not json", json.dumps(good), "[]", json.dumps(good)])
+    runs = {
+        "preprocess_data.py": ["--json-keys", "chosen"],
+        "preprocess_preferences.py": ["--objective", "dpo"],
+    }
+    for name, extra in runs.items():
+        proc = warm_tool(
+            name, "--input", str(source), "--output-prefix", str(tmp_path / "x"), *extra
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reports = [line for line in proc.stderr.split("\n") if line.startswith(f"{source}:")]
+        assert [r.split(": skipped")[0] for r in reports] == [f"{source}:1", f"{source}:3"], name
+
+
+@pytest.mark.parametrize("valid", ["-3", "100000"])
+def test_chat_demo_refuses_a_held_out_count_it_cannot_hold_out(tmp_path, valid):
+    proc = warm_tool("make_chat_demo.py", "--output-dir", str(tmp_path / "demo"), "--valid", valid)
+    assert_one_line_exit_2(proc, f"--valid {valid}")
+    assert not (tmp_path / "demo").exists()

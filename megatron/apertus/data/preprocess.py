@@ -25,6 +25,7 @@ Inputs may be plain, gzip (``.gz``) or zstd (``.zst``, ``.zstd``) JSON lines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import gzip
 import hashlib
@@ -32,6 +33,7 @@ import io
 import json
 import logging
 import multiprocessing
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -308,7 +310,7 @@ def check_input_files(paths: Iterable[str | Path]) -> None:
         )
     missing = [str(p) for p in local if not p.is_file()]
     if missing:
-        raise ConfigError(f"--input: input file(s) not found: {', '.join(missing)}")
+        raise ConfigError(f"input file(s) not found: {', '.join(missing)}")
 
 
 def require_documents(inputs: Iterable[str | Path], summary: Summary) -> None:
@@ -422,16 +424,12 @@ def _tokenize_all(
 ) -> tuple[Summary, Counter]:
     """Encode every line (in worker processes for ``--workers`` > 1) and append its documents
     in input order."""
-    from tqdm import tqdm
-
     counted = [name for name, (_, dtype) in outputs.items() if dtype in TOKEN_DTYPES]
     summary = Summary()
     key_tokens = Counter()
     chunks = _chunks(iter_lines(config.inputs), config.lines_per_task)
     start = time.perf_counter()
-    with _pool(config, line_encoder) as pool, tqdm(
-        unit=" docs", desc="preprocess", mininterval=1.0
-    ) as bar:
+    with _pool(config, line_encoder) as pool, _progress_bar() as bar:
         results = pool.imap(encode_chunk, chunks) if pool else map(encode_chunk, chunks)
         for batch in results:
             for file_index, number, ids, reason in batch:
@@ -453,6 +451,28 @@ def _tokenize_all(
             rate = summary.tokens / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
     return summary, key_tokens
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator:
+    """A bar counting the lines, during which every log record (a rejected line, progress)
+    starts a line of its own: on a terminal tqdm clears the bar, prints the record and redraws
+    the bar; in a log file, where the bar's carriage returns erase nothing, a newline ends the
+    bar's line first, so that ``grep FILE:LINE`` finds the first report as well as the others."""
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    class Bar(tqdm):
+        @classmethod
+        def write(cls, s: str, file=None, end: str = "\n", nolock: bool = False) -> None:
+            stream = sys.stdout if file is None else file
+            if not getattr(stream, "isatty", lambda: False)():
+                s = "\n" + s
+            super().write(s, file=file, end=end, nolock=nolock)
+
+    with Bar(unit=" docs", desc="preprocess", mininterval=1.0) as bar:
+        with logging_redirect_tqdm(tqdm_class=Bar):
+            yield bar
 
 
 def _log_progress(summary: Summary, elapsed: float) -> None:
