@@ -49,6 +49,59 @@ def test_every_launcher_passes_the_planner(script, tmp_path):
     }.get(script.stem, shape.tasks)
 
 
+RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")
+
+
+def without_recomputation(command: list[str]) -> list[str]:
+    """``command`` with its recomputation flags (each with its value) left out."""
+    kept, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg in RECOMPUTE_FLAGS:
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
+@pytest.mark.parametrize("stage", ["8k", "16k", "32k", "64k"])
+@pytest.mark.parametrize("model", ["8b", "70b"])
+def test_long_context_stages_recompute_only_what_the_planner_needs(model, stage, tmp_path):
+    """Each stage fits as launched, and recomputes activations only where the same layout
+    without recomputation would not fit (recomputation costs a forward pass)."""
+    from megatron.apertus.launch.planner import Cluster, plan, run_from_command
+
+    for done in ("8k", "16k", "32k"):  # the stages before this one are finished
+        tracker = tmp_path / done / "checkpoints" / TRACKER
+        tracker.parent.mkdir(parents=True)
+        tracker.write_text("1000000\n")
+    env = dict(
+        SETTINGS,
+        APERTUS_REPO=str(REPO),
+        APERTUS_RUN_DIR=str(tmp_path),
+        PATH="/usr/bin:/bin",
+        APERTUS_LONG_CONTEXT_STAGE=stage,
+        **{f"APERTUS_LONG_CONTEXT_DATA_{stage.upper()}": "1 /data/long"},
+    )
+    script = SLURM_DIR / f"long_context_apertus_{model}.sbatch"
+    launched, shape, recorded = check(script, [], env, gpu_memory_gib=None, usable_fraction=0.9)
+    assert launched.ok, launched.problems
+    bare = without_recomputation(recorded["command"])
+    cluster = Cluster(
+        gpus=shape.tasks,
+        gpus_per_node=shape.tasks_per_node,
+        gpu_memory_gib=recorded["gpu_memory_gib"],
+        usable_fraction=0.9,
+    )
+    fits_without = plan(run_from_command(bare), cluster).ok
+    recomputes = bare != recorded["command"]
+    assert recomputes != fits_without, (
+        f"{script.name} {stage}: recomputes={recomputes}, fits without recomputation="
+        f"{fits_without}"
+    )
+
+
 def test_invalid_layout_is_refused_before_sbatch(monkeypatch, capsys, tmp_path):
     """300 nodes give DP 600, which does not divide the global batch. PATH holds no sbatch: a
     refusal that reached it would fail differently."""
