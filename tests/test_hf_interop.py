@@ -30,7 +30,7 @@ from megatron.apertus.convert.hf import (
 from megatron.apertus.data.tokenizer import bundled_tekken_path, load_tokenizer
 from megatron.apertus.model.presets import preset
 from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
-from tests.conftest import run_entry
+from tests.conftest import run_entry, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = REPO / "tests" / "hf_interop_helper.py"
@@ -264,6 +264,24 @@ def test_import_refuses_missing_and_misshapen_tensors() -> None:
     hf["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(64, 64)
     with pytest.raises(ConversionError, match=r"k_proj\.weight has shape \(64, 64\)"):
         from_hf_state_dict(hf, model)
+
+
+def test_import_of_an_empty_safetensors_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A download cut short leaves a 0-byte model.safetensors: exit 2 and one line, not
+    safetensors' traceback; nothing is saved."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    config = hf_config(preset("tiny", vocab_size=32), torch.float32)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    (hf_dir / "model.safetensors").write_bytes(b"")
+    save = tmp_path / "ckpt"
+    proc = run_script(IMPORT, ["--hf-dir", str(hf_dir), "--save", str(save)], timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert line.startswith("import_hf.py: error: ") and "not a readable safetensors" in line
+    assert str(hf_dir / "model.safetensors") in line
+    assert not save.exists()
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -69,8 +69,10 @@ _HF_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_pr
 _HF_XIELU_CONSTANTS = ("mlp.act_fn.beta", "mlp.act_fn.eps")
 
 
-class ConversionError(ValueError):
-    """A state dict or config that cannot be converted; the message names the key or field."""
+class ConversionError(ConfigError):
+    """A state dict or config that cannot be converted; the message names the key or field.
+
+    A :class:`ConfigError`: the input is the user's to fix, so a tool reports it in one line."""
 
 
 def _ours_layer(i: int, name: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig
 
@@ -144,6 +145,19 @@ def _make_world_readable(root: Path) -> None:
             os.chmod(os.path.join(directory, name), 0o644)
 
 
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; ``ConversionError`` naming it when it is missing,
+    empty or damaged (safetensors' own error names neither the file nor the remedy)."""
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: no such file (named by {SAFETENSORS_INDEX})") from None
+    except SafetensorError as err:
+        raise ConversionError(
+            f"{path}: not a readable safetensors file ({err}); copy or download it again"
+        ) from None
+
+
 def read_hf_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of an HF directory: ``model.safetensors`` or all shards named by its index."""
     hf_dir = Path(hf_dir)
@@ -153,10 +167,10 @@ def read_hf_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     elif (hf_dir / SAFETENSORS).is_file():
         shards = [SAFETENSORS]
     else:
-        raise FileNotFoundError(f"{hf_dir} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX}")
+        raise ConversionError(f"{hf_dir} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX}")
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        part = load_file(str(hf_dir / shard))
+        part = read_safetensors(hf_dir / shard)
         repeated = sorted(set(part) & set(tensors))
         if repeated:
             raise ConversionError(f"{shard} repeats tensors of another shard: {repeated[:8]}")
