@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         generate(config)
-    except (ConfigError, LogitStoreError) as err:
-        sys.exit(f"generate_teacher_logits.py: error: {err}")
+    except LogitStoreError as err:  # a store of another run or a damaged one: the user's to fix
+        raise ConfigError(str(err)) from None
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ corpus."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +16,13 @@ import pytest
 import torch
 
 from megatron.apertus import checkpoint, parallel
+from megatron.apertus.checkpoint_files import MODEL_CONFIG
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreReader, block_path
 from megatron.apertus.distill.targets import TeacherLogits, dataset_key
-from megatron.apertus.model import ParallelConfig
+from megatron.apertus.model import ParallelConfig, preset
 from megatron.apertus.training.config import TrainingConfig
 from tests.conftest import (
     PRETRAIN,
@@ -29,6 +31,7 @@ from tests.conftest import (
     cpu_models,
     read_json,
     run_entry,
+    run_script,
     series,
 )
 
@@ -285,6 +288,32 @@ def test_logits_of_other_data_are_refused_naming_the_sample(logits):
     assert proc.returncode != 0
     assert "do not match the training data" in proc.stderr
     assert "sample" in proc.stderr and "position 0" in proc.stderr
+
+
+@pytest.mark.parametrize("mistake", ["logits-dir under a file", "missing data"])
+def test_generation_refuses_bad_flags_in_one_line_before_loading_the_teacher(tmp_path, mistake):
+    """The teacher checkpoint holds its config and no weights: a refusal that came after
+    loading it would be another error."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / MODEL_CONFIG).write_text(preset("tiny").to_json())
+    (tmp_path / "file").touch()
+    args, expected = {
+        "logits-dir under a file": (
+            ["--logits-dir", str(tmp_path / "file" / "store")],
+            f"--logits-dir {tmp_path / 'file' / 'store'}: {tmp_path / 'file'} is a file",
+        ),
+        "missing data": (
+            ["--logits-dir", str(tmp_path / "store"), "--data-path", str(tmp_path / "none")],
+            f"--data-path: neither {tmp_path / 'none'}.bin nor",
+        ),
+    }[mistake]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = run_script(GENERATE, ["--load", str(teacher), *args, *STUDENT_DATA], env=env)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    (line,) = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert line.startswith(f"generate_teacher_logits.py: error: {expected}"), line
 
 
 def test_micro_batches_take_their_rows_of_the_prefetched_step(logits):

@@ -35,6 +35,7 @@ import json
 import numbers
 import os
 import struct
+import tempfile
 import threading
 import time
 import zlib
@@ -55,6 +56,7 @@ from megatron.apertus.distill.logit_codec import (
     encode_block,
     encode_sampled_block,
 )
+from megatron.apertus.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -411,6 +413,22 @@ def block_bytes(block: int, header: StoreHeader, keys: np.ndarray, encoded) -> b
 
 
 # -- writing ----------------------------------------------------------------------------------
+
+
+def check_store_dir(directory: str | os.PathLike, flag: str = "--logits-dir") -> None:
+    """Create the store's directory and write a file there: the writer opens the store only
+    once the teacher is loaded, minutes in, so a directory this process cannot write is refused
+    here, before that, with ``ConfigError`` naming ``flag``."""
+    path = Path(directory)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"{flag} {path}: {blocker} is a file, not a directory")
+    try:
+        (path / BLOCK_DIR).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path / BLOCK_DIR):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{flag} {path}: cannot write there ({err.strerror})") from None
 
 
 class LogitStoreWriter:

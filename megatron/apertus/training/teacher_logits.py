@@ -43,6 +43,7 @@ from megatron.apertus.data.context_parallel import gather_tokens, shard_batch, s
 from megatron.apertus.distill.logit_store import (
     LogitStoreWriter,
     StoreHeader,
+    check_store_dir,
     default_samples_per_block,
     draw_uniforms,
     sample_key,
@@ -298,6 +299,7 @@ class TeacherRunner:
 
 
 def generate(cfg: GenerationConfig) -> None:
+    check_store_dir(cfg.logits.logits_dir)  # before the checkpoint, the data and the model
     runner = TeacherRunner(cfg)
     try:
         runner.run()
