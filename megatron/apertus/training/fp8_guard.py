@@ -68,15 +68,15 @@ class Fp8GuardConfig:
     )
     fp8_guard_kurtosis: float = _option(
         "alarm when a GEMM input's kurtosis stays above this for --fp8-guard-intervals "
-        "consecutive measurements (default 1000; healthy 0.5B runs: 150-200 at fc2; a vector of "
-        "H values has kurtosis at most about H; 0: off)",
-        1000.0,
+        "consecutive measurements (default 500: 2.5x the 150-200 of fc2's input in 0.5B runs that "
+        "trained; a vector of H values has kurtosis at most about H; 0: off)",
+        500.0,
     )
     fp8_guard_underflow: float = _option(
         "alarm when the share of a GEMM input's non-zero values that e4m3 flushes to zero stays "
-        "above this for --fp8-guard-intervals measurements (default 0.001; healthy bf16 forecast: "
-        "0.0004, drifting FP8 run: 0.0014; 0: off)",
-        0.001,
+        "above this for --fp8-guard-intervals measurements (default 0.003: 2x the highest share seen "
+        "in a healthy 0.5B run, 0.0016; 0.0004 typical, 0.0014 when FP8 drifted; 0: off)",
+        0.003,
     )
     fp8_guard_overflow: float = _option(
         "alarm when the share of a GEMM input's values that saturate e4m3 stays above this for "
