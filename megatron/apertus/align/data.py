@@ -257,6 +257,15 @@ class PreferenceDataset:
     def __len__(self) -> int:
         return len(self.tokens.document_indices) - 1
 
+    def fewest_ref_rewards(self) -> int | None:
+        """The smallest number of reference rewards behind any example's quantile (None: not
+        QRPO data, or no example); a transform that needs two or more checks it before a step."""
+        if self.quantile is None or len(self.quantile) == 0:
+            return None
+        # Every entry is [quantile, count] (checked on opening), stored back to back.
+        values = np.memmap(self.quantile.path_prefix + ".bin", dtype=np.float64, mode="r")
+        return int(values[1::2].min())
+
     def sequence(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and loss mask of sequence ``index`` (unpadded)."""
         return np.array(self.tokens[index], dtype=np.int64), np.array(self.mask[index])

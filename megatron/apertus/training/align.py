@@ -38,6 +38,23 @@ from megatron.apertus.training.step import StepShape, run_microbatches
 log = logging.getLogger("apertus")
 
 
+def _check_ref_rewards(config: AlignConfig, data: PreferenceDataset) -> None:
+    """Refuse normal-icdf on quantiles from a single reference reward: they are 0 or 1, the
+    clamp to [1/n, 1 - 1/n] is empty at n = 1 and leaves Phi^-1 at -inf, so every step would be
+    skipped. Widening the clamp instead would depart from the QRPO authors' transform, which the
+    data with two or more reference rewards reproduces exactly."""
+    if config.qrpo_transform != "normal-icdf":
+        return
+    fewest = data.fewest_ref_rewards()
+    if fewest is not None and fewest < 2:
+        raise ConfigError(
+            f"--qrpo-transform normal-icdf needs two or more reference rewards per example, but "
+            f"{data.prefix} has examples with {fewest} (preprocessed with "
+            f"--qrpo-min-ref-rewards {fewest}): preprocess with --qrpo-min-ref-rewards 2 or "
+            "use --qrpo-transform identity or log"
+        )
+
+
 def _single_prefix(flag: str, blend: list[str]) -> str | None:
     if not blend:
         return None
@@ -77,6 +94,7 @@ class AlignRun:
         if valid is not None:
             self.parts["valid"] = PreferenceDataset(valid, objective, seq_length, pad)
         for data in self.parts.values():
+            _check_ref_rewards(config, data)
             if data.ref_logps is None and not config.ref_logps_path:
                 raise ConfigError(
                     f"--align-objective: {data.prefix} carries no reference "

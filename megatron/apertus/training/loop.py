@@ -260,6 +260,7 @@ class Trainer:
         self.interval = LogInterval()
         self.logged_once = False
         self.skipped_in_a_row = 0
+        self.steps_run = self.steps_updated = 0
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         self.save_options = self._save_options()
         self.progress = self._progress_log()
@@ -717,8 +718,10 @@ class Trainer:
 
     def _check_finite(self, result: StepResult) -> None:
         """Skipped steps leave the weights untouched; too many in a row stop the run."""
+        self.steps_run += 1
         if not result.skipped:
             self.skipped_in_a_row = 0
+            self.steps_updated += 1
             return
         self.skipped_in_a_row += 1
         if is_reporting_rank():
@@ -728,6 +731,7 @@ class Trainer:
                 f"({self.skipped_in_a_row} in a row)"
             )
         if self.skipped_in_a_row >= self.cfg.training.max_skipped_steps:
+            self._stop_if_nothing_trained()
             self.save()
             raise TrainingStopped(
                 f"{self.skipped_in_a_row} consecutive steps had a non-finite loss or gradient norm "
@@ -735,6 +739,18 @@ class Trainer:
                 f"{self.state.iteration} with the last good weights saved"
                 + (f" to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save else "")
             )
+
+    def _stop_if_nothing_trained(self) -> None:
+        """Stop, saving nothing, when every step of this run so far was skipped: a checkpoint
+        would hold the starting weights as if trained, and a resumed job would then find the
+        run finished. A loss that is never finite comes from the data or the configuration."""
+        if not self.steps_run or self.steps_updated:
+            return
+        raise TrainingStopped(
+            f"every step of this run ({self.steps_run}, up to iteration {self.state.iteration}) "
+            "had a non-finite loss or gradient norm and was skipped; nothing trained, nothing "
+            "saved: check the training data and the loss settings"
+        )
 
     def run(self) -> dict:
         t = self.cfg.training
@@ -760,6 +776,7 @@ class Trainer:
             interval = self.cfg.checkpoint.save_interval
             exit_now = requests.exit or bool(t.exit_interval and it % t.exit_interval == 0)
             if requests.save or exit_now or (interval and it % interval == 0):
+                self._stop_if_nothing_trained()
                 self.save()
             if exit_now:
                 return self._close(completed=False)
@@ -769,6 +786,7 @@ class Trainer:
             self.cfg.checkpoint.save_interval
             and self.state.iteration % self.cfg.checkpoint.save_interval == 0
         ):
+            self._stop_if_nothing_trained()
             self.save()
         return self._close(completed=True)
 
