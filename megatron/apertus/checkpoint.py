@@ -20,6 +20,11 @@ Atomicity: a checkpoint is written under ``iter_XXXXXXX.tmp`` and renamed when e
 finished; the tracker is replaced atomically afterwards. A directory left half-written (a job
 killed during save) keeps its ``.tmp`` name: it is never loaded and is removed by the next save.
 
+Damage: the save records every file with its size in ``apertus_manifest.json`` when the
+checkpoint is complete, and a load checks them before megatron-core reads anything, so a shard
+cut short (a copy stopped half-way) is refused naming the file instead of failing as a
+mismatch of another kind. Checkpoints without a manifest load unchecked.
+
 Refusals: a load compares every weight's global shape with the checkpoint's metadata before
 megatron-core reads anything, so a checkpoint of another architecture is refused in one line
 (:class:`CheckpointMismatch`) naming the first differing tensor, both shapes and the differing
@@ -28,6 +33,7 @@ fields of ``apertus_model.json``.
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -46,7 +52,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    is_main_replica,
+)
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
@@ -59,13 +69,17 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
+from torch.distributed.checkpoint import CheckpointException
 
 from megatron.apertus.checkpoint_files import (
+    MANIFEST,
     MODEL_CONFIG,
     RUN_INFO,
     TRACKER,
     iteration_dir,
     latest_iteration,
+    manifest_problem,
+    write_manifest,
 )
 from megatron.apertus.cli import end_with_parent
 from megatron.apertus.errors import ConfigError
@@ -113,6 +127,13 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
         f"{path / TRACKER} names iteration {iteration}, but {resolved} is not a complete "
         f"Apertus checkpoint (no {MODEL_CONFIG})"
     )
+
+
+def check_files(directory: Path, source: str) -> None:
+    """Refuse a checkpoint with a file cut short, lost or changed since its save, naming it."""
+    problem = manifest_problem(directory, source)
+    if problem is not None:
+        raise CheckpointMismatch(problem)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -312,16 +333,23 @@ def save(
     dist.barrier()
     sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=optimizer is not None)
     _use_write_results_queue(background=options.async_queue is not None)
-    request = dist_checkpointing.save(
-        sharded,
-        str(tmp),
-        _save_strategy(options),
-        async_sharded_save=options.async_queue is not None,
-    )
-    if rank0:
-        (tmp / MODEL_CONFIG).write_text(model.to_json())
-        if run_info is not None:
-            (tmp / RUN_INFO).write_text(json.dumps(run_info, indent=2) + "\n")
+    try:
+        request = dist_checkpointing.save(
+            sharded,
+            str(tmp),
+            _save_strategy(options),
+            async_sharded_save=options.async_queue is not None,
+        )
+        if rank0:
+            (tmp / MODEL_CONFIG).write_text(model.to_json())
+            if run_info is not None:
+                (tmp / RUN_INFO).write_text(json.dumps(run_info, indent=2) + "\n")
+    except (Exception, CheckpointException) as err:  # torch's is a BaseException
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _out_of_space(err):
+            raise CheckpointWriteError(_out_of_space_line(save_dir, final, sharded)) from None
+        raise
     publish = partial(_publish, Path(save_dir), tmp, final, state.iteration, on_published)
     if request is None:
         publish()
@@ -329,6 +357,55 @@ def save(
         request.add_finalize_fn(publish)
         options.async_queue.schedule_async_request(request)
     return final
+
+
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+"""A full disk or an exhausted quota: the user's to fix, not a fault of the program."""
+
+
+class CheckpointWriteError(ConfigError):
+    """A save the file system could not hold (the message names the directory and the size)."""
+
+
+def _out_of_space(err: BaseException) -> bool:
+    """Whether ``err`` comes from a full disk: megatron-core wraps its writer's ``OSError`` in a
+    ``RuntimeError`` inside a ``CheckpointException`` that keeps the failures per rank."""
+    pending: list = [err]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in NO_SPACE:
+            return True
+        if any(f"[Errno {code}]" in str(current) for code in NO_SPACE):
+            return True  # gathered from another rank: pickling kept the message, not the cause
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f for f in failures.values() if isinstance(f, BaseException)]
+            pending += [f[0] for f in failures.values() if isinstance(f, tuple) and f]
+        pending += [current.__cause__, current.__context__]
+    return False
+
+
+def _saved_bytes(sharded: dict) -> int:
+    """What this process writes of ``sharded``: the tensors whose main replica it holds."""
+    return sum(
+        t.data.numel() * t.data.element_size()
+        for t in nested_values(sharded)
+        if isinstance(t, ShardedTensor) and t.data is not None and is_main_replica(t.replica_id)
+    )
+
+
+def _out_of_space_line(save_dir: str | os.PathLike, final: Path, sharded: dict) -> str:
+    mb = _saved_bytes(sharded) / 1e6
+    whose = "" if dist.get_world_size() == 1 else " for this process's part"
+    return (
+        f"{save_dir}: no space left on device saving {final.name}, which needs about "
+        f"{mb:.1f} MB there{whose}; the partial {final.name} was removed: free space or "
+        "--save elsewhere"
+    )
 
 
 def _publish(
@@ -341,6 +418,7 @@ def _publish(
     """Every rank has written its part: rename the directory, then advance the tracker."""
     dist.barrier()
     if dist.get_rank() == 0:
+        write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _atomic_write(save_dir / TRACKER, f"{iteration}\n")
@@ -374,6 +452,7 @@ def load(
     and exchange it. Returns the training state and whether the optimizer state was restored.
     """
     directory = resolve_checkpoint(path)
+    check_files(directory, str(path))
     try:
         check_checkpoint_readable(directory)
     except ValueError as err:
@@ -392,12 +471,15 @@ def load(
         rng=rng and trained and same_layout,
         loading=True,
     )
-    loaded, _, absent = dist_checkpointing.load(
-        template,
-        str(directory),
-        _load_strategy(directory, fully_parallel),
-        strict=StrictHandling.RETURN_UNEXPECTED,
-    )
+    try:
+        loaded, _, absent = dist_checkpointing.load(
+            template,
+            str(directory),
+            _load_strategy(directory, fully_parallel),
+            strict=StrictHandling.RETURN_UNEXPECTED,
+        )
+    except CheckpointException as err:
+        raise CheckpointMismatch(_unreadable_line(directory, err)) from None
     _check_only_extra_state(absent, directory)
     for i, chunk in enumerate(chunks):
         try:
@@ -418,6 +500,20 @@ def load(
         extra=saved.get("extra") or {},
     )
     return state, full
+
+
+def _unreadable_line(directory: Path, err: CheckpointException) -> str:
+    """A checkpoint without a manifest (saved before they existed) whose shard cannot be read:
+    torch reports it per rank with a traceback; one line says what failed first."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+    first = next((f for f in failures if isinstance(f, BaseException)), None)
+    what = ""
+    if first is not None:
+        what = f" ({type(first).__name__}: {first})" if str(first) else f" ({type(first).__name__})"
+    return (
+        f"{directory} cannot be read{what}: one of its files is damaged or cut short (it was "
+        f"saved without {MANIFEST}, which would name the file)"
+    )
 
 
 def _load_strategy(directory: Path, fully_parallel: bool):

@@ -8,10 +8,13 @@ Launchers (``launch/slurm.py``, whose batch step may run on a host Python withou
     SAVE/iter_0000100.tmp/                    a checkpoint being written
     SAVE/iter_0000100/apertus_run.json        how the run that saved it was made (tokenizer,
                                               data, tokens seen, command); training saves only
+    SAVE/iter_0000100/apertus_manifest.json   every file of the checkpoint with its size (and a
+                                              checksum of the small ones), written last
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,6 +23,12 @@ from pathlib import Path
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_CONFIG = "apertus_model.json"
 RUN_INFO = "apertus_run.json"
+MANIFEST = "apertus_manifest.json"
+"""What a complete save wrote: a file cut short or lost since (a copy stopped half-way, a full
+disk on another tool's write) is named on load instead of failing deep inside megatron-core."""
+HASHED_UP_TO = 1 << 20
+"""Files up to this size (our JSON files, megatron-core's metadata and common state) are hashed;
+the shards are only measured: hashing gigabytes at every save would cost minutes."""
 METRICS_FILE = "metrics.json"
 """The recorded history, kept in the save directory beside the checkpoints, so a resumed run
 continues its curves and an export reports the final losses."""
@@ -82,3 +91,64 @@ def final_losses(checkpoint_dir: str | os.PathLike) -> dict[str, tuple[int, floa
         if entries:
             found[name] = entries[-1]
     return found
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _describe(path: Path) -> dict:
+    size = path.stat().st_size
+    entry: dict = {"bytes": size}
+    if size <= HASHED_UP_TO:
+        entry["sha256"] = _sha256(path)
+    return entry
+
+
+def write_manifest(checkpoint_dir: str | os.PathLike) -> None:
+    """Record every file of a checkpoint just written completely (before it is published), so
+    that a load can tell a damaged checkpoint from one of another run. Written under a temporary
+    name and renamed: a manifest is either whole or absent."""
+    checkpoint_dir = Path(checkpoint_dir)
+    files = {
+        path.relative_to(checkpoint_dir).as_posix(): _describe(path)
+        for path in sorted(checkpoint_dir.rglob("*"))
+        if path.is_file() and path.name not in (MANIFEST, MANIFEST + ".tmp")
+    }
+    tmp = checkpoint_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": files}, indent=1) + "\n")
+    os.replace(tmp, checkpoint_dir / MANIFEST)
+
+
+def manifest_problem(checkpoint_dir: str | os.PathLike, source: str) -> str | None:
+    """The line refusing a checkpoint whose files differ from what its save wrote, naming the
+    first such file (``source`` begins it: ``--load DIR``), or None. Checkpoints saved before
+    manifests existed have none and are not checked. Callers raise it as their user error."""
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{source}: {path} is damaged (not the JSON its save wrote)"
+    for name, entry in files.items():
+        problem = _file_problem(checkpoint_dir / name, entry)
+        if problem:
+            return (
+                f"{source}: {checkpoint_dir / name} {problem}; the checkpoint cannot be loaded: "
+                "restore the file from a copy, or --load an earlier iteration directory"
+            )
+    return None
+
+
+def _file_problem(path: Path, entry: dict) -> str | None:
+    """What differs between ``path`` and its manifest ``entry``, or None."""
+    if not path.is_file():
+        return "is missing (the save wrote it)"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"is damaged ({size} bytes, the save wrote {entry['bytes']})"
+    if "sha256" in entry and _sha256(path) != entry["sha256"]:
+        return "is damaged (its contents differ from what the save wrote)"
+    return None

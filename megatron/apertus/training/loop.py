@@ -338,7 +338,7 @@ class Trainer:
         source = self.cfg.checkpoint.load
         if not source:
             return None
-        found = checkpoint.find_checkpoint(source)
+        found = _checked_checkpoint(source)
         if found is None:
             self._log_fresh_start(source)
         return found
@@ -821,7 +821,7 @@ def finished_run(cfg: RunConfig) -> str | None:
     ck, t = cfg.checkpoint, cfg.training
     if not ck.load or ck.finetune:
         return None
-    found = checkpoint.find_checkpoint(ck.load)
+    found = _checked_checkpoint(ck.load)
     info = read_run_info(found) if found is not None else None
     if not info or not info.get("iteration") or checkpoint.load_model_config(found) != cfg.model:
         return None
@@ -832,6 +832,15 @@ def finished_run(cfg: RunConfig) -> str | None:
     else:
         return None
     return f"the run is already finished: {found} is at {reached}; nothing to do"
+
+
+def _checked_checkpoint(load: str) -> Path | None:
+    """The checkpoint ``--load`` names, refused naming its first damaged file before any of it
+    is read (see :func:`checkpoint.check_files`)."""
+    found = checkpoint.find_checkpoint(load)
+    if found is not None:
+        checkpoint.check_files(found, f"--load {load}")
+    return found
 
 
 def train(cfg: RunConfig) -> dict:
