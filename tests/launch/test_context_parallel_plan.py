@@ -251,7 +251,9 @@ def test_the_planner_and_the_trainer_apply_one_context_parallel_rule():
     from megatron.apertus.model.config import validate_context_parallel
 
     run = run_from_args(TINY_A2A)
-    local = plan(run_from_args(TINY_A2A + ["--transformer-impl", "local"]), Cluster(gpus=2, **GH200))
+    local = plan(
+        run_from_args(TINY_A2A + ["--transformer-impl", "local"]), Cluster(gpus=2, **GH200)
+    )
     assert not [p for p in local.problems if "--cp-comm-type" in p], local.problems
     validate_context_parallel(run.model, run.parallel, "local")
     (refusal,) = [p for p in plan(run, Cluster(gpus=2, **GH200)).problems if "--cp-comm-type" in p]
