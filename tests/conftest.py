@@ -266,7 +266,7 @@ def pytest_runtest_logreport(report) -> None:
     _GROUP_TOTALS[group] = _GROUP_TOTALS.get(group, 0.0) + report.duration
 
 
-def pytest_sessionfinish(session) -> None:
+def pytest_sessionfinish() -> None:
     if os.environ.get("APERTUS_RECORD_GROUP_SECONDS") and not os.environ.get("PYTEST_XDIST_WORKER"):
         ranked = dict(sorted(_GROUP_TOTALS.items(), key=lambda kv: -kv[1]))
         GROUP_SECONDS.write_text(json.dumps({k: round(v, 1) for k, v in ranked.items()}, indent=1))
