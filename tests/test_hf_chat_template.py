@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from examples.chat_demo import docstring_conversations
 from megatron.apertus.convert.hf_tokenizer import TokenizerSource, write_hf_tokenizer
 from megatron.apertus.data.chat import CONTROL_TOKENS, encode_conversation
-from megatron.apertus.data.chat_demo import docstring_conversations
 from megatron.apertus.data.tokenizer import build_tokenizer
 
 TRICKY = [

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import pretrain_gpt
+from examples.chat_demo import docstring_preferences, docstring_rewards
 from megatron.apertus.align import reference
 from megatron.apertus.align.data import PreferenceDataset
 from megatron.apertus.data.chat import encode_conversation, parse_messages
-from megatron.apertus.data.chat_demo import docstring_preferences, docstring_rewards
 from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError

@@ -14,8 +14,8 @@ import json
 import numpy as np
 import pytest
 
+from examples.chat_demo import docstring_preferences
 from megatron.apertus.align import reference
-from megatron.apertus.data.chat_demo import docstring_preferences
 from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 
 TOOL = REPO / "tools" / "preprocess_preferences.py"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from examples.chat_demo import docstring_rewards
 from megatron.apertus import checkpoint
-from megatron.apertus.data.chat_demo import docstring_rewards
 from tests.conftest import PRETRAIN, REPO, run_entry, run_script
 
 TOOL = REPO / "tools" / "preprocess_preferences.py"

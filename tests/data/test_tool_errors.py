@@ -285,10 +285,3 @@ def test_every_rejected_line_report_starts_a_line_of_its_own(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         reports = [line for line in proc.stderr.split("\n") if line.startswith(f"{source}:")]
         assert [r.split(": skipped")[0] for r in reports] == [f"{source}:1", f"{source}:3"], name
-
-
-@pytest.mark.parametrize("valid", ["-3", "100000"])
-def test_chat_demo_refuses_a_held_out_count_it_cannot_hold_out(tmp_path, valid):
-    proc = warm_tool("make_chat_demo.py", "--output-dir", str(tmp_path / "demo"), "--valid", valid)
-    assert_one_line_exit_2(proc, f"--valid {valid}")
-    assert not (tmp_path / "demo").exists()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.apertus.data.chat_demo import docstring_conversations
+from examples.chat_demo import docstring_conversations
 from megatron.apertus.distill.logit_store import LogitStoreReader
 from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 

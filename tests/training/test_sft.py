@@ -11,7 +11,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split
 
-from megatron.apertus.data.chat_demo import docstring_conversations
+from examples.chat_demo import docstring_conversations
 from megatron.apertus.data.sft import ChatGPTDataset, MaskedIndexedDataset
 from megatron.apertus.data.tokenizer import build_tokenizer
 from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series

@@ -1,5 +1,11 @@
 """Offline demo data for post-training: questions about the standard library, answered by
-its own docstrings.
+its own docstrings (docs/post_training.md, section 5).
+
+    python examples/chat_demo.py --output-dir demo_chat
+
+writes ``sft_train.jsonl`` / ``sft_valid.jsonl`` (conversations), ``dpo_*.jsonl`` (preference
+pairs) and ``qrpo_*.jsonl`` (rewarded completions); the validation files hold the prompts of
+the last ``--valid`` callables, which the training files never ask about.
 
 Every public function and class of a fixed list of standard-library modules that has a
 docstring gives one conversation: the user asks what ``module.name`` does, the assistant
@@ -18,9 +24,15 @@ short, the model tiny, and held-out questions ask about functions it never saw.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
+import json
 import random
+import sys
+from pathlib import Path
+
+from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
 
 MODULES = (
     "builtins",
@@ -146,3 +158,43 @@ def docstring_rewards(seed: int = 1234, references: int = 8) -> list[dict]:
                 }
             )
     return records
+
+
+def write(path: Path, records: list[dict]) -> None:
+    with atomic_outputs(path) as (temporary,):
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        Path(temporary).write_text(text, "utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--valid", type=int, default=55, help="held-out callables")
+    args = parser.parse_args(argv)
+    if args.valid < 0:
+        parser.error(f"--valid {args.valid}: the number of held-out callables must be 0 or more")
+    out = Path(args.output_dir)
+    if not out.parent.is_dir():
+        print(f"chat_demo.py: error: {out.parent} does not exist", file=sys.stderr)
+        return 2
+    sets = {
+        "sft": (docstring_conversations(), 1),
+        "dpo": (docstring_preferences(), 1),
+        "qrpo": (docstring_rewards(), 2),
+    }
+    callables = len(sets["sft"][0])
+    if args.valid > callables:
+        parser.error(f"--valid {args.valid}: there are only {callables} callables to hold out")
+    out.mkdir(exist_ok=True)
+    for name, (records, per_callable) in sets.items():
+        cut = len(records) - args.valid * per_callable
+        write(out / f"{name}_train.jsonl", records[:cut])
+        write(out / f"{name}_valid.jsonl", records[cut:])
+        print(f"{name}: {cut} training and {len(records) - cut} held-out records")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
