@@ -343,10 +343,10 @@ def main() -> None:
     args = parse_args()
     from megatron.apertus import parallel
     from megatron.apertus.checkpoint import load_model, load_model_config
-    from megatron.apertus.data.tokenizer import build_tokenizer
     from megatron.apertus.model import ParallelConfig
     from megatron.apertus.model.builder import build_model
     from megatron.apertus.model.presets import preset
+    from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
     teacher_config = load_model_config(args.teacher_checkpoint)
     seq = teacher_config.seq_length

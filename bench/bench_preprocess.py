@@ -26,7 +26,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
-from megatron.apertus.data.tokenizer import bundled_tekken_path
+from megatron.apertus.tokenizer.tokenizers import bundled_tekken_path
 
 
 def baseline(source: Path, prefix: str) -> int:
@@ -86,7 +86,7 @@ def load_hf_tekken(tmp: str) -> None:
     from tokenizers import Tokenizer as FastTokenizer
     from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
 
-    from megatron.apertus.data.tokenizer import bundled_tekken_path
+    from megatron.apertus.tokenizer.tokenizers import bundled_tekken_path
 
     convert_tekken_tokenizer(str(bundled_tekken_path())).save_pretrained(tmp + "/hf")
     _HF["tok"] = FastTokenizer.from_file(tmp + "/hf/tokenizer.json")

@@ -11,7 +11,7 @@ import pytest
 from examples.chat_demo import docstring_conversations
 from megatron.apertus.convert.hf_tokenizer import TokenizerSource, write_hf_tokenizer
 from megatron.apertus.data.chat import CONTROL_TOKENS, encode_conversation
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 TRICKY = [
     {"role": "user", "content": "Is <b> a tag?\n  Answer in two lines."},

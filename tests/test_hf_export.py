@@ -38,7 +38,7 @@ from megatron.apertus.convert.hf_tokenizer import (
 from megatron.apertus.convert.model_card import MIN_TRANSFORMERS
 from megatron.apertus.data.corpus import training_documents
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
-from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer, bundled_tekken_path
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer, bundled_tekken_path
 from tests.conftest import cpu_models
 
 REPO = Path(__file__).resolve().parents[1]

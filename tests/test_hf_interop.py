@@ -27,9 +27,9 @@ from megatron.apertus.convert.hf import (
     split_qkv,
     to_hf_state_dict,
 )
-from megatron.apertus.data.tokenizer import bundled_tekken_path, load_tokenizer
 from megatron.apertus.model.presets import preset
 from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
+from megatron.apertus.tokenizer.tokenizers import bundled_tekken_path, load_tokenizer
 from tests.conftest import run_entry, run_script
 
 REPO = Path(__file__).resolve().parents[1]

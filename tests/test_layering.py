@@ -1,12 +1,17 @@
-"""Imports inside ``megatron.apertus`` point down the layers only; :data:`LAYERS` is the one
-written statement of the layer order (the README and the package docstring point here).
+"""Imports inside ``megatron.apertus`` point down the layers only, and no module imports itself
+through others; :data:`LAYERS` is the one written statement of the layer order (the README and
+the package docstring point here).
 
 Every module under ``megatron/apertus`` is parsed with :mod:`ast` (nothing is imported), and
 each ``megatron.apertus.<unit>`` it names is checked against :data:`LAYERS`; a unit is a
 subpackage or a top-level module. Module-level, function-level, ``TYPE_CHECKING`` and relative
 imports all count: a deferred import still ties the lower layer to the upper one. A module may
 import its own unit and any unit of a lower layer, never one of the same layer: peers stay
-independent, so no cycle can form between them. Imports by computed name
+independent, so no cycle can form between them.
+
+Inside a unit the layers say nothing, so the modules' imports of each other are checked for
+circles too (:func:`import_cycles`), with the same imports counted: ``from X import y`` is an
+import of the module ``X.y`` where there is one, else of ``X``. Imports by computed name
 (``importlib.import_module``) are not seen. Units that promise to use no third-party package, or
 only some (:data:`THIRD_PARTY`), are checked for that too.
 """
@@ -15,8 +20,9 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections import deque
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 import pytest
 
@@ -27,12 +33,14 @@ PACKAGE_INIT = "__init__"
 it sits below all of them and may import none."""
 
 LAYERS: tuple[frozenset[str], ...] = (
-    # The standard library only: what every layer and a host Python without torch may import.
-    frozenset({PACKAGE_INIT, "errors", "checkpoint_files"}),
+    # The standard library only: what every layer and a host Python without torch may import;
+    # ``cache`` names the one directory that the tokenizer and the datasets cache in.
+    frozenset({PACKAGE_INIT, "errors", "checkpoint_files", "cache"}),
     # ops: torch and our extensions only; cli: the standard library only (one-line errors, exit
     # codes, atomic outputs), so that every layer and entry point may use it; mcore_compat: the
-    # supported megatron-core releases' differences, which every layer above may need
-    frozenset({"ops", "cli", "mcore_compat"}),
+    # supported megatron-core releases' differences, which every layer above may need;
+    # tokenizer: text <-> ids without torch, for the data and the tools that preprocess it
+    frozenset({"ops", "cli", "mcore_compat", "tokenizer"}),
     # cpu_compat patches megatron-core for CPU, the model builder applies it; quant's layers are
     # what the model's spec puts in its linear slots when a run quantizes.
     frozenset({"cpu_compat", "quant"}),
@@ -54,6 +62,11 @@ THIRD_PARTY: dict[str, frozenset[str]] = {
     "checkpoint_files": frozenset(),  # launchers read it on a host Python without torch
     "ops": frozenset({"torch"}),  # torch and our extensions only
     "cli": frozenset(),  # --help and argument errors cost no start-up time
+    "cache": frozenset(),
+    # the preprocessing tools tokenize without torch or megatron-core
+    "tokenizer": frozenset(
+        {"huggingface_hub", "mistral_common", "numpy", "sentencepiece", "tiktoken", "tokenizers"}
+    ),
 }
 """Units that promise to import no third-party package beyond the ones named (top-level names;
 the standard library is always allowed)."""
@@ -84,6 +97,26 @@ def unit_of(name: str) -> str | None:
     return name[len(PACKAGE) + 1 :].split(".")[0]
 
 
+def import_statements(
+    source: str, module: str, is_package: bool
+) -> Iterator[tuple[int, str, list[str]]]:
+    """(line, dotted name, names taken from it) of every import in ``source``, relative imports
+    resolved: ``import a.b`` gives ``(line, "a.b", [])``, ``from a import b, c`` gives
+    ``(line, "a", ["b", "c"])``."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield node.lineno, target, [alias.name for alias in node.names]
+
+
 def imported_names(source: str, module: str, is_package: bool) -> Iterator[tuple[int, str]]:
     """(line, dotted name) of every module ``source`` imports, relative imports resolved.
 
@@ -91,20 +124,10 @@ def imported_names(source: str, module: str, is_package: bool) -> Iterator[tuple
     megatron.apertus import parallel``); when it is not, ``X.y`` still lies in ``X``'s unit,
     except at the package itself, which :func:`imported_units` resolves.
     """
-    package = module.split(".") if is_package else module.split(".")[:-1]
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            yield node.lineno, target
-            for alias in node.names:
-                yield node.lineno, f"{target}.{alias.name}"
+    for line, target, names in import_statements(source, module, is_package):
+        yield line, target
+        for name in names:
+            yield line, f"{target}.{name}"
 
 
 def imported_units(
@@ -154,6 +177,86 @@ def third_party_violations(source: str, module: str, is_package: bool = False) -
     return sorted(set(found))
 
 
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Every module under ``root`` by dotted name (a package by its ``__init__.py``)."""
+    return {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+
+
+def imported_modules(
+    source: str, module: str, is_package: bool, modules: Collection[str]
+) -> set[str]:
+    """The modules among ``modules``, other than ``module`` itself, that ``source`` imports.
+
+    ``from X import y`` imports the module ``X.y`` where there is one, else ``X`` (``y`` is a
+    name that ``X`` defines, so ``X`` must have run)."""
+    found = set()
+    for _, target, names in import_statements(source, module, is_package):
+        for name in names or [""]:
+            submodule = f"{target}.{name}" if name else target
+            if submodule in modules:
+                found.add(submodule)
+            elif target in modules:
+                found.add(target)
+    found.discard(module)
+    return found
+
+
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Each module under ``root`` -> the modules under ``root`` that it imports."""
+    modules = module_files(root)
+    return {
+        name: imported_modules(
+            path.read_text(encoding="utf-8"), name, path.name == "__init__.py", modules
+        )
+        for name, path in modules.items()
+    }
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules that ``start`` imports, directly or through others (itself only when it sits
+    in a circle)."""
+    found: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        module = todo.pop()
+        if module not in found:
+            found.add(module)
+            todo.extend(graph.get(module, ()))
+    return found
+
+
+def shortest_circle(graph: dict[str, set[str]], start: str) -> list[str]:
+    """The shortest chain of imports from ``start`` back to ``start`` (breadth first), as
+    ``[start, ..., start]``; empty when there is none."""
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        current = queue.popleft()
+        for imported in sorted(graph.get(current, ())):
+            if imported == start:
+                chain = [current]
+                while chain[-1] != start:
+                    chain.append(parent[chain[-1]])
+                return [*reversed(chain), start]
+            if imported not in parent:
+                parent[imported] = current
+                queue.append(imported)
+    return []
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per group of modules that import each other, directly or through others: the
+    shortest through the group's first module by name. Empty when the imports form no circle."""
+    reach = {module: reachable(graph, module) for module in graph}
+    circles, seen = [], set()
+    for module in sorted(graph):
+        if module in seen or module not in reach[module]:
+            continue
+        seen |= {other for other in reach[module] if module in reach[other]}
+        circles.append(shortest_circle(graph, module))
+    return circles
+
+
 def test_every_unit_has_a_layer():
     assert units_on_disk() == set(RANK), "place new subpackages and modules in LAYERS"
 
@@ -164,6 +267,67 @@ def test_imports_point_down_only():
         source = path.read_text(encoding="utf-8")
         found += violations(source, module_name(path), path.name == "__init__.py")
     assert not found, "imports against the layering:\n" + "\n".join(found)
+
+
+def test_no_module_imports_itself_through_others():
+    circles = import_cycles(module_graph())
+    assert not circles, "imports that go round in a circle:\n" + "\n".join(
+        " -> ".join(circle) for circle in circles
+    )
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    """A package tree under ``root``: relative path -> source."""
+    for relative, source in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source, encoding="utf-8")
+    return root
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        (  # a circle of three files closed by a function-level import, and a module outside it
+            {
+                "__init__.py": "",
+                "data/__init__.py": "",
+                "data/tokenizer.py": "def cache():\n    from ..data.datasets import cache_dir\n",
+                "data/datasets.py": "from megatron.apertus.data.corpus import prefix\n",
+                "data/corpus.py": "from megatron.apertus.data import tokenizer\n",
+                "data/batches.py": "from megatron.apertus.data.datasets import Config\n",
+            },
+            [
+                [
+                    "megatron.apertus.data.corpus",
+                    "megatron.apertus.data.tokenizer",
+                    "megatron.apertus.data.datasets",
+                    "megatron.apertus.data.corpus",
+                ]
+            ],
+        ),
+        (  # a package that imports its module, which takes a name the package defines
+            {
+                "__init__.py": "",
+                "data/__init__.py": "from .batches import Batch\nLIMIT = 1\n",
+                "data/batches.py": "from megatron.apertus.data import LIMIT\n",
+            },
+            [["megatron.apertus.data", "megatron.apertus.data.batches", "megatron.apertus.data"]],
+        ),
+        (  # the same package whose module takes a sibling module through the package: no circle
+            {
+                "__init__.py": "",
+                "data/__init__.py": "from .batches import Batch\n",
+                "data/batches.py": "from megatron.apertus.data import goldfish\n",
+                "data/goldfish.py": "import megatron.apertus.errors\n",
+                "errors.py": "",
+            },
+            [],
+        ),
+    ],
+)
+def test_cycle_checker_finds_circles_of_imports(tmp_path, files, expected):
+    assert import_cycles(module_graph(write_tree(tmp_path / "apertus", files))) == expected
 
 
 def test_units_keep_their_third_party_promises():

@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _samples(args: argparse.Namespace, seq_length: int) -> list:
     from megatron.apertus.convert.quant_io import calibration_samples
     from megatron.apertus.data.datasets import build_datasets
-    from megatron.apertus.data.tokenizer import build_tokenizer
+    from megatron.apertus.tokenizer.tokenizers import build_tokenizer
     from megatron.apertus.training import config as C
 
     groups = C.groups_from_arguments(args, ("training", "data", "dataset"))

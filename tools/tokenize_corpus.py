@@ -40,8 +40,8 @@ from megatron.apertus.data.tokenize_pipeline import (
     run_local_tasks,
     task_prefix,
 )
-from megatron.apertus.data.tokenizer import TOKENIZER_TYPES
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.tokenizer.tokenizers import TOKENIZER_TYPES
 
 ADDITION = " [megatron-apertus addition]"
 PLAN_FILE = "tokenize_corpus.json"

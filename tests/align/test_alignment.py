@@ -17,9 +17,9 @@ from examples.chat_demo import docstring_preferences, docstring_rewards
 from megatron.apertus.align import reference
 from megatron.apertus.align.data import PreferenceDataset
 from megatron.apertus.data.chat import encode_conversation, parse_messages
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from megatron.apertus.training.loop import train
 from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 

@@ -14,7 +14,7 @@ import pytest
 
 from megatron.apertus.align.data import PreferenceDataset, precomputed_reference
 from megatron.apertus.data.chat import CONTROL_TOKENS
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import REPO
 
 TOOL = REPO / "tools" / "preprocess_preferences.py"

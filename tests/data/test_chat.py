@@ -18,7 +18,7 @@ from megatron.apertus.data.chat import (
     encode_conversation,
     parse_messages,
 )
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import REPO
 
 TOOL = REPO / "tools" / "preprocess_chat.py"
@@ -99,7 +99,7 @@ def test_bad_conversations_are_refused_with_a_reason():
 
 
 def test_a_tokenizer_without_the_control_slots_is_refused():
-    from megatron.apertus.data.tokenizer import bundled_tekken_path
+    from megatron.apertus.tokenizer.tokenizers import bundled_tekken_path
 
     sp = build_tokenizer("SentencePieceTokenizer", str(bundled_tekken_path("tokenizer.model.v1")))
     with pytest.raises(ValueError, match="not an Apertus-family tokenizer"):

@@ -12,9 +12,9 @@ from megatron.apertus.data.batches import BatchConfig, collate
 from megatron.apertus.data.context_parallel import padded_document_sources, shard_batch
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.goldfish import GoldfishConfig
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.model.fused_loss import TeacherTargets
 from megatron.apertus.ops.cp_attention import document_partition, sequence_partition
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 SEQ = 48
 LENGTHS = [13, 22, 13]  # one row: 48 tokens, no document a multiple of 4 or 8

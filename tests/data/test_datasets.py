@@ -14,9 +14,9 @@ from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model import ParallelConfig
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 
 @pytest.fixture(scope="module")

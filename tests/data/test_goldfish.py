@@ -14,7 +14,7 @@ from megatron.apertus.data.goldfish import (
     GoldfishConfig,
     goldfish_drop_mask,
 )
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from megatron.apertus import parallel
 from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.mixture import folder_parts, identity
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.model import ParallelConfig
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import PRETRAIN, REPO, run_entry
 from tests.data.test_tokenize_corpus import run_tool
 

@@ -13,7 +13,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus.data.corpus import embedded_documents
-from megatron.apertus.data.tokenizer import build_tokenizer, bundled_tekken_path
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer, bundled_tekken_path
 from tests.conftest import REPO
 
 TOOL = REPO / "tools" / "preprocess_data.py"

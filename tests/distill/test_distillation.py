@@ -18,11 +18,11 @@ import torch
 from megatron.apertus import checkpoint, parallel
 from megatron.apertus.checkpoint_files import MODEL_CONFIG
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreReader, block_path
 from megatron.apertus.distill.targets import TeacherLogits, dataset_key
 from megatron.apertus.model import ParallelConfig, preset
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from megatron.apertus.training.config import TrainingConfig
 from tests.conftest import (
     PRETRAIN,

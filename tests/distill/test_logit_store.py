@@ -33,7 +33,7 @@ VOCAB, SEQ, K, SAMPLES, PER_BLOCK = 131072, 32, 16, 22, 5  # 5 blocks, the last 
 def tokens() -> np.ndarray:
     """int64 [SAMPLES, SEQ]: real text, cut into samples."""
     from megatron.apertus.data.corpus import embedded_documents
-    from megatron.apertus.data.tokenizer import build_tokenizer
+    from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer("TekkenTokenizer")
     ids = np.concatenate([tokenizer.encode_document(d) for d in embedded_documents()[:4]])

@@ -20,7 +20,6 @@ import torch
 from megatron.apertus import checkpoint
 from megatron.apertus.data.batches import document_lengths
 from megatron.apertus.data.goldfish import GoldfishConfig, goldfish_drop_mask
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.distill.logit_store import (
     HEADER_FILE,
     INDEX_FILE,
@@ -29,6 +28,7 @@ from megatron.apertus.distill.logit_store import (
     draw_uniforms,
 )
 from megatron.apertus.quant.config import QuantConfig
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
 from tests.distill.test_distillation import teacher  # noqa: F401  (module fixture)
 from tests.distill.test_distillation import (

@@ -51,7 +51,7 @@ def build(model, impl: str):
 def real_documents(lengths: list[int]) -> tuple[list[list[int]], int]:
     """Real documents of the embedded corpus cut to ``lengths`` tokens; and the eod id."""
     from megatron.apertus.data.corpus import embedded_documents
-    from megatron.apertus.data.tokenizer import build_tokenizer
+    from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer("TekkenTokenizer")
     encoded = [tokenizer.encode_document(t) for t in embedded_documents()[10:60]]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.apertus.data.corpus import embedded_documents
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 
 @pytest.fixture

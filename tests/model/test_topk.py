@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron.apertus.data.corpus import embedded_documents
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.model.topk import default_topk_chunk_rows, global_topk, row_chunks
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 TOPK = 16
 

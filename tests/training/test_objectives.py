@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import pretrain_gpt
-from megatron.apertus.data.tokenizer import build_tokenizer
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from megatron.apertus.training.objectives import build_objective, format_quantities, metric_name
 
 TINY = ["--model-preset", "tiny", "--train-iters", "1", "--global-batch-size", "2"]

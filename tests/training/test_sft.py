@@ -13,7 +13,7 @@ from megatron.core.datasets.utils import Split
 
 from examples.chat_demo import docstring_conversations
 from megatron.apertus.data.sft import ChatGPTDataset, MaskedIndexedDataset
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
 
 TOOL = REPO / "tools" / "preprocess_chat.py"

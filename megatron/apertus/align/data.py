@@ -36,8 +36,8 @@ from megatron.apertus.data.chat import (
     parse_messages,
 )
 from megatron.apertus.data.preprocess import decode_line
-from megatron.apertus.data.tokenizer import Tokenizer
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.tokenizer.tokenizers import Tokenizer
 
 SEQUENCES = {"dpo": 2, "qrpo": 1}
 """Sequences (completions) per example."""

@@ -11,7 +11,7 @@ model saw at the start of every training document:
   ``apply_chat_template(..., tokenize=True)`` with its defaults maps the rendered control
   tokens to their ids, as training did. The price: a literal control string in plain text
   (``</s>``, ``<|assistant_start|>``) becomes that control token, where our data pipeline
-  (:mod:`megatron.apertus.data.tokenizer`) keeps it as text; ``split_special_tokens=True`` in
+  (:mod:`megatron.apertus.tokenizer.tokenizers`) keeps it as text; ``split_special_tokens=True`` in
   the call gives the pipeline's ids for such text;
 * the chat template: for tekken the Apertus chat format (:mod:`megatron.apertus.data.chat`);
   for a Hugging Face tokenizer the one beside its ``tokenizer.json``, if any, so an
@@ -37,7 +37,7 @@ from typing import Sequence
 from megatron.apertus.convert.hf import ConversionError, SpecialTokenIds
 from megatron.apertus.data.chat import CHAT_TEMPLATE, CONTROL_TOKENS
 from megatron.apertus.data.corpus import embedded_documents
-from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer, bundled_tekken_path
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer, bundled_tekken_path
 
 TOKENIZER_FLAG_HELP = "a tekken JSON, a tokenizer.json or its directory, or a SentencePiece model"
 CHECK_DOCUMENTS = 6

@@ -1,1 +1,1 @@
-"""Tokenizers, documents and batches."""
+"""Preprocessing, datasets, chat and SFT data, Goldfish masks and batches."""

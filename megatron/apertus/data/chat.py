@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron.apertus.data.preprocess import decode_line
-from megatron.apertus.data.tokenizer import Tokenizer
+from megatron.apertus.tokenizer.tokenizers import Tokenizer
 
 CONTROL_TOKENS = {
     "<|system_start|>": 61,

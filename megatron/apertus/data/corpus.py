@@ -22,7 +22,7 @@ from pathlib import Path
 
 from megatron.apertus.cli import exclusive
 from megatron.apertus.data.preprocess import PreprocessConfig, output_prefix, preprocess
-from megatron.apertus.data.tokenizer import Tokenizer
+from megatron.apertus.tokenizer.tokenizers import Tokenizer
 
 
 def embedded_documents() -> list[str]:

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.cli import check_output, exclusive
 from megatron.apertus.errors import ConfigError
 
 if TYPE_CHECKING:
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    from megatron.apertus.data.tokenizer import Tokenizer
+    from megatron.apertus.tokenizer.tokenizers import Tokenizer
 
 log = logging.getLogger("apertus.data")
 
@@ -113,10 +114,6 @@ class DatasetConfig:
     @property
     def per_split(self) -> bool:
         return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
-
-
-def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "megatron-apertus"
 
 
 def _index_cache_lock(cache: str) -> contextlib.AbstractContextManager:

@@ -54,7 +54,7 @@ from megatron.apertus.data.preprocess import (
     tokenizer_record,
     write_dataset_record,
 )
-from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
 
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 PROGRESS_SECONDS = 30.0

@@ -36,7 +36,6 @@ from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.cli import check_output
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
-from megatron.apertus.data.tokenizer import checked_tokenizer
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import (
@@ -51,6 +50,7 @@ from megatron.apertus.model.presets import PRESETS, preset
 from megatron.apertus.optim.builder import AdEMAMixSettings
 from megatron.apertus.optim.schedule import ScheduleConfig
 from megatron.apertus.quant.config import QuantConfig
+from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
 from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")

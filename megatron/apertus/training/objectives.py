@@ -33,9 +33,9 @@ from megatron.apertus.data.batches import (
     rank_positions,
     step_micro_batches,
 )
-from megatron.apertus.data.tokenizer import Tokenizer
 from megatron.apertus.distill.targets import TeacherLogits
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.tokenizer.tokenizers import Tokenizer
 from megatron.apertus.training import runtime
 from megatron.apertus.training.align import AlignRun
 from megatron.apertus.training.config import RunConfig

@@ -16,7 +16,6 @@ from megatron.core import parallel_state
 
 from megatron.apertus import parallel
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
-from megatron.apertus.data.tokenizer import Tokenizer, build_tokenizer
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import (
@@ -32,6 +31,7 @@ from megatron.apertus.model.engine import (
     select_te_attention_backend,
     validate_engine,
 )
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
 from megatron.apertus.training.config import DataConfig, TrainingConfig
 from megatron.apertus.training.run_log import warn_if_slow_precision
 

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence
 
+from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.errors import ConfigError
 
 DEFAULT_TEKKEN = "tekken_240718.json"
@@ -107,12 +108,11 @@ def cached_hub_snapshot(name: str) -> Path:
 
 class TekkenTokenizer(Tokenizer):
     """Encodes with tiktoken over the vocabulary mistral-common reads from the file (cached, see
-    :mod:`~megatron.apertus.data.tekken_vocab`: the same ids, a tenth of the start-up);
+    :mod:`~megatron.apertus.tokenizer.tekken_vocab`: the same ids, a tenth of the start-up);
     decodes with mistral-common's ``Tekkenizer``, loaded when first needed."""
 
     def __init__(self, path: str | os.PathLike, cache_dir: Path | None = None) -> None:
-        from megatron.apertus.data.datasets import default_cache_dir
-        from megatron.apertus.data.tekken_vocab import load_tekken_vocabulary
+        from megatron.apertus.tokenizer.tekken_vocab import load_tekken_vocabulary
 
         self.path = Path(path)
         vocabulary = load_tekken_vocabulary(self.path, cache_dir or default_cache_dir())

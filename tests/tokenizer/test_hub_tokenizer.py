@@ -13,7 +13,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus.data.corpus import embedded_documents
-from megatron.apertus.data.tokenizer import build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import REPO
 from tests.data.test_preprocess import write_jsonl
 from tests.hub_cache import (  # noqa: F401 (fixtures)

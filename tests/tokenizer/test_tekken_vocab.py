@@ -13,8 +13,8 @@ import pytest
 from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
 from megatron.apertus.data.corpus import embedded_documents
-from megatron.apertus.data.tekken_vocab import PROBE, cache_name
-from megatron.apertus.data.tokenizer import TekkenTokenizer, bundled_tekken_path
+from megatron.apertus.tokenizer.tekken_vocab import PROBE, cache_name
+from megatron.apertus.tokenizer.tokenizers import TekkenTokenizer, bundled_tekken_path
 from tests.conftest import REPO
 
 TEKKEN_FILES = ["tekken_240718.json", "tekken_240911.json"]
@@ -80,7 +80,7 @@ def test_a_warm_start_encodes_without_loading_mistral_commons_tokenizer(tekken):
     script = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from megatron.apertus.data.tokenizer import TekkenTokenizer\n"
+        "from megatron.apertus.tokenizer.tokenizers import TekkenTokenizer\n"
         f"tok = TekkenTokenizer({str(path)!r}, cache_dir=Path({str(cache)!r}))\n"
         "ids = tok.encode(sys.stdin.read())\n"
         "loaded = sorted(m for m in sys.modules if m.startswith(('mistral_common.', 'pydantic')))\n"

@@ -37,7 +37,7 @@ PROBE = (
 
 @dataclass(frozen=True)
 class TekkenVocabulary:
-    """Everything :class:`~megatron.apertus.data.tokenizer.TekkenTokenizer` encodes with."""
+    """Everything :class:`~megatron.apertus.tokenizer.tokenizers.TekkenTokenizer` encodes with."""
 
     pattern: str
     ranks: dict[bytes, int]

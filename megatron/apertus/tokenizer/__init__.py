@@ -1,0 +1,6 @@
+"""Tokenizers: text <-> ids, a unit below the data that preprocesses and reads with them.
+
+:mod:`.tokenizers` holds the three families behind one interface (tekken, Hugging Face,
+sentencepiece) and the ids training needs; :mod:`.tekken_vocab` the cached vocabulary the tekken
+tokenizer encodes with. Neither imports torch: the preprocessing tools tokenize without it.
+"""
