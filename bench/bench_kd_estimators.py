@@ -81,7 +81,7 @@ def windows(documents: list[np.ndarray], seq_length: int) -> np.ndarray:
 
 def corpus_samples(seq_length: int, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Windows of the embedded corpus' training (first 90%) and held-out documents."""
-    from megatron.apertus.data.corpus import training_documents
+    from megatron.apertus.prep.corpus import training_documents
 
     documents = [np.array(tokenizer.encode_document(d)) for d in training_documents()]
     cut = int(round(len(documents) * 0.9))

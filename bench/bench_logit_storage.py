@@ -65,7 +65,7 @@ def teacher_checkpoint(path: str | None) -> Path:
 
 def held_out_samples(seq_length: int) -> np.ndarray:
     """int64 [n, seq_length]: the held-out documents as ``<s> text </s>``, concatenated."""
-    from megatron.apertus.data.corpus import training_documents
+    from megatron.apertus.prep.corpus import training_documents
     from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
     documents = training_documents()

@@ -24,8 +24,8 @@ import numpy as np
 from _common import write_results
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from megatron.apertus.data.corpus import embedded_documents
-from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
+from megatron.apertus.prep.corpus import embedded_documents
+from megatron.apertus.prep.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.tokenizer.tokenizers import bundled_tekken_path
 
 
@@ -54,7 +54,7 @@ def datatrove_path(shards: list[Path], out: str, workers: int) -> int:
     """tools/tokenize_corpus.py's pipeline and executor, one task per shard."""
     from datatrove.executor import LocalPipelineExecutor
 
-    from megatron.apertus.data.tokenize_pipeline import (
+    from megatron.apertus.prep.tokenize_pipeline import (
         IndexedDatasetWriter,
         ShardReader,
         cached_tokenizer,

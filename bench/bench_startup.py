@@ -100,7 +100,7 @@ def main() -> None:
 
     from _common import write_results
 
-    from megatron.apertus.data.corpus import embedded_documents
+    from megatron.apertus.prep.corpus import embedded_documents
 
     load = os.getloadavg()[0]
     python = sys.executable

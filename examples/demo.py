@@ -94,7 +94,7 @@ def run(*args: str) -> float:
 
 def preprocess(out: Path) -> dict[str, str]:
     """Token files of the three document sets; their prefixes by name."""
-    from megatron.apertus.data.corpus import training_documents, write_jsonl
+    from megatron.apertus.prep.corpus import training_documents, write_jsonl
 
     documents = training_documents()
     first_valid = int(round(len(documents) * 0.9))

@@ -86,8 +86,8 @@ def test_checkpoint_strictness_choices_match_megatron_core():
 
 
 def test_preference_constants_match_the_library():
-    from megatron.apertus.align.data import MIN_REF_REWARDS
     from megatron.apertus.align.losses import OBJECTIVES
+    from megatron.apertus.prep.preferences import MIN_REF_REWARDS
 
     tool = load_tool(REPO / "tools" / "preprocess_preferences.py")
     assert tuple(tool.OBJECTIVES) == tuple(OBJECTIVES)

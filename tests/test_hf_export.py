@@ -36,8 +36,8 @@ from megatron.apertus.convert.hf_tokenizer import (
     write_hf_tokenizer,
 )
 from megatron.apertus.convert.model_card import MIN_TRANSFORMERS
-from megatron.apertus.data.corpus import training_documents
-from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
+from megatron.apertus.prep.corpus import training_documents
+from megatron.apertus.prep.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer, bundled_tekken_path
 from tests.conftest import cpu_models
 

@@ -39,7 +39,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     # ops: torch and our extensions only; cli: the standard library only (one-line errors, exit
     # codes, atomic outputs), so that every layer and entry point may use it; mcore_compat: the
     # supported megatron-core releases' differences, which every layer above may need;
-    # tokenizer: text <-> ids without torch, for the data and the tools that preprocess it
+    # tokenizer: text <-> ids without torch, below both the data training reads and the
+    # offline preparation that writes it
     frozenset({"ops", "cli", "mcore_compat", "tokenizer"}),
     # cpu_compat patches megatron-core for CPU, the model builder applies it; quant's layers are
     # what the model's spec puts in its linear slots when a run quantizes.
@@ -49,6 +50,9 @@ LAYERS: tuple[frozenset[str], ...] = (
     # checks and ``cpu_compat``, and only training, the runners and tools call it.
     frozenset({"checkpoint", "data", "distill", "optim", "parallel"}),
     frozenset({"align"}),  # alignment objectives; reference log-probs live in distill's store
+    # Offline preparation writes the formats that data and align read, so it sits above them and
+    # they never import it; the tools call it, training only to tokenize the embedded corpus.
+    frozenset({"prep"}),
     frozenset({"training"}),  # the loop and the teacher-logit runner
     frozenset({"convert", "launch"}),  # library halves of tools/ and the Slurm launcher
 )
@@ -356,7 +360,7 @@ def test_third_party_checker_reports_broken_promises():
         (  # a function-level import of the layer above
             "megatron.apertus.distill.targets",
             "def f():\n    from megatron.apertus.training import checkpoint\n",
-            ["megatron.apertus.distill.targets:2: distill (layer 4) imports training (layer 6)"],
+            ["megatron.apertus.distill.targets:2: distill (layer 4) imports training (layer 7)"],
         ),
         (  # relative, and a module of the package named in ``from megatron.apertus import``
             "megatron.apertus.model.spec",
@@ -387,7 +391,7 @@ def test_checker_reports_imports_against_the_layering(module, source, expected):
 def test_package_inits_resolve_relative_imports_from_the_package():
     source = "from .teacher_logits import generate\nfrom ..launch import planner\n"
     assert violations(source, "megatron.apertus.training", is_package=True) == [
-        "megatron.apertus.training:2: training (layer 6) imports launch (layer 7)"
+        "megatron.apertus.training:2: training (layer 7) imports launch (layer 8)"
     ]
     # The package's own __init__ runs before every module: it may import none of them.
     assert violations("from . import ops\n", PACKAGE, is_package=True) == [

@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.data.mixture import MixtureError, build_mixture, format_report
+from megatron.apertus.prep.mixture import MixtureError, build_mixture, format_report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
-from megatron.apertus.data.mixture import MixtureError, data_path_list
+from megatron.apertus.prep.mixture import MixtureError, data_path_list
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.data.merge import MergeError, dataset_prefixes, merge
+from megatron.apertus.prep.merge import MergeError, dataset_prefixes, merge
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

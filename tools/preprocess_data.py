@@ -15,7 +15,7 @@ import sys
 import time
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.data.preprocess import (
+from megatron.apertus.prep.preprocess import (
     PreprocessConfig,
     add_corpus_arguments,
     corpus_config,

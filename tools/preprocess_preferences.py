@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.data.preprocess import (
+from megatron.apertus.prep.preprocess import (
     add_corpus_arguments,
     corpus_config,
     format_summary,
@@ -36,7 +36,7 @@ OBJECTIVES = ("dpo", "qrpo")
 """``megatron.apertus.align.losses.OBJECTIVES``, spelled out so that ``--help`` and argument
 errors need not import torch (a test keeps the two equal)."""
 MIN_REF_REWARDS = 2
-"""``megatron.apertus.align.data.MIN_REF_REWARDS``, spelled out for the same reason."""
+"""``megatron.apertus.prep.preferences.MIN_REF_REWARDS``, spelled out for the same reason."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _remove_outputs(prefix: str, objective: str) -> None:
     """Remove what this run wrote (a refused dataset is not left behind to be trained on)."""
-    from megatron.apertus.align.data import output_datasets
+    from megatron.apertus.prep.preferences import output_datasets
 
     for name, _ in output_datasets(prefix, objective).values():
         for suffix in (".bin", ".idx", ".meta.json"):
@@ -76,11 +76,8 @@ def _remove_outputs(prefix: str, objective: str) -> None:
 def _check_reference(args: argparse.Namespace) -> None:
     """Refuse a run whose lines carry reference log-probabilities only in part (a run that kept
     no example is refused by ``preprocess`` itself)."""
-    from megatron.apertus.align.data import (
-        output_datasets,
-        partial_reference_error,
-        stored_reference,
-    )
+    from megatron.apertus.align.data import partial_reference_error, stored_reference
+    from megatron.apertus.prep.preferences import output_datasets
 
     inputs = ", ".join(args.input)
     tokens, _ = output_datasets(args.output_prefix, args.objective)["tokens"]
@@ -94,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # index loading chatter
     args = parse_args(argv)
-    from megatron.apertus.align.data import PreferenceEncoder
+    from megatron.apertus.prep.preferences import PreferenceEncoder
 
     config = corpus_config(args)
     encoder = functools.partial(

@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _samples(args: argparse.Namespace, seq_length: int) -> list:
     from megatron.apertus.convert.quant_io import calibration_samples
     from megatron.apertus.data.datasets import build_datasets
+    from megatron.apertus.prep.corpus import embedded_corpus_prefix
     from megatron.apertus.tokenizer.tokenizers import build_tokenizer
     from megatron.apertus.training import config as C
 
@@ -79,6 +80,7 @@ def _samples(args: argparse.Namespace, seq_length: int) -> list:
         seq_length=seq_length,
         seed=training.seed,
         num_samples=training.dataset_sizes(),
+        default_corpus=embedded_corpus_prefix,
     )
     return calibration_samples(
         args.distill_logits_path, args.calibration_samples, dataset=train, seq_length=seq_length

@@ -25,14 +25,15 @@ import time
 from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
-from megatron.apertus.data.preprocess import (
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.prep.preprocess import (
     RECORD_SUFFIX,
     Summary,
     check_input_files,
     require_documents,
     tokenizer_record,
 )
-from megatron.apertus.data.tokenize_pipeline import (
+from megatron.apertus.prep.tokenize_pipeline import (
     IndexedDatasetWriter,
     MergeTasks,
     ShardReader,
@@ -40,7 +41,6 @@ from megatron.apertus.data.tokenize_pipeline import (
     run_local_tasks,
     task_prefix,
 )
-from megatron.apertus.errors import ConfigError
 from megatron.apertus.tokenizer.tokenizers import TOKENIZER_TYPES
 
 ADDITION = " [megatron-apertus addition]"

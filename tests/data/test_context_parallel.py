@@ -10,10 +10,10 @@ import torch
 
 from megatron.apertus.data.batches import BatchConfig, collate
 from megatron.apertus.data.context_parallel import padded_document_sources, shard_batch
-from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.model.fused_loss import TeacherTargets
 from megatron.apertus.ops.cp_attention import document_partition, sequence_partition
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 SEQ = 48

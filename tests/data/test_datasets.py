@@ -10,12 +10,12 @@ import pytest
 
 from megatron.apertus import parallel
 from megatron.apertus.data.batches import BatchConfig, MicroBatchReader, step_micro_batches
-from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.data.goldfish import GoldfishConfig
-from megatron.apertus.data.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model import ParallelConfig
+from megatron.apertus.prep.corpus import embedded_documents
+from megatron.apertus.prep.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 

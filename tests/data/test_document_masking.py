@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron.apertus.data.batches import BatchConfig, collate, document_lengths
-from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.datasets import DatasetConfig
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import cpu_models
 

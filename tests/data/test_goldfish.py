@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from megatron.apertus.data.batches import BatchConfig, collate
-from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.goldfish import (
     APERTUS_TABLE_SEED,
     APERTUS_TABLE_SIZE,
     GoldfishConfig,
     goldfish_drop_mask,
 )
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 

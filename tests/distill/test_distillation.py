@@ -22,6 +22,7 @@ from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.logit_store import LogitStoreReader, block_path
 from megatron.apertus.distill.targets import TeacherLogits, dataset_key
 from megatron.apertus.model import ParallelConfig, preset
+from megatron.apertus.prep.corpus import embedded_corpus_prefix
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from megatron.apertus.training.config import TrainingConfig
 from tests.conftest import (
@@ -142,6 +143,7 @@ def student_train_data(seq_length: int):
         seq_length=seq_length,
         seed=training.seed,
         num_samples=training.dataset_sizes(),
+        default_corpus=embedded_corpus_prefix,
     )
     return train
 

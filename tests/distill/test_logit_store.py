@@ -32,7 +32,7 @@ VOCAB, SEQ, K, SAMPLES, PER_BLOCK = 131072, 32, 16, 22, 5  # 5 blocks, the last 
 @pytest.fixture(scope="module")
 def tokens() -> np.ndarray:
     """int64 [SAMPLES, SEQ]: real text, cut into samples."""
-    from megatron.apertus.data.corpus import embedded_documents
+    from megatron.apertus.prep.corpus import embedded_documents
     from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer("TekkenTokenizer")

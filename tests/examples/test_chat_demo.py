@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.conftest import REPO, run_script
-from tests.data.test_tool_errors import assert_one_line_exit_2
+from tests.prep.test_tool_errors import assert_one_line_exit_2
 
 SCRIPT = REPO / "examples" / "chat_demo.py"
 

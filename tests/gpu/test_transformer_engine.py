@@ -50,7 +50,7 @@ def build(model, impl: str):
 
 def real_documents(lengths: list[int]) -> tuple[list[list[int]], int]:
     """Real documents of the embedded corpus cut to ``lengths`` tokens; and the eod id."""
-    from megatron.apertus.data.corpus import embedded_documents
+    from megatron.apertus.prep.corpus import embedded_documents
     from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer("TekkenTokenizer")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.apertus.data.corpus import embedded_documents
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 

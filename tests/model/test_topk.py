@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.model.topk import default_topk_chunk_rows, global_topk, row_chunks
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
 TOPK = 16

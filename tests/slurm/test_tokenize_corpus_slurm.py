@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from megatron.apertus.data.merge import dataset_prefixes, merge
+from megatron.apertus.prep.merge import dataset_prefixes, merge
 from tests.conftest import REPO
-from tests.data.test_tokenize_corpus import (
+from tests.prep.test_tokenize_corpus import (
     DOCS,
     PREPROCESS,
     TOKENIZE,

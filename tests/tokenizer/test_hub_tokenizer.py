@@ -12,16 +12,16 @@ import sys
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.apertus.data.corpus import embedded_documents
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import REPO
-from tests.data.test_preprocess import write_jsonl
 from tests.hub_cache import (  # noqa: F401 (fixtures)
     APERTUS_REPOS,
     apertus_hf_home,
     apertus_hub_cache,
     offline_hf_home,
 )
+from tests.prep.test_preprocess import write_jsonl
 
 DOCS = embedded_documents()[:8]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
-from megatron.apertus.data.corpus import embedded_documents
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tekken_vocab import PROBE, cache_name
 from megatron.apertus.tokenizer.tokenizers import TekkenTokenizer, bundled_tekken_path
 from tests.conftest import REPO

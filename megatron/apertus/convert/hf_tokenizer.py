@@ -36,7 +36,7 @@ from typing import Sequence
 
 from megatron.apertus.convert.hf import ConversionError, SpecialTokenIds
 from megatron.apertus.data.chat import CHAT_TEMPLATE, CONTROL_TOKENS
-from megatron.apertus.data.corpus import embedded_documents
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer, bundled_tekken_path
 
 TOKENIZER_FLAG_HELP = "a tekken JSON, a tokenizer.json or its directory, or a SentencePiece model"

@@ -27,12 +27,10 @@ inference it is given (the generation prompt).
 
 from __future__ import annotations
 
-import json
 from typing import Sequence
 
 import numpy as np
 
-from megatron.apertus.data.preprocess import decode_line
 from megatron.apertus.tokenizer.tokenizers import Tokenizer
 
 CONTROL_TOKENS = {
@@ -169,31 +167,3 @@ def encode_conversation(
 def loss_mask_prefix(prefix: str) -> str:
     """Where the loss mask of the chat dataset at ``prefix`` lives (same document lengths)."""
     return f"{prefix}_loss_mask"
-
-
-class ChatEncoder:
-    """One JSON line -> its conversation's ids and loss mask, for :func:`preprocess`.
-
-    Writes ``PREFIX_chat_document.bin/.idx`` (token ids, an ordinary Megatron dataset) and
-    ``PREFIX_chat_document_loss_mask.bin/.idx`` (uint8, one value per token).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, max_tokens: int | None = None) -> None:
-        control_token_ids(tokenizer)
-        self.tokenizer, self.max_tokens = tokenizer, max_tokens
-
-    def outputs(self, prefix: str) -> dict[str, tuple[str, type]]:
-        tokens = f"{prefix}_chat_document"
-        return {"tokens": (tokens, np.int32), "loss_mask": (loss_mask_prefix(tokens), np.uint8)}
-
-    def __call__(self, raw: bytes) -> dict[str, np.ndarray]:
-        try:
-            record = json.loads(decode_line(raw))
-        except json.JSONDecodeError as err:
-            raise ConversationError(f"invalid JSON ({err.msg} at column {err.colno})") from None
-        ids, mask = encode_conversation(self.tokenizer, parse_messages(record))
-        if self.max_tokens is not None and ids.size > self.max_tokens:
-            raise ConversationError(
-                f"over-long ({ids.size} tokens > --max-tokens {self.max_tokens})"
-            )
-        return {"tokens": ids, "loss_mask": mask}

@@ -11,6 +11,11 @@ documents, with no split. Samples are megatron-core
 Every local prefix must name a ``.bin``/``.idx`` pair with a Megatron index header; this is
 checked before megatron-core opens them (it would assert), naming the flag and the file.
 
+Without a blend, the datasets are those of the corpus the caller hands in (``default_corpus``;
+:mod:`megatron.apertus.training.runtime` hands in the embedded corpus of
+:mod:`megatron.apertus.prep.corpus`): preparing a corpus is offline work, which the data that
+training reads does not import.
+
 torch and megatron-core are imported by the functions that use them: :class:`DatasetConfig`
 serves ``--help`` and argument errors, which must not pay for them.
 """
@@ -22,7 +27,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.cli import check_output, exclusive
@@ -116,6 +121,13 @@ class DatasetConfig:
         return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
 
 
+class DefaultCorpus(Protocol):
+    """The ``PREFIX`` of a corpus tokenized by ``tokenizer`` under ``cache``, prepared first when
+    missing unless ``build`` is False (then only named, for the ranks that wait for rank 0)."""
+
+    def __call__(self, cache: Path, tokenizer: Tokenizer, *, build: bool = True) -> Path: ...
+
+
 def _index_cache_lock(cache: str) -> contextlib.AbstractContextManager:
     """Rank 0 holds ``cache``'s lock while megatron-core builds or reads the sample indices:
     megatron-core builds them on rank 0 while the other ranks wait, but two runs that share a
@@ -134,19 +146,21 @@ def data_path_of(config: DatasetConfig) -> list[str]:
     return list(config.data_path)
 
 
-def resolve_blend(config: DatasetConfig, tokenizer: Tokenizer) -> list[str]:
-    """The data path to train on; the embedded corpus is preprocessed once by rank 0."""
+def resolve_blend(
+    config: DatasetConfig, tokenizer: Tokenizer, default_corpus: DefaultCorpus | None
+) -> list[str]:
+    """The data path to train on; without one, ``default_corpus``, prepared once by rank 0."""
     import torch.distributed as dist
-
-    from megatron.apertus.data.corpus import embedded_corpus_prefix
 
     if data_path := data_path_of(config):
         return data_path
+    if default_corpus is None:
+        raise ValueError("no data path and no default corpus to train on")
     cache = Path(config.data_cache_path) if config.data_cache_path else default_cache_dir()
     if dist.get_rank() == 0:
-        embedded_corpus_prefix(cache, tokenizer)
+        default_corpus(cache, tokenizer)
     dist.barrier()
-    return [str(embedded_corpus_prefix(cache, tokenizer, build=False))]
+    return [str(default_corpus(cache, tokenizer, build=False))]
 
 
 def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
@@ -251,9 +265,10 @@ def build_datasets(
     seq_length: int,
     seed: int,
     num_samples: tuple[int, int, int],
+    default_corpus: DefaultCorpus | None = None,
 ) -> list[GPTDataset | None]:
     """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0 or
-    when the split gives that part no documents)."""
+    when the split gives that part no documents); without a blend, of ``default_corpus``."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -275,7 +290,7 @@ def build_datasets(
             flag = "--data-args-path" if config.data_args_path else "--data-path"
             check_prefixes(flag, data_path, sft=config.sft)
         blends = dict(
-            blend=get_blend_from_list(resolve_blend(config, tokenizer)),
+            blend=get_blend_from_list(resolve_blend(config, tokenizer, default_corpus)),
             split=config.split or ("969,30,1" if data_path else "90,10,0"),
         )
     gpt_config = GPTDatasetConfig(

@@ -1,4 +1,4 @@
-"""Tokenizers: text <-> ids, a unit below the data that preprocesses and reads with them.
+"""Tokenizers: text <-> ids, below both the data training reads and the offline preparation.
 
 :mod:`.tokenizers` holds the three families behind one interface (tekken, Hugging Face,
 sentencepiece) and the ids training needs; :mod:`.tekken_vocab` the cached vocabulary the tekken

@@ -31,6 +31,7 @@ from megatron.apertus.model.engine import (
     select_te_attention_backend,
     validate_engine,
 )
+from megatron.apertus.prep.corpus import embedded_corpus_prefix
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
 from megatron.apertus.training.config import DataConfig, TrainingConfig
 from megatron.apertus.training.run_log import warn_if_slow_precision
@@ -116,13 +117,15 @@ def pretraining_datasets(
     dataset: DatasetConfig, tokenizer: Tokenizer, *, model: ApertusConfig, training: TrainingConfig
 ):
     """The training and validation GPT datasets of a run (None where a part holds no samples),
-    sized by the run's length; the same flags give the same samples at the same positions."""
+    sized by the run's length; the same flags give the same samples at the same positions.
+    Without ``--data-path``, the embedded corpus, tokenized on first use."""
     train, valid, _ = build_datasets(
         dataset,
         tokenizer,
         seq_length=model.seq_length,
         seed=training.seed,
         num_samples=training.dataset_sizes(),
+        default_corpus=embedded_corpus_prefix,
     )
     return train, valid
 

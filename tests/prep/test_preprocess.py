@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.apertus.data.corpus import embedded_documents
+from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer, bundled_tekken_path
 from tests.conftest import REPO
 
@@ -189,7 +189,7 @@ def test_our_writer_writes_megatron_core_bytes(tmp_path, tekken, dtype):
     several sequences (sentence datasets), ids near the top of the dtype."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from megatron.apertus.data.indexed_writer import IndexedDatasetWriter
+    from megatron.apertus.prep.indexed_writer import IndexedDatasetWriter
 
     top = np.iinfo(dtype).max
     # real ids, folded into the dtype's range for uint16 (a vocabulary below 65500)

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs
-from megatron.apertus.data.preprocess import (
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.prep.preprocess import (
     RECORD_SUFFIX,
     read_dataset_record,
     write_dataset_record,
 )
-from megatron.apertus.errors import ConfigError
 
 
 class MergeError(ConfigError):

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from megatron.apertus import parallel
-from megatron.apertus.data.corpus import embedded_documents
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
-from megatron.apertus.data.mixture import folder_parts, identity
 from megatron.apertus.model import ParallelConfig
+from megatron.apertus.prep.corpus import embedded_documents
+from megatron.apertus.prep.mixture import folder_parts, identity
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import PRETRAIN, REPO, run_entry
-from tests.data.test_tokenize_corpus import run_tool
+from tests.prep.test_tokenize_corpus import run_tool
 
 BUILD = REPO / "tools" / "build_mixture.py"
 DATA_CONFIG = REPO / "tools" / "data_config.py"

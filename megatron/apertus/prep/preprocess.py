@@ -44,8 +44,8 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Protocol
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs, die_with_parent
-from megatron.apertus.data.indexed_writer import IndexedDatasetWriter
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.prep.indexed_writer import IndexedDatasetWriter
 from megatron.apertus.tokenizer.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 log = logging.getLogger("apertus.preprocess")

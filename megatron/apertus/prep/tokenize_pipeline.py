@@ -8,10 +8,10 @@ Two pipeline steps, run by datatrove's local or Slurm executor:
   input in its order, so merging them equals preprocessing everything at once). JSON lines
   (plain, ``.gz``, ``.zst``) and Parquet, local or any fsspec URL.
 * :class:`IndexedDatasetWriter` tokenizes every document exactly as ``tools/preprocess_data.py``
-  does (same functions: :func:`~megatron.apertus.data.preprocess.parse_record`,
-  :func:`~megatron.apertus.data.preprocess.encode_document`), rejects the same lines for the same
+  does (same functions: :func:`~megatron.apertus.prep.preprocess.parse_record`,
+  :func:`~megatron.apertus.prep.preprocess.encode_document`), rejects the same lines for the same
   reasons, and writes ``OUTPUT/NNNNN_KEY_document.bin/.idx`` (+ ``.meta.json``) through
-  :mod:`~megatron.apertus.data.indexed_writer` (megatron-core's format) under temporary names,
+  :mod:`~megatron.apertus.prep.indexed_writer` (megatron-core's format) under temporary names,
   renamed when complete.
 
 A task is marked complete by datatrove only after its outputs are renamed, and a rerun task
@@ -40,9 +40,9 @@ from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.logging import logger
 
 from megatron.apertus.cli import die_with_parent
-from megatron.apertus.data.indexed_writer import IndexedDatasetWriter as _BinWriter
-from megatron.apertus.data.merge import dataset_prefixes, merge
-from megatron.apertus.data.preprocess import (
+from megatron.apertus.prep.indexed_writer import IndexedDatasetWriter as _BinWriter
+from megatron.apertus.prep.merge import dataset_prefixes, merge
+from megatron.apertus.prep.preprocess import (
     Summary,
     dataset_record,
     encode_document,

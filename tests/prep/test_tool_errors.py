@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.apertus.data.corpus import embedded_documents
+from megatron.apertus.prep.corpus import embedded_documents
 from tests.conftest import REPO, run_script
 
 TOOLS = REPO / "tools"

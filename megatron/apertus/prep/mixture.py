@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron.apertus.data.merge import MergeError, check_compatible, dataset_prefixes
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.prep.merge import MergeError, check_compatible, dataset_prefixes
 
 MIXTURE_FILE = "mixture.json"
 

@@ -21,7 +21,7 @@ import platform
 from pathlib import Path
 
 from megatron.apertus.cli import exclusive
-from megatron.apertus.data.preprocess import PreprocessConfig, output_prefix, preprocess
+from megatron.apertus.prep.preprocess import PreprocessConfig, output_prefix, preprocess
 from megatron.apertus.tokenizer.tokenizers import Tokenizer
 
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.apertus.data.corpus import embedded_documents
-from megatron.apertus.data.merge import dataset_prefixes
+from megatron.apertus.prep.corpus import embedded_documents
+from megatron.apertus.prep.merge import dataset_prefixes
 from tests.conftest import REPO
 
 TOKENIZE = REPO / "tools" / "tokenize_corpus.py"
