@@ -8,9 +8,6 @@ corpus."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +26,7 @@ from megatron.apertus.distill.logit_store import (
     draw_uniforms,
 )
 from megatron.apertus.quant.config import QuantConfig
-from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
+from tests.conftest import PRETRAIN, cpu_models, read_json, run_entry, run_script, series
 from tests.distill.test_distillation import teacher  # noqa: F401  (module fixture)
 from tests.distill.test_distillation import (
     GENERATE,
@@ -128,25 +125,9 @@ def test_draws_do_not_depend_on_layout_or_block_size_and_resume(
 
 
 def test_a_store_of_another_kind_is_not_resumed(teacher, sampled):  # noqa: F811
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(GENERATE),
-            "--load",
-            str(teacher),
-            "--logits-dir",
-            str(sampled),
-            "--samples-per-block",
-            str(SAMPLES_PER_BLOCK),
-            "--topk",
-            str(DRAWS),
-            *STUDENT_DATA,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ["--load", str(teacher), "--logits-dir", str(sampled)]
+    args += ["--samples-per-block", str(SAMPLES_PER_BLOCK), "--topk", str(DRAWS), *STUDENT_DATA]
+    proc = run_script(GENERATE, args)
     assert proc.returncode != 0 and "belongs to another run" in proc.stderr
     assert "kind: 'topk' != 'sampled'" in proc.stderr
 
@@ -172,15 +153,7 @@ def test_student_distils_from_a_sampled_store_and_resumes(sampled, tmp_path):
 
 def refusal(store: Path, student: list[str] = STUDENT) -> str:
     """The one error line of a student run on ``store`` (exit code 2, no traceback)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run(
-        [sys.executable, str(PRETRAIN), *student, "--distill-logits-path", str(store)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_script(PRETRAIN, [*student, "--distill-logits-path", str(store)])
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]

@@ -64,7 +64,9 @@ def global_samples(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     row_max = logits.amax(-1, keepdim=True).double()
     if group.size() > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    cdf = torch.exp(logits.double() - row_max).cumsum(-1)
+    # In place: each pass over [rows, V_local] float64 would otherwise fault in a fresh buffer
+    # (on CPU that took as long as the arithmetic); the values are the same bits.
+    cdf = logits.to(torch.float64, copy=True).sub_(row_max).exp_().cumsum_(-1)
     totals = cdf[:, -1:].contiguous()
     if group.size() > 1:
         gathered = [torch.empty_like(totals) for _ in range(group.size())]
