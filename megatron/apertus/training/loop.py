@@ -424,7 +424,11 @@ class Trainer:
         if measure:
             self.gemm_monitor.attach()
         result = train_step(
-            self.model, self.optimizer, self._iterators(batches), self._shape(), self.objective.loss
+            self.model,
+            self.optimizer,
+            self._iterators(batches),
+            self._shape(),
+            self.objective.train_forward,
         )
         self.gemm_inputs = self.gemm_monitor.detach() if measure else {}
         if measure:
@@ -452,8 +456,6 @@ class Trainer:
             self.metrics.record(
                 "train/grad_norm", it, result.grad_norm, tag="grad-norm", samples=samples
             )
-        if result.goldfish_fraction is not None:
-            self.metrics.record("train/goldfish_dropped", it, result.goldfish_fraction)
         for name, value in result.quantities.items():
             self.metrics.record(f"train/{metric_name(name)}", it, value)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -531,9 +533,7 @@ class Trainer:
         if peak is not None:
             fields.append(f"MFU: {100 * tflops / peak:.1f}%")
         fields.append(f"memory (GiB): {peak_memory_gib(self.device):.2f}")
-        if result.goldfish_fraction is not None:
-            fields.append(f"goldfish dropped: {100 * result.goldfish_fraction:.2f}%")
-        fields += [f"{name}: {value:.6E}" for name, value in result.quantities.items()]
+        fields += self.objective.quantity_fields(result.quantities)
         return "".join(f"{field} | " for field in fields).rstrip()
 
     def _record_diagnostics(self, it: int) -> float | None:
@@ -582,7 +582,7 @@ class Trainer:
                     self._iterators(batches),
                     self._shape(),
                     forward_only=True,
-                    loss=self.objective.loss,
+                    forward=self.objective.valid_forward,
                 )
                 reported.extend(losses)
                 if past_duration(t.exit_duration_in_mins, self.device):
