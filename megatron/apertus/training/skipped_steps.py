@@ -19,11 +19,11 @@ class SkippedSteps:
     def __init__(self, max_in_a_row: int) -> None:
         self.max_in_a_row = max_in_a_row
         self.in_a_row = 0
-        self.run = self.updated = 0
+        self.steps = self.updated = 0
 
     def count(self, result: StepResult, iteration: int) -> bool:
         """Count step ``iteration``; whether it made too many skipped steps in a row."""
-        self.run += 1
+        self.steps += 1
         if not result.skipped:
             self.in_a_row = 0
             self.updated += 1
@@ -50,10 +50,10 @@ class SkippedSteps:
         skipped: a checkpoint would hold the starting weights as if trained, and a resumed job
         would then find the run finished. A loss that is never finite comes from the data or
         the configuration. None when a step trained (or none ran)."""
-        if not self.run or self.updated:
+        if not self.steps or self.updated:
             return None
         return (
-            f"every step of this run ({self.run}, up to iteration {iteration}) "
+            f"every step of this run ({self.steps}, up to iteration {iteration}) "
             "had a non-finite loss or gradient norm and was skipped; nothing trained, nothing "
             "saved: check the training data and the loss settings"
         )
