@@ -33,14 +33,16 @@ from tests import warm_interpreter
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain_gpt.py"
 
-SMALL_VOCABULARY = [
+SMALL_TOKENIZER = REPO / "tests" / "fixtures" / "bpe4096" / "tokenizer.json"
+SMALL_TOKENIZER_FLAGS = [
     "--tokenizer-type",
     "HuggingFaceTokenizer",
     "--tokenizer-model",
-    str(REPO / "tests" / "fixtures" / "bpe4096" / "tokenizer.json"),
-    "--make-vocab-size-divisible-by",
-    "128",
+    str(SMALL_TOKENIZER),
 ]
+"""The data flags of :data:`SMALL_VOCABULARY` (entry points that read a model from a checkpoint
+take no model flags)."""
+SMALL_VOCABULARY = [*SMALL_TOKENIZER_FLAGS, "--make-vocab-size-divisible-by", "128"]
 """Flags that train on a real 4096-piece BPE (``tests/fixtures/make_bpe4096.py``) instead of
 Apertus's 131072-token vocabulary: the tiny model's steps are then 11x faster on CPU. Tests of
 the tokenizer, the vocabulary or recorded figures keep the Apertus tokenizer."""
