@@ -33,6 +33,20 @@ from tests import warm_interpreter
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain_gpt.py"
 
+SMALL_TOKENIZER = REPO / "tests" / "fixtures" / "bpe4096" / "tokenizer.json"
+SMALL_TOKENIZER_FLAGS = [
+    "--tokenizer-type",
+    "HuggingFaceTokenizer",
+    "--tokenizer-model",
+    str(SMALL_TOKENIZER),
+]
+"""The data flags of :data:`SMALL_VOCABULARY` (entry points that read a model from a checkpoint
+take no model flags)."""
+SMALL_VOCABULARY = [*SMALL_TOKENIZER_FLAGS, "--make-vocab-size-divisible-by", "128"]
+"""Flags that train on a real 4096-piece BPE (``tests/fixtures/make_bpe4096.py``) instead of
+Apertus's 131072-token vocabulary: the tiny model's steps are then 11x faster on CPU. Tests of
+the tokenizer, the vocabulary or recorded figures keep the Apertus tokenizer."""
+
 
 def run_script(
     script: Path,
@@ -228,41 +242,59 @@ def _uses_processes(item: pytest.Item) -> bool:
     )
 
 
-def _worker_group(item: pytest.Item) -> str:
-    """The pytest-xdist group of ``item`` (``make test`` runs ``--dist loadgroup``): one per
-    test file, so that a module's fixtures are built once, and one for all the Slurm tests,
-    which share one Slurm cluster."""
-    path = Path(str(item.fspath)).relative_to(REPO)
+def worker_group(nodeid: str) -> str:
+    """The pytest-xdist work unit of a test: its file, so that a module's fixtures are built
+    once, or, for all the Slurm tests, ``slurm``: they share one Slurm cluster."""
+    path = Path(nodeid.split("::")[0])
     return "slurm" if path.parts[:2] == ("tests", "slurm") else str(path)
 
 
 GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
-"""Seconds each xdist group took in a recorded full run (``APERTUS_RECORD_GROUP_SECONDS=1 make
+"""Seconds each work unit took in a recorded full run (``APERTUS_RECORD_GROUP_SECONDS=1 make
 test`` rewrites it)."""
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """Mark process tests and xdist groups, and put the groups that took longest first.
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` hands each worker whole :func:`worker_group` units, in the order of
+    the collection (longest first, see below).
 
-    pytest-xdist hands whole groups to the workers in collection order; a long group dealt last
+    pytest-xdist's own loadgroup reads groups from a suffix it writes into each node id, which
+    pytest 9.2's structured node ids no longer carry: every test became its own unit and each
+    module's fixtures were built in both workers. This scheduler takes the unit from the node id
+    itself, and keeps the collection's order (xdist would reorder by test count)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TestFileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    config.option.loadscopereorder = False
+    return TestFileScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark process tests, and put the work units that took longest first.
+
+    pytest-xdist hands whole units to the workers in collection order; a long unit dealt last
     runs alone while the other worker idles (8 minutes at the end of a full run). Longest first
     keeps both workers busy to the end."""
     for item in items:
         if _uses_processes(item):
             item.add_marker(pytest.mark.process)
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
     seconds = json.loads(GROUP_SECONDS.read_text()) if GROUP_SECONDS.exists() else {}
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-seconds.get(_worker_group(item), 0.0), order[id(item)]))
+    items.sort(key=lambda item: (-seconds.get(worker_group(item.nodeid), 0.0), order[id(item)]))
 
 
 _GROUP_TOTALS: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Seconds per xdist group (set-up, call and tear-down), summed in the controller."""
-    path = Path(report.nodeid.split("::")[0])
-    group = "slurm" if path.parts[:2] == ("tests", "slurm") else str(path)
+    """Seconds per work unit (set-up, call and tear-down), summed in the controller."""
+    group = worker_group(report.nodeid)
     _GROUP_TOTALS[group] = _GROUP_TOTALS.get(group, 0.0) + report.duration
 
 

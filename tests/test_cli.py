@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron.apertus import cli
-from tests.conftest import REPO
+from tests.conftest import REPO, SMALL_VOCABULARY
 
 TOOLS = sorted(REPO.glob("tools/*.py")) + sorted(REPO.glob("tools/checkpoint/*.py"))
 ENTRY_POINTS = [*TOOLS, REPO / "pretrain_gpt.py"]
@@ -222,6 +222,7 @@ def start_training(args: list[str], save: Path) -> subprocess.Popen:
         str(REPO / "pretrain_gpt.py"),
         *("--model-preset", "tiny", "--global-batch-size", "2", "--eval-iters", "0"),
         *("--train-iters", "100000", "--log-interval", "1", "--save", str(save), *args),
+        *SMALL_VOCABULARY,
     ]
     proc = subprocess.Popen(
         command,

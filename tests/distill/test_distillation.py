@@ -28,6 +28,9 @@ from megatron.apertus.training.config import TrainingConfig
 from tests.conftest import (
     PRETRAIN,
     REPO,
+    SMALL_TOKENIZER,
+    SMALL_TOKENIZER_FLAGS,
+    SMALL_VOCABULARY,
     built_once,
     cpu_models,
     read_json,
@@ -51,6 +54,7 @@ STUDENT_DATA = [
     "6",
     "--eval-iters",
     "1",
+    *SMALL_TOKENIZER_FLAGS,
 ]
 STUDENT = [
     "--model-preset",
@@ -68,6 +72,8 @@ STUDENT = [
     "--lr-wsd-decay-iters",
     "2",
     "--goldfish-loss",
+    "--make-vocab-size-divisible-by",
+    "128",
     *STUDENT_DATA,
 ]
 
@@ -85,6 +91,7 @@ TEACHER = [
     "4",
     "--micro-batch-size",
     "2",
+    *SMALL_VOCABULARY,
 ]
 
 
@@ -139,7 +146,7 @@ def student_train_data(seq_length: int):
     )
     train, _, _ = build_datasets(
         DatasetConfig(),
-        build_tokenizer("TekkenTokenizer", None),
+        build_tokenizer("HuggingFaceTokenizer", SMALL_TOKENIZER),
         seq_length=seq_length,
         seed=training.seed,
         num_samples=training.dataset_sizes(),
@@ -280,13 +287,7 @@ def test_student_distils_and_resumes_at_the_right_logit_position(logits, tmp_pat
 
 def test_logits_of_other_data_are_refused_naming_the_sample(logits):
     other_order = [a if a != "11" else "12" for a in STUDENT]  # another data seed
-    proc = subprocess.run(
-        [sys.executable, str(PRETRAIN), *other_order, "--distill-logits-path", str(logits)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_script(PRETRAIN, [*other_order, "--distill-logits-path", str(logits)])
     assert proc.returncode != 0
     assert "do not match the training data" in proc.stderr
     assert "sample" in proc.stderr and "position 0" in proc.stderr
@@ -332,7 +333,7 @@ def test_micro_batches_take_their_rows_of_the_prefetched_step(logits):
             dataset=train,
             dataset_hash=train.unique_description_hash,
             seq_length=reader.header.seq_length,
-            vocab_size=131072,
+            vocab_size=reader.header.vocab_size,
             first_position=0,
             last_position=24,
         )

@@ -8,9 +8,6 @@ corpus."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +26,15 @@ from megatron.apertus.distill.logit_store import (
 )
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
-from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
+from tests.conftest import (
+    PRETRAIN,
+    SMALL_TOKENIZER,
+    cpu_models,
+    read_json,
+    run_entry,
+    run_script,
+    series,
+)
 from tests.distill.test_distillation import teacher  # noqa: F401  (module fixture)
 from tests.distill.test_distillation import (
     GENERATE,
@@ -98,9 +103,10 @@ def test_draws_follow_the_teachers_distribution(teacher, sampled):  # noqa: F811
 
 def drawn_weights(store: Path) -> torch.Tensor:
     """Every position's weights over the vocabulary, [positions, V]."""
-    rows = LogitStoreReader(store).read(range(STORED_SAMPLES))
+    reader = LogitStoreReader(store)
+    rows = reader.read(range(STORED_SAMPLES))
     k = rows.ids.shape[-1]
-    weights = torch.zeros(rows.ids.shape[0] * rows.ids.shape[1], 131072)
+    weights = torch.zeros(rows.ids.shape[0] * rows.ids.shape[1], reader.header.vocab_size)
     return weights.scatter_(1, rows.ids.reshape(-1, k), rows.probs.reshape(-1, k))
 
 
@@ -128,25 +134,9 @@ def test_draws_do_not_depend_on_layout_or_block_size_and_resume(
 
 
 def test_a_store_of_another_kind_is_not_resumed(teacher, sampled):  # noqa: F811
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(GENERATE),
-            "--load",
-            str(teacher),
-            "--logits-dir",
-            str(sampled),
-            "--samples-per-block",
-            str(SAMPLES_PER_BLOCK),
-            "--topk",
-            str(DRAWS),
-            *STUDENT_DATA,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ["--load", str(teacher), "--logits-dir", str(sampled)]
+    args += ["--samples-per-block", str(SAMPLES_PER_BLOCK), "--topk", str(DRAWS), *STUDENT_DATA]
+    proc = run_script(GENERATE, args)
     assert proc.returncode != 0 and "belongs to another run" in proc.stderr
     assert "kind: 'topk' != 'sampled'" in proc.stderr
 
@@ -172,15 +162,7 @@ def test_student_distils_from_a_sampled_store_and_resumes(sampled, tmp_path):
 
 def refusal(store: Path, student: list[str] = STUDENT) -> str:
     """The one error line of a student run on ``store`` (exit code 2, no traceback)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run(
-        [sys.executable, str(PRETRAIN), *student, "--distill-logits-path", str(store)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_script(PRETRAIN, [*student, "--distill-logits-path", str(store)])
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
@@ -259,9 +241,9 @@ def document_logprobs(model, sample: dict, eod: int) -> tuple[torch.Tensor, int]
     return torch.log_softmax(torch.cat(logits).float(), -1), len(lengths)
 
 
-def stored_weights(rows, i: int) -> torch.Tensor:
+def stored_weights(rows, i: int, vocab_size: int) -> torch.Tensor:
     """Row ``i`` of a read: its weights over the vocabulary [s, V]."""
-    weights = torch.zeros(rows.ids.shape[1], 131072, dtype=torch.float64)
+    weights = torch.zeros(rows.ids.shape[1], vocab_size, dtype=torch.float64)
     return weights.scatter_(1, rows.ids[i], rows.probs[i].double())
 
 
@@ -276,7 +258,8 @@ def test_packed_documents_draw_from_each_document_alone(teacher, sampled, tmp_pa
     positions = range(STORED_SAMPLES)
     stored = LogitStoreReader(packed).read(positions)
     unpacked = LogitStoreReader(sampled).read(positions)
-    eod = build_tokenizer("TekkenTokenizer").eod
+    eod = build_tokenizer("HuggingFaceTokenizer", SMALL_TOKENIZER).eod
+    vocab_size = LogitStoreReader(packed).header.vocab_size
     shared, spanning = [], []
     with cpu_models() as models:
         model = models.build(load=teacher).eval()
@@ -285,11 +268,13 @@ def test_packed_documents_draw_from_each_document_alone(teacher, sampled, tmp_pa
             logprobs, documents = document_logprobs(model, train[position], eod)
             uniforms = draw_uniforms(SAMPLING_SEED, position, logprobs.shape[0], DRAWS)
             expected = inverse_cdf_weights(logprobs, uniforms)
-            got = stored_weights(stored, position)
+            got = stored_weights(stored, position, vocab_size)
             shared.append(torch.minimum(got, expected).sum(1).mean().item())
             if documents > 1:
                 spanning.append(position)
-                assert not torch.equal(got, stored_weights(unpacked, position)), position
+                assert not torch.equal(
+                    got, stored_weights(unpacked, position, vocab_size)
+                ), position
     assert spanning, "no sample spans two documents: the test shows nothing"
     assert min(shared) > 0.999, shared
 

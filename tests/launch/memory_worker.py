@@ -10,8 +10,10 @@ are built by the same functions as ``pretrain_gpt.py``'s trainer; batches are ra
   hooks (parameters excluded), per rank; plus each rank's parameter count.
 * ``peak``: growth of the process's peak resident memory (``VmHWM``, reset through
   ``/proc/self/clear_refs``) over its resident memory just before the model is built, across
-  building the model, DDP and the optimizer and running ``--steps`` training steps. Run it with
-  ``MALLOC_MMAP_THRESHOLD_`` set low so that freed tensors leave the resident set at once.
+  building the model, DDP and the optimizer and running ``--steps`` training steps. Allocations
+  of 64 KiB and more are mapped on their own (``mallopt``), so that freed tensors leave the
+  resident set at once. It needs no fresh interpreter: a process forked from a warm one starts
+  with the pages it shares with its parent resident, and the growth is measured from there.
 
 megatron-core is imported inside functions: dist_checkpointing's spawned helpers re-import files.
 """
@@ -24,6 +26,9 @@ import gc
 import json
 import re
 from pathlib import Path
+
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter: the size from which an allocation gets its own mapping."""
 
 
 def _status(field: str) -> int:
@@ -168,9 +173,11 @@ def peak(run, dp: int, steps: int) -> dict:
         vocab_size=512,
         seq_length=32,
     )
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
     _train(dataclasses.replace(run, model=small), dp, steps=1)
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    libc.malloc_trim(0)
     baseline = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     losses = _train(run, dp, steps)

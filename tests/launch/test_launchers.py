@@ -266,3 +266,24 @@ def test_the_rendezvous_port_is_one_no_one_holds(monkeypatch):
     assert job.master_port("another-host") == derived
     monkeypatch.setenv("MASTER_PORT", "29123")
     assert job.master_port(socket.gethostname()) == 29123
+
+
+def test_slurm_queries_outlast_a_dropped_connection(tmp_path):
+    """A query whose client dies of SIGPIPE twice (slurmctld dropped the connection) answers on
+    the third try; one that keeps failing raises with its exit status after the last try."""
+    calls = tmp_path / "calls"
+    flaky = tmp_path / "scontrol"
+    flaky.write_text(
+        "#!/bin/bash\n"
+        f"echo x >> {calls}\n"
+        f'[ "$(wc -l < {calls})" -ge 3 ] || kill -PIPE $$\n'
+        "echo JobId=7 Command=/jobs/run.sbatch\n"
+    )
+    flaky.chmod(0o755)
+    assert slurm.slurm_query([str(flaky), "show", "job", "7"]) == (
+        "JobId=7 Command=/jobs/run.sbatch\n"
+    )
+    assert calls.read_text().count("x") == 3
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        slurm.slurm_query(["false"], attempts=2)
+    assert refused.value.returncode == 1

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +14,7 @@ from megatron.apertus import parallel
 from megatron.apertus.launch import memory
 from megatron.apertus.launch.planner import Cluster, _shape, plan, run_from_args
 from megatron.apertus.model.config import ParallelConfig
-from tests.conftest import REPO
+from tests.conftest import REPO, run_entry
 from tests.launch import memory_worker
 
 WORKER = REPO / "tests" / "launch" / "memory_worker.py"
@@ -118,32 +115,7 @@ def test_parameters_equal_megatron_cores_count(one_process, tied):
 def test_sharded_layouts_on_two_ranks(tmp_path, layout):
     """Per-rank parameters and per-layer activations under torchrun (gloo, CPU)."""
     out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(WORKER),
-            "--mode",
-            "saved",
-            "--out",
-            str(out),
-            "--",
-            *SMALL,
-            *layout,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_entry(WORKER, ["--mode", "saved", "--out", str(out), "--", *SMALL, *layout], nproc=2)
     reports = json.loads(out.read_text())
     run = run_from_args(SMALL + layout)
     pp = run.parallel.pipeline_model_parallel_size
@@ -190,32 +162,8 @@ def peaks(tmp_path_factory):
             return cache[seq, cp]
         flags = PEAK_FLAGS + ["--seq-length", str(seq), "--context-parallel-size", str(cp)]
         out = tmp_path_factory.mktemp(f"peak-{seq}-{cp}") / "peak.json"
-        env = {
-            k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")
-        }
-        env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-        launcher = (
-            [sys.executable]
-            if cp == 1
-            else [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                str(cp),
-            ]
-        )
         started = time.monotonic()
-        proc = subprocess.run(
-            [*launcher, str(WORKER), "--mode", "peak", "--out", str(out), "--", *flags],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        run_entry(WORKER, ["--mode", "peak", "--out", str(out), "--", *flags], nproc=cp)
         measured = max(report["peak_growth_bytes"] for report in json.loads(out.read_text()))
         estimate = plan(run_from_args(flags), Cluster(gpus=cp, gpus_per_node=cp)).peak
         parts = {

@@ -29,7 +29,7 @@ from megatron.apertus.quant.formats import fake_nvfp4, nvfp4_quantize
 from megatron.apertus.quant.layers import decoder_linears
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from megatron.apertus.training.config import DataConfig
-from tests.conftest import PRETRAIN, REPO, cpu_models, run_entry
+from tests.conftest import PRETRAIN, REPO, cpu_models, run_entry, run_script
 
 EXPORT = REPO / "tools" / "checkpoint" / "export_quantized_hf.py"
 DOCUMENT = 7
@@ -285,12 +285,7 @@ def test_nvfp4_export_runs_with_transformers_defaults(nvfp4_export):
 
 
 def test_a_group_size_that_does_not_divide_the_rows_is_one_line_and_exit_2(base, tmp_path):
-    import subprocess
-    import sys
-
-    cmd = [
-        sys.executable,
-        str(EXPORT),
+    args = [
         "--load",
         str(base),
         "--output",
@@ -300,7 +295,7 @@ def test_a_group_size_that_does_not_divide_the_rows_is_one_line_and_exit_2(base,
         "--quant-group-size",
         "48",
     ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(EXPORT, args, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "export_quantized_hf.py: error: --quant-group-size 48 does not divide the 64 input "
@@ -310,12 +305,7 @@ def test_a_group_size_that_does_not_divide_the_rows_is_one_line_and_exit_2(base,
 
 
 def test_a_missing_calibration_prefix_is_one_line_and_exit_2(base, tmp_path):
-    import subprocess
-    import sys
-
-    cmd = [
-        sys.executable,
-        str(EXPORT),
+    args = [
         "--load",
         str(base),
         "--output",
@@ -325,7 +315,7 @@ def test_a_missing_calibration_prefix_is_one_line_and_exit_2(base, tmp_path):
         "--calibration-data",
         str(tmp_path / "missing"),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_script(EXPORT, args, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"export_quantized_hf.py: error: --calibration-data: neither {tmp_path / 'missing'}.bin "

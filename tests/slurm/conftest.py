@@ -22,6 +22,8 @@ from typing import Iterator
 
 import pytest
 
+from megatron.apertus.launch.slurm import slurm_query
+
 PACKAGES = ["slurmd", "slurmctld", "slurm-client", "munge"]
 COMMANDS = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo"]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -124,13 +126,18 @@ class Cluster:
     def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(command, env=self.env, capture_output=True, text=True, check=check)
 
+    def query(self, *command: str) -> str:
+        """A read-only command's output, retried as the launcher retries its queries (a busy
+        slurmctld drops connections)."""
+        return slurm_query(list(command), env=self.env)
+
     def job(self, job_id: str) -> dict[str, str]:
         """Slurm's record of a job (``scontrol show job -o``) as a dict."""
-        line = self.run("scontrol", "show", "job", "-o", job_id).stdout
+        line = self.query("scontrol", "show", "job", "-o", job_id)
         return dict(re.findall(r"(\w+)=(\S*)", line))
 
     def jobs_named(self, name: str) -> list[str]:
-        out = self.run("squeue", "-h", "-t", "all", "-n", name, "-o", "%i").stdout.split()
+        out = self.query("squeue", "-h", "-t", "all", "-n", name, "-o", "%i").split()
         return sorted(out, key=int)
 
     def wait(self, job_id: str, timeout: float = 300) -> dict[str, str]:

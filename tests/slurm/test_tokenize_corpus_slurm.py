@@ -61,7 +61,7 @@ def wait_for_array(slurm, job: str, timeout: float = 600) -> list[str]:
     """The final states of every task of array job ``job``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        states = slurm.run("squeue", "-h", "-t", "all", "-j", job, "-o", "%T").stdout.split()
+        states = slurm.query("squeue", "-h", "-t", "all", "-j", job, "-o", "%T").split()
         if states and all(s in FINAL_STATES for s in states):
             return states
         time.sleep(1)

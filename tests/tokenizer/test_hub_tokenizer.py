@@ -95,3 +95,15 @@ def test_a_name_the_cache_lacks_is_one_line_naming_cache_and_command(tmp_path):
 def test_a_path_that_is_not_a_hub_name_says_so(tmp_path):
     with pytest.raises(Exception, match="no such file or directory$"):
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "missing" / "tokenizer"))
+
+
+def test_a_tokenizer_without_a_pad_piece_pads_with_its_eos(tmp_path):
+    """A ``tokenizer.json`` whose vocabulary has bos and eos but no ``<pad>`` (most BPEs
+    trained from scratch) pads with eos, as Megatron-LM's GPT tokenizers do."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import WordLevel
+
+    vocabulary = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}
+    FastTokenizer(WordLevel(vocabulary, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    assert (tokenizer.bos, tokenizer.eod, tokenizer.pad) == (1, 2, 2)

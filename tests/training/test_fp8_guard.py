@@ -14,7 +14,7 @@ import pretrain_gpt
 from megatron.apertus import checkpoint
 from megatron.apertus.training.fp8_guard import Fp8Guard, Fp8GuardConfig
 from megatron.apertus.training.loop import TrainingStopped, train
-from tests.conftest import PRETRAIN, after_backward, read_json, run_script, series
+from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_script, series
 
 # -- the decisions ---------------------------------------------------------------------------
 
@@ -163,6 +163,7 @@ BASE = [
     "cpu",
     "--log-intermediate-metrics-interval",
     "2",
+    *SMALL_VOCABULARY,
 ]
 GUARD = ["--fp8-guard", "--fp8-guard-kurtosis", "60", "--fp8-guard-intervals", "1"]
 """The tiny model's fc2 input is 192 wide (kurtosis at most ~190; 3-20 when healthy), so the

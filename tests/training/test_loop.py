@@ -11,7 +11,7 @@ import torch
 import pretrain_gpt
 from megatron.apertus import checkpoint
 from megatron.apertus.training.loop import TrainingStopped, train
-from tests.conftest import PRETRAIN, after_backward, read_json, run_entry, series
+from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_entry, series
 
 BASE = [
     "--model-preset",
@@ -26,6 +26,7 @@ BASE = [
     "1",
     "--lr",
     "3e-3",
+    *SMALL_VOCABULARY,
 ]
 
 

@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from megatron.apertus import checkpoint
-from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
+from tests.conftest import (
+    PRETRAIN,
+    REPO,
+    SMALL_VOCABULARY,
+    cpu_models,
+    read_json,
+    run_entry,
+    series,
+)
 
 ITERS = 6
 COMMON = [
@@ -45,6 +53,7 @@ COMMON = [
     "--goldfish-loss",
     "--reset-position-ids",
     "--reset-attention-mask",
+    *SMALL_VOCABULARY,
 ]
 
 

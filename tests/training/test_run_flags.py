@@ -22,13 +22,22 @@ from megatron.apertus import checkpoint
 from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.training.loop import Trainer, train
-from tests.conftest import PRETRAIN, after_backward, cpu_models, read_json, run_entry, series
+from tests.conftest import (
+    PRETRAIN,
+    SMALL_TOKENIZER,
+    SMALL_VOCABULARY,
+    after_backward,
+    cpu_models,
+    read_json,
+    run_entry,
+    series,
+)
 from tests.training.test_first_hour import refused
 
 BASE = (
     "--model-preset tiny --global-batch-size 4 --micro-batch-size 2 --eval-iters 1 "
     "--log-interval 1 --lr 3e-3 --seed 5"
-).split()
+).split() + SMALL_VOCABULARY
 
 
 LOG_NORMS = "--log-params-norm --log-params-norm-per-param"
@@ -98,7 +107,7 @@ def test_a_training_checkpoint_records_its_run(trained):
     """``apertus_run.json``: the tokenizer, the data, the tokens seen and the command."""
     root, _, _ = trained
     info = read_run_info(checkpoint.find_checkpoint(root / "ckpt"))
-    assert info["tokenizer"] == {"type": "TekkenTokenizer", "model": None}
+    assert info["tokenizer"] == {"type": "HuggingFaceTokenizer", "model": str(SMALL_TOKENIZER)}
     assert info["data_path"] == []  # the embedded corpus
     assert (info["iteration"], info["consumed_samples"]) == (5, 20)
     assert info["consumed_tokens"] == 20 * checkpoint.load_model_config(root / "ckpt").seq_length

@@ -14,7 +14,7 @@ import sys
 import psutil
 
 from megatron.apertus.training.metrics import read_history
-from tests.conftest import PRETRAIN, REPO
+from tests.conftest import PRETRAIN, REPO, SMALL_VOCABULARY
 
 ITERATION_LINE = re.compile(
     r"iteration +(\d+)/ +(\d+) \| consumed samples: +\d+ \| elapsed time per iteration \(ms\): "
@@ -117,6 +117,7 @@ def test_a_killed_run_keeps_its_json_log_and_plot(tmp_path):
             "--async-save",
             "--log-json",
             str(log),
+            *SMALL_VOCABULARY,
         ],
         cwd=REPO,
     )

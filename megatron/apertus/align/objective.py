@@ -126,7 +126,6 @@ def alignment_loss(
     count = torch.tensor(float(losses.numel() if counted else 0), device=logps.device)
     reported = {
         "lm loss": torch.stack([losses.sum().detach().float() * counted, count]),
-        "goldfish": torch.zeros(2, device=logps.device),
         "sequence logp": logps.detach(),
     }
     for name, values in quantities.items():

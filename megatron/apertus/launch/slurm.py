@@ -148,6 +148,26 @@ def _write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+QUERY_ATTEMPTS = 5
+"""How often a Slurm query is tried before its failure counts."""
+
+
+def slurm_query(
+    command: list[str], env: dict[str, str] | None = None, attempts: int = QUERY_ATTEMPTS
+) -> str:
+    """The output of a read-only Slurm command (``scontrol show ...``), retried with a growing
+    pause: a busy slurmctld drops connections, and the client then dies of SIGPIPE or reports a
+    socket timeout, though it answers a moment later. Only queries are retried; a repeated
+    ``sbatch`` could queue a job twice."""
+    for attempt in range(1, attempts + 1):
+        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        if proc.returncode == 0:
+            return proc.stdout
+        if attempt < attempts:
+            time.sleep(attempt)
+    raise subprocess.CalledProcessError(proc.returncode, command, proc.stdout, proc.stderr)
+
+
 def _output_of(command: list[str], cwd: Path | None = None) -> str:
     """A command's output, or why there is none (snapshots never fail the job)."""
     try:
@@ -208,13 +228,7 @@ class Job:
 
     def master_addr(self) -> str:
         """The first host of the allocation (``scontrol show hostnames``)."""
-        hosts = subprocess.run(
-            ["scontrol", "show", "hostnames", self.nodelist],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-        return hosts[0]
+        return slurm_query(["scontrol", "show", "hostnames", self.nodelist]).split()[0]
 
     def master_port(self, master_addr: str) -> int:
         """The rendezvous port: ``MASTER_PORT`` when the submitting environment exports one;
@@ -334,9 +348,7 @@ def _script_path(job: Job) -> str:
     """The submitted script: as ``submit`` recorded it, else from Slurm's job record."""
     if os.environ.get("APERTUS_SBATCH_SCRIPT"):
         return os.environ["APERTUS_SBATCH_SCRIPT"]
-    record = subprocess.run(
-        ["scontrol", "show", "job", job.id], capture_output=True, text=True, check=True
-    ).stdout
+    record = slurm_query(["scontrol", "show", "job", job.id])
     return re.search(r"Command=(\S+)", record).group(1)
 
 

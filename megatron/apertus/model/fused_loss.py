@@ -57,20 +57,46 @@ class FusedLossGPTModel(GPTModel):
     """megatron-core GPTModel with the fused linear cross-entropy (or distillation) loss on the
     last stage."""
 
-    def forward(self, *args, teacher: TeacherTargets | None = None, **kwargs):
-        """GPTModel.forward; ``teacher`` turns the loss into distillation for this call."""
-        self._teacher = teacher
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            self._teacher = None
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        teacher: TeacherTargets | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """GPTModel.forward; on the last stage with ``labels`` and ``loss_mask``, the loss sum
+        of the final hidden states, distillation when ``teacher`` is given."""
+        output = super().forward(
+            input_ids, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, **kwargs
+        )
+        if not self._fuses_loss(labels, loss_mask):
+            return output
+        return self._fused_loss(output, labels, loss_mask, teacher)
+
+    def _fuses_loss(self, labels: torch.Tensor | None, loss_mask: torch.Tensor | None) -> bool:
+        """Whether this call ends in the fused loss: the last stage of a call with targets."""
+        return self.post_process and labels is not None and loss_mask is not None
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
-        loss_mask = kwargs.get("loss_mask")
-        if not self.post_process or labels is None or loss_mask is None:
-            return super()._postprocess(
-                hidden_states, input_ids, position_ids, labels, *args, **kwargs
-            )
+        """The final hidden states, untouched, when :meth:`forward` computes the fused loss from
+        them (the output layer never runs); megatron-core's logits or losses otherwise."""
+        if self._fuses_loss(labels, kwargs.get("loss_mask")):
+            return hidden_states
+        return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+
+    def _fused_loss(
+        self,
+        hidden_states: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        teacher: TeacherTargets | None,
+    ) -> torch.Tensor:
+        """The sum of the kept tokens' losses (0-dim), computed from the final hidden states
+        [s, b, h] and the output layer's weight without materialising the logits."""
         # Every TP rank needs all tokens, and the hidden-state gradient is the sum of the ranks'
         # vocabulary-shard contributions: the two regions below do exactly that in backward.
         if self.config.sequence_parallel:
@@ -86,7 +112,6 @@ class FusedLossGPTModel(GPTModel):
             _run_forward_pre_hooks(self.output_layer)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        teacher = getattr(self, "_teacher", None)
         if teacher is not None and teacher.alpha == 0.0:
             teacher = None  # cross-entropy only: exactly the path of a run without a teacher
         # hidden [s, b, h] vs labels/mask/teacher [b, s, ...]: flatten all in [s, b] order.

@@ -11,8 +11,6 @@ chunk's logits are bitwise the unchunked output layer's rows (docs/teacher_logit
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -64,7 +62,9 @@ def global_samples(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     row_max = logits.amax(-1, keepdim=True).double()
     if group.size() > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    cdf = torch.exp(logits.double() - row_max).cumsum(-1)
+    # In place: each pass over [rows, V_local] float64 would otherwise fault in a fresh buffer
+    # (on CPU that took as long as the arithmetic); the values are the same bits.
+    cdf = logits.to(torch.float64, copy=True).sub_(row_max).exp_().cumsum_(-1)
     totals = cdf[:, -1:].contiguous()
     if group.size() > 1:
         gathered = [torch.empty_like(totals) for _ in range(group.size())]
@@ -177,27 +177,32 @@ class TopKGPTModel(GPTModel):
     final norm), ``chunk_rows`` tokens at a time (None: about TOPK_CHUNK_BYTES of logits).
 
     ``_postprocess`` (output layer, logits) is the one behaviour megatron-core's GPTModel offers
-    no hook for. Multi-token prediction, which that method also runs, is not used by Apertus.
+    no hook for: here it hands the final hidden states back to :meth:`forward`. Multi-token
+    prediction, which that method also runs, is not used by Apertus.
     """
 
     def __init__(self, *args, topk: int, chunk_rows: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.topk, self.chunk_rows = topk, chunk_rows
-        self._uniforms: deque[torch.Tensor] = deque()
 
-    def queue_uniforms(self, uniforms: list[torch.Tensor]) -> None:
-        """Draw instead of taking the top-k for the next ``len(uniforms)`` forward calls: call
-        i returns ``(ids,)``, ids [b, s, N] drawn from the teacher at ``uniforms[i]``, float64
-        [b, s, N] in [0, 1) in the layout of that call's tokens (a sampled store)."""
-        self._uniforms.extend(uniforms)
-
-    def _postprocess(self, hidden_states: torch.Tensor, *args, **kwargs):
+    def forward(self, *args, uniforms: torch.Tensor | None = None, **kwargs):
+        """GPTModel.forward; the last stage returns ``(ids, log-probabilities)`` [b, s, k], or
+        with ``uniforms`` (float64 [b, s, N] in [0, 1), in the layout of the call's tokens: a
+        sampled store) ``(ids,)``, ids [b, s, N] drawn from the teacher at them."""
+        hidden_states = super().forward(*args, **kwargs)
         if not self.post_process:
-            return super()._postprocess(hidden_states, *args, **kwargs)
-        if self.config.sequence_parallel:  # the output layer's own gather of all tokens
-            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+            return hidden_states
         weight = output_weight(self)
         rows = self.chunk_rows or default_topk_chunk_rows(weight.shape[0], weight.dtype)
-        if self._uniforms:
-            return (chunked_samples(hidden_states, weight, self._uniforms.popleft(), rows),)
+        if uniforms is not None:
+            return (chunked_samples(hidden_states, weight, uniforms, rows),)
         return chunked_topk(hidden_states, weight, self.topk, rows)
+
+    def _postprocess(self, hidden_states: torch.Tensor, *args, **kwargs):
+        """The final hidden states of all tokens (the output layer's own sequence-parallel
+        gather), whose top-k :meth:`forward` takes."""
+        if not self.post_process:
+            return super()._postprocess(hidden_states, *args, **kwargs)
+        if self.config.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        return hidden_states

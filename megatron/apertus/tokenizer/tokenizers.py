@@ -159,7 +159,8 @@ class HuggingFaceTokenizer(Tokenizer):
         names = self._special_names(file.parent / "tokenizer_config.json")
         self.bos = self._id_of(names["bos_token"], "bos_token")
         self.eod = self._id_of(names["eos_token"], "eos_token")
-        self.pad = self._tok.token_to_id(names["pad_token"]) if names["pad_token"] else self.eod
+        pad = self._tok.token_to_id(names["pad_token"]) if names["pad_token"] else None
+        self.pad = self.eod if pad is None else pad  # a vocabulary without a pad piece pads with eos
 
     @staticmethod
     def _special_names(config: Path) -> dict[str, str | None]:

@@ -33,7 +33,7 @@ from megatron.apertus.data.batches import rank_positions
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.training.step import StepShape, run_microbatches
+from megatron.apertus.training.step import StepShape, run_microbatches, token_forward
 
 log = logging.getLogger("apertus")
 
@@ -196,7 +196,7 @@ class AlignRun:
                     [iter(part) for _ in model],
                     shape,
                     forward_only=True,
-                    loss=partial(alignment_loss, self.config),
+                    forward=partial(token_forward, loss=partial(alignment_loss, self.config)),
                 )
                 bar.update(sum(b.tokens.shape[0] for b in part) * dp)
         for chunk in model:

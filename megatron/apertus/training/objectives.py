@@ -2,10 +2,13 @@
 
 An objective owns everything that differs between pretraining (and SFT), distillation from
 stored teacher logits and alignment (DPO, QRPO): its datasets and how a step's micro-batches are
-cut from them, the targets that come with them (the teacher's top-k decoded a step ahead, the
-reference policy's sequence log-probabilities), the reduction of the model's output to the loss
-megatron-core's schedules sum, and the names under which its loss and own quantities appear in
-the iteration line, the JSON log and TensorBoard. The loop
+cut from them (Goldfish and document packing are part of that data: :class:`TokenData`), the
+targets that come with them (the teacher's top-k decoded a step ahead, the reference policy's
+sequence log-probabilities), its forward pass, which hands those targets to the model as
+arguments, the reduction of the model's output to the loss megatron-core's schedules sum, and
+the names and formats under which its loss and own quantities appear in the iteration line, the
+JSON log and TensorBoard. Each objective is built from its own config groups; only
+:func:`build_objective` reads the whole run's. The loop
 (:class:`megatron.apertus.training.loop.Trainer`) drives every objective the same way and never
 asks which one it runs; a new objective is one more subclass, returned by
 :func:`build_objective`.
@@ -20,12 +23,16 @@ from abc import ABC, abstractmethod
 from functools import partial
 from pathlib import Path
 
+import torch
 from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
 from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
 
+from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.align.objective import alignment_loss
 from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.data.batches import (
+    QUANTITY_PREFIX,
     Batch,
     BatchConfig,
     MicroBatchReader,
@@ -33,14 +40,26 @@ from megatron.apertus.data.batches import (
     rank_positions,
     step_micro_batches,
 )
+from megatron.apertus.data.datasets import DatasetConfig
+from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.targets import TeacherLogits
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.tokenizer.tokenizers import Tokenizer
 from megatron.apertus.training import runtime
 from megatron.apertus.training.align import AlignRun
-from megatron.apertus.training.config import RunConfig
+from megatron.apertus.training.config import RunConfig, TrainingConfig
 from megatron.apertus.training.metrics import perplexity
-from megatron.apertus.training.step import LossFunction, StepShape, token_loss
+from megatron.apertus.training.step import (
+    StepShape,
+    language_model_output,
+    model_device,
+    to_device,
+    token_forward,
+    token_loss,
+)
+
+GOLDFISH_DROPPED = "goldfish dropped"
+"""The quantity a Goldfish run reports: the share of loss positions Goldfish dropped."""
 
 
 def metric_name(quantity: str) -> str:
@@ -54,12 +73,23 @@ def format_quantities(quantities: dict[str, float]) -> str:
     return "".join(f" | {name}: {value:.6E}" for name, value in quantities.items())
 
 
+def goldfish_token_loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
+    """:func:`token_loss`, reporting the (dropped, eligible) loss positions of the batch, which
+    Goldfish counted when it cut the batch, as the quantity :data:`GOLDFISH_DROPPED`."""
+    loss_sum, count, reported = token_loss(batch, loss_mask, output)
+    counts = torch.tensor([batch.goldfish_dropped, batch.loss_positions], dtype=torch.float32)
+    reported[QUANTITY_PREFIX + GOLDFISH_DROPPED] = to_device(counts, loss_mask.device)
+    return loss_sum, count, reported
+
+
 class Objective(ABC):
-    """One kind of run's data, targets, loss and names, as the training loop uses them.
+    """One kind of run's data, targets, forward pass, loss and names, as the training loop uses
+    them.
 
     The loop calls :meth:`prepare` once the model holds the weights it starts from, then for
     every step :meth:`train_batches` (this rank's micro-batches, one list per step in order) with
-    :meth:`shape` and :attr:`loss`; validation passes read :meth:`valid_batches`.
+    :meth:`shape` and :meth:`train_forward`; validation passes read :meth:`valid_batches` through
+    :meth:`valid_forward`.
     """
 
     loss_name: str
@@ -88,10 +118,18 @@ class Objective(ABC):
     def valid_batches(self, consumed: int, global_batch: int) -> list[Batch]:
         """This rank's validation micro-batches of the pass's batch that starts at ``consumed``."""
 
-    @property
-    def loss(self) -> LossFunction:
-        """The reduction of a micro-batch's model output to (loss, count, reported)."""
-        return token_loss
+    @abstractmethod
+    def train_forward(self, batch: Batch, model: GPTModel):
+        """The :data:`~megatron.apertus.training.step.ForwardPass` of a training micro-batch."""
+
+    def valid_forward(self, batch: Batch, model: GPTModel):
+        """The forward pass of a validation micro-batch: the training one unless the objective
+        validates on another measure."""
+        return self.train_forward(batch, model)
+
+    def quantity_fields(self, quantities: dict[str, float]) -> list[str]:
+        """The iteration line's fields of the step's own quantities."""
+        return [f"{name}: {value:.6E}" for name, value in quantities.items()]
 
     @abstractmethod
     def validation_line(self, iteration: int, loss: float, quantities: dict[str, float]) -> str:
@@ -101,37 +139,38 @@ class Objective(ABC):
         """Stop what reads ahead (threads); the run is over."""
 
 
-class CrossEntropy(Objective):
-    """Next-token cross-entropy on GPT datasets: pretraining, and SFT on chat data, with
-    Goldfish and document packing as the data flags ask."""
+class TokenData:
+    """GPT datasets as an objective reads them: this rank's micro-batches of a step, with
+    Goldfish and document packing applied as the data flags ask (:class:`BatchConfig`)."""
 
-    loss_name = "lm loss"
-
-    def __init__(self, cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> None:
-        t = cfg.training
-        self.micro_batch_size, self.seq_length = t.micro_batch_size, cfg.model.seq_length
+    def __init__(
+        self,
+        datasets: tuple,
+        batch: BatchConfig,
+        *,
+        micro_batch_size: int,
+        seq_length: int,
+        dp: int,
+        num_workers: int,
+    ) -> None:
+        self.train, self.valid = datasets
+        self.batch, self.micro_batch_size, self.seq_length = batch, micro_batch_size, seq_length
         self.dp = dp
-        self.batch = BatchConfig(
-            eod=tokenizer.eod,
-            pack_documents=cfg.dataset.reset_attention_mask,
-            goldfish=cfg.goldfish if cfg.data.goldfish_loss else None,
-            special_ids=tuple(tokenizer.special_ids()) if cfg.goldfish.exempt_special else (),
-        )
-        self.train_data, self.valid_data = runtime.pretraining_datasets(
-            cfg.dataset, tokenizer, model=cfg.model, training=t
-        )
         self.reader = None  # --train-iters 0: no training data
-        if self.train_data is not None:
+        if self.train is not None:
             self.reader = MicroBatchReader(
-                self.train_data,
-                self.batch,
-                micro_batch_size=t.micro_batch_size,
+                self.train,
+                batch,
+                micro_batch_size=micro_batch_size,
                 dp_rank=parallel_state.get_data_parallel_rank(),
                 dp_size=dp,
-                num_workers=cfg.data.num_workers,
+                num_workers=num_workers,
             )
-        self.targets: TeacherSource | None = None
-        """What gives each training micro-batch its teacher targets (distillation)."""
+
+    @property
+    def goldfish(self) -> bool:
+        """Whether Goldfish drops loss positions of these batches."""
+        return self.batch.goldfish is not None
 
     def shape(self, num_microbatches: int) -> StepShape:
         """Packed documents make each micro-batch one sequence of ``b * s`` tokens."""
@@ -142,16 +181,18 @@ class CrossEntropy(Objective):
             micro_batch_size=1 if packed else mbs,
         )
 
-    def train_batches(self, consumed: int, global_batch: int) -> list[Batch]:
-        """The step's micro-batches; the next step's are read ahead now that these are taken,
-        its global batch taken to be this one's."""
-        batches = self.reader.read(consumed, global_batch, self.targets)
+    def train_batches(
+        self, consumed: int, global_batch: int, targets: TeacherSource | None = None
+    ) -> list[Batch]:
+        """The step's micro-batches (with ``targets``' teacher targets); the next step's are
+        read ahead now that these are taken, its global batch taken to be this one's."""
+        batches = self.reader.read(consumed, global_batch, targets)
         self.reader.prefetch(consumed + global_batch, global_batch)
         return batches
 
     def valid_batches(self, consumed: int, global_batch: int) -> list[Batch]:
         return step_micro_batches(
-            self.valid_data,
+            self.valid,
             self.batch,
             consumed_samples=consumed,
             global_batch_size=global_batch,
@@ -160,10 +201,77 @@ class CrossEntropy(Objective):
             dp_size=self.dp,
         )
 
+
+def token_data(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> TokenData:
+    """The run's GPT datasets with their Goldfish and packing settings."""
+    batch = BatchConfig(
+        eod=tokenizer.eod,
+        pack_documents=cfg.dataset.reset_attention_mask,
+        goldfish=cfg.goldfish if cfg.data.goldfish_loss else None,
+        special_ids=tuple(tokenizer.special_ids()) if cfg.goldfish.exempt_special else (),
+    )
+    datasets = runtime.pretraining_datasets(
+        cfg.dataset, tokenizer, model=cfg.model, training=cfg.training
+    )
+    return TokenData(
+        datasets,
+        batch,
+        micro_batch_size=cfg.training.micro_batch_size,
+        seq_length=cfg.model.seq_length,
+        dp=dp,
+        num_workers=cfg.data.num_workers,
+    )
+
+
+class CrossEntropy(Objective):
+    """Next-token cross-entropy on GPT datasets: pretraining, and SFT on chat data, with
+    Goldfish and document packing as the data flags ask."""
+
+    loss_name = "lm loss"
+
+    def __init__(self, data: TokenData) -> None:
+        self.data = data
+        self.train_data, self.valid_data = data.train, data.valid
+
+    def shape(self, num_microbatches: int) -> StepShape:
+        return self.data.shape(num_microbatches)
+
+    def train_batches(self, consumed: int, global_batch: int) -> list[Batch]:
+        return self.data.train_batches(consumed, global_batch)
+
+    def valid_batches(self, consumed: int, global_batch: int) -> list[Batch]:
+        return self.data.valid_batches(consumed, global_batch)
+
+    def train_forward(self, batch: Batch, model: GPTModel):
+        output, loss_mask = language_model_output(model, batch)
+        return output, partial(self.train_loss, batch, loss_mask)
+
+    def valid_forward(self, batch: Batch, model: GPTModel):
+        """Validation reports the cross-entropy alone."""
+        return token_forward(batch, model)
+
+    @property
+    def train_loss(self):
+        """The training micro-batch's reduction: with Goldfish, its dropped share is reported."""
+        return goldfish_token_loss if self.data.goldfish else token_loss
+
+    def quantity_fields(self, quantities: dict[str, float]) -> list[str]:
+        """Goldfish's dropped share, the one quantity, as a percentage."""
+        return [f"{name}: {100 * value:.2f}%" for name, value in quantities.items()]
+
     def validation_line(self, iteration: int, loss: float, quantities: dict[str, float]) -> str:
         return (
             f"validation loss at iteration {iteration} | lm loss value: "
             f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
+        )
+
+
+def _check_distillation(training: TrainingConfig) -> None:
+    """Distillation's KL lives in the fused output-layer loss; refused before any data is read."""
+    if not training.fused_output_loss:
+        raise ConfigError(
+            "--distill-logits-path needs the fused output-layer loss "
+            "(drop --no-fused-output-loss)"
         )
 
 
@@ -173,15 +281,11 @@ class Distillation(CrossEntropy):
 
     loss_name = "kd loss"
 
-    def __init__(self, cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> None:
-        if not cfg.training.fused_output_loss:
-            raise ConfigError(
-                "--distill-logits-path needs the fused output-layer loss "
-                "(drop --no-fused-output-loss)"
-            )
-        super().__init__(cfg, tokenizer=tokenizer, dp=dp)
-        self.config, self.vocab_size = cfg.distill, cfg.model.vocab_size
-        self.total_samples = cfg.training.total_samples()
+    def __init__(
+        self, data: TokenData, config: DistillConfig, *, vocab_size: int, total_samples: int
+    ) -> None:
+        super().__init__(data)
+        self.config, self.vocab_size, self.total_samples = config, vocab_size, total_samples
         self.teacher: TeacherLogits | None = None
 
     def prepare(self, model: list, *, state: TrainingState, resume_from: Path | None) -> None:
@@ -191,16 +295,16 @@ class Distillation(CrossEntropy):
             self.config,
             dataset=self.train_data,
             dataset_hash=self.train_data.unique_description_hash,
-            seq_length=self.seq_length,
+            seq_length=self.data.seq_length,
             vocab_size=self.vocab_size,
             first_position=state.consumed_samples,
             last_position=self.total_samples,
         )
-        self.targets = self.teacher.targets
         self._prefetch(state.consumed_samples)
 
     def train_batches(self, consumed: int, global_batch: int) -> list[Batch]:
-        batches = super().train_batches(consumed, global_batch)
+        """The step's micro-batches with their teacher targets."""
+        batches = self.data.train_batches(consumed, global_batch, self.teacher.targets)
         self._prefetch(consumed + global_batch)
         return batches
 
@@ -215,10 +319,19 @@ class Distillation(CrossEntropy):
                 consumed,
                 get_current_running_global_batch_size(),
                 dp_rank=parallel_state.get_data_parallel_rank(),
-                dp_size=self.dp,
+                dp_size=self.data.dp,
                 length=len(self.train_data),
             )
         )
+
+    def train_forward(self, batch: Batch, model: GPTModel):
+        """The batch's teacher targets, on the model's device, reach the fused loss as the
+        model's ``teacher`` argument."""
+        device = model_device(model)
+        ids, probs = (to_device(t, device) for t in batch.teacher[:2])
+        teacher = batch.teacher._replace(ids=ids, probs=probs)
+        output, loss_mask = language_model_output(model, batch, teacher=teacher)
+        return output, partial(self.train_loss, batch, loss_mask)
 
     def close(self) -> None:
         if self.teacher is not None:
@@ -229,20 +342,28 @@ class Alignment(Objective):
     """DPO or QRPO on preference data against a frozen reference policy (the starting weights),
     whose sequence log-probabilities :class:`AlignRun` computes once or reads."""
 
-    def __init__(self, cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> None:
-        align = cfg.align
-        self.config, self.dp = align, dp
-        self.micro_batch_size, self.seq_length = cfg.training.micro_batch_size, cfg.model.seq_length
+    def __init__(
+        self,
+        config: AlignConfig,
+        dataset: DatasetConfig,
+        training: TrainingConfig,
+        *,
+        seq_length: int,
+        pad: int,
+        dp: int,
+    ) -> None:
+        self.config, self.dp = config, dp
+        self.micro_batch_size, self.seq_length = training.micro_batch_size, seq_length
         self.run = AlignRun(
-            align,
-            cfg.dataset,
-            seq_length=cfg.model.seq_length,
-            pad=tokenizer.pad,
-            seed=cfg.training.seed,
-            fused_output_loss=cfg.training.fused_output_loss,
+            config,
+            dataset,
+            seq_length=seq_length,
+            pad=pad,
+            seed=training.seed,
+            fused_output_loss=training.fused_output_loss,
         )
         self.train_data, self.valid_data = self.run.train_data, self.run.valid_data
-        self.loss_name = self.valid_loss_name = f"{align.align_objective} loss"
+        self.loss_name = self.valid_loss_name = f"{config.align_objective} loss"
 
     def prepare(self, model: list, *, state: TrainingState, resume_from: Path | None) -> None:
         """The reference log-probabilities: computed by the starting weights when none are
@@ -268,9 +389,10 @@ class Alignment(Objective):
             "valid", consumed, global_batch, self.micro_batch_size, self.dp
         )
 
-    @property
-    def loss(self) -> LossFunction:
-        return partial(alignment_loss, self.config)
+    def train_forward(self, batch: Batch, model: GPTModel):
+        """Per-token log-probabilities, reduced to the preference loss against the reference
+        values the batch carries."""
+        return token_forward(batch, model, loss=partial(alignment_loss, self.config))
 
     def validation_line(self, iteration: int, loss: float, quantities: dict[str, float]) -> str:
         return (
@@ -280,13 +402,27 @@ class Alignment(Objective):
 
 
 def build_objective(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> Objective:
-    """The run's objective, with its datasets built: the one place a new objective plugs in."""
+    """The run's objective, with its datasets built: the one place a new objective plugs in, and
+    the one that hands each objective its config groups."""
     if cfg.align.enabled and cfg.distill.enabled:
         raise ConfigError(
             "--align-objective and --distill-logits-path are two objectives: give one of them"
         )
     if cfg.align.enabled:
-        return Alignment(cfg, tokenizer=tokenizer, dp=dp)
+        return Alignment(
+            cfg.align,
+            cfg.dataset,
+            cfg.training,
+            seq_length=cfg.model.seq_length,
+            pad=tokenizer.pad,
+            dp=dp,
+        )
     if cfg.distill.enabled:
-        return Distillation(cfg, tokenizer=tokenizer, dp=dp)
-    return CrossEntropy(cfg, tokenizer=tokenizer, dp=dp)
+        _check_distillation(cfg.training)
+        return Distillation(
+            token_data(cfg, tokenizer=tokenizer, dp=dp),
+            cfg.distill,
+            vocab_size=cfg.model.vocab_size,
+            total_samples=cfg.training.total_samples(),
+        )
+    return CrossEntropy(token_data(cfg, tokenizer=tokenizer, dp=dp))

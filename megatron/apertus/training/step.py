@@ -51,11 +51,10 @@ class StepResult:
     num_tokens: int | None
     grad_norm: float | None
     skipped: bool
-    goldfish_fraction: float | None = None
-    """Share of loss positions Goldfish dropped in this step (None without Goldfish)."""
     quantities: dict[str, float] = field(default_factory=dict)
-    """The objective's own quantities (alignment: reward margin, ...), means over the global
-    batch; empty on ranks that do not hold the last stage."""
+    """The objective's own quantities (alignment: reward margin, ...; Goldfish: the share of
+    loss positions dropped), means over the global batch; empty on ranks that do not hold the
+    last stage."""
 
 
 def wrap_ddp(
@@ -152,9 +151,15 @@ LossFunction = Callable[
 ]
 """``f(batch, loss_mask, output) -> (loss, count, reported)``: an objective's reduction of one
 micro-batch's model output. The schedule divides the summed loss by the summed count of the
-global batch; ``reported`` holds ``lm loss`` and ``goldfish`` (sum, count) pairs, and entries
-named ``QUANTITY_PREFIX + name`` the step averages over the global batch and logs as the
+global batch; ``reported`` holds the ``lm loss`` (sum, count) pair, and entries named
+``QUANTITY_PREFIX + name`` (sum, count) the step averages over the global batch and logs as the
 objective's own quantities."""
+
+ForwardPass = Callable[[Batch, GPTModel], tuple[torch.Tensor, Callable]]
+"""``f(batch, model) -> (output, reduce)``: an objective's forward pass over (this context-parallel
+rank's share of) one micro-batch, its targets passed to the model as arguments, and ``reduce``,
+its :data:`LossFunction` bound to the batch, which megatron-core's schedule calls on the output
+(last stage)."""
 
 
 def token_loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
@@ -164,27 +169,22 @@ def token_loss(batch: Batch, loss_mask: torch.Tensor, output: torch.Tensor):
     """
     mask = loss_mask.reshape(-1).float()
     loss_sum = output.float() if output.dim() == 0 else (output.reshape(-1).float() * mask).sum()
-    goldfish = torch.tensor([batch.goldfish_dropped, batch.loss_positions], dtype=torch.float32)
-    reported = {
-        "lm loss": torch.stack([loss_sum.detach(), mask.sum()]),
-        "goldfish": to_device(goldfish, mask.device),
-    }
+    reported = {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
     return loss_sum, mask.sum().to(torch.int), reported
 
 
-def forward_step(loss: LossFunction, data_iterator: Iterator[Batch], model: GPTModel):
-    """megatron-core forward step (``loss`` bound first): the model's output and the objective's
-    function that reduces it."""
-    batch = shard_batch(
-        next(data_iterator),
-        parallel_state.get_context_parallel_rank(),
-        parallel_state.get_context_parallel_world_size(),
-    )
-    device = next(model.parameters()).device
-    teacher = {}
-    if batch.teacher is not None:  # distillation (needs the fused output-layer loss)
-        ids, probs = (to_device(t, device) for t in batch.teacher[:2])
-        teacher["teacher"] = batch.teacher._replace(ids=ids, probs=probs)
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters live: where a micro-batch must go."""
+    return next(model.parameters()).device
+
+
+def language_model_output(
+    model: GPTModel, batch: Batch, **targets
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's output on ``batch`` (per-token losses, or under the fused output-layer loss
+    their masked sum) and the loss mask on the model's device; ``targets`` reach the model's
+    loss as arguments (distillation: ``teacher``)."""
+    device = model_device(model)
     loss_mask = to_device(batch.loss_mask, device)
     output = model(
         to_device(batch.tokens, device),
@@ -193,9 +193,33 @@ def forward_step(loss: LossFunction, data_iterator: Iterator[Batch], model: GPTM
         labels=to_device(batch.labels, device),
         loss_mask=loss_mask,
         packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
-        **teacher,
+        **targets,
     )
+    return output, loss_mask
+
+
+def token_forward(batch: Batch, model: GPTModel, loss: LossFunction = token_loss):
+    """The :data:`ForwardPass` of a language-model loss over the labels: ``loss`` reduces the
+    model's output (default: the masked per-token cross-entropy)."""
+    output, loss_mask = language_model_output(model, batch)
     return output, partial(loss, batch, loss_mask)
+
+
+def forward_step(forward: ForwardPass, data_iterator: Iterator[Batch], model: GPTModel):
+    """megatron-core forward step (``forward`` bound first): the objective's forward pass over
+    this context-parallel rank's share of the next micro-batch."""
+    batch = shard_batch(
+        next(data_iterator),
+        parallel_state.get_context_parallel_rank(),
+        parallel_state.get_context_parallel_world_size(),
+    )
+    return forward(batch, model)
+
+
+def chunk_iterators(model: list, batches: list[Batch]) -> list[Iterator[Batch]]:
+    """One iterator per model chunk over a step's micro-batches (interleaved pipeline schedules
+    run the chunks' micro-batches in their own orders)."""
+    return [iter(batches) for _ in model]
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -234,13 +258,16 @@ def _reduce(losses: list[dict], key: str) -> torch.Tensor | None:
 
 def reduce_quantities(losses: list[dict]) -> dict[str, float]:
     """The means over micro-batches and data-parallel ranks of the reported (sum, count) pairs
-    named ``QUANTITY_PREFIX + name``, by name (last stage only: elsewhere empty)."""
+    named ``QUANTITY_PREFIX + name``, by name (last stage only: elsewhere empty). A quantity
+    counted nowhere in the global batch (Goldfish on a batch without loss positions) has no
+    mean and is left out."""
     if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return {}
     means = {}
     for key in (k for k in losses[0] if k.startswith(QUANTITY_PREFIX)):
         total = _reduce(losses, key)
-        means[key[len(QUANTITY_PREFIX) :]] = (total[0] / total[1].clamp(min=1)).item()
+        if total[1] > 0:
+            means[key[len(QUANTITY_PREFIX) :]] = (total[0] / total[1]).item()
     return means
 
 
@@ -288,11 +315,11 @@ def run_microbatches(
     shape: StepShape,
     *,
     forward_only: bool,
-    loss: LossFunction = token_loss,
+    forward: ForwardPass = token_forward,
 ) -> list[dict]:
     """megatron-core's schedule over one global batch; the reported losses (last stage only)."""
     return get_forward_backward_func()(
-        forward_step_func=partial(forward_step, loss),
+        forward_step_func=partial(forward_step, forward),
         data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
         model=model,
         num_microbatches=shape.num_microbatches,
@@ -307,21 +334,20 @@ def train_step(
     optimizer: MegatronOptimizer,
     data_iterators: list[Iterator[Batch]],
     shape: StepShape,
-    loss: LossFunction = token_loss,
+    forward: ForwardPass = token_forward,
 ) -> StepResult:
     """Forward and backward over ``num_microbatches``, then one optimizer step.
 
     ``data_iterators`` holds one iterator per model chunk (interleaved pipeline schedules run
-    the chunks' micro-batches in their own orders), each over the same samples; ``loss`` is the
-    objective's reduction of each micro-batch's output.
+    the chunks' micro-batches in their own orders), each over the same samples; ``forward`` is
+    the objective's forward pass over each micro-batch.
     """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = run_microbatches(model, data_iterators, shape, forward_only=False, loss=loss)
-    loss, goldfish = _reduce(losses, "lm loss"), _reduce(losses, "goldfish")
-    device = next(model[0].parameters()).device
-    updated, grad_norm = optimizer_step(optimizer, _all_finite(loss, device))
+    losses = run_microbatches(model, data_iterators, shape, forward_only=False, forward=forward)
+    loss = _reduce(losses, "lm loss")
+    updated, grad_norm = optimizer_step(optimizer, _all_finite(loss, model_device(model[0])))
     if loss is None:
         return StepResult(loss=None, num_tokens=None, grad_norm=grad_norm, skipped=not updated)
     return StepResult(
@@ -329,6 +355,5 @@ def train_step(
         num_tokens=int(loss[1].item()),
         grad_norm=grad_norm,
         skipped=not updated,
-        goldfish_fraction=(goldfish[0] / goldfish[1]).item() if goldfish[1] > 0 else None,
         quantities=reduce_quantities(losses),
     )

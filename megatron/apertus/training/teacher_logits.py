@@ -67,11 +67,13 @@ def teacher_identifier(load: str, model: ApertusConfig) -> str:
 # -- forward over a block ---------------------------------------------------------------------------
 
 
-def _forward_step(data_iterator: Iterator[Batch], model):
-    """One micro-batch; the last stage's output is already its top-k, which the schedule keeps
-    as it is when there is no loss function."""
+def _forward_step(data_iterator: Iterator[tuple[Batch, torch.Tensor | None]], model):
+    """One micro-batch, with the uniforms its draws are taken at (a sampled store's last stage;
+    else None); the last stage's output is already its top-k (or draws), which the schedule
+    keeps as it is when there is no loss function."""
+    batch, uniforms = next(data_iterator)
     batch = shard_batch(
-        next(data_iterator),
+        batch,
         parallel_state.get_context_parallel_rank(),
         parallel_state.get_context_parallel_world_size(),
     )
@@ -81,6 +83,7 @@ def _forward_step(data_iterator: Iterator[Batch], model):
         batch.position_ids.to(device),
         None,
         packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
+        uniforms=uniforms,
     )
     return output, None
 
@@ -211,9 +214,10 @@ class TeacherRunner:
         batches = _micro_batches(self.dataset, positions, micro, self.batch)
         seq = self.cfg.model.seq_length
         packed = self.batch.pack_documents
-        iterators = [iter(batches) for _ in self.chunks]
+        uniforms = [None] * len(batches)
         if self.sampled and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            self.chunks[-1].queue_uniforms(self._uniforms(positions, micro, batches))
+            uniforms = self._uniforms(positions, micro, batches)
+        iterators = [iter(zip(batches, uniforms)) for _ in self.chunks]
         with torch.no_grad():
             outputs = get_forward_backward_func()(
                 forward_step_func=_forward_step,

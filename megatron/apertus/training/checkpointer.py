@@ -1,0 +1,298 @@
+"""A run's checkpoints: the one ``--load`` names, found before anything is built and resumed once
+the model and optimizer exist; the saves, in the background under ``--async-save``, and the
+decision after every step whether to save and whether to exit.
+
+A step ends in a save on a ``--save-interval`` boundary, on an ``--exit-interval`` boundary, or
+when a signal, a trigger file or ``--exit-duration-in-mins`` asks for one
+(:mod:`megatron.apertus.training.signals`); every rank takes the same decision, from an
+all-reduce of the requests. A ``--load`` that holds no checkpoint yet starts from scratch and
+says so, as Megatron-LM does; one whose checkpoint already ends the run is answered before
+anything is built (:func:`finished_run`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+from megatron.apertus import checkpoint
+from megatron.apertus.checkpoint import TrainingState
+from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.config import ApertusConfig
+from megatron.apertus.training.config import CheckpointConfig, OptimizerSettings, RunConfig
+from megatron.apertus.training.runtime import is_reporting_rank
+from megatron.apertus.training.signals import StopRequests
+from megatron.apertus.training.step import synced_parameters
+
+log = logging.getLogger("apertus")
+
+
+# -- finding and resuming ------------------------------------------------------------------------
+
+
+def checked_checkpoint(load: str) -> Path | None:
+    """The checkpoint ``--load`` names, refused naming its first damaged file before any of it
+    is read (see :func:`checkpoint.check_files`)."""
+    found = checkpoint.find_checkpoint(load)
+    if found is not None:
+        checkpoint.check_files(found, f"--load {load}")
+    return found
+
+
+def find_checkpoint(config: CheckpointConfig) -> Path | None:
+    """The checkpoint --load names, looked up before anything is built."""
+    if not config.load:
+        return None
+    found = checked_checkpoint(config.load)
+    if found is None:
+        _log_fresh_start(config.load, config.save)
+    return found
+
+
+def _log_fresh_start(source: str, save: str | None) -> None:
+    """As Megatron-LM does, a --load without a checkpoint starts from scratch. --load equal
+    to --save is the usual restartable job (its first start finds nothing); another --load
+    names a checkpoint to start from, so finding none there is a warning."""
+    if not is_reporting_rank():
+        return
+    if save and Path(save).resolve() == Path(source).resolve():
+        log.info(f"no checkpoint found at {source}: starting from scratch")
+        return
+    found = f"holds no checkpoint (no {checkpoint.TRACKER}, no {checkpoint.MODEL_CONFIG})"
+    if not Path(source).exists():
+        found = "does not exist"
+    log.warning(f"--load {source} {found}: starting from scratch")
+
+
+def finished_run(cfg: RunConfig) -> str | None:
+    """The line saying that the checkpoint --load names already ends this run (it reached
+    --train-iters or --train-samples), else None. Read from the checkpoint's run record before
+    anything is built, so a job resubmitted after the end exits at once instead of validating
+    and saving the same checkpoint again (--finetune starts a new run: never finished; another
+    model is refused by the load as usual)."""
+    ck, t = cfg.checkpoint, cfg.training
+    if not ck.load or ck.finetune:
+        return None
+    found = checked_checkpoint(ck.load)
+    info = read_run_info(found) if found is not None else None
+    if not info or not info.get("iteration") or checkpoint.load_model_config(found) != cfg.model:
+        return None
+    if t.train_iters is not None and info["iteration"] >= t.train_iters:
+        reached = f"iteration {info['iteration']} (--train-iters {t.train_iters})"
+    elif t.train_samples is not None and info["consumed_samples"] >= t.train_samples:
+        reached = f"{info['consumed_samples']} samples (--train-samples {t.train_samples})"
+    else:
+        return None
+    return f"the run is already finished: {found} is at {reached}; nothing to do"
+
+
+def _check_resumable(settings: OptimizerSettings) -> None:
+    """megatron-core 0.16.1 cannot load its distributed Adam without TE or Apex (fused Adam)."""
+    if settings.optimizer != "adam" or not settings.use_distributed_optimizer:
+        return
+    if importlib.util.find_spec("transformer_engine") or importlib.util.find_spec("apex"):
+        return
+    raise ConfigError(
+        "--load with --optimizer adam and --use-distributed-optimizer needs Transformer Engine or "
+        "Apex (megatron-core 0.16.1 restores the distributed Adam state only through their fused "
+        "Adam; see docs/megatron_core_changes.md); use --optimizer ademamix, or drop "
+        "--use-distributed-optimizer"
+    )
+
+
+def resume(
+    found: Path | None,
+    config: CheckpointConfig,
+    model: list,
+    optimizer,
+    scheduler,
+    *,
+    model_config: ApertusConfig,
+    optimizer_settings: OptimizerSettings,
+) -> TrainingState:
+    """Continue from the checkpoint ``found`` (model chunks, optimizer and schedule as --load's
+    flags ask), or start fresh."""
+    if found is None:
+        return TrainingState()
+    loaded_optimizer = optimizer if config.loads_optimizer() else None
+    if loaded_optimizer is not None and checkpoint.has_optimizer_states(found):
+        _check_resumable(optimizer_settings)
+    state, full = checkpoint.load(
+        found,
+        [ddp.module for ddp in model],
+        optimizer=loaded_optimizer,
+        scheduler=scheduler if loaded_optimizer else None,
+        model=model_config,
+        rng=config.loads_rng(),
+        fully_parallel=config.ckpt_fully_parallel_load,
+    )
+    if not full:  # weights only: the optimizer's fp32 main params must follow the new weights
+        optimizer.reload_model_params()
+    if config.finetune:
+        state = TrainingState()
+    update_num_microbatches(state.consumed_samples, consistency_check=False)
+    if is_reporting_rank():
+        log.info(_describe_resume(config, found, state))
+    return state
+
+
+def _describe_resume(config: CheckpointConfig, found: Path, state: TrainingState) -> str:
+    if config.finetune:
+        return (
+            f"--finetune: weights loaded from {found}; iteration, consumed samples, "
+            "optimizer, learning-rate schedule and RNG states start fresh"
+        )
+    line = (
+        f"resumed from {found} at iteration {state.iteration}, "
+        f"{state.consumed_samples} samples consumed"
+    )
+    fresh = [
+        f"{flag}: {what} start fresh"
+        for flag, what, on in (
+            ("--no-load-optim", "optimizer and learning-rate schedule", config.no_load_optim),
+            ("--no-load-rng", "RNG states", config.no_load_rng),
+        )
+        if on
+    ]
+    return line + "".join(f"; {part}" for part in fresh)
+
+
+# -- what a checkpoint records of its run --------------------------------------------------------
+
+
+def _source_commit() -> str | None:
+    """The git commit of this source tree, when it is a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _package_version() -> str | None:
+    """The installed megatron-apertus version; None when the code runs from a checkout that was
+    never installed (the commit then identifies it)."""
+    try:
+        return importlib.metadata.version("megatron-apertus")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_info(cfg: RunConfig, state: TrainingState) -> dict:
+    """What a checkpoint records of the run that made it (``apertus_run.json``): exports
+    write the run's tokenizer and a model card from it."""
+    data, dataset = cfg.data, cfg.dataset
+    tokenizer_model = data.tokenizer_model
+    if tokenizer_model is not None and Path(tokenizer_model).exists():
+        tokenizer_model = str(Path(tokenizer_model).resolve())
+    return {
+        "tokenizer": {"type": data.tokenizer_type, "model": tokenizer_model},
+        "data_path": list(dataset.data_path or dataset.train_data_path),
+        "iteration": state.iteration,
+        "consumed_samples": state.consumed_samples,
+        "consumed_tokens": state.consumed_samples * cfg.model.seq_length,
+        "seq_length": cfg.model.seq_length,
+        "command": list(sys.argv),
+        "version": _package_version(),
+        "git_commit": _source_commit(),
+    }
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AfterStep:
+    """What a finished step asks for, the same on every rank."""
+
+    save: bool
+    exit: bool
+
+
+class Checkpointer:
+    """The run's saves and the save and exit decisions after each step; built once the run is
+    ready to step (from then on a signal asks for a save instead of stopping the process)."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+        self.run, self.config, self.device = cfg, cfg.checkpoint, device
+        t = cfg.training
+        self.exit_interval = t.exit_interval
+        self.requests = StopRequests(
+            handle_signals=t.exit_signal_handler,
+            trigger_path=t.trigger_path,
+            exit_duration_in_mins=t.exit_duration_in_mins,
+        )
+        self.options = checkpoint.SaveOptions(
+            async_queue=AsyncCallsQueue() if self.config.async_save else None,
+            fully_parallel=self.config.ckpt_fully_parallel_save,
+            cache_distribution=self.config.ckpt_assume_constant_structure,
+        )
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run has a --save directory."""
+        return bool(self.config.save)
+
+    @property
+    def in_background(self) -> bool:
+        """Whether saves are written by a background process (--async-save)."""
+        return self.options.async_queue is not None
+
+    def interval_saves(self, iteration: int) -> bool:
+        """Whether --save-interval saves after ``iteration``."""
+        interval = self.config.save_interval
+        return bool(interval and iteration % interval == 0)
+
+    def after_step(self, iteration: int) -> AfterStep:
+        """Publish the background saves that are done, then agree with every rank on a save
+        and an exit: requests (signals, trigger files, the duration) and the intervals."""
+        if self.in_background:
+            self.options.async_queue.maybe_finalize_async_calls(blocking=False)
+        requests = self.requests.poll(self.device)
+        exit_now = requests.exit or bool(self.exit_interval and iteration % self.exit_interval == 0)
+        return AfterStep(
+            save=requests.save or exit_now or self.interval_saves(iteration), exit=exit_now
+        )
+
+    def save(self, model: list, state: TrainingState, optimizer, scheduler) -> Path:
+        """Write the checkpoint of ``state`` (every rank), published now or, in the background,
+        once every rank has written it."""
+        with synced_parameters(model):
+            return checkpoint.save(
+                self.config.save,
+                [ddp.module for ddp in model],
+                self.run.model,
+                state,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                run_info=run_info(self.run, state),
+                options=self.options,
+                on_published=_log_saved,
+            )
+
+    def finish(self) -> None:
+        """Wait until every background save is written and published (all ranks)."""
+        if self.in_background:
+            self.options.async_queue.maybe_finalize_async_calls(blocking=True)
+
+
+def _log_saved(path: Path) -> None:
+    if is_reporting_rank():
+        log.info(f"saved checkpoint {path}")

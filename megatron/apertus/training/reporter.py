@@ -1,0 +1,279 @@
+"""What a run says about itself: each step's scalars (Megatron-LM's TensorBoard and wandb tags,
+the history and ``--log-json``), Megatron-LM's iteration line every ``--log-interval`` steps, the
+diagnostics asked for (parameter norms, memory, GEMM-input statistics), the loss plot, the
+metrics kept beside each checkpoint and Megatron-LM's progress file.
+
+Collectives among these (parameter norms, the GEMM statistics of every pipeline stage) run on
+every rank at the same steps; only the reporting rank writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megatron.apertus.checkpoint import TrainingState
+from megatron.apertus.checkpoint_files import METRICS_FILE
+from megatron.apertus.model.flops import flops_per_token
+from megatron.apertus.training.config import RunConfig
+from megatron.apertus.training.diagnostics import memory_stats, params_norms, peak_memory_gib
+from megatron.apertus.training.fp8_guard import gemm_statistics
+from megatron.apertus.training.gemm_metrics import GemmInputMonitor
+from megatron.apertus.training.metrics import (
+    IntervalSummary,
+    LogInterval,
+    Metrics,
+    device_peak_tflops,
+)
+from megatron.apertus.training.objectives import Objective, metric_name
+from megatron.apertus.training.progress import ProgressLog
+from megatron.apertus.training.runtime import is_reporting_rank
+from megatron.apertus.training.step import StepResult, synced_parameters
+
+log = logging.getLogger("apertus")
+MEGATRON_MEMORY_TAGS = {
+    "memory/allocated_bytes": "mem-allocated-bytes",
+    "memory/max_allocated_bytes": "mem-max-allocated-bytes",
+    "memory/reserved_bytes": "mem-reserved-bytes",
+}
+"""Megatron-LM's TensorBoard tags of the allocator statistics (a CPU's resident memory has none)."""
+
+
+class Reporter:
+    """The run's metrics and log lines, continued from a resumed checkpoint's history."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        objective: Objective,
+        model: list,
+        optimizer,
+        state: TrainingState,
+        device: torch.device,
+        dp: int,
+    ) -> None:
+        self.cfg, self.objective, self.model, self.optimizer = cfg, objective, model, optimizer
+        self.device = device
+        self.metrics = self._metrics(state)
+        self.total_iterations = cfg.training.total_iterations(dp)
+        self.interval = LogInterval()
+        self.logged_once = False
+        self.gemm_monitor = self._gemm_monitor()
+        self.progress = self._progress_log(state)
+
+    def _metrics(self, state: TrainingState) -> Metrics:
+        """TensorBoard and wandb on the reporting rank, the history continued from a resumed
+        checkpoint's, and the JSON log started from it."""
+        cfg, logging_cfg = self.cfg, self.cfg.logging
+        metrics = Metrics(
+            tensorboard_dir=logging_cfg.tensorboard_dir if is_reporting_rank() else None,
+            wandb_project=logging_cfg.wandb_project if is_reporting_rank() else None,
+            wandb_exp_name=logging_cfg.wandb_exp_name,
+            config={k: asdict(v) for k, v in vars(cfg).items()},
+        )
+        if cfg.checkpoint.load and state.iteration > 0:
+            metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, state.iteration)
+        if logging_cfg.log_json and is_reporting_rank():
+            metrics.open_json_log(logging_cfg.log_json)
+        return metrics
+
+    def _progress_log(self, state: TrainingState) -> ProgressLog | None:
+        """Megatron-LM's progress file, written by global rank 0 as Megatron-LM does; its job
+        start line now."""
+        if not self.cfg.logging.log_progress or torch.distributed.get_rank() != 0:
+            return None
+        seq = self.cfg.model.seq_length
+        progress = ProgressLog(
+            self.cfg.checkpoint.save,
+            world_size=torch.distributed.get_world_size(),
+            flops_per_sample=seq * flops_per_token(self.cfg.model),
+            tokens_per_sample=seq,
+            consumed_samples=state.consumed_samples,
+        )
+        progress.start()
+        return progress
+
+    # -- diagnostics -----------------------------------------------------------------------------
+
+    def _gemm_monitor(self) -> GemmInputMonitor | None:
+        names = gemm_statistics(self.cfg.logging.log_intermediate_metrics, self.cfg.fp8_guard)
+        if not names:
+            return None
+        delayed = self.cfg.engine.fp8 and self.cfg.engine.fp8_recipe == "delayed"
+        return GemmInputMonitor(self.model, names=names, delayed_scaling=delayed)
+
+    def _measures_gemm_inputs(self, iteration: int) -> bool:
+        logging_cfg = self.cfg.logging
+        interval = logging_cfg.log_intermediate_metrics_interval or self.cfg.training.log_interval
+        return self.gemm_monitor is not None and (iteration % interval == 0 or iteration == 1)
+
+    @contextlib.contextmanager
+    def gemm_inputs(self, iteration: int) -> Iterator[dict[str, float]]:
+        """Around training step ``iteration``: on the steps that measure them, the statistics
+        of every GEMM's input, recorded and put into the dict yielded (empty on other steps)
+        once the step is done."""
+        measured: dict[str, float] = {}
+        measure = self._measures_gemm_inputs(iteration)
+        if measure:
+            self.gemm_monitor.attach()
+        yield measured
+        if measure:
+            measured.update(self.gemm_monitor.detach())
+            for name, value in measured.items():
+                self.metrics.record(f"intermediate/{name}", iteration, value)
+
+    def _record_diagnostics(self, it: int, samples: int) -> float | None:
+        """Parameter norms (a collective: every rank computes them) and memory use, as asked
+        for; returns the total parameter norm when --log-params-norm asks for it."""
+        logging_cfg = self.cfg.logging
+        total = None
+        if logging_cfg.log_params_norm or logging_cfg.log_params_norm_per_param:
+            with synced_parameters(self.model):
+                total, each = params_norms(
+                    self.model, per_param=logging_cfg.log_params_norm_per_param
+                )
+            if logging_cfg.log_params_norm:
+                self.metrics.record(
+                    "train/params_norm", it, total, tag="params-norm", samples=samples
+                )
+            else:
+                total = None
+            for name, value in each.items():
+                self.metrics.record(f"params-norm/{name}", it, value)
+        if logging_cfg.log_memory_to_tensorboard:
+            for name, value in memory_stats(self.device).items():
+                self.metrics.record(name, it, value, tag=MEGATRON_MEMORY_TAGS.get(name))
+        return total
+
+    # -- each step -------------------------------------------------------------------------------
+
+    def step(
+        self, result: StepResult, seconds: float, global_batch: int, state: TrainingState
+    ) -> None:
+        """Record the step's scalars; every --log-interval steps, and at this job's first step,
+        print Megatron-LM's iteration line."""
+        lr, loss_scale = self._record_step(result, seconds, global_batch, state)
+        it = state.iteration
+        regular = it % self.cfg.training.log_interval == 0
+        if not (regular or not self.logged_once):
+            return
+        self.logged_once = True
+        params_norm = self._record_diagnostics(it, state.consumed_samples)
+        summary = self.interval.take(torch.distributed.get_world_size(), reset=regular)
+        tflops = summary.tokens_per_second * flops_per_token(self.cfg.model) / 1e12
+        self.metrics.record("train/throughput", it, tflops, tag="throughput")
+        self.metrics.flush()  # on disk before the line says so
+        if is_reporting_rank():
+            fields = self._iteration_fields(summary, state, lr, global_batch, tflops)
+            fields += self._loss_fields(result, summary, loss_scale, params_norm)
+            fields += self._our_fields(result, tflops, summary)
+            log.info("".join(f"{field} | " for field in fields).rstrip())
+
+    def _record_step(
+        self, result: StepResult, seconds: float, global_batch: int, state: TrainingState
+    ) -> tuple[float, float]:
+        """The step's scalars, each with its "vs samples" twin where Megatron-LM writes one,
+        into the interval of the next line; returns the learning rate and the loss scale."""
+        it, samples = state.iteration, state.consumed_samples
+        if result.loss is not None:
+            self.metrics.record(
+                "train/loss", it, result.loss, tag=self.objective.loss_name, samples=samples
+            )
+        if result.grad_norm is not None and math.isfinite(result.grad_norm):
+            self.metrics.record(
+                "train/grad_norm", it, result.grad_norm, tag="grad-norm", samples=samples
+            )
+        for name, value in result.quantities.items():
+            self.metrics.record(f"train/{metric_name(name)}", it, value)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.metrics.record("train/lr", it, lr, tag="learning-rate", samples=samples)
+        self.metrics.record("train/batch_size", it, global_batch, tag="batch-size", samples=samples)
+        loss_scale = self.optimizer.get_loss_scale().item()
+        if self.cfg.logging.log_loss_scale_to_tensorboard:
+            self.metrics.record(
+                "train/loss_scale", it, loss_scale, tag="loss-scale", samples=samples
+            )
+        self.metrics.record("train/step_seconds", it, seconds, tag="iteration-time")
+        tokens = global_batch * self.cfg.model.seq_length
+        self.interval.add(seconds, tokens, loss=result.loss, skipped=result.skipped)
+        return lr, loss_scale
+
+    def _iteration_fields(
+        self, summary: IntervalSummary, state: TrainingState, lr: float, batch: int, tflops: float
+    ) -> list[str]:
+        """Megatron-LM's iteration line up to its loss: its fields, names and order."""
+        return [
+            f"iteration {state.iteration:8d}/{self.total_iterations:8d}",
+            f"consumed samples: {state.consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {summary.ms_per_iteration:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}",
+            f"learning rate: {lr:.6E}",
+            f"global batch size: {batch:5d}",
+        ]
+
+    def _loss_fields(
+        self,
+        result: StepResult,
+        summary: IntervalSummary,
+        loss_scale: float,
+        params_norm: float | None,
+    ) -> list[str]:
+        """The rest of Megatron-LM's line: the loss averaged over the interval's steps that
+        updated the weights, and the skipped and NaN steps counted over it."""
+        fields = []
+        if summary.loss is not None:
+            fields.append(f"{self.objective.loss_name}: {summary.loss:.6E}")
+        fields.append(f"loss scale: {loss_scale:.1f}")
+        if result.grad_norm is not None:
+            fields.append(f"grad norm: {result.grad_norm:.3f}")
+        if params_norm is not None:
+            fields.append(f"params norm: {params_norm:.3f}")
+        return fields + [
+            f"number of skipped iterations: {summary.skipped:3d}",
+            f"number of nan iterations: {summary.nan:3d}",
+        ]
+
+    def _our_fields(self, result: StepResult, tflops: float, summary: IntervalSummary) -> list[str]:
+        """What our line adds: tokens per second, MFU (on a known GPU), memory, and the
+        objective's own quantities."""
+        fields = [f"tokens per second per device: {summary.tokens_per_second:.0f}"]
+        peak = device_peak_tflops()
+        if peak is not None:
+            fields.append(f"MFU: {100 * tflops / peak:.1f}%")
+        fields.append(f"memory (GiB): {peak_memory_gib(self.device):.2f}")
+        return fields + self.objective.quantity_fields(result.quantities)
+
+    # -- checkpoints and the end -----------------------------------------------------------------
+
+    def plot_path(self) -> str | None:
+        """--loss-plot, by default SAVE/loss.png."""
+        plot = self.cfg.logging.loss_plot
+        if plot is None and self.cfg.checkpoint.save:
+            plot = str(Path(self.cfg.checkpoint.save) / "loss.png")
+        return plot
+
+    def saved(self, path: Path, state: TrainingState, *, background: bool) -> None:
+        """After a save of ``state``: the history beside the checkpoints, the plot redrawn, all
+        on disk; the progress file's line."""
+        if is_reporting_rank():
+            self.metrics.snapshot(Path(self.cfg.checkpoint.save) / METRICS_FILE)
+            self.metrics.plot(self.plot_path())
+            self.metrics.flush()
+            if background:
+                log.info(f"saving checkpoint {path} in the background")
+        if self.progress is not None:
+            self.progress.saved(state.iteration, state.consumed_samples, background=background)
+
+    def close(self, *, completed: bool) -> dict:
+        """Every sink flushed and closed, the final plot; the history, marked ``completed``."""
+        if is_reporting_rank():
+            self.metrics.close(self.plot_path())
+        self.metrics.history["completed"] = completed
+        return self.metrics.history

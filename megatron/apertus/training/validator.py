@@ -1,0 +1,131 @@
+"""Validation passes: the mean loss per token over ``--eval-iters`` global batches of the
+objective's validation data, through its validation forward pass, and the means of its own
+quantities (alignment); recorded and logged as Megatron-LM does.
+
+A pass stops at its next batch once ``--exit-duration-in-mins`` is reached and reports nothing,
+as Megatron-LM does; the loop then saves and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import (
+    get_current_running_global_batch_size,
+    get_num_microbatches,
+)
+
+from megatron.apertus.checkpoint import TrainingState
+from megatron.apertus.training.config import TrainingConfig
+from megatron.apertus.training.diagnostics import ManualGC
+from megatron.apertus.training.metrics import Metrics
+from megatron.apertus.training.objectives import Objective, metric_name
+from megatron.apertus.training.runtime import is_reporting_rank
+from megatron.apertus.training.signals import past_duration
+from megatron.apertus.training.step import (
+    chunk_iterators,
+    data_and_context_parallel_group,
+    reduce_quantities,
+    run_microbatches,
+    synced_parameters,
+)
+
+log = logging.getLogger("apertus")
+
+
+class Validator:
+    """The run's validation passes over ``model`` (every rank takes part)."""
+
+    def __init__(
+        self,
+        objective: Objective,
+        model: list,
+        training: TrainingConfig,
+        *,
+        metrics: Metrics,
+        gc: ManualGC,
+        device: torch.device,
+    ) -> None:
+        self.objective, self.model, self.training = objective, model, training
+        self.metrics, self.gc, self.device = metrics, gc, device
+
+    def due(self, iteration: int) -> bool:
+        """Whether --eval-interval validates after ``iteration``."""
+        interval = self.training.eval_interval
+        return bool(interval and iteration % interval == 0)
+
+    def validate(self, state: TrainingState) -> None:
+        """One pass at ``state``, recorded and logged (between collections under --manual-gc)."""
+        self.gc.eval_boundary()
+        evaluated = self.evaluate(state.iteration)
+        self.gc.eval_boundary()
+        if evaluated is None:
+            return
+        loss, quantities = evaluated
+        self.metrics.record(
+            "valid/loss",
+            state.iteration,
+            loss,
+            tag=f"{self.objective.valid_loss_name} validation",
+            samples=state.consumed_samples,
+        )
+        if is_reporting_rank():
+            log.info(self.objective.validation_line(state.iteration, loss, quantities))
+        self.metrics.flush()
+
+    def evaluate(self, iteration: int) -> tuple[float, dict[str, float]] | None:
+        """Mean validation loss per token and the means of the objective's own quantities (last
+        pipeline stage; elsewhere None, as without validation data or when time ran out)."""
+        if self.training.eval_iters == 0 or self.objective.valid_data is None:
+            return None
+        with self._evaluating():
+            reported, timed_out = self._run_batches()
+        if timed_out:  # as Megatron-LM: no partial result; the loop saves and exits next
+            if is_reporting_rank():
+                log.info("--exit-duration-in-mins reached during validation: stopping it")
+            return None
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        total = torch.stack([entry["lm loss"] for entry in reported]).double().sum(0)
+        torch.distributed.all_reduce(total, group=data_and_context_parallel_group())
+        quantities = reduce_quantities(reported)
+        for name, value in quantities.items():
+            self.metrics.record(f"valid/{metric_name(name)}", iteration, value)
+        return (total[0] / total[1]).item(), quantities
+
+    @contextlib.contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """The chunks in eval mode, back in training mode after the pass."""
+        for chunk in self.model:
+            chunk.eval()
+        yield
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            # The interleaved schedule's forward-only pass with overlapped p2p returns on an
+            # earlier stage before its last sends are delivered; a stage that then exits (the
+            # run's final validation, no save after it) closes the pipe its next stage reads.
+            torch.distributed.barrier(group=parallel_state.get_pipeline_model_parallel_group())
+        for chunk in self.model:
+            chunk.train()
+
+    def _run_batches(self) -> tuple[list[dict], bool]:
+        """The reported losses of up to --eval-iters global batches, and whether the pass
+        stopped early at --exit-duration-in-mins."""
+        reported = []
+        global_batch = get_current_running_global_batch_size()
+        with torch.no_grad(), synced_parameters(self.model):
+            for i in range(self.training.eval_iters):
+                batches = self.objective.valid_batches(i * global_batch, global_batch)
+                reported += run_microbatches(
+                    self.model,
+                    chunk_iterators(self.model, batches),
+                    self.objective.shape(get_num_microbatches()),
+                    forward_only=True,
+                    forward=self.objective.valid_forward,
+                )
+                if past_duration(self.training.exit_duration_in_mins, self.device):
+                    return reported, True
+        return reported, False
