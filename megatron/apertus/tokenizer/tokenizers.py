@@ -160,7 +160,8 @@ class HuggingFaceTokenizer(Tokenizer):
         self.bos = self._id_of(names["bos_token"], "bos_token")
         self.eod = self._id_of(names["eos_token"], "eos_token")
         pad = self._tok.token_to_id(names["pad_token"]) if names["pad_token"] else None
-        self.pad = self.eod if pad is None else pad  # a vocabulary without a pad piece pads with eos
+        # a vocabulary without a pad piece pads with eos
+        self.pad = self.eod if pad is None else pad
 
     @staticmethod
     def _special_names(config: Path) -> dict[str, str | None]:
