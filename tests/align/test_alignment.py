@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +19,17 @@ from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from megatron.apertus.training.loop import train
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from tests.conftest import (
+    PRETRAIN,
+    REPO,
+    SMALL_TOKENIZER,
+    SMALL_TOKENIZER_FLAGS,
+    SMALL_VOCABULARY,
+    read_json,
+    run_entry,
+    run_script,
+    series,
+)
 
 TOOL = REPO / "tools" / "preprocess_preferences.py"
 TINY = [
@@ -35,6 +43,7 @@ TINY = [
     "1",
     "--lr",
     "1e-3",
+    *SMALL_VOCABULARY,
 ]
 
 
@@ -53,6 +62,7 @@ def preprocess(tmp, objective: str, records: list[dict], extra_lines: tuple[str,
             str(tmp / objective),
             "--max-tokens",
             "129",
+            *SMALL_TOKENIZER_FLAGS,
         ],
     )
     return str(tmp / f"{objective}_pref_document"), proc
@@ -74,7 +84,7 @@ def data(tmp_path_factory):
 
 
 def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
-    tekken = build_tokenizer()
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", SMALL_TOKENIZER)
     pairs = docstring_preferences()[:3]
     bad = (
         '{"prompt": [{"role": "user", "content": "q"}], "chosen": "a"}',  # no rejected
@@ -89,14 +99,14 @@ def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
     prefix, proc = preprocess(tmp_path, "dpo", pairs, bad)
     assert "dpo.jsonl:4: skipped: missing 'rejected'" in proc.stderr
     assert "dpo.jsonl:5: skipped: the prompt must end with a user turn" in proc.stderr
-    data = PreferenceDataset(prefix, "dpo", seq_length=128, pad=tekken.pad)
+    data = PreferenceDataset(prefix, "dpo", seq_length=128, pad=tokenizer.pad)
     assert len(data) == 3
     for i, pair in enumerate(pairs):
         for j, key in enumerate(("chosen", "rejected")):
             messages = parse_messages(
                 {"messages": [*pair["prompt"], {"role": "assistant", "content": pair[key]}]}
             )
-            ids, mask = encode_conversation(tekken, messages)  # one assistant turn: all of it
+            ids, mask = encode_conversation(tokenizer, messages)  # one assistant turn: all of it
             got_ids, got_mask = data.sequence(2 * i + j)
             assert got_ids.tolist() == ids.tolist() and got_mask.tolist() == mask.tolist()
     rewards = docstring_rewards()[:4]
@@ -106,7 +116,7 @@ def test_examples_hold_their_completions_masks_and_quantiles(tmp_path):
         rewards,
         ('{"prompt": [], "completion": "x", ' '"reward": NaN, "ref_rewards": [1]}',),
     )
-    qrpo = PreferenceDataset(prefix, "qrpo", seq_length=128, pad=tekken.pad)
+    qrpo = PreferenceDataset(prefix, "qrpo", seq_length=128, pad=tokenizer.pad)
     for i, record in enumerate(rewards):
         want = np.mean(np.array(record["ref_rewards"]) <= record["reward"])
         assert qrpo[i]["quantile"].item() == want
@@ -170,22 +180,17 @@ def test_dpo_starts_at_log_2_and_resumes_exactly(data, tmp_path):
         "--load",
         str(tmp_path / "ck"),
     ]
-    resumed = train(pretrain_gpt.parse_args(resume))
-    assert [v for _, v in resumed["train/loss"]][-2:] == losses[2:]
-    assert (tmp_path / "ref" / "train.bin").read_bytes() == stored, "computed once"
-    # A corrupted store is refused on the next start.
+    # A corrupted store is refused when the run restarts, and the run is left as it was.
     raw = bytearray(stored)
     raw[len(raw) // 2] ^= 0xFF
     (tmp_path / "ref" / "train.bin").write_bytes(bytes(raw))
-    proc = subprocess.run(
-        [sys.executable, str(PRETRAIN), *resume],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 2
+    proc = run_script(PRETRAIN, resume)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "checksum mismatch" in proc.stderr.strip().splitlines()[-1]
+    (tmp_path / "ref" / "train.bin").write_bytes(stored)
+    resumed = train(pretrain_gpt.parse_args(resume))
+    assert [v for _, v in resumed["train/loss"]][-2:] == losses[2:]
+    assert (tmp_path / "ref" / "train.bin").read_bytes() == stored, "computed once"
 
 
 def test_qrpo_trains_and_logs_its_own_quantities(data, tmp_path, capfd, caplog):

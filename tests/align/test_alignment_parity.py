@@ -16,7 +16,15 @@ import pytest
 
 from examples.chat_demo import docstring_preferences
 from megatron.apertus.align import reference
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from tests.conftest import (
+    PRETRAIN,
+    REPO,
+    SMALL_TOKENIZER_FLAGS,
+    SMALL_VOCABULARY,
+    read_json,
+    run_entry,
+    series,
+)
 
 TOOL = REPO / "tools" / "preprocess_preferences.py"
 COMMON = [
@@ -45,6 +53,7 @@ COMMON = [
     "1",
     "--eval-interval",
     "3",
+    *SMALL_VOCABULARY,
 ]
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
@@ -78,12 +87,15 @@ def single(tmp_path_factory):
                 str(root / part),
                 "--max-tokens",
                 "129",
+                *SMALL_TOKENIZER_FLAGS,
             ],
         )
         prefixes[part] = str(root / f"{part}_pref_document")
     run_entry(
         PRETRAIN,
-        COMMON[:12] + ["--train-iters", "0", "--eval-iters", "0", "--save", str(root / "init")],
+        COMMON[:12]
+        + SMALL_VOCABULARY
+        + ["--train-iters", "0", "--eval-iters", "0", "--save", str(root / "init")],
     )
     data = [
         "--finetune",

@@ -32,7 +32,7 @@ from tests.conftest import (
 
 GENERATE = REPO / "tools" / "generate_teacher_logits.py"
 CHAT_TOOL = REPO / "tools" / "preprocess_chat.py"
-APERTUS = [
+COMMON = [
     "--model-preset",
     "tiny",
     "--seed",
@@ -53,10 +53,8 @@ APERTUS = [
     "64",
     "--device",
     "cpu",
+    *SMALL_VOCABULARY,
 ]
-"""The runs' flags with the Apertus tokenizer: the chat data's control tokens are Apertus's."""
-COMMON = APERTUS + SMALL_VOCABULARY
-"""The runs' flags: the 4096-piece test vocabulary."""
 STEPS = 3
 RTOL = 2e-6
 GRAD_NORM_RTOL = 5e-4
@@ -98,17 +96,14 @@ def root(tmp_path_factory):
     return root
 
 
-def _run(
-    root, name: str, args: list[str], nproc: int = 1, steps: int = STEPS, apertus: bool = False
-) -> dict:
-    """The run ``name`` from the initial checkpoint (``apertus``: the Apertus tokenizer's)."""
+def _run(root, name: str, args: list[str], nproc: int = 1, steps: int = STEPS) -> dict:
+    """The run ``name`` from the initial checkpoint."""
     out = root / f"{name}.json"
-    common, init = (APERTUS, "init-apertus") if apertus else (COMMON, "init")
     run_entry(
         PRETRAIN,
-        common
+        COMMON
         + args
-        + ["--train-iters", str(steps), "--load", str(root / init), "--log-json", str(out)],
+        + ["--train-iters", str(steps), "--load", str(root / "init"), "--log-json", str(out)],
         nproc=nproc,
     )
     return read_json(out)
@@ -286,23 +281,21 @@ def test_distillation_from_stored_logits_matches_one_process(root, request, stor
 
 @pytest.fixture(scope="module")
 def chats(root):
-    """Packed chat documents with assistant-only loss masks (tools/preprocess_chat.py), and an
-    initial checkpoint for them: the chat format's control tokens are the Apertus tokenizer's."""
+    """Packed chat documents with assistant-only loss masks (tools/preprocess_chat.py)."""
     source = root / "chats.jsonl"
     records = docstring_conversations()[:200]
     source.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    run_entry(CHAT_TOOL, ["--input", str(source), "--output-prefix", str(root / "chats")])
     run_entry(
-        PRETRAIN,
-        APERTUS + ["--train-iters", "0", "--eval-iters", "0", "--save", str(root / "init-apertus")],
+        CHAT_TOOL,
+        ["--input", str(source), "--output-prefix", str(root / "chats"), *SMALL_TOKENIZER_FLAGS],
     )
     return str(root / "chats_chat_document")
 
 
 def test_sft_masks_on_packed_chats_match_one_process(root, chats):
     sft = PACKED + ["--sft", "--data-path", chats, "--eval-iters", "0"]
-    expected = _run(root, "sft", sft, apertus=True)
-    got = _run(root, "sft-cp2", sft + _cp(2), 2, apertus=True)
+    expected = _run(root, "sft", sft)
+    got = _run(root, "sft-cp2", sft + _cp(2), 2)
     steps, losses = series(got, "train/loss")
     assert steps == series(expected, "train/loss")[0] == list(range(1, STEPS + 1))
     np.testing.assert_allclose(losses, series(expected, "train/loss")[1], rtol=RTOL, atol=0)
