@@ -31,7 +31,7 @@ from megatron.apertus.quant.formats import (
 )
 from megatron.apertus.quant.gptq import column_grid, gptq, gptq_grid, hessian, rtn
 from megatron.apertus.quant.layers import LinearQuantizers, decoder_linears
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from tests.conftest import PRETRAIN, REPO, SMALL_VOCABULARY, read_json, run_entry, series
 from tests.distill.test_distillation import (  # noqa: F401 (fixtures)
     STUDENT_DATA,
     logits,
@@ -291,6 +291,7 @@ EVAL = [
     "--finetune",
     "--train-iters",
     "0",
+    *SMALL_VOCABULARY,
 ]
 FLAGS = {
     "fp8-tensor": ["--quant-format", "fp8"],
