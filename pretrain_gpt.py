@@ -15,6 +15,7 @@ import sys
 
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import ADDITION_MARK, given_destinations
 from megatron.apertus.training import config as C
 from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the flags, print the layout plan (memory and FLOPs per step) for the "
         "processes this command runs as (torchrun's WORLD_SIZE, else Slurm's SLURM_NTASKS, "
         "else 1) and exit without reading data or building the model; exit 1 when the "
-        "layout cannot run" + C.ADDITION_MARK,
+        "layout cannot run" + ADDITION_MARK,
     )
     return parser
 
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         restored = C.apply_checkpoint_args(args)
         if restored and os.environ.get("RANK", "0") == "0":
             print(restored)
-        config = C.run_from_arguments(args, C.given_destinations(parser, argv))
+        config = C.run_from_arguments(args, given_destinations(parser, argv))
         check_schedule(config.schedule, config.training)
     except (ConfigError, ValueError) as err:
         parser.error(str(err))

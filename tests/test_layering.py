@@ -37,11 +37,13 @@ LAYERS: tuple[frozenset[str], ...] = (
     # ``cache`` names the one directory that the tokenizer and the datasets cache in.
     frozenset({PACKAGE_INIT, "errors", "checkpoint_files", "cache"}),
     # ops: torch and our extensions only; cli: the standard library only (one-line errors, exit
-    # codes, atomic outputs), so that every layer and entry point may use it; mcore_compat: the
-    # supported megatron-core releases' differences, which every layer above may need;
-    # tokenizer: text <-> ids without torch, below both the data training reads and the
-    # offline preparation that writes it
-    frozenset({"ops", "cli", "mcore_compat", "tokenizer"}),
+    # codes, atomic outputs), so that every layer and entry point may use it; flags: the
+    # standard library only, the generator that turns each unit's config dataclass into flags,
+    # so that every unit declares its config next to its code; mcore_compat: the supported
+    # megatron-core releases' differences, which every layer above may need; tokenizer: text
+    # <-> ids without torch, below both the data training reads and the offline preparation
+    # that writes it
+    frozenset({"ops", "cli", "flags", "mcore_compat", "tokenizer"}),
     # cpu_compat patches megatron-core for CPU, the model builder applies it; quant's layers are
     # what the model's spec puts in its linear slots when a run quantizes.
     frozenset({"cpu_compat", "quant"}),
@@ -66,6 +68,7 @@ THIRD_PARTY: dict[str, frozenset[str]] = {
     "checkpoint_files": frozenset(),  # launchers read it on a host Python without torch
     "ops": frozenset({"torch"}),  # torch and our extensions only
     "cli": frozenset(),  # --help and argument errors cost no start-up time
+    "flags": frozenset(),  # so do the flags generated from the config dataclasses
     "cache": frozenset(),
     # the preprocessing tools tokenize without torch or megatron-core
     "tokenizer": frozenset(

@@ -25,6 +25,7 @@ import sys
 
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import add_arguments, from_arguments
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.presets import PRESETS, preset
 from megatron.apertus.training import config as C
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None = None):
     )
     parser.add_argument("--seq-length", type=int, help="the student's sequence length")
     C.add_run_arguments(parser, GROUPS, titles=TITLES)
-    C.add_arguments(parser, LogitsConfig, title="teacher logits")
+    add_arguments(parser, LogitsConfig, title="teacher logits")
     args = parser.parse_args(argv)
     from megatron.apertus.checkpoint import load_model_config  # torch: after argument errors
 
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None):
             load=args.load,
             model=model,
             **C.groups_from_arguments(args, GROUPS, model=model),
-            logits=C.from_arguments(LogitsConfig, args),
+            logits=from_arguments(LogitsConfig, args),
         )
     except (ConfigError, ValueError, FileNotFoundError) as err:
         parser.error(str(err))

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import pretrain_gpt
+from megatron.apertus import flags
 from megatron.apertus.training import config as C
 
 SNAPSHOT = Path(__file__).with_name("cli_flags.json")
@@ -39,7 +40,7 @@ def flag_table(parser: argparse.ArgumentParser) -> list[dict]:
                     "default": repr(action.default),
                     "type": getattr(action.type, "__name__", None),
                     "nargs": action.nargs,
-                    "ours": (action.help or "").endswith(C.ADDITION_MARK),
+                    "ours": (action.help or "").endswith(flags.ADDITION_MARK),
                 }
             )
     return table
@@ -78,17 +79,17 @@ def test_every_field_of_every_registered_group_is_a_flag():
 class _NewGroup:
     plain: int = 3
     """What a docstring says becomes the help."""
-    explained: str = field(default="x", metadata={"help": "metadata help wins", "ours": True})
+    explained: str = flags.flag_help("metadata help wins", "x", ours=True)
 
 
 def test_a_new_field_needs_nothing_but_its_declaration():
     parser = argparse.ArgumentParser()
-    C.add_arguments(parser, _NewGroup, title="new", prefix="new_")
+    flags.add_arguments(parser, _NewGroup, title="new", prefix="new_")
     helps = {a.dest: a.help for a in parser._actions}
     assert helps["new_plain"] == "What a docstring says becomes the help."
-    assert helps["new_explained"] == "metadata help wins" + C.ADDITION_MARK
+    assert helps["new_explained"] == "metadata help wins" + flags.ADDITION_MARK
     args = parser.parse_args(["--new-plain", "5"])
-    assert C.from_arguments(_NewGroup, args, prefix="new_") == _NewGroup(plain=5)
+    assert flags.from_arguments(_NewGroup, args, prefix="new_") == _NewGroup(plain=5)
 
 
 def test_tools_read_the_same_flags_as_pretrain_gpt():

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
+
+from megatron.apertus.flags import flag_help
 
 OBJECTIVES = ("dpo", "qrpo")
 TRANSFORMS = ("identity", "log", "normal-icdf")
@@ -18,51 +20,56 @@ LOG_PARTITIONS = ("exact", "approx")
 LENGTH_NORMALIZATIONS = ("beta", "loss")
 
 
-def _help(text: str, default):
-    """Every alignment flag is ours: neither Megatron-LM nor the Apertus fork has one."""
-    return field(default=default, metadata={"help": text, "ours": True})
-
-
 @dataclass(kw_only=True, frozen=True)
 class AlignConfig:
-    align_objective: Optional[str] = _help(
+    """Every alignment flag is ours (``ours=True``): neither Megatron-LM nor the Apertus fork
+    has one."""
+
+    align_objective: Optional[str] = flag_help(
         "offline alignment objective on datasets from tools/preprocess_preferences.py: dpo "
         "(pairs) or qrpo (completions with quantile rewards); start from the SFT model with "
         "--finetune --load, which is also the frozen reference",
         None,
+        ours=True,
     )
-    align_beta: float = _help("KL-regularisation strength beta of DPO and QRPO", 0.1)
-    align_length_normalization: bool = _help(
+    align_beta: float = flag_help("KL-regularisation strength beta of DPO and QRPO", 0.1, ours=True)
+    align_length_normalization: bool = flag_help(
         "normalise by each completion's length in tokens (what --align-length-normalization-of "
         "says)",
         False,
+        ours=True,
     )
-    align_length_normalization_of: str = _help(
+    align_length_normalization_of: str = flag_help(
         "with --align-length-normalization: beta (DPO divides each log-ratio by its length, "
         "QRPO uses beta / length) or loss (each completion's loss divided by its length, a "
         "pair's by the mean of its two: swiss-ai/posttraining's normalize_loss_by_length)",
         "beta",
+        ours=True,
     )
-    qrpo_transform: str = _help(
+    qrpo_transform: str = flag_help(
         "QRPO's transform of the quantile reward, with its own partition function: identity, "
         "log (the QRPO authors' default) or normal-icdf",
         "identity",
+        ours=True,
     )
-    qrpo_log_partition: str = _help(
+    qrpo_log_partition: str = flag_help(
         "QRPO identity transform: exact log Z, or approx (log beta + 1/beta, as "
         "swiss-ai/posttraining and the QRPO authors' code use)",
         "exact",
+        ours=True,
     )
-    qrpo_max_beta: Optional[float] = _help(
+    qrpo_max_beta: Optional[float] = flag_help(
         "clamp QRPO's effective beta (after length normalisation) at this maximum "
         "(swiss-ai/posttraining: 0.1); none by default",
         None,
+        ours=True,
     )
-    ref_logps_path: Optional[str] = _help(
+    ref_logps_path: Optional[str] = flag_help(
         "directory of the reference policy's sequence log-probabilities: computed once from the "
         "--load weights on first start, then read (and checked against the data) on every "
         "resume; not needed when the data carries them (tools/preprocess_preferences.py)",
         None,
+        ours=True,
     )
 
     def __post_init__(self) -> None:

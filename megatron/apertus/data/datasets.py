@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.cli import check_output, exclusive
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help, switch
 
 if TYPE_CHECKING:
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -45,12 +46,10 @@ log = logging.getLogger("apertus.data")
 class DatasetConfig:
     data_path: list[str] = field(default_factory=list)
     """Megatron blend; empty means the embedded corpus (preprocessed on first use)."""
-    data_args_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "file holding the --data-path list (whitespace-separated weights and "
-            "prefixes), for blends too long for a command line"
-        },
+    data_args_path: str | None = flag_help(
+        "file holding the --data-path list (whitespace-separated weights and "
+        "prefixes), for blends too long for a command line",
+        None,
     )
     """Megatron-LM's --data-args-path: the --data-path list read from a file."""
     split: str | None = None
@@ -69,22 +68,14 @@ class DatasetConfig:
     """Packed documents never attend to each other (document masking)."""
     eod_mask_loss: bool = False
     """Leave the end-of-document positions out of the loss."""
-    num_dataset_builder_threads: int = field(
-        default=1,
-        metadata={
-            "help": (
-                "threads that build the sample indices of a blend's datasets (megatron-core's); the "
-                "indices are the same for any number"
-            )
-        },
+    num_dataset_builder_threads: int = flag_help(
+        "threads that build the sample indices of a blend's datasets (megatron-core's); the "
+        "indices are the same for any number",
+        1,
     )
-    sft: bool = field(
-        default=False,
-        metadata={
-            "switch": True,
-            "help": "supervised fine-tuning on chat datasets from "
-            "tools/preprocess_chat.py: the loss counts only the assistant's tokens",
-        },
+    sft: bool = switch(
+        "supervised fine-tuning on chat datasets from "
+        "tools/preprocess_chat.py: the loss counts only the assistant's tokens"
     )
 
     def __post_init__(self) -> None:

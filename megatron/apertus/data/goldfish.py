@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron.apertus.flags import switch
+
 if TYPE_CHECKING:
     import torch
 
@@ -49,16 +51,10 @@ class GoldfishConfig:
     hash: str = field(default="mix64", metadata={"ours": True})
     """Which positions drop: mix64 (SplitMix64 of the context) or apertus (the Apertus fork's
     table rule, for parity)."""
-    exempt_special: bool = field(
-        default=False,
-        metadata={
-            "switch": True,
-            "ours": True,
-            "help": (
-                "never drop the loss of control tokens (begin/end of document, chat tokens), as the "
-                "Apertus-2 recipe does; off: every label is a candidate, as in Apertus-1"
-            ),
-        },
+    exempt_special: bool = switch(
+        "never drop the loss of control tokens (begin/end of document, chat tokens), as the "
+        "Apertus-2 recipe does; off: every label is a candidate, as in Apertus-1",
+        ours=True,
     )
 
     def __post_init__(self) -> None:

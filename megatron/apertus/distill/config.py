@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help
 from megatron.apertus.ops.constants import DEFAULT_TAIL, TAIL_MODES
 
 
 @dataclass(kw_only=True, frozen=True)
 class DistillConfig:
-    distill_logits_path: Optional[str] = field(
-        default=None,
-        metadata={
-            "ours": True,
-            "help": "teacher top-k logits (tools/generate_teacher_logits.py) to distil from",
-        },
+    distill_logits_path: Optional[str] = flag_help(
+        "teacher top-k logits (tools/generate_teacher_logits.py) to distil from", None, ours=True
     )
-    kd_alpha: float = field(
-        default=0.9,
-        metadata={"ours": True, "help": "loss = alpha * KL(teacher || student) + (1 - alpha) * CE"},
+    kd_alpha: float = flag_help(
+        "loss = alpha * KL(teacher || student) + (1 - alpha) * CE", 0.9, ours=True
     )
-    kd_tail: str = field(
-        default=DEFAULT_TAIL,
-        metadata={
-            "ours": True,
-            "help": f"teacher mass outside the top-k: {', '.join(TAIL_MODES)} "
-            "(a sampled store has none)",
-        },
+    kd_tail: str = flag_help(
+        f"teacher mass outside the top-k: {', '.join(TAIL_MODES)} (a sampled store has none)",
+        DEFAULT_TAIL,
+        ours=True,
     )
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help
 from megatron.apertus.ops.constants import XIELU_BETA, XIELU_EPS
 
 if TYPE_CHECKING:
@@ -129,26 +130,20 @@ class ParallelConfig:
     """Interleaved pipeline: model chunks (virtual stages) per pipeline rank."""
     sequence_parallel: bool = False
     """With tensor parallelism: split norms and activations along the sequence as well."""
-    context_parallel_size: int = field(
-        default=1,
-        metadata={
-            "help": "ranks that share each sequence (context parallelism): the sequence is cut "
-            "into 2 x this many chunks and rank i keeps chunks i and 2CP-1-i"
-        },
+    context_parallel_size: int = flag_help(
+        "ranks that share each sequence (context parallelism): the sequence is cut "
+        "into 2 x this many chunks and rank i keeps chunks i and 2CP-1-i",
+        1,
     )
-    cp_comm_type: str = field(
-        default="p2p",
-        metadata={
-            "help": "attention under context parallelism: p2p (K/V passed around a ring) or a2a "
-            "(all-to-all between heads and sequence)"
-        },
+    cp_comm_type: str = flag_help(
+        "attention under context parallelism: p2p (K/V passed around a ring) or a2a "
+        "(all-to-all between heads and sequence)",
+        "p2p",
     )
-    distributed_timeout_minutes: int | None = field(
-        default=None,
-        metadata={
-            "help": "timeout of collectives on every process group (default: torch's for the "
-            "default group, megatron-core's 30 minutes for its groups)"
-        },
+    distributed_timeout_minutes: int | None = flag_help(
+        "timeout of collectives on every process group (default: torch's for the "
+        "default group, megatron-core's 30 minutes for its groups)",
+        None,
     )
 
     def __post_init__(self) -> None:

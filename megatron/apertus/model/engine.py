@@ -23,10 +23,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help
 
 IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -44,51 +45,49 @@ TE_DETERMINISTIC_PACKED_MIN_CAPABILITY = (10, 0)
 once documents x heads x longest document^2 reaches 2^30 (a cuDNN workspace limit)."""
 
 
-def _help(text: str, default: Any = None) -> Any:
-    return field(default=default, metadata={"help": text})
-
-
 @dataclass(kw_only=True, frozen=True)
 class EngineConfig:
     """Implementation and precision of the transformer layers (Megatron-LM's flags and meanings)."""
 
-    transformer_impl: Optional[str] = _help(
+    transformer_impl: Optional[str] = flag_help(
         "local or transformer_engine (default: transformer_engine when it imports and the device "
-        "is CUDA, else local)"
+        "is CUDA, else local)",
+        None,
     )
-    use_packed_seq_params: bool = _help(
+    use_packed_seq_params: bool = flag_help(
         "packed documents travel as THD cu_seqlens (always so here with --reset-attention-mask; "
         "accepted for Megatron-LM compatibility)",
         False,
     )
-    attention_backend: str = _help(
+    attention_backend: str = flag_help(
         "core attention: auto, flash, fused or unfused pick Transformer Engine's backend (auto: TE "
         "chooses); local is PyTorch's flash SDPA and varlen attention (the local implementation's "
         "only one)",
         "auto",
     )
-    fp8_format: Optional[str] = _help(
+    fp8_format: Optional[str] = flag_help(
         "train the transformer layers' GEMMs in FP8: e4m3, or hybrid (e4m3 forward, e5m2 "
-        "gradients); needs --transformer-impl transformer_engine"
+        "gradients); needs --transformer-impl transformer_engine",
+        None,
     )
-    fp8_recipe: str = _help("FP8 scaling: delayed, tensorwise, blockwise or mxfp8", "delayed")
-    fp8_margin: int = _help("delayed scaling: scale down by 2^margin", 0)
-    fp8_amax_history_len: int = _help("delayed scaling: amax history length", 1)
-    fp8_amax_compute_algo: str = _help(
+    fp8_recipe: str = flag_help("FP8 scaling: delayed, tensorwise, blockwise or mxfp8", "delayed")
+    fp8_margin: int = flag_help("delayed scaling: scale down by 2^margin", 0)
+    fp8_amax_history_len: int = flag_help("delayed scaling: amax history length", 1)
+    fp8_amax_compute_algo: str = flag_help(
         "delayed scaling: most_recent or max of the history", "most_recent"
     )
-    fp8_param_gather: bool = _help(
+    fp8_param_gather: bool = flag_help(
         "keep the FP8 copy of the weights as the parameters (all-gathered in FP8)", False
     )
-    first_last_layers_bf16: bool = _help(
+    first_last_layers_bf16: bool = flag_help(
         "keep the first and last transformer layers in bf16 under FP8", False
     )
-    num_layers_at_start_in_bf16: int = _help("layers at the start kept in bf16", 1)
-    num_layers_at_end_in_bf16: int = _help("layers at the end kept in bf16", 1)
-    deterministic_mode: bool = _help(
+    num_layers_at_start_in_bf16: int = flag_help("layers at the start kept in bf16", 1)
+    num_layers_at_end_in_bf16: int = flag_help("layers at the end kept in bf16", 1)
+    deterministic_mode: bool = flag_help(
         "bitwise-reproducible GPU runs: deterministic kernels only (slower; docs/gpu.md)", False
     )
-    gradient_accumulation_fusion: bool = _help(
+    gradient_accumulation_fusion: bool = flag_help(
         "Transformer Engine's weight-gradient GEMMs accumulate straight into the fp32 main_grad "
         "(no bf16 gradient, no separate add per micro-batch); --no-gradient-accumulation-fusion "
         "keeps the add (the local implementation always does)",

@@ -18,17 +18,15 @@ serves ``--help``, which must not pay for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from megatron.apertus.flags import flag_help
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 
     from megatron.apertus.optim.ademamix import AdEMAMix
-
-
-def _help(text: str, default):
-    return field(default=default, metadata={"help": text})
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,10 +38,10 @@ class AdEMAMixSettings:
     (``--ademamix-alpha`` ...). Defaults are the Apertus recipe (docs/recipe.md).
     """
 
-    alpha: float = _help("weight of the slow EMA in the update (Apertus: 8)", 8.0)
-    beta3: float = _help("decay of the slow EMA (Apertus: 0.9999)", 0.9999)
-    alpha_warmup: int = _help("steps over which alpha rises linearly from 0 (0: none)", 100_000)
-    beta3_warmup: int = _help(
+    alpha: float = flag_help("weight of the slow EMA in the update (Apertus: 8)", 8.0)
+    beta3: float = flag_help("decay of the slow EMA (Apertus: 0.9999)", 0.9999)
+    alpha_warmup: int = flag_help("steps over which alpha rises linearly from 0 (0: none)", 100_000)
+    beta3_warmup: int = flag_help(
         "steps over which beta3's half-life grows from beta1's (0: none)", 100_000
     )
 

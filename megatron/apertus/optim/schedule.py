@@ -20,8 +20,10 @@ Resume semantics are megatron-core's: the step count always comes from the check
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
+
+from megatron.apertus.flags import flag_help
 
 WSD_DECAY_STYLES = {
     "1-sqrt": "minus_sqrt",
@@ -33,10 +35,6 @@ WSD_DECAY_STYLES = {
 """Our names (the Apertus fork's and Megatron-LM's) -> megatron-core's ``lr_wsd_decay_style``."""
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-
-
-def _help(text: str, default):
-    return field(default=default, metadata={"help": text})
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,28 +54,32 @@ class ScheduleConfig:
     Each length is given in iterations or in samples, not both.
     """
 
-    lr_decay_style: str = _help("constant, linear, cosine, inverse-square-root or WSD", "constant")
-    lr_wsd_decay_style: str = _help(
+    lr_decay_style: str = flag_help(
+        "constant, linear, cosine, inverse-square-root or WSD", "constant"
+    )
+    lr_wsd_decay_style: str = flag_help(
         "WSD cooldown shape: 1-sqrt, linear, cosine or exponential", "1-sqrt"
     )
-    lr_warmup_iters: int = _help("iterations of linear warmup", 0)
-    lr_warmup_samples: int = _help("samples of linear warmup (instead of iterations)", 0)
-    lr_warmup_init: float = _help("learning rate at the start of the warmup", 0.0)
-    lr_decay_iters: Optional[int] = _help(
+    lr_warmup_iters: int = flag_help("iterations of linear warmup", 0)
+    lr_warmup_samples: int = flag_help("samples of linear warmup (instead of iterations)", 0)
+    lr_warmup_init: float = flag_help("learning rate at the start of the warmup", 0.0)
+    lr_decay_iters: Optional[int] = flag_help(
         "iterations of the whole schedule (default: the run)", None
     )
-    lr_decay_samples: Optional[int] = _help(
+    lr_decay_samples: Optional[int] = flag_help(
         "samples of the whole schedule (instead of iterations)", None
     )
-    lr_wsd_decay_iters: Optional[int] = _help("WSD: iterations of the cooldown at the end", None)
-    lr_wsd_decay_samples: Optional[int] = _help(
+    lr_wsd_decay_iters: Optional[int] = flag_help(
+        "WSD: iterations of the cooldown at the end", None
+    )
+    lr_wsd_decay_samples: Optional[int] = flag_help(
         "WSD: samples of the cooldown (instead of iterations)", None
     )
-    override_opt_param_scheduler: bool = _help(
+    override_opt_param_scheduler: bool = flag_help(
         "on resume take the schedule from this config, not the checkpoint (keeps the step count)",
         False,
     )
-    use_checkpoint_opt_param_scheduler: bool = _help(
+    use_checkpoint_opt_param_scheduler: bool = flag_help(
         "on resume take the schedule from the checkpoint, ignoring this config", False
     )
 

@@ -6,10 +6,11 @@ them): the flags serve ``--help``, which must not import torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help, switch
 
 INT_BITS = {"int2": 2, "int3": 3, "int4": 4, "int6": 6}
 ACTIVATION_FORMATS = ("fp8", "nvfp4")
@@ -21,49 +22,37 @@ FP8_SCALINGS = ("tensor", "channel")
 
 @dataclass(kw_only=True, frozen=True)
 class QuantConfig:
-    quant_format: Optional[str] = field(
-        default=None,
-        metadata={
-            "ours": True,
-            "help": f"fake-quantize the decoder's linear layers on every forward pass "
-            f"(straight-through gradient): {', '.join(FORMATS)}; int* are weight-only, fp8 and "
-            "nvfp4 quantize weights and activations",
-        },
+    quant_format: Optional[str] = flag_help(
+        f"fake-quantize the decoder's linear layers on every forward pass "
+        f"(straight-through gradient): {', '.join(FORMATS)}; int* are weight-only, fp8 and "
+        "nvfp4 quantize weights and activations",
+        None,
+        ours=True,
     )
-    quant_group_size: int = field(
-        default=128,
-        metadata={
-            "ours": True,
-            "help": "int* formats: elements per scale along the input dimension; -1: one "
-            "scale per output channel",
-        },
+    quant_group_size: int = flag_help(
+        "int* formats: elements per scale along the input dimension; -1: one "
+        "scale per output channel",
+        128,
+        ours=True,
     )
-    quant_symmetric: bool = field(
-        default=True,
-        metadata={
-            "ours": True,
-            "help": "int* formats: symmetric (no zero point); --no-quant-symmetric adds "
-            "a zero point per group",
-        },
+    quant_symmetric: bool = flag_help(
+        "int* formats: symmetric (no zero point); --no-quant-symmetric adds "
+        "a zero point per group",
+        True,
+        ours=True,
     )
-    quant_fp8_scaling: str = field(
-        default="tensor",
-        metadata={
-            "ours": True,
-            "help": "fp8: one scale per tensor, or per channel (weights: per output "
-            "channel, activations: per token)",
-        },
+    quant_fp8_scaling: str = flag_help(
+        "fp8: one scale per tensor, or per channel (weights: per output "
+        "channel, activations: per token)",
+        "tensor",
+        ours=True,
     )
-    quant_activations_only: bool = field(
-        default=False,
-        metadata={
-            "switch": True,
-            "ours": True,
-            "help": "fp8 and nvfp4: fake-quantize the layer inputs only and use the weights as "
-            "loaded, for a checkpoint whose weights tools/quantize.py already quantized (GPTQ's "
-            "values lie on the grid of the original weights' scales, which quantizing them "
-            "again would recompute)",
-        },
+    quant_activations_only: bool = switch(
+        "fp8 and nvfp4: fake-quantize the layer inputs only and use the weights as "
+        "loaded, for a checkpoint whose weights tools/quantize.py already quantized (GPTQ's "
+        "values lie on the grid of the original weights' scales, which quantizing them "
+        "again would recompute)",
+        ours=True,
     )
 
     def __post_init__(self) -> None:

@@ -1,10 +1,10 @@
 """Typed, per-concern configuration of a training run, and the command line generated from it.
 
 Each dataclass owns one concern; its fields become Megatron-named flags (``micro_batch_size``
--> ``--micro-batch-size``). A field's help is its metadata's ``"help"``, else its docstring (the
-string literal after it); ``"ours": True`` in its metadata marks a flag neither Megatron-LM nor
-the Apertus fork has. Nothing below ``training/`` reads the command line: entry points parse
-once and pass these objects down.
+-> ``--micro-batch-size``) through :mod:`megatron.apertus.flags`, which also says how a field
+gets its help. The groups of the lower units (model, data, optim, ...) are declared next to their
+code; the ones here are the training loop's own. Nothing below ``training/`` reads the command
+line: entry points parse once and pass these objects down.
 
 :class:`RunConfig` is the registry: one field per config group, in ``--help`` order, with the
 group's title. ``pretrain_gpt.py`` adds and reads every group (:func:`add_run_arguments`,
@@ -20,14 +20,9 @@ steps, the device, GEMM statistics' names) imports them where it is used.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import functools
 import importlib.util
-import inspect
 import math
-import textwrap
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -38,6 +33,14 @@ from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import (
+    ADDITION_MARK,
+    add_arguments,
+    flag_help,
+    from_arguments,
+    require,
+    switch,
+)
 from megatron.apertus.model.config import (
     ApertusConfig,
     ParallelConfig,
@@ -56,83 +59,66 @@ from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def require(ok: bool, flag: str, value: Any, rule: str) -> None:
-    """Refuse a flag's value in one line naming the flag and the rule it breaks."""
-    if not ok:
-        raise ConfigError(f"{flag} must be {rule}, got {value}")
-
-
-def _help(text: str, default: Any = dataclasses.MISSING, *, ours: bool = False, **kwargs) -> Any:
-    """A field with its flag's help; ``ours``: a flag neither Megatron-LM nor the Apertus fork
-    has (marked as our addition in ``--help``)."""
-    return field(default=default, metadata={"help": text, "ours": ours}, **kwargs)
-
-
-def _switch(text: str) -> Any:
-    """A boolean field whose flag, as in Megatron-LM, only switches on (no ``--no-`` form)."""
-    return field(default=False, metadata={"help": text, "switch": True})
-
-
 @dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
-    micro_batch_size: int = _help("samples per micro-batch per data-parallel rank", 1)
-    global_batch_size: int = _help("samples per optimizer step over all data-parallel ranks", 8)
-    rampup_batch_size: Optional[list[int]] = _help(
+    micro_batch_size: int = flag_help("samples per micro-batch per data-parallel rank", 1)
+    global_batch_size: int = flag_help("samples per optimizer step over all data-parallel ranks", 8)
+    rampup_batch_size: Optional[list[int]] = flag_help(
         "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES", None
     )
-    train_iters: Optional[int] = _help("optimizer steps to run (or give --train-samples)", None)
-    train_samples: Optional[int] = _help("samples to train on (instead of --train-iters)", None)
-    seed: int = _help("seed of initialisation and data order", 1234)
-    log_interval: int = _help("iterations between log lines", 10)
-    eval_interval: int = _help("iterations between validation passes (0: only at the end)", 0)
-    eval_iters: int = _help("validation batches per validation pass", 4)
-    device: str = _help("auto, cpu or cuda", "auto", ours=True)
-    precision: Optional[str] = _help(
+    train_iters: Optional[int] = flag_help("optimizer steps to run (or give --train-samples)", None)
+    train_samples: Optional[int] = flag_help("samples to train on (instead of --train-iters)", None)
+    seed: int = flag_help("seed of initialisation and data order", 1234)
+    log_interval: int = flag_help("iterations between log lines", 10)
+    eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
+    eval_iters: int = flag_help("validation batches per validation pass", 4)
+    device: str = flag_help("auto, cpu or cuda", "auto", ours=True)
+    precision: Optional[str] = flag_help(
         "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)",
         None,
         ours=True,
     )
-    bf16: bool = _switch("Megatron-LM's --precision bf16")
-    fp16: bool = _switch("Megatron-LM's --precision fp16")
-    exit_signal_handler: bool = _help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
-    trigger_path: Optional[str] = _help("directory watched for 'save' and 'exit' files", None)
-    exit_interval: int = _help("save and stop after this many iterations (0: never)", 0)
-    exit_duration_in_mins: Optional[float] = _help(
+    bf16: bool = switch("Megatron-LM's --precision bf16")
+    fp16: bool = switch("Megatron-LM's --precision fp16")
+    exit_signal_handler: bool = flag_help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
+    trigger_path: Optional[str] = flag_help("directory watched for 'save' and 'exit' files", None)
+    exit_interval: int = flag_help("save and stop after this many iterations (0: never)", 0)
+    exit_duration_in_mins: Optional[float] = flag_help(
         "save and stop once the job has run this many minutes (checked after every step and "
         "validation batch, agreed on by all ranks)",
         None,
     )
-    max_skipped_steps: int = _help(
+    max_skipped_steps: int = flag_help(
         "stop after this many consecutive non-finite steps", 5, ours=True
     )
-    recompute_granularity: Optional[str] = _help(
+    recompute_granularity: Optional[str] = flag_help(
         "activation recomputation: full or selective", None
     )
-    recompute_method: Optional[str] = _help("full recomputation: uniform or block", None)
-    recompute_num_layers: Optional[int] = _help(
+    recompute_method: Optional[str] = flag_help("full recomputation: uniform or block", None)
+    recompute_num_layers: Optional[int] = flag_help(
         "layers per recomputed group (uniform) or count (block)", None
     )
-    manual_gc: bool = _switch(
+    manual_gc: bool = switch(
         "turn Python's automatic garbage collector off and collect on every rank at the same "
         "moments (start, --manual-gc-interval, around validation and saves), so no rank stalls "
         "the others at a collective"
     )
-    manual_gc_interval: int = _help(
+    manual_gc_interval: int = flag_help(
         "with --manual-gc: iterations between collections (0: only at start, validation, saves)",
         0,
     )
-    manual_gc_eval: bool = _help(
+    manual_gc_eval: bool = flag_help(
         "with --manual-gc: also collect right before and after each validation pass "
         "(--no-manual-gc-eval: not there)",
         True,
     )
-    decrease_batch_size_if_needed: bool = _switch(
+    decrease_batch_size_if_needed: bool = switch(
         "a --global-batch-size that does not split into --micro-batch-size x data-parallel size "
         "runs as the largest multiple of that below it (megatron-core's calculator) instead of "
         "being refused"
     )
-    xielu_impl: str = _help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
-    fused_output_loss: bool = _help(
+    xielu_impl: str = flag_help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
+    fused_output_loss: bool = flag_help(
         "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)",
         True,
         ours=True,
@@ -248,17 +234,19 @@ class OptimizerSettings:
     """The optimizer; its schedule is ``optim.ScheduleConfig``, AdEMAMix's own knobs
     ``optim.AdEMAMixSettings`` (flags ``--ademamix-*``)."""
 
-    optimizer: str = _help("adam or ademamix", "adam")
-    lr: float = _help("peak learning rate", 1e-3)
-    min_lr: float = _help("learning rate at the end of the decay", 0.0)
-    weight_decay: float = _help(
+    optimizer: str = flag_help("adam or ademamix", "adam")
+    lr: float = flag_help("peak learning rate", 1e-3)
+    min_lr: float = flag_help("learning rate at the end of the decay", 0.0)
+    weight_decay: float = flag_help(
         "decoupled weight decay (never on norms, biases, xIELU alphas)", 0.1
     )
-    adam_beta1: float = _help("first-moment decay", 0.9)
-    adam_beta2: float = _help("second-moment decay", 0.95)
-    adam_eps: float = _help("denominator epsilon", 1e-8)
-    clip_grad: float = _help("global gradient-norm clip (0: off)", 1.0)
-    use_distributed_optimizer: bool = _help("shard optimizer state over data-parallel ranks", False)
+    adam_beta1: float = flag_help("first-moment decay", 0.9)
+    adam_beta2: float = flag_help("second-moment decay", 0.95)
+    adam_eps: float = flag_help("denominator epsilon", 1e-8)
+    clip_grad: float = flag_help("global gradient-norm clip (0: off)", 1.0)
+    use_distributed_optimizer: bool = flag_help(
+        "shard optimizer state over data-parallel ranks", False
+    )
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "ademamix"):
@@ -286,20 +274,20 @@ class CommunicationConfig:
     ``DistributedDataParallelConfig`` and the pipeline schedules' overlap switches. None of them
     changes a result, only when communication happens."""
 
-    overlap_grad_reduce: bool = _switch(
+    overlap_grad_reduce: bool = switch(
         "reduce (or, with --use-distributed-optimizer, reduce-scatter) each gradient bucket as "
         "soon as the backward pass has filled it, overlapping communication with computation"
     )
-    overlap_param_gather: bool = _switch(
+    overlap_param_gather: bool = switch(
         "with --use-distributed-optimizer and --overlap-grad-reduce: all-gather the updated "
         "parameters bucket by bucket just before the next forward pass uses them"
     )
-    ddp_bucket_size: Optional[int] = _help(
+    ddp_bucket_size: Optional[int] = flag_help(
         "gradient elements per communication bucket (default: megatron-core's, max(40M, "
         "1M x data-parallel size) with --overlap-grad-reduce, else one bucket)",
         None,
     )
-    overlap_p2p_communication_warmup_flush: bool = _switch(
+    overlap_p2p_communication_warmup_flush: bool = switch(
         "interleaved pipeline schedule: also overlap the sends and receives of the warmup and "
         "flush phases with computation (needs virtual pipeline stages)"
     )
@@ -331,40 +319,40 @@ class CommunicationConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
-    save: Optional[str] = _help("directory to save checkpoints to", None)
-    load: Optional[str] = _help(
+    save: Optional[str] = flag_help("directory to save checkpoints to", None)
+    load: Optional[str] = flag_help(
         "checkpoint (save directory or iter_* directory) to start from", None
     )
-    save_interval: int = _help("iterations between checkpoints (0: only at the end)", 0)
-    finetune: bool = _switch(
+    save_interval: int = flag_help("iterations between checkpoints (0: only at the end)", 0)
+    finetune: bool = switch(
         "load only the weights from --load: the iteration, consumed samples, optimizer, "
         "learning-rate schedule and RNG states start fresh"
     )
-    no_load_optim: bool = _switch(
+    no_load_optim: bool = switch(
         "load the weights, iteration and consumed samples from --load, not the optimizer state; "
         "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
     )
-    no_load_rng: bool = _switch("keep this run's seeded RNG states instead of the checkpoint's")
-    use_checkpoint_args: bool = _switch(
+    no_load_rng: bool = switch("keep this run's seeded RNG states instead of the checkpoint's")
+    use_checkpoint_args: bool = switch(
         "take the model's shape from the --load checkpoint (each model flag not given on the "
         "command line; the preset is not used) and its tokenizer (--tokenizer-type, and "
         "--tokenizer-model unless given), as Megatron-LM does; a --load without a checkpoint "
         "keeps the command line's"
     )
-    async_save: bool = _switch(
+    async_save: bool = switch(
         "write checkpoints in a background process while training goes on (megatron-core's "
         "asynchronous torch_dist save); a checkpoint counts once every rank has written it, and "
         "the run waits for the last one before it exits"
     )
-    ckpt_fully_parallel_save: bool = _help(
+    ckpt_fully_parallel_save: bool = flag_help(
         "data-parallel replicas share the writing of the checkpoint (megatron-core's fully "
         "parallel save; Megatron-LM's default)",
         True,
     )
-    ckpt_fully_parallel_load: bool = _switch(
+    ckpt_fully_parallel_load: bool = switch(
         "data-parallel replicas each read a share of the checkpoint and exchange it"
     )
-    ckpt_assume_constant_structure: bool = _switch(
+    ckpt_assume_constant_structure: bool = switch(
         "with the fully parallel save: keep the distribution of tensors between the replicas "
         "from the first save instead of computing it again (the state's structure must not change)"
     )
@@ -378,15 +366,17 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
-    tokenizer_type: str = _help(
+    tokenizer_type: str = flag_help(
         "TekkenTokenizer, HuggingFaceTokenizer or SentencePieceTokenizer", "TekkenTokenizer"
     )
-    tokenizer_model: Optional[str] = _help(
+    tokenizer_model: Optional[str] = flag_help(
         "tokenizer file or directory (TekkenTokenizer: default the one bundled with mistral-common)",
         None,
     )
-    goldfish_loss: bool = _help("drop a deterministic 1/k of label positions from the loss", False)
-    num_workers: int = _help(
+    goldfish_loss: bool = flag_help(
+        "drop a deterministic 1/k of label positions from the loss", False
+    )
+    num_workers: int = flag_help(
         "data loader worker processes that read and collate the next step's micro-batches while "
         "this one computes (0: read in the training process; Megatron-LM's default is 2); the "
         "batches are the same for any number",
@@ -403,52 +393,52 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
-    tensorboard_dir: Optional[str] = _help("write TensorBoard scalars here", None)
-    wandb_project: Optional[str] = _help(
+    tensorboard_dir: Optional[str] = flag_help("write TensorBoard scalars here", None)
+    wandb_project: Optional[str] = flag_help(
         "log to this wandb project (WANDB_MODE=offline works)", None
     )
-    wandb_exp_name: Optional[str] = _help("wandb run name", None)
-    log_json: Optional[str] = _help(
+    wandb_exp_name: Optional[str] = flag_help("wandb run name", None)
+    log_json: Optional[str] = flag_help(
         "append every recorded scalar to this JSON-lines file (one object per iteration), "
         "flushed at every log line so a killed run keeps each logged interval; a resumed run "
         "starts it over from its checkpoint's history",
         None,
         ours=True,
     )
-    loss_plot: Optional[str] = _help(
+    loss_plot: Optional[str] = flag_help(
         "PNG of the loss curves, redrawn at every checkpoint and at the end (default: "
         "SAVE/loss.png)",
         None,
         ours=True,
     )
-    log_params_norm: bool = _switch(
+    log_params_norm: bool = switch(
         "log the L2 norm of all parameters (the whole model, each shard once) every --log-interval"
     )
-    log_params_norm_per_param: bool = _switch(
+    log_params_norm_per_param: bool = switch(
         "log each parameter's L2 norm (params-norm/NAME) to TensorBoard, wandb and --log-json "
         "every --log-interval; Apertus-fork flag"
     )
-    log_progress: bool = _switch(
+    log_progress: bool = switch(
         "append Megatron-LM's progress lines (job starts, checkpoints with job and cumulative "
         "TFLOP/s per device, FLOPs and tokens so far) to SAVE/progress.txt"
     )
-    log_loss_scale_to_tensorboard: bool = _help(
+    log_loss_scale_to_tensorboard: bool = flag_help(
         "record the loss scale (1.0 unless fp16 scales it) as TensorBoard's and wandb's "
         "loss-scale; --no-log-loss-scale-to-tensorboard: not (Megatron-LM has only that "
         "form; the positive form is ours)",
         True,
         ours=True,
     )
-    log_memory_to_tensorboard: bool = _switch(
+    log_memory_to_tensorboard: bool = switch(
         "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "
         "and reserved bytes, on a CPU the process's resident memory"
     )
-    log_intermediate_metrics: Optional[list[str]] = _help(
+    log_intermediate_metrics: Optional[list[str]] = flag_help(
         "statistics of every transformer GEMM's input, per layer, among mean, rms, kurtosis, "
         "underflow, overflow (FP8 e4m3 cast); Apertus-fork flag, docs/gpu.md",
         None,
     )
-    log_intermediate_metrics_interval: Optional[int] = _help(
+    log_intermediate_metrics_interval: Optional[int] = flag_help(
         "iterations between intermediate-metric measurements (default: --log-interval); "
         "Apertus-fork flag",
         None,
@@ -481,115 +471,6 @@ class LoggingConfig:
                 check_output(flag, path, directory=False)
         if self.tensorboard_dir:
             check_output("--tensorboard-dir", self.tensorboard_dir, directory=True)
-
-
-ALIASES = {
-    "override_opt_param_scheduler": ["--override-opt_param-scheduler"],
-    "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"],
-    "rope_scaling": ["--use-rope-scaling"],
-    "fused_output_loss": ["--cross-entropy-loss-fusion"],
-}
-"""Megatron-LM's own spellings, kept beside the generated flag names. A boolean's alias only
-switches on, as Megatron-LM's does (``--cross-entropy-loss-fusion``: a fused cross-entropy, here
-the fused output layer + loss)."""
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _base_type(annotation: Any) -> type:
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
-
-
-ADDITION_MARK = " [megatron-apertus addition]"
-"""Ends the help of a flag neither Megatron-LM nor the Apertus fork has (``"ours"`` fields)."""
-
-
-@functools.cache
-def field_docstrings(cls: type) -> dict[str, str]:
-    """The docstring of each field of dataclass ``cls`` and of its bases (the string literal
-    right after the field), on one line."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__[:-1]):
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body
-        for node, after in zip(body, body[1:]):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
-def field_help(cls: type, f: dataclasses.Field) -> str:
-    """A field's help: its metadata's, else its docstring; our additions carry the mark."""
-    text = f.metadata.get("help") or field_docstrings(cls).get(f.name, "")
-    return text + ADDITION_MARK if f.metadata.get("ours") else text
-
-
-def add_arguments(
-    parser: argparse.ArgumentParser,
-    cls: type,
-    *,
-    title: str,
-    defaults: bool = True,
-    prefix: str = "",
-) -> argparse._ArgumentGroup:
-    """Add one argument group with a flag ``--<prefix><field>`` per field of dataclass ``cls``."""
-    group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind = _base_type(hints[f.name])
-        name = prefix + f.name
-        kwargs = dict(default=_default(f) if defaults else None, help=field_help(cls, f))
-        if kind is bool:
-            action = "store_true" if f.metadata.get("switch") else argparse.BooleanOptionalAction
-            group.add_argument(_flag(name), action=action, **kwargs)
-            for alias in ALIASES.get(name, []):
-                group.add_argument(
-                    alias,
-                    dest=name,
-                    action="store_const",
-                    const=True,
-                    default=argparse.SUPPRESS,
-                    help=f"Megatron-LM's spelling of {_flag(name)}",
-                )
-        elif typing.get_origin(kind) is list:
-            flags = [_flag(name), *ALIASES.get(name, [])]
-            group.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **kwargs)
-        else:
-            group.add_argument(_flag(name), *ALIASES.get(name, []), type=kind, **kwargs)
-    return group
-
-
-def from_arguments(cls: type, args: argparse.Namespace, base: Any = None, prefix: str = "") -> Any:
-    """Build ``cls`` from parsed flags; unset flags (None) fall back to ``base`` or the default."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        value = getattr(args, prefix + f.name, None)
-        if value is not None:
-            values[f.name] = value
-    if base is not None:
-        return dataclasses.replace(base, **values)
-    return cls(**values)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, title: str) -> None:
@@ -777,19 +658,9 @@ def groups_from_arguments(
     return values
 
 
-def given_destinations(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:
-    """The destinations ``argv`` sets itself, told apart from defaults (equal values included):
-    argparse fills in a default only where the namespace holds nothing yet, so in a namespace
-    filled with a marker beforehand the marker stays exactly where no flag was given."""
-    unset = object()
-    probe = argparse.Namespace(**{action.dest: unset for action in parser._actions})
-    parser.parse_known_args(argv, probe)
-    return frozenset(name for name, value in vars(probe).items() if value is not unset)
-
-
 def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> RunConfig:
     """The whole run, checked across groups (overlap flags, engine against device and layout);
-    ``given``: the destinations the command line set (:func:`given_destinations`), for the
+    ``given``: the destinations the command line set (:func:`~megatron.apertus.flags.given_destinations`), for the
     flags that must not appear without another even at their default values."""
     from megatron.apertus.parallel import resolve_device
 

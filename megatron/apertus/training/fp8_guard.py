@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help
 
 if TYPE_CHECKING:
     from megatron.apertus.training.metrics import Metrics
@@ -45,70 +46,76 @@ GEMM_STATISTICS = ("kurtosis", "underflow", "overflow")
 """The GEMM-input statistics the guard reads; it turns on those the run does not log."""
 
 
-def _option(text: str, default: Any) -> Any:
-    """A field of our own flag (``"ours"``: marked as our addition in ``--help``)."""
-    return field(default=default, metadata={"help": text, "ours": True})
-
-
 @dataclass(kw_only=True, frozen=True)
 class Fp8GuardConfig:
-    """Thresholds and action of the guard; every bound can be switched off with 0."""
+    """Thresholds and action of the guard; every bound can be switched off with 0. Every flag is
+    ours (``ours=True``): neither Megatron-LM nor the Apertus fork has one."""
 
-    fp8_guard: bool = _option(
+    fp8_guard: bool = flag_help(
         "watch for signs of FP8 trouble (GEMM-input kurtosis, e4m3 underflow/overflow, loss "
         "and grad-norm spikes, skipped steps) and act (--fp8-guard-action); turns on the "
         "--log-intermediate-metrics statistics it reads (kurtosis underflow overflow); "
         "docs/gpu.md",
         False,
+        ours=True,
     )
-    fp8_guard_action: str = _option(
+    fp8_guard_action: str = flag_help(
         "what an alarm does: warn (log it, record it in --log-json and TensorBoard) or stop "
         "(save a checkpoint and exit 1; default warn); bf16-layers and bf16 are not available yet",
         "warn",
+        ours=True,
     )
-    fp8_guard_kurtosis: float = _option(
+    fp8_guard_kurtosis: float = flag_help(
         "alarm when a GEMM input's kurtosis stays above this for --fp8-guard-intervals "
         "consecutive measurements (default 500: 2.5x the 150-200 of fc2's input in 0.5B runs that "
         "trained; a vector of H values has kurtosis at most about H; 0: off)",
         500.0,
+        ours=True,
     )
-    fp8_guard_underflow: float = _option(
+    fp8_guard_underflow: float = flag_help(
         "alarm when the share of a GEMM input's non-zero values that e4m3 flushes to zero stays "
         "above this for --fp8-guard-intervals measurements (default 0.003: 2x the highest share seen "
         "in a healthy 0.5B run, 0.0016; 0.0004 typical, 0.0014 when FP8 drifted; 0: off)",
         0.003,
+        ours=True,
     )
-    fp8_guard_overflow: float = _option(
+    fp8_guard_overflow: float = flag_help(
         "alarm when the share of a GEMM input's values that saturate e4m3 stays above this for "
         "--fp8-guard-intervals measurements (default 0.0001; 0 under current scaling by "
         "construction; 0: off)",
         0.0001,
+        ours=True,
     )
-    fp8_guard_intervals: int = _option(
+    fp8_guard_intervals: int = flag_help(
         "consecutive intermediate-metric measurements a GEMM-input bound must be exceeded for "
         "(default 3)",
         3,
+        ours=True,
     )
-    fp8_guard_loss_z: float = _option(
+    fp8_guard_loss_z: float = flag_help(
         "alarm when the loss exceeds its running mean by this many running standard deviations "
         "(default 6; 0: off)",
         6.0,
+        ours=True,
     )
-    fp8_guard_grad_norm_z: float = _option(
+    fp8_guard_grad_norm_z: float = flag_help(
         "alarm when the gradient norm exceeds its running mean by this many running standard "
         "deviations (default 6; 0: off)",
         6.0,
+        ours=True,
     )
-    fp8_guard_window: int = _option(
+    fp8_guard_window: int = flag_help(
         "steps over which the running mean and standard deviation of the loss and gradient "
         "norm average (exponentially); no spike alarm before this many steps were seen (default "
         "100)",
         100,
+        ours=True,
     )
-    fp8_guard_skipped: int = _option(
+    fp8_guard_skipped: int = flag_help(
         "alarm after this many consecutive skipped steps (non-finite loss or grad norm; default 1; "
         "0: off)",
         1,
+        ours=True,
     )
 
     def __post_init__(self) -> None:

@@ -4,10 +4,11 @@ argument errors need neither torch nor megatron-core."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.training.config import DataConfig, TrainingConfig
 
@@ -17,41 +18,29 @@ SAMPLING = ("topk", "random")
 
 @dataclass(kw_only=True, frozen=True)
 class LogitsConfig:
-    logits_dir: str | None = field(
-        default=None, metadata={"help": "store directory to write (or resume); required"}
+    logits_dir: str | None = flag_help("store directory to write (or resume); required", None)
+    topk: int = flag_help("teacher ids and probabilities kept per token", 256)
+    samples_per_block: int | None = flag_help(
+        "samples per stored block (default: about 131k tokens)", None
     )
-    topk: int = field(
-        default=256, metadata={"help": "teacher ids and probabilities kept per token"}
+    teacher_name: str | None = flag_help(
+        "teacher identifier in the header (default: from --load)", None
     )
-    samples_per_block: int | None = field(
-        default=None, metadata={"help": "samples per stored block (default: about 131k tokens)"}
+    topk_chunk_rows: int | None = flag_help(
+        "Apertus addition: tokens whose logits the last stage holds at once "
+        "(default: a multiple of 64 giving about 256 MiB of logits)",
+        None,
     )
-    teacher_name: str | None = field(
-        default=None, metadata={"help": "teacher identifier in the header (default: from --load)"}
+    sampling: str = flag_help(
+        "what the store keeps per token: topk (the --topk most likely ids and their "
+        "probabilities) or random (--samples ids drawn from the teacher, as distinct ids "
+        "and counts: unbiased, docs/distillation.md)",
+        "topk",
+        ours=True,
     )
-    topk_chunk_rows: int | None = field(
-        default=None,
-        metadata={
-            "help": "Apertus addition: tokens whose logits the last stage holds at once "
-            "(default: a multiple of 64 giving about 256 MiB of logits)"
-        },
-    )
-    sampling: str = field(
-        default="topk",
-        metadata={
-            "ours": True,
-            "help": "what the store keeps per token: topk (the --topk most likely ids and their "
-            "probabilities) or random (--samples ids drawn from the teacher, as distinct ids "
-            "and counts: unbiased, docs/distillation.md)",
-        },
-    )
-    samples: int = field(
-        default=32,
-        metadata={"ours": True, "help": "draws per token of --sampling random"},
-    )
-    sampling_seed: int | None = field(
-        default=None,
-        metadata={"ours": True, "help": "seed of --sampling random's draws (default: --seed)"},
+    samples: int = flag_help("draws per token of --sampling random", 32, ours=True)
+    sampling_seed: int | None = flag_help(
+        "seed of --sampling random's draws (default: --seed)", None, ours=True
     )
 
     def __post_init__(self) -> None:
