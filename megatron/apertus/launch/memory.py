@@ -277,6 +277,12 @@ def loss_buffer_bytes(model: ApertusConfig, shape: Shape) -> float:
     return p * shape.tokens * h + grad_weight + p * min(rows, shape.tokens) * vocab_local
 
 
+def unfused_loss_bytes(model: ApertusConfig, shape: Shape) -> float:
+    """Peak of the unfused output layer + loss (megatron-core's vocab-parallel cross-entropy):
+    the logits in the training dtype and the fp32 softmax it keeps for the backward."""
+    return (shape.dtype_bytes + FP32) * shape.tokens * model.vocab_size / shape.tp
+
+
 @dataclass(kw_only=True, frozen=True)
 class StageMemory:
     """Bytes on one GPU of pipeline stage ``pipeline_rank``."""
@@ -317,6 +323,8 @@ class Workload:
     recompute: Recompute = Recompute()
     forward_only: bool = False
     """Inference (teacher logits): weights and one layer's working set, no states."""
+    fused_loss: bool = True
+    """The fused output layer + loss (``--fused-output-loss``); unfused, the whole logits exist."""
 
 
 def model_state_bytes(parameters: int, run: Workload) -> tuple[float, float, float]:
@@ -371,7 +379,8 @@ def stage_memory(
     if last:
         h = model.hidden_size
         activations += (FP32 * h + shape.dtype_bytes * h + FP32) * shape.tokens / shape.seq_split
-        loss = loss_buffer_bytes(model, shape)
+        fused = run.fused_loss
+        loss = loss_buffer_bytes(model, shape) if fused else unfused_loss_bytes(model, shape)
     return StageMemory(
         pipeline_rank=pipeline_rank,
         parameters=parameters,

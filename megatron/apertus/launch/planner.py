@@ -33,6 +33,7 @@ from typing import NoReturn
 import torch
 
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import given_destinations
 from megatron.apertus.launch import memory
 from megatron.apertus.launch.memory import Recompute, Shape, StageMemory, Workload
 from megatron.apertus.model.config import (
@@ -45,6 +46,7 @@ from megatron.apertus.model.engine import EngineConfig
 from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.parallel import resolve_device
 from megatron.apertus.training import config as C
+from megatron.apertus.training.objectives import output_loss_fused
 
 GIB = 2**30
 FORWARD_ONLY_ENTRIES = ("tools/generate_teacher_logits.py",)
@@ -129,22 +131,30 @@ class Plan:
 
 PLANNED_GROUPS = ("model", "parallel", "training", "optimizer", "engine")
 """The config groups of ``pretrain_gpt.py``'s command line that a layout depends on."""
+OBJECTIVE_GROUPS = ("align",)
+"""Groups read only to decide the output loss as the run does (``output_loss_fused``)."""
 
 
 def _parser() -> argparse.ArgumentParser:
     """The layout-relevant part of ``pretrain_gpt.py``'s command line (same generated flags)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    C.add_run_arguments(parser, PLANNED_GROUPS)
+    C.add_run_arguments(parser, PLANNED_GROUPS + OBJECTIVE_GROUPS)
     return parser
 
 
 def run_from_args(argv: list[str], *, forward_only: bool = False) -> Run:
-    """The run described by an entry point's flags; flags the planner does not need are ignored."""
-    args, _ = _parser().parse_known_args(argv)
+    """The run described by an entry point's flags; flags the planner does not need are ignored.
+    Its output loss is the one the run itself chooses for its objective."""
+    parser = _parser()
+    args, _ = parser.parse_known_args(argv)
     try:
-        return Run(**C.groups_from_arguments(args, PLANNED_GROUPS), forward_only=forward_only)
+        groups = C.groups_from_arguments(args, PLANNED_GROUPS + OBJECTIVE_GROUPS)
+        align = groups.pop("align")
+        fused = output_loss_fused(groups["training"], align, given_destinations(parser, argv))
     except ValueError as err:  # ConfigError is a ValueError
         raise ConfigError(str(err)) from err
+    groups["training"] = replace(groups["training"], fused_output_loss=fused)
+    return Run(**groups, forward_only=forward_only)
 
 
 def run_from_command(command: list[str]) -> Run:
@@ -279,6 +289,7 @@ def _stages(run: Run, dp: int, microbatches: int, recompute: Recompute) -> list[
         microbatches=microbatches,
         recompute=recompute,
         forward_only=run.forward_only,
+        fused_loss=run.training.fused_output_loss,
     )
     return [
         memory.stage_memory(run.model, run.parallel, _shape(run), workload, r)
@@ -449,7 +460,14 @@ def _memory_lines(p: Plan) -> list[str]:
             peak.optimizer,
         ),
         (f"activations (recompute {_recompute_name(run.recompute)})", peak.activations),
-        ("fused output layer + loss (dX, dW, a chunk of logits)", peak.loss_buffers),
+        (
+            (
+                "fused output layer + loss (dX, dW, a chunk of logits)"
+                if run.training.fused_output_loss
+                else "unfused output layer + loss (logits, fp32 softmax)"
+            ),
+            peak.loss_buffers,
+        ),
         *(
             [(f"context-parallel {run.parallel.cp_comm_type} buffers (one layer)", peak.cp_buffers)]
             if run.parallel.context_parallel_size > 1
