@@ -62,10 +62,15 @@ COMMON = [
 STEPS = 3
 RTOL = 2e-6
 GRAD_NORM_RTOL = 5e-4
-GRAD_TOL = 1e-5
+GRAD_TOL = 2e-6
 """Largest difference of a first-step gradient element, relative to the largest magnitude of its
 parameter's gradient: fp32 round-off of sums in another order (the attention's softmax merges,
-the loss and the gradient reductions over CP ranks)."""
+the loss and the gradient reductions over CP ranks). Measured at a2a+p2p 2 x 2: 9e-7 (p2p at
+CP=2: 8e-7); largest absolute difference 2.2e-8."""
+SCALAR_GRAD_TOL = 1e-4
+"""The same for one-number parameters (xIELU's alphas): each is a sum over every token and
+feature of its layer that cancels to ~4e-7, so the same ~1e-11 of round-off is 2e-5 of it, as
+much at p2p CP=2 as at a2a+p2p 2 x 2."""
 HIERARCHICAL = ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"]
 HIER = HIERARCHICAL + ["--cp-comm-type", "a2a+p2p"]
 PER_LAYER = HIERARCHICAL + ["--cp-comm-type", "a2a+p2p", "p2p", "a2a", "a2a+p2p"]
@@ -130,19 +135,19 @@ def _run(
     return history
 
 
-def _max_grad_difference(got: dict, expected: dict) -> float:
-    """Largest element-wise difference of every rank's first-step gradients from one process's,
-    relative to the largest magnitude of each parameter's gradient (all must match)."""
+def _assert_same_gradients(got: dict, expected: dict) -> None:
+    """Every rank's first-step gradient of every parameter, element by element, against one
+    process's, relative to the largest magnitude of that parameter's gradient."""
     (reference,) = expected["grads"]
-    worst = 0.0
-    for rank in got["grads"]:
-        assert rank.keys() == reference.keys()
+    for rank, grads in enumerate(got["grads"]):
+        assert grads.keys() == reference.keys()
         for name, want in reference.items():
-            assert rank[name].shape == want.shape, name
+            assert grads[name].shape == want.shape, name
             scale = want.abs().max().item()
             assert scale > 0, f"{name}: a zero gradient compares nothing"
-            worst = max(worst, (rank[name] - want).abs().max().item() / scale)
-    return worst
+            error = (grads[name] - want).abs().max().item() / scale
+            tolerance = GRAD_TOL if want.numel() > 1 else SCALAR_GRAD_TOL
+            assert error < tolerance, (rank, name, error)
 
 
 def _assert_same_run(got: dict, expected: dict) -> None:
@@ -192,7 +197,7 @@ def test_hierarchical_context_parallel_matches_one_process(root, unpacked, name,
     gradient element of the first step on every rank."""
     got = _run(root, name, args, 4, grads=True)
     _assert_same_run(got, unpacked)
-    assert _max_grad_difference(got, unpacked) < GRAD_TOL
+    _assert_same_gradients(got, unpacked)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +225,7 @@ def test_packed_hierarchical_context_parallel_with_goldfish_matches_one_process(
 ):
     got = _run(root, "packed-cp4-hierarchical", PACKED + GOLDFISH + HIER, 4, grads=True)
     _assert_same_run(got, packed_goldfish)
-    assert _max_grad_difference(got, packed_goldfish) < GRAD_TOL
+    _assert_same_gradients(got, packed_goldfish)
 
 
 def _store_digest(store) -> dict[str, str]:
@@ -352,7 +357,7 @@ def test_distillation_under_hierarchical_context_parallel_matches_one_process(ro
     expected = _run(root, "distill-hier-reference", distil, grads=True)
     got = _run(root, "distill-logits-cp4-hierarchical", distil + HIER, 4, grads=True)
     _assert_same_run(got, expected)
-    assert _max_grad_difference(got, expected) < GRAD_TOL
+    _assert_same_gradients(got, expected)
 
 
 @pytest.fixture(scope="module")
