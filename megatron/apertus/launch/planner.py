@@ -9,15 +9,16 @@ constraint:
 * the batch: global batch (and every ramp-up batch) divisible by micro-batch x DP; with virtual
   stages, micro-batches per step divisible by PP (megatron-core's interleaved schedule);
 * the placement: a TP group inside one node; the sequence over TP with sequence parallelism;
-* context parallelism: the sequence into 2 x CP chunks (Megatron's load-balanced split), each
-  rank's share over TP with sequence parallelism, and with ``a2a`` the heads and query groups of
-  a TP rank over CP;
+* context parallelism: the trainer's rule (``context_parallel_problems``: the sequence into
+  2 x CP chunks, hierarchical sizes, per-layer lists, heads and query groups of a TP rank over
+  an all-to-all), each rank's share over TP with sequence parallelism;
 * memory: the fullest pipeline stage (``memory.stage_memory``) within the usable share of a GPU.
 
 It reports the per-GPU memory (weights, gradients, optimizer states, activations with the
 chosen recomputation and the alternatives), model FLOPs per step (``flops_per_token``, the
 same count the training log uses for MFU) and, with CP, the bytes each GPU sends per step for
-attention (``cp_traffic_bytes``). ``sweep`` plans one run at several sequence lengths and CP
+attention (``cp_traffic_bytes``), and how much of it waits on links between nodes (where
+hierarchical ``a2a+p2p`` pays). ``sweep`` plans one run at several sequence lengths and CP
 sizes with the tokens per step held fixed (the long-context table).
 """
 
