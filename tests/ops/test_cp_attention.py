@@ -1,8 +1,9 @@
 """Context-parallel attention (megatron/apertus/ops/cp_attention.py): the partitions Megatron and
 TE use; the ring's tile arithmetic by fp64 gradcheck; p2p, a2a and hierarchical a2a+p2p (2 x 1,
-1 x 2 and 2 x 2) on 2 and 4 gloo processes against one-process attention, outputs and the gradients of q, k and v, for one causal sequence
-(batch of 2, GQA) and for packed documents that cross the chunk boundaries; and a negative control:
-the same comparison fails when documents may see each other.
+1 x 2 and 2 x 2) on 2 and 4 gloo processes against one-process attention, outputs and the
+gradients of q, k and v, for one causal sequence (batch of 2, GQA) and for packed documents that
+cross the chunk boundaries; and a negative control: the same comparison fails when documents may
+see each other.
 """
 
 from __future__ import annotations
