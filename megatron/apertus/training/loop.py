@@ -29,7 +29,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 
 from megatron.apertus import parallel
-from megatron.apertus.checkpoint import TrainingState
+from megatron.apertus.checkpoint import TrainingState, trusting_fp8_state
 from megatron.apertus.checkpoint_files import checkpoint_iteration
 from megatron.apertus.model.precision import set_bf16_layers
 from megatron.apertus.training import runtime
@@ -227,7 +227,8 @@ class Trainer:
         set_bf16_layers(self.model, self.fp8_guard.bf16_layers)
         self.objective.close()
         self.resume_from = found
-        self.state = self._resume(self.cfg.checkpoint.continuing())
+        with trusting_fp8_state():  # --save's own checkpoint
+            self.state = self._resume(self.cfg.checkpoint.continuing())
         self.objective.prepare(self.model, state=self.state, resume_from=found)
         self.reporter.rewind(self.state)
         self.fp8_guard.resumed(self.state.extra.get(CHECKPOINT_KEY))
