@@ -380,16 +380,16 @@ def train_losses(history: dict, after: int) -> dict[int, float]:
 def from_checkpoint(save, iteration: int, flags: list[str]) -> dict:
     """The losses of a run started from ``save``'s checkpoint of ``iteration`` with ``flags``,
     the outlier there from its first step, without the guard: what a switch must reproduce."""
-    load = ["--load", str(checkpoint.iteration_dir(save, iteration)), "--train-iters", "8"]
+    load = ["--load", str(checkpoint.iteration_dir(save, iteration)), "--train-iters", "6"]
     with outlier_after(0):
         return train_losses(train(pretrain_gpt.parse_args(BASE + load + flags)), iteration)
 
 
 def switching(action: str, save, log=None) -> list[str]:
-    """The injected run of 8 steps saving every 2 whose guard acts with ``action``."""
+    """The injected run of 6 steps saving every 2 whose guard acts with ``action``."""
     logged = ["--log-json", str(log)] if log else []
     flags = ["--fp8-guard-action", action, "--save", str(save), "--load", str(save)]
-    return BASE + GUARD + flags + ["--save-interval", "2", "--train-iters", "8", *logged]
+    return BASE + GUARD + flags + ["--save-interval", "2", "--train-iters", "6", *logged]
 
 
 def test_bf16_layers_goes_back_to_the_checkpoint_before_the_alarm_and_keeps_the_layer(
@@ -414,11 +414,11 @@ def test_bf16_layers_goes_back_to_the_checkpoint_before_the_alarm_and_keeps_the_
     assert (decision["action"], decision["layers"]) == ("bf16-layers", [2])
     assert (decision["iteration"], decision["resumed_from"]) == (4, 2)
     last = checkpoint.find_checkpoint(save)
-    assert last.name == "iter_0000008" and decisions_at(last) == [decision]
+    assert last.name == "iter_0000006" and decisions_at(last) == [decision]
     assert series(read_json(log), "fp8_guard/bf16-layers/resumed_from") == ([4], [2.0])
 
     reference = from_checkpoint(save, 2, ["--bf16-layers", "2"])
-    assert list(reference) == [3, 4, 5, 6, 7, 8]
+    assert list(reference) == [3, 4, 5, 6]
     assert train_losses(history, after=2) == reference
 
 
