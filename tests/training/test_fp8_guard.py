@@ -449,3 +449,14 @@ def test_bf16_decision_outlives_a_job_that_ends_before_its_next_save(tmp_path, c
     decisions = decisions_at(checkpoint.find_checkpoint(save))
     assert [d["layers"] for d in decisions] == [[1, 2, 3, 4]]
     assert train_losses(history, after=2) == from_checkpoint(save, 2, [])
+
+
+def test_an_alarm_before_the_first_checkpoint_stops_naming_the_layers(tmp_path):
+    save = tmp_path / "ckpt"
+    flags = switching("bf16-layers", save) + ["--save-interval", "10"]
+    with pytest.raises(TrainingStopped) as err, outlier_after(2):
+        train(pretrain_gpt.parse_args(flags))
+    line = str(err.value)
+    assert line.startswith("the FP8 guard's bf16-layers at iteration 4 (layer002 fc2 kurtosis ")
+    assert f"{save} holds none yet; restart the run with --bf16-layers 2 " in line
+    assert checkpoint.latest_iteration(save) is None and not (save / DECISIONS_FILE).exists()
