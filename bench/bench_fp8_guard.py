@@ -11,13 +11,13 @@ shrink it). Runs, each in its own process (``--child``):
 * ``bf16-layers``: the same run with ``--fp8-guard --fp8-guard-action bf16-layers``: the alarm,
   the layer switched out of FP8, the go-back to the last checkpoint before the alarm;
 * ``from-checkpoint``: a run started from that checkpoint with ``--bf16-layers L`` (the outlier
-  there from its first step), whose losses the switched run must repeat;
+  from the same step), whose losses the switched run must repeat;
 * on a GPU, ``clean`` and ``clean-guard``: the model without outlier, without and with the guard
   measuring on every step (``--log-intermediate-metrics-interval 1``): the cost of one measured
   step, of which the default interval (10 steps) pays a tenth.
 
 ``--plot`` draws the first two (CPU, fp32: a layer's precision changes nothing there, so the
-curves show the detection and the go-back, not FP8 numerics). ``--device cuda`` writes
+curves coincide and show the detection and the go-back, not FP8 numerics). ``--device cuda`` writes
 ``fp8_guard.json`` (alarm, decision, loss comparison, cost) under ``--out``: the GPU suite's
 ``fp8-guard`` stage.
 """
@@ -57,7 +57,7 @@ class Scenario:
     flags: list[str]
     layer: int
     after: int
-    """Training backward passes before the outlier appears."""
+    """The last step without the outlier."""
     iterations: int
     save_interval: int
     interval: int
@@ -144,34 +144,36 @@ def timing_argv(s: Scenario, guard: bool) -> list[str]:
 
 @contextlib.contextmanager
 def injected(layer: int, after: int) -> Iterator[None]:
-    """The outlier in layer ``layer``'s fc2 input from the forward pass that follows the
-    ``after``-th training backward pass on, for the rest of the process (a go-back included)."""
-    from megatron.apertus.training import step as step_module
+    """The outlier in layer ``layer``'s fc2 input in every step after step ``after`` (and the
+    validation passes that follow them), the same in a timeline the guard went back on: the
+    steps are told apart by the iteration the trainer measures them as."""
+    from megatron.apertus.training.reporter import Reporter
 
-    original, done, hooked = step_module.run_microbatches, 0, False
+    original, hooked, current = Reporter.gemm_inputs, False, [0]
 
     def add_outlier(module, args):
+        if current[0] <= after:
+            return None
         x = args[0].clone()
         x[..., OUTLIER_CHANNEL] += OUTLIER_SIZE * x.detach().float().pow(2).mean().sqrt()
         return (x, *args[1:])
 
-    def with_outlier(model, data_iterators, shape, *, forward_only: bool, **objective):
-        nonlocal done, hooked
-        if not hooked and done >= after:
-            for chunk in model:
+    def tracking(reporter, iteration: int):
+        nonlocal hooked
+        current[0] = iteration
+        if not hooked:  # ahead of the statistics' hooks, which attach per measured step
+            for chunk in reporter.model:
                 for module in chunk.modules():
                     if getattr(module, "layer_number", None) == layer and hasattr(module, "mlp"):
                         module.mlp.linear_fc2.register_forward_pre_hook(add_outlier)
             hooked = True
-        losses = original(model, data_iterators, shape, forward_only=forward_only, **objective)
-        done += not forward_only
-        return losses
+        return original(reporter, iteration)
 
-    step_module.run_microbatches = with_outlier
+    Reporter.gemm_inputs = tracking
     try:
         yield
     finally:
-        step_module.run_microbatches = original
+        Reporter.gemm_inputs = original
 
 
 def child(spec: dict) -> dict:
@@ -244,8 +246,7 @@ def injected_runs(s: Scenario, work: Path, env: dict | None = None) -> dict:
     run's losses against the run from its checkpoint (``env``: that run's environment)."""
     runs = {}
     for run in ("guard-off", "bf16-layers", "from-checkpoint"):
-        outlier = [s.layer, 0 if run == "from-checkpoint" else s.after]
-        spec = {"argv": injected_argv(s, run, work), "outlier": outlier}
+        spec = {"argv": injected_argv(s, run, work), "outlier": [s.layer, s.after]}
         runs[run] = run_child(spec, env if run == "from-checkpoint" else None)
         if "error" in runs[run]:
             return {"runs": runs}
