@@ -8,6 +8,13 @@ import torch
 from megatron.apertus.model.engine import EngineConfig
 from megatron.apertus.model.precision import PrecisionTransformerLayer, bf16_layers, set_bf16_layers
 
+GEMMS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+
 
 def test_the_set_names_global_layer_numbers_and_changes_between_steps(tiny_cpu):
     chunk = tiny_cpu.build(engine=EngineConfig(bf16_layers=[2, 4]))
@@ -30,13 +37,25 @@ def test_without_fp8_a_layer_in_bf16_computes_the_same(tiny_cpu):
 
 
 def test_a_load_leaves_the_fp8_state_of_layers_in_bf16_out(tiny_cpu):
+    """Every linear is offered a saved FP8 state; those of layer 2 (in bf16) receive none
+    (megatron-core's linears then default it to None, TE's report it missing, which loads
+    allow). Seen from a pre-hook of each linear, which runs where it reads its state."""
     chunk = tiny_cpu.build(engine=EngineConfig(bf16_layers=[2]))
-    state = chunk.state_dict()
-    fp8_state = sorted(key for key in state if key.endswith("_extra_state"))
-    assert fp8_state, "megatron-core's linears carry the key TE's FP8 state travels in"
-    result = chunk.load_state_dict(state, strict=False)
-    assert sorted(result.missing_keys) == [
-        k for k in fp8_state if k.startswith("decoder.layers.1.")
-    ]
+    saved = torch.tensor([7], dtype=torch.uint8)
+    state = {k: saved if k.endswith("._extra_state") else v for k, v in chunk.state_dict().items()}
+    offered: dict[str, object] = {}
+
+    def record(state_dict, prefix, *args) -> None:
+        offered[prefix] = state_dict.get(prefix + "_extra_state")
+
+    linears = [m for n, m in chunk.named_modules() if n.endswith(("_qkv", "_proj", "_fc1", "_fc2"))]
+    for linear in linears:
+        linear._register_load_state_dict_pre_hook(record)
+    chunk.load_state_dict(state, strict=False)
+    assert len(offered) == 16
+    assert {p for p, value in offered.items() if value is not saved} == {
+        f"decoder.layers.1.{gemm}." for gemm in GEMMS
+    }
     set_bf16_layers([chunk], [])
-    assert chunk.load_state_dict(state, strict=False).missing_keys == []
+    chunk.load_state_dict(state, strict=False)
+    assert all(value is saved for value in offered.values())

@@ -262,14 +262,19 @@ def outlier_after(passes: int) -> Iterator[None]:
     the rest of the run, a go-back to an earlier checkpoint included: the outlier persists."""
     original, done, hooked = step_module.run_microbatches, 0, False
 
-    def with_outlier(model, data_iterators, shape, *, forward_only: bool, **objective):
-        nonlocal done, hooked
+    def hook(model) -> None:
+        nonlocal hooked
         if not hooked and done >= passes:
             fc2 = model[0].module.decoder.layers[OUTLIER_LAYER - 1].mlp.linear_fc2
             fc2.register_forward_pre_hook(add_outlier)
             hooked = True
+
+    def with_outlier(model, data_iterators, shape, *, forward_only: bool, **objective):
+        nonlocal done
+        hook(model)  # the first step's (0 passes)
         losses = original(model, data_iterators, shape, forward_only=forward_only, **objective)
         done += not forward_only
+        hook(model)  # after a backward pass: ahead of the next step's statistics hooks
         return losses
 
     step_module.run_microbatches = with_outlier
