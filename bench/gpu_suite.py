@@ -538,22 +538,23 @@ def bench_stage(ctx: Context, name: str, flags: list[str], derive=None) -> dict:
 
 def check_bench_argv(ctx: Context, argv: list[str]) -> dict:
     """Parse the benchmark's flags and every trainer command line they start."""
+    bench = bench_module()
+    planned = bench.planned_trainer_argvs(bench.build_parser().parse_args(argv))
+    check_trainer_argvs(ctx, planned, f"bench_train_step.py {' '.join(argv)}")
+    return {"planned": planned}
+
+
+def check_trainer_argvs(ctx: Context, planned: list[list[str]], what: str) -> None:
+    """Parse every trainer command line ``what`` starts; the first refusal ends the stage."""
     from megatron.apertus.training.megatron_flags import refusals
     from pretrain_gpt import build_parser
 
-    bench = bench_module()
-    args = bench.build_parser().parse_args(argv)
-    planned = bench.planned_trainer_argvs(args)
     parser = build_parser()
     for trainer_argv in planned:
         refused = refusals(parser.parse_args(trainer_argv))
         if refused:
             raise SystemExit(f"gpu_suite.py: {' '.join(trainer_argv)}: {refused[0]}")
-    ctx.write_log(
-        f"dry run: bench_train_step.py {' '.join(argv)}: {len(planned)} trainer "
-        f"command lines parsed"
-    )
-    return {"planned": planned}
+    ctx.write_log(f"dry run: {what}: {len(planned)} trainer command lines parsed")
 
 
 def tokens_ratio(result: dict, pairs: list[tuple[str, str]]) -> dict[str, float]:
@@ -828,6 +829,35 @@ def metrics_overhead_stage(ctx: Context, stage: Stage) -> dict:
     return bench_stage(ctx, stage.name, variant_flags("metrics"), metrics_overhead)
 
 
+def fp8_guard_stage(ctx: Context, stage: Stage) -> dict:
+    """The injected outlier under TE FP8 delayed scaling (0.5B, ``bench_fp8_guard.py``): the
+    alarm, the ``bf16-layers`` switch back to the checkpoint before it, the run from that
+    checkpoint with ``--bf16-layers`` to compare losses with, and the guard's cost per step at
+    its default interval. The dry run parses every trainer command line the call would start."""
+    import bench_fp8_guard as guard
+
+    work = Path("/tmp/gpu_suite") / stage.name
+    if ctx.dry:
+        planned = guard.planned_trainer_argvs(guard.gpu_scenario(), work)
+        check_trainer_argvs(ctx, planned, "bench_fp8_guard.py --device cuda")
+        return {"status": "dry", "planned": planned}
+    code, _ = ctx.call(
+        [
+            python(),
+            str(REPO / "bench" / "bench_fp8_guard.py"),
+            "--device",
+            "cuda",
+            "--out",
+            str(work),
+        ],
+        limit_s=stage_limit(ctx),
+    )
+    report = work / "fp8_guard.json"
+    result = json.loads(report.read_text()) if report.exists() else {}
+    ok = code == 0 and result.get("decision_as_expected") and "measured_step_overhead" in result
+    return {"status": status(bool(ok), code, ctx), **result}
+
+
 STAGES = [
     Stage("attention", "TE attention backend, unpacked and packed (THD)", 0.5, attention_stage),
     Stage("pytest-gpu", "pytest -m gpu tests/gpu tests/ops", 4, pytest_gpu_stage),
@@ -843,6 +873,7 @@ STAGES = [
     Stage("fp8-profile", "8B layer shapes: kernel time by category", 4, fp8_profile_stage),
     Stage("determinism", "--deterministic-mode cost in tokens/s", 3, determinism_stage),
     Stage("metrics-overhead", "--log-intermediate-metrics overhead", 2.5, metrics_overhead_stage),
+    Stage("fp8-guard", "FP8 guard: injected outlier, bf16-layers, cost", 4.5, fp8_guard_stage),
 ]
 """In order of value."""
 

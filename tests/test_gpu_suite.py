@@ -68,6 +68,14 @@ def test_dry_run_selects_builds_writes_and_plots(tmp_path):
         ["tensorwise", "delayed", "blockwise", "tensorwise", "blockwise"]
     )
     assert sum("--first-last-layers-bf16" in argv for argv in planned) == 2
+    # the FP8 guard stage: the injected run under TE FP8 delayed scaling switches layers to bf16,
+    # the run from its checkpoint names them, the cost runs measure with the guard and without
+    unguarded, guarded, from_checkpoint, clean, measured = results["fp8-guard"]["planned"]
+    assert guarded[guarded.index("--fp8-recipe") + 1] == "delayed"
+    assert guarded[guarded.index("--fp8-guard-action") + 1] == "bf16-layers"
+    assert from_checkpoint[from_checkpoint.index("--bf16-layers") + 1] == "3"
+    assert from_checkpoint[from_checkpoint.index("--load") + 1].endswith("iter_0000008")
+    assert "--fp8-guard" in measured and "--fp8-guard" not in clean + unguarded
     # the distillation-step stage's command line parses with the benchmark's own parser
     assert results["distill-step"]["argv"][:2] == ["--device", "cuda"]
     assert "bench_distill_step.py --device cuda" in (out / "distill-step.log").read_text()

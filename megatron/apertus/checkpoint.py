@@ -33,6 +33,7 @@ fields of ``apertus_model.json``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.managers import SyncManager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -615,6 +616,22 @@ def _explain_te_refusal(err: RuntimeError, directory: Path) -> None:
             f"Python pickle; set {PICKLED_FP8_STATE}=1 to load a checkpoint you trust (your own "
             "run's), or resume with another --fp8-recipe"
         ) from err
+
+
+@contextlib.contextmanager
+def trusting_fp8_state() -> Iterator[None]:
+    """Within the block, Transformer Engine loads pickled delayed-scaling state: for a load of a
+    checkpoint the run wrote itself (the FP8 guard going back to one; a new process that loads
+    one needs the switch set by its user)."""
+    before = os.environ.get(PICKLED_FP8_STATE)
+    os.environ[PICKLED_FP8_STATE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PICKLED_FP8_STATE)
+        else:
+            os.environ[PICKLED_FP8_STATE] = before
 
 
 def has_optimizer_states(path: str | os.PathLike) -> bool:

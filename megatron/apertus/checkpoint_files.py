@@ -39,6 +39,14 @@ def iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
 
 
+def checkpoint_iteration(checkpoint_dir: str | os.PathLike) -> int:
+    """The iteration of a checkpoint directory (``iter_0000100`` -> 100)."""
+    match = _ITERATION_DIR.fullmatch(Path(checkpoint_dir).name)
+    if match is None or match.group(2):
+        raise ValueError(f"{checkpoint_dir} is not a checkpoint directory iter_NNNNNNN")
+    return int(match.group(1))
+
+
 def latest_iteration(load_dir: str | os.PathLike) -> int | None:
     tracker = Path(load_dir) / TRACKER
     if not tracker.is_file():

@@ -3,8 +3,11 @@ hidden channel of one layer's fc2 input is made an outlier from a chosen step on
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
+from typing import Iterator
 
 import pytest
 import torch
@@ -12,8 +15,17 @@ from megatron.core import dist_checkpointing
 
 import pretrain_gpt
 from megatron.apertus import checkpoint
-from megatron.apertus.training.fp8_guard import Fp8Guard, Fp8GuardConfig
+from megatron.apertus.training import step as step_module
+from megatron.apertus.training.fp8_guard import (
+    DECISIONS_FILE,
+    Fp8Guard,
+    Fp8GuardConfig,
+    GuardedRun,
+    decisions_at,
+)
 from megatron.apertus.training.loop import TrainingStopped, train
+from megatron.apertus.training.metrics import Metrics
+from megatron.apertus.training.step import StepResult
 from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_script, series
 
 # -- the decisions ---------------------------------------------------------------------------
@@ -124,12 +136,17 @@ def test_state_round_trip_keeps_counts_moments_and_alarms():
         (["--fp8-guard-window", "1"], "--fp8-guard-window must be >= 2, got 1"),
         (["--fp8-guard-loss-z", "nan"], "--fp8-guard-loss-z must be >= 0, got nan"),
         (["--fp8-guard-action", "panic"], "--fp8-guard-action must be one of warn, stop"),
-        (["--fp8-guard-action", "bf16-layers"], "bf16-layers is not available yet; use warn"),
+        (["--fp8-guard-action", "bf16-layers"], "bf16-layers goes back to the last checkpoint "),
+        (["--fp8-guard-action", "bf16"], "--fp8-guard-action bf16 goes back to the last "),
+        (["--bf16-layers", "5"], "--bf16-layers 5 is not a layer of this model: layers are "),
+        (["--bf16-layers", "2", "0"], "--bf16-layers 0 is not a layer of this model"),
     ],
 )
 def test_bad_thresholds_are_refused_in_one_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        pretrain_gpt.parse_args(["--train-iters", "2", "--fp8-guard", *flags])
+        pretrain_gpt.parse_args(
+            ["--model-preset", "tiny", "--train-iters", "2", "--fp8-guard", *flags]
+        )
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
@@ -142,6 +159,64 @@ def test_bad_threshold_exits_2_from_the_command_line():
         "pretrain_gpt.py: error: --fp8-guard-intervals must be >= 1, got 0 "
         "(see pretrain_gpt.py --help)"
     ]
+
+
+# -- switching layers out of FP8 ----------------------------------------------------------------
+
+
+def guarded(action: str, tmp_path, **thresholds) -> GuardedRun:
+    cfg = Fp8GuardConfig(fp8_guard=True, fp8_guard_action=action, **thresholds)
+    metrics = Metrics(tensorboard_dir=None, wandb_project=None, wandb_exp_name=None, config={})
+    return GuardedRun(cfg, reporting=True, metrics=metrics, save_dir=str(tmp_path), num_layers=4)
+
+
+def step(loss: float = 2.0) -> StepResult:
+    return StepResult(loss=loss, num_tokens=512, grad_norm=1.0, skipped=False)
+
+
+def test_bf16_layers_names_the_alarmed_layers_and_bf16_every_layer(tmp_path):
+    high = {"layer002/fc2/kurtosis": 181.0, "layer003/qkv/kurtosis": 12.0}
+    run = guarded("bf16-layers", tmp_path, fp8_guard_kurtosis=60.0, fp8_guard_intervals=1)
+    switch = run.after_step(4, step(), high)
+    assert (switch.action, switch.layers, switch.iteration) == ("bf16-layers", (2,), 4)
+    assert "layer002 fc2 kurtosis 181 > 60" in switch.why and switch.resumed_from is None
+    run = guarded("bf16", tmp_path, fp8_guard_kurtosis=60.0, fp8_guard_intervals=1)
+    assert run.after_step(4, step(), high).layers == (1, 2, 3, 4)
+
+
+def test_a_spike_switches_the_layers_above_their_bounds_else_every_layer(tmp_path):
+    run = guarded("bf16-layers", tmp_path, fp8_guard_kurtosis=60.0, fp8_guard_intervals=3)
+    run.guard.exempt_layers([4])
+    for i in range(1, 101):
+        assert run.after_step(i, step(2.0 + 0.01 * (-1) ** i), None) is None
+    assert run.after_step(101, step(2.0), {"layer003/fc1/kurtosis": 90.0}) is None  # 1 of 3
+    switch = run.after_step(102, step(50.0), None)
+    assert switch.layers == (3,) and "loss_spike" in switch.why
+    run.guard.above = {}
+    assert run.after_step(103, step(500.0), None).layers == (1, 2, 3), "all but the bf16 one"
+
+
+def test_layers_in_bf16_raise_no_gemm_alarm_and_a_commit_is_kept(tmp_path):
+    run = guarded("bf16-layers", tmp_path, fp8_guard_kurtosis=60.0, fp8_guard_intervals=1)
+    switch = run.after_step(4, step(), {"layer002/fc2/kurtosis": 181.0})
+    taken = run.commit(switch, resumed_from=2)
+    assert taken.resumed_from == 2 and run.bf16_layers == {2}
+    assert run.after_step(6, step(), {"layer002/fc2/kurtosis": 190.0}) is None
+    assert run.guard.state()["decisions"] == [taken.record()]
+    assert json.loads((tmp_path / DECISIONS_FILE).read_text()) == [taken.record()]
+    run.resumed({"above": {"layer001/qkv/kurtosis": 1}, "fired": []})
+    assert run.bf16_layers == {2} and run.guard.decisions == [taken.record()]
+    assert run.guard.above == {"layer001/qkv/kurtosis": 1}, "counts as the checkpoint had them"
+
+
+def test_with_every_layer_in_bf16_an_alarm_is_only_warned(tmp_path, caplog):
+    run = guarded("bf16", tmp_path, fp8_guard_window=2)
+    run.guard.exempt_layers([1, 2, 3, 4])
+    run.after_step(1, step(2.0), None)
+    run.after_step(2, step(2.1), None)
+    with caplog.at_level(logging.INFO, logger="apertus"):
+        assert run.after_step(3, step(90.0), None) is None
+    assert "every layer is in bf16 already" in caplog.text
 
 
 # -- real tiny runs --------------------------------------------------------------------------
@@ -171,24 +246,42 @@ kurtosis bound is lowered from the default for it, and one measurement suffices.
 OUTLIER_LAYER, OUTLIER_CHANNEL, OUTLIER_SIZE = 2, 7, 100.0
 
 
-def outlier_from(step: int):
-    """An ``after_backward`` hook that, after the backward pass of ``step``, adds
-    ``OUTLIER_SIZE`` times the input's RMS to channel ``OUTLIER_CHANNEL`` of layer
-    ``OUTLIER_LAYER``'s fc2 input in every later forward pass (a forward pre-hook on that GEMM,
-    ahead of the monitor's). Added, not multiplied: training cannot shrink it away, so it stays
-    an outlier at every later measurement."""
+def add_outlier(module, args):
+    """Adds ``OUTLIER_SIZE`` times the input's RMS to channel ``OUTLIER_CHANNEL``. Added, not
+    multiplied: training cannot shrink it away, so it stays an outlier at every measurement."""
+    x = args[0].clone()
+    x[..., OUTLIER_CHANNEL] += OUTLIER_SIZE * x.detach().pow(2).mean().sqrt()
+    return (x, *args[1:])
 
-    def add_outlier(module, args):
-        x = args[0].clone()
-        x[..., OUTLIER_CHANNEL] += OUTLIER_SIZE * x.detach().pow(2).mean().sqrt()
-        return (x, *args[1:])
 
-    def hook(iteration: int, model) -> None:
-        if iteration == step:
+@contextlib.contextmanager
+def outlier_after(passes: int) -> Iterator[None]:
+    """Within the block, from the forward pass that follows the ``passes``-th training backward
+    pass on (0: from the first), layer ``OUTLIER_LAYER``'s fc2 input carries the outlier of
+    :func:`add_outlier` (a forward pre-hook on that GEMM, ahead of the monitor's). It stays for
+    the rest of the run, a go-back to an earlier checkpoint included: the outlier persists."""
+    original, done, hooked = step_module.run_microbatches, 0, False
+
+    def hook(model) -> None:
+        nonlocal hooked
+        if not hooked and done >= passes:
             fc2 = model[0].module.decoder.layers[OUTLIER_LAYER - 1].mlp.linear_fc2
             fc2.register_forward_pre_hook(add_outlier)
+            hooked = True
 
-    return hook
+    def with_outlier(model, data_iterators, shape, *, forward_only: bool, **objective):
+        nonlocal done
+        hook(model)  # the first step's (0 passes)
+        losses = original(model, data_iterators, shape, forward_only=forward_only, **objective)
+        done += not forward_only
+        hook(model)  # after a backward pass: ahead of the next step's statistics hooks
+        return losses
+
+    step_module.run_microbatches = with_outlier
+    try:
+        yield
+    finally:
+        step_module.run_microbatches = original
 
 
 def guard_lines(caplog) -> list[str]:
@@ -198,7 +291,7 @@ def guard_lines(caplog) -> list[str]:
 def test_an_injected_outlier_is_warned_within_one_interval(tmp_path, caplog):
     log = tmp_path / "h.json"
     cfg = pretrain_gpt.parse_args(BASE + GUARD + ["--train-iters", "6", "--log-json", str(log)])
-    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(outlier_from(2)):
+    with caplog.at_level(logging.INFO, logger="apertus"), outlier_after(2):
         history = train(cfg)
     assert history["completed"], "warn lets the run go on"
     lines = guard_lines(caplog)
@@ -216,7 +309,7 @@ def test_stop_saves_and_exits_with_one_line(tmp_path):
     cfg = pretrain_gpt.parse_args(
         BASE + GUARD + ["--fp8-guard-action", "stop", "--train-iters", "8", "--save", str(save)]
     )
-    with pytest.raises(TrainingStopped) as err, after_backward(outlier_from(2)):
+    with pytest.raises(TrainingStopped) as err, outlier_after(2):
         train(cfg)
     line = str(err.value)
     assert "\n" not in line
@@ -235,11 +328,11 @@ def test_a_resumed_run_keeps_the_guard_state(tmp_path, caplog):
     save = tmp_path / "ckpt"
     flags = BASE + GUARD + ["--save", str(save), "--load", str(save), "--train-iters", "8"]
     stop = pretrain_gpt.parse_args(flags + ["--fp8-guard-action", "stop"])
-    with pytest.raises(TrainingStopped), after_backward(outlier_from(2)):
+    with pytest.raises(TrainingStopped), outlier_after(2):
         train(stop)
     caplog.clear()
     go_on = pretrain_gpt.parse_args(flags)
-    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(outlier_from(1)):
+    with caplog.at_level(logging.INFO, logger="apertus"), outlier_after(1):
         train(go_on)
     lines = guard_lines(caplog)
     assert "FP8 guard: this run was stopped by it at iteration 4" in lines[0], lines
@@ -257,7 +350,7 @@ def test_with_the_guard_off_the_same_outlier_goes_unsaid(tmp_path, caplog):
         + ["--log-intermediate-metrics", "kurtosis", "--train-iters", "6"]
         + ["--log-json", str(log)]
     )
-    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(outlier_from(2)):
+    with caplog.at_level(logging.INFO, logger="apertus"), outlier_after(2):
         history = train(cfg)
     assert history["completed"]
     assert guard_lines(caplog) == []
@@ -283,3 +376,92 @@ def test_a_clean_run_raises_no_alarm(tmp_path, caplog):
     assert "intermediate/layer004/qkv/underflow" in measured, "the guard turned its statistics on"
     assert max(v for _, v in recorded["intermediate/layer004/fc2/kurtosis"]) < 60
     assert torch.isfinite(torch.tensor(series(recorded, "train/loss")[1])).all()
+
+
+def train_losses(history: dict, after: int) -> dict[int, float]:
+    return {it: loss for it, loss in history["train/loss"] if it > after}
+
+
+def from_checkpoint(save, iteration: int, flags: list[str]) -> dict:
+    """The losses of a run started from ``save``'s checkpoint of ``iteration`` with ``flags``,
+    the outlier there from its first step, without the guard: what a switch must reproduce."""
+    load = ["--load", str(checkpoint.iteration_dir(save, iteration)), "--train-iters", "6"]
+    with outlier_after(0):
+        return train_losses(train(pretrain_gpt.parse_args(BASE + load + flags)), iteration)
+
+
+def switching(action: str, save, log=None) -> list[str]:
+    """The injected run of 6 steps saving every 2 whose guard acts with ``action``."""
+    logged = ["--log-json", str(log)] if log else []
+    flags = ["--fp8-guard-action", action, "--save", str(save), "--load", str(save)]
+    return BASE + GUARD + flags + ["--save-interval", "2", "--train-iters", "6", *logged]
+
+
+def test_bf16_layers_goes_back_to_the_checkpoint_before_the_alarm_and_keeps_the_layer(
+    tmp_path, caplog
+):
+    """The outlier from step 3 is caught at step 4, before that step's save: the run goes back
+    to the checkpoint of step 2 with layer 2 in bf16, and from there trains exactly as a run
+    started from that checkpoint with --bf16-layers 2."""
+    save, log = tmp_path / "ckpt", tmp_path / "h.json"
+    with caplog.at_level(logging.INFO, logger="apertus"), outlier_after(2):
+        history = train(pretrain_gpt.parse_args(switching("bf16-layers", save, log)))
+    assert history["completed"]
+    lines = guard_lines(caplog)
+    assert lines[0].startswith("FP8 guard: iteration 4: layer002 fc2 kurtosis "), lines
+    assert lines[1].startswith("FP8 guard: bf16-layers at iteration 4 (layer002 fc2 kurtosis ")
+    assert lines[1].endswith("layer 2 continue in bf16 from the checkpoint of iteration 2")
+    assert len(lines) == 2, "layer 2 is in bf16 now: its outlier raises no further alarm"
+    assert f"resumed from {checkpoint.iteration_dir(save, 2)} at iteration 2" in caplog.text
+    kurtosis = dict(history["intermediate/layer002/fc2/kurtosis"])
+    assert kurtosis[6] > 60, "still measured after the switch"
+    (decision,) = json.loads((save / DECISIONS_FILE).read_text())
+    assert (decision["action"], decision["layers"]) == ("bf16-layers", [2])
+    assert (decision["iteration"], decision["resumed_from"]) == (4, 2)
+    last = checkpoint.find_checkpoint(save)
+    assert last.name == "iter_0000006" and decisions_at(last) == [decision]
+    assert series(read_json(log), "fp8_guard/bf16-layers/resumed_from") == ([4], [2.0])
+
+    reference = from_checkpoint(save, 2, ["--bf16-layers", "2"])
+    assert list(reference) == [3, 4, 5, 6]
+    assert train_losses(history, after=2) == reference
+
+
+def test_bf16_decision_outlives_a_job_that_ends_before_its_next_save(tmp_path, caplog):
+    """bf16: every layer leaves FP8, back at the checkpoint of step 2. The job dies at its next
+    step; its requeued job (the same command) starts from that checkpoint, the newest, with
+    the decision from the save directory, and trains as a run started there without FP8."""
+    save = tmp_path / "ckpt"
+
+    def die(passes: int, model) -> None:
+        if passes == 5:  # the first step after going back: iteration 3 again
+            raise RuntimeError("the node failed")
+
+    flags = switching("bf16", save)
+    with pytest.raises(RuntimeError), outlier_after(2), after_backward(die):
+        train(pretrain_gpt.parse_args(flags))
+    assert checkpoint.latest_iteration(save) == 2
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="apertus"), outlier_after(0):
+        history = train(pretrain_gpt.parse_args(flags))
+    lines = guard_lines(caplog)
+    assert lines[0].startswith("FP8 guard: bf16 at iteration 4 (layer002 fc2 kurtosis "), lines
+    assert lines[0].endswith(
+        "layers 1, 2, 3, 4 continue in bf16 from the checkpoint of iteration 2"
+    )
+    assert len(lines) == 1, "every layer is in bf16: no alarm, no second switch"
+    assert "(layers 1, 2, 3, 4: no FP8 in this run: no change)" in caplog.text
+    decisions = decisions_at(checkpoint.find_checkpoint(save))
+    assert [d["layers"] for d in decisions] == [[1, 2, 3, 4]]
+    assert train_losses(history, after=2) == from_checkpoint(save, 2, [])
+
+
+def test_an_alarm_before_the_first_checkpoint_stops_naming_the_layers(tmp_path):
+    save = tmp_path / "ckpt"
+    flags = switching("bf16-layers", save) + ["--save-interval", "10"]
+    with pytest.raises(TrainingStopped) as err, outlier_after(2):
+        train(pretrain_gpt.parse_args(flags))
+    line = str(err.value)
+    assert line.startswith("the FP8 guard's bf16-layers at iteration 4 (layer002 fc2 kurtosis ")
+    assert f"{save} holds none yet; restart the run with --bf16-layers 2 " in line
+    assert checkpoint.latest_iteration(save) is None and not (save / DECISIONS_FILE).exists()

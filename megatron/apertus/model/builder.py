@@ -13,6 +13,7 @@ from megatron.apertus import cpu_compat
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.model.engine import EngineConfig, transformer_config_fields
 from megatron.apertus.model.fused_loss import FusedLossGPTModel
+from megatron.apertus.model.precision import set_bf16_layers
 from megatron.apertus.model.spec import apertus_block_spec
 from megatron.apertus.model.topk import TopKGPTModel
 from megatron.apertus.quant.config import QuantConfig
@@ -146,18 +147,21 @@ def build_model(
     quant: QuantConfig | None = None,
     topk: int | None = None,
     topk_chunk_rows: int | None = None,
+    engine: EngineConfig | None = None,
     **config,
 ) -> list[GPTModel]:
     """All model chunks of this rank (more than one with interleaved pipeline stages), built
-    from the :func:`transformer_config` that ``config`` completes; each chunk keeps it as
-    ``.config``. The one place where training, the teacher-logit runner, conversions and tests
-    build a model."""
-    tconfig = transformer_config(model, parallel, **config)
+    from the :func:`transformer_config` that ``engine`` and ``config`` complete; each chunk keeps
+    it as ``.config``, and the layers ``engine.bf16_layers`` names stay out of FP8. The one place
+    where training, the teacher-logit runner, conversions and tests build a model."""
+    tconfig = transformer_config(model, parallel, engine=engine, **config)
     chunks = tconfig.virtual_pipeline_model_parallel_size or 1
     vp = [None] if chunks == 1 else list(range(chunks))
     head = dict(fused_loss=fused_loss, quant=quant, topk=topk, topk_chunk_rows=topk_chunk_rows)
     if isinstance(parallel.cp_comm_type, list):
         head["cp_comm_types"] = parallel.cp_comm_type
-    return [
+    built = [
         build_model_chunk(model, tconfig, vp_stage=v, xielu_impl=xielu_impl, **head) for v in vp
     ]
+    set_bf16_layers(built, (engine.bf16_layers or ()) if engine is not None else ())
+    return built

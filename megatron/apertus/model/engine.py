@@ -84,6 +84,14 @@ class EngineConfig:
     )
     num_layers_at_start_in_bf16: int = flag_help("layers at the start kept in bf16", 1)
     num_layers_at_end_in_bf16: int = flag_help("layers at the end kept in bf16", 1)
+    bf16_layers: Optional[list[int]] = flag_help(
+        "transformer layers (numbered from 1) whose GEMMs stay in --precision under FP8, e.g. "
+        "--bf16-layers 3 7: any set, under any --fp8-recipe (delayed too); without --fp8-format "
+        "every layer is already there; the FP8 guard's bf16-layers action adds to it "
+        "(docs/gpu.md)",
+        None,
+        ours=True,
+    )
     deterministic_mode: bool = flag_help(
         "bitwise-reproducible GPU runs: deterministic kernels only (slower; docs/gpu.md)", False
     )
@@ -113,6 +121,11 @@ class EngineConfig:
         for flag in ("fp8_param_gather", "first_last_layers_bf16"):
             if getattr(self, flag) and self.fp8_format is None:
                 raise ConfigError(f"--{flag.replace('_', '-')} needs --fp8-format")
+        if self.bf16_layers and self.fp8_param_gather:
+            raise ConfigError(
+                "--bf16-layers needs the weights in --precision: --fp8-param-gather keeps them "
+                "in FP8 only"
+            )
         if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
             # megatron-core wraps the whole block in one FP8 autocast under delayed scaling
             raise ConfigError(
@@ -192,9 +205,20 @@ def validate_engine(
             f"--attention-backend {engine.attention_backend} needs --transformer-impl "
             "transformer_engine (the local implementation attends through PyTorch SDPA/varlen)"
         )
+    _check_bf16_layers(engine.bf16_layers, num_layers)
     if engine.fp8:
         _validate_fp8(engine, impl, num_layers, capability)
     return impl
+
+
+def _check_bf16_layers(layers: list[int] | None, num_layers: int) -> None:
+    """``--bf16-layers`` names layers of this model (1 to --num-layers)."""
+    outside = [n for n in layers or () if not 1 <= n <= num_layers]
+    if outside:
+        raise ConfigError(
+            f"--bf16-layers {outside[0]} is not a layer of this model: layers are numbered 1 to "
+            f"--num-layers ({num_layers})"
+        )
 
 
 def _validate_fp8(

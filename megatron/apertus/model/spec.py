@@ -2,7 +2,8 @@
 
 Slots: RMSNorm before attention and MLP; fused-QKV column-parallel projection; per-head
 RMSNorm on queries and keys (applied by megatron-core before RoPE); core attention;
-non-gated MLP ``fc2(xIELU(fc1(x)))`` with the xIELU module built from the spec.
+non-gated MLP ``fc2(xIELU(fc1(x)))`` with the xIELU module built from the spec. The layer is
+megatron-core's, able to leave FP8 (:mod:`megatron.apertus.model.precision`).
 
 * ``local``: our RMSNorm, megatron-core's parallel linears, SDPA / varlen attention. A run that
   quantizes (``--quant-format``) fills the four linear slots with the fake-quantizing
@@ -32,7 +33,6 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
     TransformerLayerSubmodules,
     get_transformer_layer_offset,
 )
@@ -41,6 +41,7 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.attention import SDPAttention
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.model.layers import XIELU, RMSNorm
+from megatron.apertus.model.precision import PrecisionTransformerLayer
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.layers import (
     QuantColumnParallelLinear,
@@ -125,7 +126,7 @@ def apertus_layer_spec(
         fc2=_linear(row, quant_row, quant),
     )
     return ModuleSpec(
-        module=TransformerLayer,
+        module=PrecisionTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
             self_attention=attention,
@@ -161,7 +162,7 @@ def _te_layer_spec(
     )
     mlp = _mlp_spec(model, xielu_impl, fc1=TELayerNormColumnParallelLinear, fc2=TERowParallelLinear)
     return ModuleSpec(
-        module=TransformerLayer,
+        module=PrecisionTransformerLayer,
         submodules=TransformerLayerSubmodules(
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,

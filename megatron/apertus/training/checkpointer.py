@@ -288,6 +288,12 @@ class Checkpointer:
                 on_published=_log_saved,
             )
 
+    def last_saved(self) -> Path | None:
+        """The newest checkpoint in --save, once every background save is published (all
+        ranks); None without --save or before its first checkpoint."""
+        self.finish()
+        return checkpoint.find_checkpoint(self.config.save) if self.saves else None
+
     def finish(self) -> None:
         """Wait until every background save is written and published (all ranks)."""
         if self.in_background:

@@ -363,6 +363,11 @@ class CheckpointConfig:
     def loads_rng(self) -> bool:
         return not (self.finetune or self.no_load_rng)
 
+    def continuing(self) -> "CheckpointConfig":
+        """These flags for a load that continues the run itself (the FP8 guard going back to one
+        of its checkpoints): everything restored, whatever the first --load took."""
+        return dataclasses.replace(self, finetune=False, no_load_optim=False, no_load_rng=False)
+
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
@@ -674,5 +679,8 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
         config.engine,
         device=resolve_device(config.training.device),
         num_layers=config.model.num_layers,
+    )
+    config.fp8_guard.check_run(
+        save=config.checkpoint.save, fp8_param_gather=config.engine.fp8_param_gather
     )
     return config

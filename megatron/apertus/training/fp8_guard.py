@@ -12,10 +12,18 @@ loss and the gradient norm see the last. The guard reads both and raises an alar
 * a step is skipped (non-finite loss or gradient norm), the given number of times in a row.
 
 :class:`Fp8Guard` is the decision, in pure Python: fed one step's figures, it returns the
-alarms; its state (consecutive counts, running moments, the alarms that fired) is a small
-dictionary that the checkpoint keeps, so a requeued job goes on counting where it stopped.
-:class:`GuardedRun` connects it to the training loop: one call per step logs the alarms,
-records them, and says when the run must stop.
+alarms; its state (consecutive counts, running moments, the alarms that fired, the decisions
+taken) is a small dictionary that the checkpoint keeps, so a requeued job goes on counting where
+it stopped. :class:`GuardedRun` connects it to the training loop: one call per step logs the
+alarms, records them, and says when the run must stop or switch layers out of FP8
+(:class:`Switch`).
+
+A switch (``bf16-layers``, ``bf16``) is carried out in the running job: the layers leave FP8
+(:mod:`megatron.apertus.model.precision`) and the trainer goes back to the last checkpoint saved
+before the alarm. The decision is written at once to the save directory
+(:data:`DECISIONS_FILE`), then into every later checkpoint: a job that dies before its next save
+is requeued onto that same checkpoint (the newest one) with the same layers out of FP8
+(:func:`decisions_at`).
 
 This module imports neither torch nor megatron-core at module level: its configuration is
 part of the command line, which must parse without them.
@@ -23,10 +31,12 @@ part of the command line, which must parse without them.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help
@@ -38,10 +48,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("apertus")
 
 ACTIONS = ("warn", "stop", "bf16-layers", "bf16")
-"""Every action the flag names; :data:`AVAILABLE_ACTIONS` are the ones implemented."""
-AVAILABLE_ACTIONS = ("warn", "stop")
+SWITCHES = ("bf16-layers", "bf16")
+"""The actions that take layers out of FP8 and go back to the last checkpoint before the alarm."""
 CHECKPOINT_KEY = "fp8_guard"
 """The guard's entry in a checkpoint's extra training state."""
+DECISIONS_FILE = "fp8_guard_decisions.json"
+"""Beside the checkpoints in ``--save``: every switch decision, written when it is taken."""
 GEMM_STATISTICS = ("kurtosis", "underflow", "overflow")
 """The GEMM-input statistics the guard reads; it turns on those the run does not log."""
 
@@ -60,8 +72,10 @@ class Fp8GuardConfig:
         ours=True,
     )
     fp8_guard_action: str = flag_help(
-        "what an alarm does: warn (log it, record it in --log-json and TensorBoard) or stop "
-        "(save a checkpoint and exit 1; default warn); bf16-layers and bf16 are not available yet",
+        "what an alarm does: warn (log it, record it in --log-json and TensorBoard; the default), "
+        "stop (save a checkpoint and exit 1), bf16-layers (the layers it names continue in bf16 "
+        "from the last checkpoint saved before the alarm, in the same job) or bf16 (every layer "
+        "does); the last two need --save",
         "warn",
         ours=True,
     )
@@ -126,11 +140,6 @@ class Fp8GuardConfig:
                 f"--fp8-guard-action must be one of {', '.join(ACTIONS)}, "
                 f"got {self.fp8_guard_action!r}"
             )
-        if self.fp8_guard_action not in AVAILABLE_ACTIONS:
-            raise ConfigError(
-                f"--fp8-guard-action {self.fp8_guard_action} is not available yet; use "
-                f"{' or '.join(AVAILABLE_ACTIONS)}"
-            )
         for name in ("kurtosis", "underflow", "overflow", "loss_z", "grad_norm_z"):
             value = getattr(self, f"fp8_guard_{name}")
             if not math.isfinite(value) or value < 0:
@@ -143,6 +152,25 @@ class Fp8GuardConfig:
             value = getattr(self, f"fp8_guard_{name}")
             if value < least:
                 raise ConfigError(f"--fp8-guard-{name} must be >= {least}, got {value}")
+
+    @property
+    def switches(self) -> bool:
+        """Whether an alarm takes layers out of FP8 (the guard on, a switching action)."""
+        return self.fp8_guard and self.fp8_guard_action in SWITCHES
+
+    def check_run(self, *, save: str | None, fp8_param_gather: bool) -> None:
+        """What a switching action needs of the rest of the run: checkpoints to go back to, and
+        weights that can leave FP8."""
+        action = f"--fp8-guard-action {self.fp8_guard_action}"
+        if self.switches and not save:
+            raise ConfigError(
+                f"{action} goes back to the last checkpoint before the alarm: it needs --save"
+            )
+        if self.switches and fp8_param_gather:
+            raise ConfigError(
+                f"{action} needs the weights in --precision: --fp8-param-gather keeps them in "
+                "FP8 only"
+            )
 
 
 @dataclass(frozen=True)
@@ -203,11 +231,17 @@ class RunningMoments:
 
 
 class Fp8Guard:
-    """The decision: fed each step's figures, returns the alarms raised at that step."""
+    """The decision: fed each step's figures, returns the alarms raised at that step.
 
-    def __init__(self, cfg: Fp8GuardConfig, state: dict | None = None) -> None:
+    Layers in bf16 (``exempt``) raise no GEMM-input alarm: FP8 no longer touches their inputs,
+    though their statistics are still measured and logged."""
+
+    def __init__(
+        self, cfg: Fp8GuardConfig, state: dict | None = None, exempt: Iterable[int] = ()
+    ) -> None:
         self.cfg = cfg
         state = state or {}
+        self.exempt: set[int] = set()
         self.above: dict[str, int] = dict(state.get("above", {}))
         """Consecutive measurements above its bound, per ``layer/gemm/statistic``."""
         self.loss = RunningMoments(cfg.fp8_guard_window, state.get("loss"))
@@ -216,6 +250,14 @@ class Fp8Guard:
         self.fired: list[dict] = list(state.get("fired", []))
         """The alarms raised so far (at most :data:`KEPT_ALARMS`, the latest)."""
         self.stopped_at: int | None = state.get("stopped_at")
+        self.decisions: list[dict] = list(state.get("decisions", []))
+        """The switches taken (:meth:`Switch.record`), oldest first."""
+        self.exempt_layers(exempt)
+
+    def exempt_layers(self, layers: Iterable[int]) -> None:
+        """From now on, no GEMM-input alarm for ``layers`` (their counts start over)."""
+        self.exempt |= set(layers)
+        self.above = {k: n for k, n in self.above.items() if layer_number(k) not in self.exempt}
 
     def bound(self, statistic: str) -> float:
         return getattr(self.cfg, f"fp8_guard_{statistic}")
@@ -248,6 +290,8 @@ class Fp8Guard:
         for key, value in sorted(measured.items()):
             layer, gemm, statistic = key.split("/")
             if statistic not in GEMM_STATISTICS or not self.bound(statistic):
+                continue
+            if layer_number(layer) in self.exempt:
                 continue
             bound = self.bound(statistic)
             exceeded = value > bound or math.isnan(value)  # NaN: the tensor itself is broken
@@ -291,11 +335,21 @@ class Fp8Guard:
             "skipped_in_a_row": self.skipped_in_a_row,
             "fired": list(self.fired),
             "stopped_at": self.stopped_at,
+            "decisions": list(self.decisions),
         }
+
+    def layers_above_bounds(self) -> set[int]:
+        """The layers with a GEMM input above its bound at its latest measurement."""
+        return {layer_number(key) for key in self.above}
 
 
 KEPT_ALARMS = 100
 """Alarms the checkpointed state keeps, the latest: enough to say what happened."""
+
+
+def layer_number(name: str) -> int:
+    """``layer002`` (or ``layer002/fc2/kurtosis``) -> 2."""
+    return int(name.split("/")[0].removeprefix("layer"))
 
 
 def _alarm_record(alarm: Alarm) -> dict:
@@ -325,12 +379,96 @@ def stop_line(alarms: list[Alarm], iteration: int, save: str | None) -> str:
     )
 
 
+def _layers_text(layers: Iterable[int]) -> str:
+    listed = sorted(layers)
+    return f"layer{'s' if len(listed) > 1 else ''} {', '.join(str(n) for n in listed)}"
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A decision to take ``layers`` out of FP8 after the alarm at ``iteration`` (``why``) and
+    continue from the checkpoint of iteration ``resumed_from``, the last one saved before it."""
+
+    action: str
+    layers: tuple[int, ...]
+    iteration: int
+    why: str
+    resumed_from: int | None = None
+
+    def record(self) -> dict:
+        """As the checkpoint and :data:`DECISIONS_FILE` keep it (plain JSON)."""
+        return {**asdict(self), "layers": list(self.layers)}
+
+    def describe(self) -> str:
+        return (
+            f"FP8 guard: {self.action} at iteration {self.iteration} ({self.why}): "
+            f"{_layers_text(self.layers)} continue in bf16 from the checkpoint of iteration "
+            f"{self.resumed_from}"
+        )
+
+    def no_checkpoint_line(self, save: str) -> str:
+        """Why the run stops instead: nothing in ``save`` to go back to."""
+        flags = " ".join(str(n) for n in self.layers)
+        return (
+            f"the FP8 guard's {self.action} at iteration {self.iteration} ({self.why}) goes back "
+            f"to the last checkpoint saved before the alarm, and {save} holds none yet; restart "
+            f"the run with --bf16-layers {flags} (and a --save-interval that saves before the "
+            "trouble starts)"
+        )
+
+
+def write_decision(save_dir: str, switch: Switch) -> None:
+    """Append ``switch`` to ``save_dir``'s :data:`DECISIONS_FILE` (atomically; one writer)."""
+    path = Path(save_dir) / DECISIONS_FILE
+    decisions = read_decisions(Path(save_dir)) + [switch.record()]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(decisions, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def read_decisions(save_dir: Path) -> list[dict]:
+    """The decisions written to ``save_dir`` (none when it holds no :data:`DECISIONS_FILE`)."""
+    path = save_dir / DECISIONS_FILE
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def decisions_at(checkpoint_dir: Path | None) -> list[dict]:
+    """The decisions that hold for a run continuing from ``checkpoint_dir`` (an ``iter_*``
+    directory): those its guard state carries, and those its save directory's
+    :data:`DECISIONS_FILE` names it for (taken after it was saved; a job that ended before its
+    next save left them nowhere else)."""
+    if checkpoint_dir is None:
+        return []
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_common_state_dict(str(checkpoint_dir)).get("training_state", {})
+    decisions = list(((saved.get("extra") or {}).get(CHECKPOINT_KEY) or {}).get("decisions", []))
+    for record in read_decisions(checkpoint_dir.parent):
+        if record["resumed_from"] == saved.get("iteration") and record not in decisions:
+            decisions.append(record)
+    return decisions
+
+
+def decided_layers(cfg: Fp8GuardConfig, decisions: list[dict], *, reporting: bool) -> set[int]:
+    """The layers ``decisions`` keep out of FP8, each said in the log; none while the guard is
+    off, which is how a run takes them back into FP8 (said too)."""
+    layers = {n for record in decisions for n in record["layers"]}
+    if reporting:
+        for record in decisions:
+            switch = Switch(**{**record, "layers": tuple(record["layers"])})
+            log.info(
+                switch.describe() + ("" if cfg.fp8_guard else ": not applied, --fp8-guard off")
+            )
+    return layers if cfg.fp8_guard else set()
+
+
 class GuardedRun:
     """The guard inside the training loop: one :meth:`after_step` per step.
 
-    Decisions are taken on the reporting rank, the one that holds the loss and, gathered
-    from every pipeline stage, every layer's statistics; with ``stop`` the decision is shared
-    with every rank (an all-reduce per step), so that all of them save and exit together.
+    Decisions are taken on the reporting rank, the one that holds the loss and, gathered from
+    every pipeline stage, every layer's statistics; with ``stop``, ``bf16-layers`` or ``bf16``
+    the decision is shared with every rank (an all-reduce per step, and the decision itself once
+    one is taken), so that all of them save and exit, or go back, together.
     """
 
     def __init__(
@@ -340,24 +478,38 @@ class GuardedRun:
         reporting: bool,
         metrics: Metrics,
         save_dir: str | None,
+        num_layers: int,
         state: dict | None = None,
+        decisions: Iterable[dict] = (),
+        bf16_layers: Iterable[int] = (),
     ) -> None:
+        """``state``: the guard's state in the checkpoint the run continues; ``decisions``: the
+        switches that hold for it (:func:`decisions_at`); ``bf16_layers``: the layers out of FP8
+        (``--bf16-layers`` and those decisions)."""
         self.cfg = cfg
         self.reporting = reporting
         self.metrics = metrics
         self.save_dir = save_dir
-        self.guard = Fp8Guard(cfg, state)
+        self.num_layers = num_layers
+        self.guard = Fp8Guard(cfg, state, exempt=bf16_layers)
+        self.guard.decisions = list(decisions)
         if cfg.fp8_guard and reporting and self.guard.stopped_at is not None:
             log.info(
                 f"FP8 guard: this run was stopped by it at iteration {self.guard.stopped_at}; "
                 "its counts carry on from the checkpoint"
             )
 
+    @property
+    def bf16_layers(self) -> set[int]:
+        """The layers out of FP8: ``--bf16-layers`` and the switches taken."""
+        return set(self.guard.exempt)
+
     def after_step(
         self, iteration: int, result: StepResult, gemm_inputs: dict | None
-    ) -> str | None:
-        """Log and record this step's alarms; under ``stop``, the line that stops the run (on
-        every rank), else None."""
+    ) -> str | Switch | None:
+        """Log and record this step's alarms; under ``stop``, the line that stops the run, under
+        ``bf16-layers`` and ``bf16`` the :class:`Switch` to carry out (both on every rank), else
+        None."""
         if not self.cfg.fp8_guard:
             return None
         alarms: list[Alarm] = []
@@ -371,10 +523,59 @@ class GuardedRun:
             )
             for alarm in alarms:
                 self._report(alarm)
-        if self.cfg.fp8_guard_action != "stop" or not self._anywhere(bool(alarms)):
+        action = self.cfg.fp8_guard_action
+        if action == "warn" or not self._anywhere(bool(alarms)):
             return None
-        self.guard.stopped_at = iteration
-        return stop_line(alarms, iteration, self.save_dir)
+        if action == "stop":
+            self.guard.stopped_at = iteration
+            return stop_line(alarms, iteration, self.save_dir)
+        return self._from_reporting_rank(
+            self._switch(alarms, iteration) if self.reporting else None
+        )
+
+    def _switch(self, alarms: list[Alarm], iteration: int) -> Switch | None:
+        """The layers to take out of FP8: under ``bf16`` every layer; under ``bf16-layers``
+        those the alarms name, else (a loss or gradient-norm spike, skipped steps: no layer
+        named) those with a GEMM input above its bound, else every layer; less those in bf16
+        already. None when none is left in FP8 (the alarm is only warned)."""
+        every = set(range(1, self.num_layers + 1))
+        named = {layer_number(alarm.layer) for alarm in alarms if alarm.layer}
+        layers = every
+        if self.cfg.fp8_guard_action == "bf16-layers":
+            layers = named or self.guard.layers_above_bounds() or every
+        layers -= self.guard.exempt
+        why = "; ".join(alarm.describe() for alarm in alarms)
+        if not layers:
+            log.warning(f"FP8 guard: iteration {iteration}: every layer is in bf16 already ({why})")
+            return None
+        return Switch(self.cfg.fp8_guard_action, tuple(sorted(layers)), iteration, why)
+
+    def commit(self, switch: Switch, resumed_from: int) -> Switch:
+        """Take ``switch`` (every rank), going back to the checkpoint of iteration
+        ``resumed_from``: its layers count as bf16 from now on, it is said in the log and the
+        metrics, written to --save's :data:`DECISIONS_FILE` (by global rank 0) and kept in the
+        guard's state for every later checkpoint."""
+        import torch
+
+        switch = Switch(**{**asdict(switch), "resumed_from": resumed_from})
+        self.guard.decisions.append(switch.record())
+        self.guard.exempt_layers(switch.layers)
+        if self.reporting:
+            log.warning(switch.describe())
+            name = f"fp8_guard/{switch.action}"
+            self.metrics.record(f"{name}/layers", switch.iteration, len(switch.layers))
+            self.metrics.record(f"{name}/resumed_from", switch.iteration, resumed_from)
+            self.metrics.flush()
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            write_decision(self.save_dir, switch)
+        return switch
+
+    def resumed(self, state: dict | None) -> None:
+        """The run went back to a checkpoint that saved the guard state ``state``: counts and
+        running moments continue from there; the alarms and decisions since are kept."""
+        current = self.guard
+        self.guard = Fp8Guard(self.cfg, state, exempt=current.exempt)
+        self.guard.fired, self.guard.decisions = current.fired, current.decisions
 
     def _report(self, alarm: Alarm) -> None:
         """One log line; the figure and its bound as scalars (history, --log-json, TensorBoard,
@@ -399,6 +600,16 @@ class GuardedRun:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
+    def _from_reporting_rank(self, value):
+        """The reporting rank's ``value``, on every rank (a collective)."""
+        import torch
+
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return value
+        gathered: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, (self.reporting, value))
+        return next(theirs for reporting, theirs in gathered if reporting)
+
     def save_into(self, extra: dict) -> None:
         """Put the guard's state into a checkpoint's extra state (a collective when the guard
         is on: every rank saves)."""
@@ -408,11 +619,4 @@ class GuardedRun:
     def state(self) -> dict:
         """The reporting rank's guard state, on every rank (a collective: call it where every
         rank saves), for the checkpoint."""
-        import torch
-
-        mine = (self.reporting, self.guard.state())
-        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-            return mine[1]
-        gathered: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, mine)
-        return next(state for reporting, state in gathered if reporting)
+        return self._from_reporting_rank(self.guard.state())

@@ -45,15 +45,18 @@ ROWS_PER_CHUNK = 4096
 """Rows measured at a time: bounds the fp32 working copy of a large activation."""
 
 
-def _gemm_modules(chunks: Iterable[torch.nn.Module]) -> dict[str, torch.nn.Module]:
-    """``layer{N}/{gemm}`` (N: the global 1-based layer number) -> module."""
+def _gemm_modules(
+    chunks: Iterable[torch.nn.Module],
+) -> dict[str, tuple[torch.nn.Module, TransformerLayer]]:
+    """``layer{N}/{gemm}`` (N: the global 1-based layer number) -> (module, its layer)."""
     found = {}
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, TransformerLayer):
                 for gemm, (block, linear) in GEMMS.items():
-                    found[f"layer{module.layer_number:03d}/{gemm}"] = getattr(
-                        getattr(module, block), linear
+                    found[f"layer{module.layer_number:03d}/{gemm}"] = (
+                        getattr(getattr(module, block), linear),
+                        module,
                     )
     return found
 
@@ -125,16 +128,20 @@ class GemmInputMonitor:
 
     def attach(self) -> None:
         self.measured = {}
-        for key, module in self.modules.items():
-            self.handles.append(module.register_forward_pre_hook(self._hook(key)))
+        for key, (module, layer) in self.modules.items():
+            self.handles.append(module.register_forward_pre_hook(self._hook(key, layer)))
 
-    def _hook(self, key: str):
+    def _hook(self, key: str, layer: TransformerLayer):
+        """A layer kept out of FP8 (``in_bf16``) has no live FP8 scale: its figures are the
+        forecast under current scaling, as in a bf16 run."""
+
         def measure(module: torch.nn.Module, args: tuple) -> None:
             if key in self.measured:  # the first micro-batch (recomputation re-runs forwards)
                 return
             with torch.no_grad():
                 x = _fused_norm_input(module, args[0])
-                scale = _delayed_scale(module) if self.delayed_scaling else None
+                delayed = self.delayed_scaling and not getattr(layer, "in_bf16", False)
+                scale = _delayed_scale(module) if delayed else None
                 self.measured[key] = input_statistics(x, scale)
 
         return measure

@@ -29,7 +29,9 @@ from megatron.core.num_microbatches_calculator import (
 )
 
 from megatron.apertus import parallel
-from megatron.apertus.checkpoint import TrainingState
+from megatron.apertus.checkpoint import TrainingState, trusting_fp8_state
+from megatron.apertus.checkpoint_files import checkpoint_iteration
+from megatron.apertus.model.precision import set_bf16_layers
 from megatron.apertus.training import runtime
 from megatron.apertus.training.checkpointer import (
     Checkpointer,
@@ -37,9 +39,15 @@ from megatron.apertus.training.checkpointer import (
     finished_run,
     resume,
 )
-from megatron.apertus.training.config import RunConfig
+from megatron.apertus.training.config import CheckpointConfig, RunConfig
 from megatron.apertus.training.diagnostics import ManualGC
-from megatron.apertus.training.fp8_guard import CHECKPOINT_KEY, GuardedRun
+from megatron.apertus.training.fp8_guard import (
+    CHECKPOINT_KEY,
+    GuardedRun,
+    Switch,
+    decided_layers,
+    decisions_at,
+)
 from megatron.apertus.training.objectives import build_objective
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
 from megatron.apertus.training.reporter import Reporter
@@ -50,6 +58,7 @@ from megatron.apertus.training.startup import (
     check_batch_sizes,
     check_before_start,
     start_microbatches,
+    with_bf16_layers,
 )
 from megatron.apertus.training.step import StepResult, chunk_iterators, train_step
 from megatron.apertus.training.validator import Validator
@@ -81,6 +90,7 @@ class Trainer:
         self.device, self.dp = self.runtime.device, self.runtime.dp
         check_batch_sizes(cfg.training, cfg.parallel, self.dp)
         self.resume_from = find_checkpoint(cfg.checkpoint)
+        self._apply_guard_decisions()
         start_microbatches(cfg.training, self.dp)
         tokenizer = runtime.tokenizer(cfg.data, cfg.model)
         self.objective = build_objective(cfg, tokenizer=tokenizer, dp=self.dp)
@@ -97,11 +107,20 @@ class Trainer:
         self.objective.prepare(self.model, state=self.state, resume_from=self.resume_from)
         self._start_components()
 
-    def _resume(self) -> TrainingState:
-        """The state the checkpoint --load names continues, or a fresh one."""
+    def _apply_guard_decisions(self) -> None:
+        """The FP8 guard's decisions that hold for the checkpoint this run continues (none with
+        --finetune, a new run): their layers join --bf16-layers before the model is built."""
+        finetune = self.cfg.checkpoint.finetune
+        self.decisions = [] if finetune else decisions_at(self.resume_from)
+        decided = decided_layers(self.cfg.fp8_guard, self.decisions, reporting=is_reporting_rank())
+        self.runtime = with_bf16_layers(self.runtime, decided)
+
+    def _resume(self, config: CheckpointConfig | None = None) -> TrainingState:
+        """The state the checkpoint ``self.resume_from`` continues (taken as ``config`` says,
+        default --load's flags), or a fresh one."""
         return resume(
             self.resume_from,
-            self.cfg.checkpoint,
+            config or self.cfg.checkpoint,
             self.model,
             self.optimizer,
             self.scheduler,
@@ -135,7 +154,10 @@ class Trainer:
             reporting=is_reporting_rank(),
             metrics=metrics,
             save_dir=cfg.checkpoint.save,
+            num_layers=cfg.model.num_layers,
             state=self.state.extra.get(CHECKPOINT_KEY),
+            decisions=self.decisions,
+            bf16_layers=self.runtime.engine.bf16_layers or (),
         )
 
     # -- one step --------------------------------------------------------------------------------
@@ -168,6 +190,8 @@ class Trainer:
         start = time.perf_counter()
         result = self.step()
         self.reporter.step(result, time.perf_counter() - start, global_batch, self.state)
+        if self._went_back(result):
+            return False
         self._stop_if_unhealthy(result)
         self.gc.step(self.state.iteration)
         if self.validator.due(self.state.iteration):
@@ -177,13 +201,41 @@ class Trainer:
             self._save_trained()
         return after.exit
 
-    def _stop_if_unhealthy(self, result: StepResult) -> None:
-        """Save and stop when the FP8 guard says so or too many steps in a row were skipped."""
-        it = self.state.iteration
-        stop = self.fp8_guard.after_step(it, result, self.gemm_inputs)
-        if stop is not None:
+    def _went_back(self, result: StepResult) -> bool:
+        """Let the FP8 guard judge the step: save and stop when it says so; when it switches
+        layers out of FP8, go back to the last checkpoint saved before its alarm (the step and
+        what would follow it are abandoned). Whether the run went back."""
+        verdict = self.fp8_guard.after_step(self.state.iteration, result, self.gemm_inputs)
+        if isinstance(verdict, Switch):
+            self._continue_in_bf16(verdict)
+            return True
+        if verdict is not None:
             self.save()
-            raise TrainingStopped(stop)
+            raise TrainingStopped(verdict)
+        return False
+
+    def _continue_in_bf16(self, switch: Switch) -> None:
+        """Carry out ``switch`` in this job: its layers leave FP8 and the run continues from the
+        newest checkpoint in --save (every background save published first: the last saved
+        before the alarm), as a job started from it with those layers in --bf16-layers would:
+        weights, optimizer, schedule, RNG states, data position and the guard's counts are the
+        checkpoint's. Without a checkpoint to go back to, the run stops."""
+        found = self.checkpointer.last_saved()
+        if found is None:
+            raise TrainingStopped(switch.no_checkpoint_line(self.cfg.checkpoint.save))
+        self.fp8_guard.commit(switch, resumed_from=checkpoint_iteration(found))
+        set_bf16_layers(self.model, self.fp8_guard.bf16_layers)
+        self.objective.close()
+        self.resume_from = found
+        with trusting_fp8_state():  # --save's own checkpoint
+            self.state = self._resume(self.cfg.checkpoint.continuing())
+        self.objective.prepare(self.model, state=self.state, resume_from=found)
+        self.reporter.rewind(self.state)
+        self.fp8_guard.resumed(self.state.extra.get(CHECKPOINT_KEY))
+
+    def _stop_if_unhealthy(self, result: StepResult) -> None:
+        """Save and stop when too many steps in a row were skipped."""
+        it = self.state.iteration
         if self.skipped.count(result, it):
             self._save_trained()
             raise TrainingStopped(self.skipped.too_many(it, self.cfg.checkpoint.save))

@@ -119,6 +119,20 @@ class Metrics:
             saved = json.loads(path.read_text())
             self.history = {k: [e for e in v if e[0] <= up_to_iteration] for k, v in saved.items()}
 
+    def rewind(self, iteration: int, *, keep: str) -> None:
+        """Continue from ``iteration`` (a run that went back to that checkpoint): what was
+        recorded after it is dropped, except the names that start with ``keep``, and
+        ``--log-json`` starts over from the history."""
+        self.flush()
+        self.history = {
+            name: [e for e in entries if e[0] <= iteration or name.startswith(keep)]
+            for name, entries in self.history.items()
+        }
+        if self.json_log is not None:
+            path = Path(self.json_log.name)
+            self.json_log.close()
+            self.open_json_log(path)
+
     def open_json_log(self, path: str | Path) -> None:
         """Start ``path`` with the history so far (atomically), then append to it."""
         path = Path(path)

@@ -100,6 +100,12 @@ class Reporter:
         progress.start()
         return progress
 
+    def rewind(self, state: TrainingState) -> None:
+        """Continue from ``state``, an earlier checkpoint the run went back to: the history
+        after it is dropped, but the FP8 guard's records of why are kept."""
+        self.metrics.rewind(state.iteration, keep="fp8_guard/")
+        self.interval = LogInterval()
+
     # -- diagnostics -----------------------------------------------------------------------------
 
     def _gemm_monitor(self) -> GemmInputMonitor | None:

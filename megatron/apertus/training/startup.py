@@ -8,6 +8,7 @@ split into micro-batches) and raise :class:`ConfigError` in one line.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
@@ -110,12 +111,25 @@ def _log_decreased_batch(t: TrainingConfig, dp: int) -> None:
         )
 
 
+def with_bf16_layers(started: Runtime, layers: set[int]) -> Runtime:
+    """``started`` with ``layers`` added to the engine's ``--bf16-layers``."""
+    if not layers:
+        return started
+    engine = started.engine or EngineConfig()
+    chosen = sorted(set(engine.bf16_layers or ()) | layers)
+    return replace(started, engine=replace(engine, bf16_layers=chosen))
+
+
 def describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
     """The one log line that says how the layers compute (``params``: --precision)."""
     chosen = "" if engine.transformer_impl else " (default for this machine)"
     precision = f"{params} GEMMs"
     if engine.fp8:
         precision = f"FP8 {engine.fp8_format} GEMMs, {engine.fp8_recipe} scaling"
+    if engine.bf16_layers:
+        layers = ", ".join(str(n) for n in sorted(engine.bf16_layers))
+        where = f"{params} GEMMs" if engine.fp8 else "no FP8 in this run: no change"
+        precision += f" (layers {layers}: {where})"
     determinism = ", deterministic kernels" if engine.deterministic_mode else ""
     if determinism and impl == "transformer_engine" and engine.attention_backend == "local":
         determinism += " (core attention: torch flash / varlen, deterministic on this GPU)"
