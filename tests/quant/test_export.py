@@ -28,7 +28,7 @@ from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import fake_nvfp4, nvfp4_quantize
 from megatron.apertus.quant.layers import decoder_linears
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
-from megatron.apertus.training.config import DataConfig
+from megatron.apertus.data.config import DataConfig
 from tests.conftest import PRETRAIN, REPO, cpu_models, run_entry, run_script
 
 EXPORT = REPO / "tools" / "checkpoint" / "export_quantized_hf.py"

@@ -33,7 +33,8 @@ from megatron.apertus.model.engine import (
 )
 from megatron.apertus.prep.corpus import embedded_corpus_prefix
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
-from megatron.apertus.training.config import DataConfig, TrainingConfig
+from megatron.apertus.data.config import DataConfig
+from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.run_log import warn_if_slow_precision
 
 
