@@ -181,9 +181,7 @@ class SelfParsing(Protocol):
         layout reads the model's)."""
 
 
-def add_group(
-    parser: argparse.ArgumentParser, cls: type, *, title: str, prefix: str = ""
-) -> None:
+def add_group(parser: argparse.ArgumentParser, cls: type, *, title: str, prefix: str = "") -> None:
     """The flags of config group ``cls``: its own (:class:`SelfParsing`), else its fields'."""
     if isinstance(cls, SelfParsing):
         cls.add_flags(parser, title)

@@ -15,7 +15,6 @@ from megatron.apertus.flags import flag_help
 from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
 
 
-
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     tokenizer_type: str = flag_help(

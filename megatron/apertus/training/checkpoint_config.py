@@ -17,7 +17,6 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, switch
 
 
-
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     save: Optional[str] = flag_help("directory to save checkpoints to", None)
@@ -62,6 +61,7 @@ class CheckpointConfig:
         return not (self.finetune or self.no_load_optim)
 
     def loads_rng(self) -> bool:
+        return not (self.finetune or self.no_load_rng)
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> str | None:

@@ -29,8 +29,8 @@ from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
-from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.optim.builder import OptimizerSettings
+from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.signals import StopRequests

@@ -57,3 +57,4 @@ class CommunicationConfig:
         return {
             "overlap_p2p_comm": True,
             "overlap_p2p_comm_warmup_flush": self.overlap_p2p_communication_warmup_flush,
+        }
