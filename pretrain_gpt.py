@@ -54,13 +54,15 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if refused:
         parser.error(refused[0])
     from megatron.apertus.launch.planner import dry_run
+    from megatron.apertus.training.objectives import with_objective_output_loss
     from megatron.apertus.training.optimizer import check_schedule
 
     try:
         restored = apply_checkpoint_args(args)
         if restored and os.environ.get("RANK", "0") == "0":
             print(restored)
-        config = run_from_arguments(args, given_destinations(parser, argv))
+        given = given_destinations(parser, argv)
+        config = with_objective_output_loss(run_from_arguments(args, given), given)
         check_schedule(config.schedule, config.training)
     except (ConfigError, ValueError) as err:
         parser.error(str(err))

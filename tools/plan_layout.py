@@ -10,7 +10,9 @@ Exits 1, listing every broken constraint, when the layout cannot run.
 
 With ``--sweep-seq-lengths`` and ``--sweep-cp`` it prints one Markdown table instead: the run
 at each sequence length and context-parallel size, its tokens per step kept (the global batch
-becomes tokens / sequence length), as docs/long_context.md shows for Apertus 8B and 70B.
+becomes tokens / sequence length), as docs/long_context.md shows for Apertus 8B and 70B; with
+``--hierarchical`` the table compares flat p2p with a2a+p2p (all-to-all inside a node, ring
+between nodes).
 """
 
 from __future__ import annotations
@@ -57,11 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="CP",
         help="context-parallel sizes for --sweep-seq-lengths",
     )
+    parser.add_argument(
+        "--hierarchical",
+        action="store_true",
+        help="with --sweep-seq-lengths: compare flat p2p with a2a+p2p, its all-to-all level "
+        "inside a node (memory, traffic, traffic between nodes) instead",
+    )
     parser.add_argument("run_flags", nargs=argparse.REMAINDER, help="-- then the run's flags")
     args = parser.parse_args(argv)
     # The planner's memory model needs torch: loaded after --help and argument errors.
     from megatron.apertus.launch.planner import (
         Cluster,
+        format_hierarchical_sweep,
         format_plan,
         format_sweep,
         plan,
@@ -79,11 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             usable_fraction=args.usable_fraction,
         )
         if args.sweep_seq_lengths:
-            print(
-                format_sweep(
-                    sweep(flags, cluster, args.sweep_seq_lengths, args.sweep_cp), name=preset
-                )
-            )
+            table = format_hierarchical_sweep if args.hierarchical else format_sweep
+            rows = sweep(flags, cluster, args.sweep_seq_lengths, args.sweep_cp)
+            print(table(rows, name=preset))
             return 0
         run = run_from_command([args.entry, *flags])
     except ConfigError as err:

@@ -1,14 +1,19 @@
-"""Tokenize JSON-lines conversations in the Apertus chat format, with an assistant-only loss mask.
+"""Tokenize JSON-lines SFT data into the Apertus chat format, with a loss mask on what is learned.
 
     python tools/preprocess_chat.py --input chats.jsonl --output-prefix data/sft \
         --max-tokens 4096 --workers 8
 
-Every line holds ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}``
-(a system message only first). Writes ``data/sft_chat_document.bin/.idx`` (the token ids) and
-``data/sft_chat_document_loss_mask.bin/.idx`` (1 on the assistant's tokens and their
-``<|assistant_end|>``); train with ``pretrain_gpt.py --sft --data-path data/sft_chat_document``.
-A conversation with an unknown role, an empty message, no assistant turn, or more than
-``--max-tokens`` tokens is reported as FILE:LINE and skipped. The format: docs/post_training.md.
+Every line holds one of TRL's SFT layouts: ``{"messages": [{"role": "system"|"user"|"assistant",
+"content": "..."}, ...]}`` (a system message only first; every assistant turn learned),
+``{"prompt": [...], "completion": [{"role": "assistant", ...}]}`` or
+``{"prompt": "...", "completion": "..."}`` (the completion alone learned; text is plain text,
+no chat template) or ``{"text": "..."}`` (all learned). Writes
+``data/sft_chat_document.bin/.idx`` (the token ids) and
+``data/sft_chat_document_loss_mask.bin/.idx`` (1 on the learned tokens: an assistant message's
+and its ``<|assistant_end|>``, or text and ``</s>``); train with ``pretrain_gpt.py --sft
+--data-path data/sft_chat_document``. A line with an unknown role, an empty message, no
+assistant turn, none of these layouts, or more than ``--max-tokens`` tokens is reported as
+FILE:LINE and skipped. The layouts: docs/post_training.md.
 """
 
 from __future__ import annotations

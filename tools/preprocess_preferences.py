@@ -3,8 +3,11 @@
     python tools/preprocess_preferences.py --objective dpo --input pairs.jsonl \
         --output-prefix data/pairs --max-tokens 4097
 
-DPO lines: ``{"prompt": [messages], "chosen": "...", "rejected": "..."}``; QRPO lines:
-``{"prompt": [messages], "completion": "...", "reward": r, "ref_rewards": [r1, ...]}``; either
+DPO lines: ``{"prompt": [messages], "chosen": "...", "rejected": "..."}`` or any of TRL's
+preference layouts (chosen and rejected as assistant messages, all text, or an implicit prompt:
+whole ``chosen`` and ``rejected`` conversations or texts sharing their start); QRPO lines:
+``{"prompt": [messages], "completion": "...", "reward": r, "ref_rewards": [r1, ...]}`` (or
+text prompt and completion, or the completion as an assistant message); either
 may carry the reference policy's log-probability of each completion (``ref_chosen_logp``,
 ``ref_rejected_logp``, ``ref_completion_logp``, or TRL's ``..._logps`` and swiss-ai's
 ``..._logprob``): then training uses them instead of its reference pass, and every line must
@@ -12,7 +15,7 @@ carry them. Writes ``data/pairs_pref_document.bin/.idx``, its ``_loss_mask`` and
 ``_ref_logp`` (QRPO also ``_quantile``); train with ``pretrain_gpt.py --align-objective dpo
 --train-data-path data/pairs_pref_document``. Bad lines are reported as FILE:LINE: skipped:
 REASON, counted and skipped; no line left, or reference log-probabilities on some lines only,
-is an error (exit code 2, nothing written). The format: docs/post_training.md.
+is an error (exit code 2, nothing written). The layouts: docs/post_training.md.
 """
 
 from __future__ import annotations

@@ -85,6 +85,7 @@ def initialize(parallel: ParallelConfig, *, device: str, seed: int, model=None) 
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
         **({} if timeout is None else {"distributed_timeout_minutes": timeout}),
     )
     set_seed(seed)

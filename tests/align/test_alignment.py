@@ -311,6 +311,43 @@ def test_reference_logps_carried_by_the_data_replace_the_reference_pass(
         train(pretrain_gpt.parse_args(no_values))
 
 
+def test_alignment_chooses_the_unfused_output_loss_itself(data, tmp_path, caplog):
+    """DPO without --no-fused-output-loss takes the unfused output loss by itself, says so on
+    its start line and in apertus_run.json, and trains exactly as the run given the flag."""
+    caplog.set_level(logging.INFO, logger="apertus")
+    flagged = align_args(data, tmp_path / "flagged", "dpo", 2)
+    assert "--no-fused-output-loss" in flagged
+    save = tmp_path / "ck"
+    chosen = align_args(data, tmp_path / "chosen", "dpo", 2, "--save", str(save))
+    chosen.remove("--no-fused-output-loss")
+    config = pretrain_gpt.parse_args(chosen)
+    assert not config.training.fused_output_loss
+    with_flag = train(pretrain_gpt.parse_args(flagged))
+    caplog.clear()
+    without = train(config)
+    assert len(without["train/loss"]) == 2 and without["train/loss"] == with_flag["train/loss"]
+    assert (
+        "output layer + loss unfused (--align-objective needs per-token log-probabilities)"
+        in caplog.text
+    )
+    record = json.loads((save / "iter_0000002" / "apertus_run.json").read_text())
+    assert record["fused_output_loss"] is False
+
+
+@pytest.mark.parametrize("flag", ["--fused-output-loss", "--cross-entropy-loss-fusion"])
+def test_a_fused_output_loss_asked_for_with_alignment_is_refused(flag, capsys):
+    argv = ["--align-objective", "dpo", "--train-data-path", "x", "--train-iters", "1"]
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_gpt.parse_args(argv + [flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert (
+        ": error: --fused-output-loss (--cross-entropy-loss-fusion) cannot run with "
+        "--align-objective: alignment needs each token's log-probability"
+    ) in err[0]
+    assert not pretrain_gpt.parse_args(argv + ["--no-fused-output-loss"]).training.fused_output_loss
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -142,6 +142,57 @@ def test_a2a_moves_queries_keys_values_and_output():
     ), "with 8 query groups for 32 heads, p2p moves less than a2a"
 
 
+def test_hierarchical_traffic_all_to_all_within_a_level_ring_over_the_other():
+    """8B at TP 2, CP 8 = 2 x 4 (4 query groups per TP rank split over the pair): all-to-alls
+    of (A - 1) / A of q, k, v and output within each pair, forward and backward, and 3 blocks of
+    the gathered, head-split keys and values per ring step, 3 steps instead of p2p's 7."""
+    flags = ["--tensor-model-parallel-size", "2", "--global-batch-size", "512"]
+    hier = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "4"]
+    result, flat = eight_b(8, *flags, *hier, gpus=2048), eight_b(8, *flags, gpus=2048)
+    assert result.ok and flat.ok, (result.problems, flat.problems)
+    tokens = 65536 // 8
+    block = 2 * 2 * (8 * 128 // 2) * tokens  # bf16 keys and values of this rank's tokens
+    tensors = 2 * tokens * 2 * 4096 // 2 + block
+    per_layer = 2 * tensors / 2 + 3 * 3 * block
+    assert result.cp_traffic_per_step == pytest.approx(32 * per_layer * result.microbatches)
+    assert flat.cp_traffic_per_step == pytest.approx(32 * 3 * 7 * block * flat.microbatches)
+    # Two CP ranks per node (4 GPUs / TP 2): the pair's all-to-all stays inside it; every ring
+    # step of either layout waits on a link between nodes.
+    assert result.cp_inter_node_per_step == pytest.approx(32 * 9 * block * result.microbatches)
+    assert flat.cp_inter_node_per_step == flat.cp_traffic_per_step
+    assert result.peak.cp_buffers == pytest.approx(tensors + 4 * block)
+    text = format_plan(result)
+    assert "CP 8 (a2a+p2p 2x4)" in text and "in 3 ring steps over 4 groups" in text
+
+
+def test_per_layer_comm_types_are_planned_layer_by_layer():
+    """Half the layers p2p, half a2a+p2p: the traffic is the mean of the two uniform plans."""
+    flags = ["--tensor-model-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "4"]
+    kinds = {k: eight_b(8, *flags, "--cp-comm-type", k) for k in ("p2p", "a2a+p2p")}
+    mixed = eight_b(8, *flags, "--cp-comm-type", *["p2p", "a2a+p2p"] * 16)
+    expected = sum(p.cp_traffic_per_step for p in kinds.values()) / 2
+    assert mixed.cp_traffic_per_step == pytest.approx(expected)
+    assert mixed.peak.cp_buffers == max(p.peak.cp_buffers for p in kinds.values())
+    assert "per layer: 16 p2p, 16 a2a+p2p 2x4" in format_plan(mixed)
+
+
+def test_planner_refuses_hierarchical_layouts_by_the_trainers_rule():
+    """The trainer's rule, under Transformer Engine (the launchers' implementation): 2 query
+    groups per TP rank do not split over an all-to-all of 4; without sizes the flags are refused
+    as the trainer refuses them."""
+    hier = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes"]
+    refused = eight_b(8, *hier, "4", "2", "--transformer-impl", "transformer_engine")
+    assert refused.problems == [
+        "--cp-comm-type a2a+p2p: --num-query-groups (8) / --tensor-model-parallel-size (4) = 2 "
+        "per rank is not divisible by the all-to-all level of "
+        "--hierarchical-context-parallel-sizes (4), over which the all-to-all (Transformer "
+        "Engine) splits them; use a smaller all-to-all level"
+    ]
+    assert eight_b(8, *hier, "2", "4", "--transformer-impl", "transformer_engine").ok
+    with pytest.raises(ConfigError, match="needs --hierarchical-context-parallel-sizes A P"):
+        run_from_args(EIGHT_B_64K + ["--context-parallel-size", "8", "--cp-comm-type", "a2a+p2p"])
+
+
 def test_cp_makes_the_64k_8b_layout_fit():
     refused, fits = eight_b(1, "--global-batch-size", "512", gpus=2048), eight_b(
         4, "--global-batch-size", "512", gpus=2048
@@ -193,7 +244,9 @@ def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused_when_parsed()
 
 
 def test_unknown_cp_comm_type_is_refused():
-    with pytest.raises(ConfigError, match="--cp-comm-type must be one of p2p, a2a, got 'ring'"):
+    with pytest.raises(
+        ConfigError, match="--cp-comm-type must be one of p2p, a2a, a2a\\+p2p, got 'ring'"
+    ):
         run_from_args(EIGHT_B_64K + ["--cp-comm-type", "ring"])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.launch.planner import (
     GIB,
     Cluster,
@@ -72,6 +73,23 @@ def test_published_8b_layout_on_1024_gpus():
     assert stage.optimizer == pytest.approx(16 * stage.parameters / 512)  # master + 3 moments
     assert stage.total / GIB < 0.9 * 96
     assert result.recompute_alternatives["none"] / GIB > 0.9 * 96, "fits only with recomputation"
+
+
+def test_alignment_is_planned_with_the_output_loss_it_runs():
+    """An alignment run's output loss is unfused, as the run itself decides: its whole logits
+    and their fp32 softmax are planned (also for an explicit --no-fused-output-loss)."""
+    cluster = Cluster(gpus=1024, **GH200)
+    fused = plan(run_from_args(EIGHT_B), cluster)
+    aligned = plan(run_from_args(EIGHT_B + ["--align-objective", "dpo"]), cluster)
+    flagged = plan(run_from_args(EIGHT_B + ["--no-fused-output-loss"]), cluster)
+    assert fused.run.training.fused_output_loss and not aligned.run.training.fused_output_loss
+    vocab_per_rank, tokens = 131072 // 2, 4 * 4096  # TP 2; micro-batch 4 x 4096
+    assert aligned.peak.loss_buffers == (2 + 4) * tokens * vocab_per_rank
+    assert flagged.peak.loss_buffers == aligned.peak.loss_buffers > fused.peak.loss_buffers
+    assert "unfused output layer + loss (logits, fp32 softmax)" in format_plan(aligned)
+    assert "fused output layer + loss (dX" in format_plan(fused)
+    with pytest.raises(ConfigError, match="cannot run with --align-objective"):
+        run_from_args(EIGHT_B + ["--align-objective", "dpo", "--fused-output-loss"])
 
 
 def test_published_70b_layout_on_4096_gpus():

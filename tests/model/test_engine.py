@@ -199,7 +199,7 @@ def test_context_parallel_size_is_validated():
     [
         (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine"),
         (["--fp8-format", "e4m3"], "--fp8-format e4m3 needs --transformer-impl transformer_engine"),
-        (["--cp-comm-type", "ring"], "--cp-comm-type must be one of p2p, a2a"),
+        (["--cp-comm-type", "ring"], "--cp-comm-type must be one of p2p, a2a, a2a+p2p"),
         (
             ["--context-parallel-size", "3", "--seq-length", "64"],
             "--seq-length (64) is not divisible by 2 x --context-parallel-size (3)",
@@ -216,6 +216,18 @@ def test_context_parallel_size_is_validated():
                 "2",
             ],
             "--cp-comm-type a2a: --num-attention-heads (2) / --tensor-model-parallel-size (1)",
+        ),
+        (
+            ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "3"],
+            "--hierarchical-context-parallel-sizes 2 3: the product 2 x 3 = 6 is not",
+        ),
+        (
+            ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--seq-length", "64"],
+            "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P",
+        ),
+        (
+            ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "--seq-length", "64"],
+            "--cp-comm-type lists 2 values for --num-layers (4)",
         ),
         (["--log-intermediate-metrics", "skew"], "--log-intermediate-metrics: unknown skew"),
     ],

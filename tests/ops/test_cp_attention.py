@@ -1,8 +1,9 @@
 """Context-parallel attention (megatron/apertus/ops/cp_attention.py): the partitions Megatron and
-TE use; the ring's tile arithmetic by fp64 gradcheck; p2p and a2a on 2 and 4 gloo processes
-against one-process attention, outputs and the gradients of q, k and v, for one causal sequence
-(batch of 2, GQA) and for packed documents that cross the chunk boundaries; and a negative control:
-the same comparison fails when documents may see each other.
+TE use; the ring's tile arithmetic by fp64 gradcheck; p2p, a2a and hierarchical a2a+p2p (2 x 1,
+1 x 2 and 2 x 2) on 2 and 4 gloo processes against one-process attention, outputs and the
+gradients of q, k and v, for one causal sequence (batch of 2, GQA) and for packed documents that
+cross the chunk boundaries; and a negative control: the same comparison fails when documents may
+see each other.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FP32_TOL = 2e-6
 """Largest error relative to the largest magnitude of the compared tensor (fp32 round-off)."""
 BATCH, HEADS, GROUPS, DIM = 2, 4, 2, 8
 SEQ = 32
+LEVELS = {2: [(2, 1), (1, 2)], 4: [(2, 2)]}
+"""Hierarchical (all-to-all, ring) splits compared at each CP size."""
 TILE = 3
 """Tile extent in these tests: chunks of 4 to 20 tokens cut into several uneven pieces each."""
 DOCUMENTS = [8, 40, 16]
@@ -101,7 +104,22 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def _compare(layout, comm_type: str, group, *, leak: bool = False) -> float:
+def _level_groups(world: int, a2a: int) -> tuple:
+    """This rank's (all-to-all, ring) groups as megatron-core lays them out: contiguous groups of
+    ``a2a`` ranks, the ring over the ranks at the same place in each (every rank creates every
+    group, in the same order)."""
+    rank = dist.get_rank()
+    mine = []
+    for level in (
+        [list(range(s, s + a2a)) for s in range(0, world, a2a)],
+        [list(range(a, world, a2a)) for a in range(a2a)],
+    ):
+        groups = [(ranks, dist.new_group(ranks)) for ranks in level]
+        mine += [group for ranks, group in groups if rank in ranks]
+    return tuple(mine)
+
+
+def _compare(layout, comm_type: str, group, *, leak: bool = False, levels=None) -> float:
     """Largest relative error of this rank's output and of the gathered q/k/v gradients."""
     batch, index, doc_start = layout
     seq = doc_start.numel()
@@ -114,7 +132,12 @@ def _compare(layout, comm_type: str, group, *, leak: bool = False) -> float:
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     seen_start = torch.zeros_like(doc_start) if leak else doc_start
     out = context_parallel_attention(
-        *local, index=index, doc_start=seen_start, group=group, comm_type=comm_type
+        *local,
+        index=index,
+        doc_start=seen_start,
+        group=group,
+        comm_type=comm_type,
+        levels=levels,
     )
     out.backward(grad[:, :, mine])
     errors = [_relative_error(out, ref_out[:, :, mine])]
@@ -138,6 +161,12 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
             for comm in ("p2p", "a2a"):
                 report[f"{name}/{comm}"] = _compare(layout, comm, group)
             report[f"{name}/p2p/leak"] = _compare(layout, "p2p", group, leak=True)
+        for a2a, ring in LEVELS[world]:
+            levels = _level_groups(world, a2a)
+            for name, layout in _layouts(world).items():
+                key = f"{name}/a2a+p2p/{a2a}x{ring}"
+                report[key] = _compare(layout, "a2a+p2p", group, levels=levels)
+                report[key + "/leak"] = _compare(layout, "a2a+p2p", group, leak=True, levels=levels)
         results[rank] = report
     finally:
         dist.destroy_process_group()
@@ -156,6 +185,18 @@ def cp_report(request, tmp_path_factory):
 def test_cp_attention_matches_one_process(cp_report, case):
     for rank, report in cp_report.items():
         assert report[case] < FP32_TOL, (rank, case, report[case])
+
+
+@pytest.mark.parametrize("layout", ["causal", "packed"])
+def test_hierarchical_cp_attention_matches_one_process(cp_report, layout):
+    """a2a+p2p: all-to-all within the first level, ring over the second (2x1, 1x2 and 2x2)."""
+    world = len(cp_report)
+    for rank, report in cp_report.items():
+        for a2a, ring in LEVELS[world]:
+            key = f"{layout}/a2a+p2p/{a2a}x{ring}"
+            assert report[key] < FP32_TOL, (rank, key, report[key])
+            if layout == "packed":  # negative control
+                assert report[key + "/leak"] > 1e-2, (rank, key)
 
 
 def test_leaking_documents_are_detected(cp_report):

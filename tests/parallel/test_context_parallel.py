@@ -1,7 +1,10 @@
 """Context parallelism end to end: CP=2 and CP=4 (p2p and a2a, and CP=2 x TP=2) on gloo processes
 reproduce the one-process losses and gradient norms of the same steps from the same initial
 checkpoint, for unpacked samples, packed documents with Goldfish, distillation from stored teacher
-logits (top-k and sampled) and SFT loss masks on packed chat documents; a run saved at CP=2
+logits (top-k and sampled) and SFT loss masks on packed chat documents. Hierarchical CP=4
+(``a2a+p2p`` over 2 x 2: all-to-all within pairs, ring over the pairs) and a per-layer comm-type
+list are compared the same way and, element by element, on every parameter's gradient of the
+first step (tests/parallel/grad_worker.py) on every rank; a run saved at CP=2
 resumes at CP=1 and CP=4 on the uninterrupted trajectory; teacher logits generated at CP=2 are
 the same bytes as at CP=1, top-k and sampled, packed or not.
 
@@ -31,6 +34,7 @@ from tests.conftest import (
 )
 
 GENERATE = REPO / "tools" / "generate_teacher_logits.py"
+GRAD_WORKER = REPO / "tests" / "parallel" / "grad_worker.py"
 CHAT_TOOL = REPO / "tools" / "preprocess_chat.py"
 COMMON = [
     "--model-preset",
@@ -58,6 +62,19 @@ COMMON = [
 STEPS = 3
 RTOL = 2e-6
 GRAD_NORM_RTOL = 5e-4
+GRAD_TOL = 2e-6
+"""Largest difference of a first-step gradient element, relative to the largest magnitude of its
+parameter's gradient: fp32 round-off of sums in another order (the attention's softmax merges,
+the loss and the gradient reductions over CP ranks). Measured at a2a+p2p 2 x 2: 9e-7 (p2p at
+CP=2: 8e-7); largest absolute difference 2.2e-8."""
+SCALAR_GRAD_TOL = 1e-4
+"""The same for one-number parameters (xIELU's alphas): each is a sum over every token and
+feature of its layer that cancels to ~4e-7, so the same ~1e-11 of round-off is 2e-5 of it, as
+much at p2p CP=2 as at a2a+p2p 2 x 2."""
+HIERARCHICAL = ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"]
+HIER = HIERARCHICAL + ["--cp-comm-type", "a2a+p2p"]
+PER_LAYER = HIERARCHICAL + ["--cp-comm-type", "a2a+p2p", "p2p", "a2a", "a2a+p2p"]
+"""One entry per layer of the tiny model (4 layers)."""
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 GOLDFISH = ["--goldfish-loss", "--goldfish-k", "4", "--goldfish-h", "13"]
 TOPK = ["--topk", "8", "--samples-per-block", "4"]
@@ -96,17 +113,41 @@ def root(tmp_path_factory):
     return root
 
 
-def _run(root, name: str, args: list[str], nproc: int = 1, steps: int = STEPS) -> dict:
-    """The run ``name`` from the initial checkpoint."""
+def _run(
+    root, name: str, args: list[str], nproc: int = 1, steps: int = STEPS, grads: bool = False
+) -> dict:
+    """The run ``name`` from the initial checkpoint; with ``grads``, its first step's gradients
+    on every rank too (``["grads"]``, one dict per rank)."""
     out = root / f"{name}.json"
-    run_entry(
-        PRETRAIN,
+    flags = (
         COMMON
         + args
-        + ["--train-iters", str(steps), "--load", str(root / "init"), "--log-json", str(out)],
-        nproc=nproc,
+        + ["--train-iters", str(steps), "--load", str(root / "init"), "--log-json", str(out)]
     )
-    return read_json(out)
+    prefix = root / f"{name}-grads"
+    if grads:
+        run_entry(GRAD_WORKER, [str(prefix), "--", *flags], nproc=nproc)
+    else:
+        run_entry(PRETRAIN, flags, nproc=nproc)
+    history = read_json(out)
+    if grads:
+        history["grads"] = [torch.load(f"{prefix}.rank{r}.pt") for r in range(nproc)]
+    return history
+
+
+def _assert_same_gradients(got: dict, expected: dict) -> None:
+    """Every rank's first-step gradient of every parameter, element by element, against one
+    process's, relative to the largest magnitude of that parameter's gradient."""
+    (reference,) = expected["grads"]
+    for rank, grads in enumerate(got["grads"]):
+        assert grads.keys() == reference.keys()
+        for name, want in reference.items():
+            assert grads[name].shape == want.shape, name
+            scale = want.abs().max().item()
+            assert scale > 0, f"{name}: a zero gradient compares nothing"
+            error = (grads[name] - want).abs().max().item() / scale
+            tolerance = GRAD_TOL if want.numel() > 1 else SCALAR_GRAD_TOL
+            assert error < tolerance, (rank, name, error)
 
 
 def _assert_same_run(got: dict, expected: dict) -> None:
@@ -128,7 +169,7 @@ def _assert_same_run(got: dict, expected: dict) -> None:
 
 @pytest.fixture(scope="module")
 def unpacked(root):
-    return _run(root, "unpacked", [])
+    return _run(root, "unpacked", [], grads=True)
 
 
 @pytest.mark.parametrize(
@@ -150,9 +191,18 @@ def test_context_parallel_with_pipeline_stages_matches_one_process(root, unpacke
     _assert_same_run(_run(root, "cp2-pp2", args, 4), unpacked)
 
 
+@pytest.mark.parametrize("name, args", [("cp4-hierarchical", HIER), ("cp4-per-layer", PER_LAYER)])
+def test_hierarchical_context_parallel_matches_one_process(root, unpacked, name, args):
+    """a2a+p2p at 2 x 2 (and a per-layer mix of p2p, a2a and a2a+p2p): the losses, and every
+    gradient element of the first step on every rank."""
+    got = _run(root, name, args, 4, grads=True)
+    _assert_same_run(got, unpacked)
+    _assert_same_gradients(got, unpacked)
+
+
 @pytest.fixture(scope="module")
 def packed_goldfish(root):
-    return _run(root, "packed", PACKED + GOLDFISH)
+    return _run(root, "packed", PACKED + GOLDFISH, grads=True)
 
 
 @pytest.mark.parametrize(
@@ -168,6 +218,14 @@ def test_packed_documents_with_pipeline_stages_match_one_process(root, packed_go
     """Documents padded per CP rank make micro-batch lengths vary: the stages exchange shapes."""
     args = PACKED + GOLDFISH + _cp(2) + ["--pipeline-model-parallel-size", "2"]
     _assert_same_run(_run(root, "packed-cp2-pp2", args, 4), packed_goldfish)
+
+
+def test_packed_hierarchical_context_parallel_with_goldfish_matches_one_process(
+    root, packed_goldfish
+):
+    got = _run(root, "packed-cp4-hierarchical", PACKED + GOLDFISH + HIER, 4, grads=True)
+    _assert_same_run(got, packed_goldfish)
+    _assert_same_gradients(got, packed_goldfish)
 
 
 def _store_digest(store) -> dict[str, str]:
@@ -291,6 +349,15 @@ def test_distillation_from_stored_logits_matches_one_process(root, request, stor
         (ref_step, *_), (ref_first, *_) = series(expected, key)
         assert got_step == ref_step == 1
         np.testing.assert_allclose(got_first, ref_first, rtol=rtol, atol=0)
+
+
+def test_distillation_under_hierarchical_context_parallel_matches_one_process(root, logits):
+    """A student of stored top-k teacher logits at a2a+p2p 2 x 2."""
+    distil = ["--distill-logits-path", str(logits), "--kd-alpha", "0.9"] + GOLDFISH
+    expected = _run(root, "distill-hier-reference", distil, grads=True)
+    got = _run(root, "distill-logits-cp4-hierarchical", distil + HIER, 4, grads=True)
+    _assert_same_run(got, expected)
+    _assert_same_gradients(got, expected)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ import sys
 
 import numpy as np
 import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus.align.data import PreferenceDataset, precomputed_reference
-from megatron.apertus.data.chat import CONTROL_TOKENS
+from megatron.apertus.data.chat import CONTROL_TOKENS, loss_mask_prefix
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 from tests.conftest import REPO
 
@@ -196,3 +197,113 @@ def test_json_errors_name_the_column_on_the_line(captured, tmp_path):
     assert code == 0, err
     assert f"{source}:2: skipped: invalid JSON (Expecting ',' delimiter at column 29)" in err
     assert f"{source}:3: skipped: invalid JSON (Expecting ',' delimiter at column 15)" in err
+
+
+SYSTEM = {"role": "system", "content": "Answer in one sentence."}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def stored(prefix: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Every sequence's ids and loss mask as the tool wrote them."""
+    tokens, masks = IndexedDataset(prefix), IndexedDataset(loss_mask_prefix(prefix))
+    return (
+        [np.array(tokens[i]).tolist() for i in range(len(tokens))],
+        [np.array(masks[i]).tolist() for i in range(len(masks))],
+    )
+
+
+def test_trl_layouts_give_the_tokens_and_masks_of_the_explicit_layout(captured, tmp_path):
+    """TRL's conversational preference layout (explicit and implicit prompt) and its text
+    layouts (explicit and implicit prompt) give the ids and masks of their explicit form,
+    and the mask covers the completion and its end token only."""
+    tekken = build_tokenizer()
+    prompt = [SYSTEM, *EARLIER_TURNS]
+    chosen, rejected = "It is blue.", "It is green."
+    conversational = [
+        {"prompt": prompt, "chosen": chosen, "rejected": rejected},  # the layout these tools read
+        {"prompt": prompt, "chosen": [assistant(chosen)], "rejected": [assistant(rejected)]},
+        {"chosen": [*prompt, assistant(chosen)], "rejected": [*prompt, assistant(rejected)]},
+    ]
+    text = [
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+    ]
+    code, _, err, _, prefix = run_tool(
+        captured, tmp_path, "dpo", [json.dumps(r) for r in conversational + text]
+    )
+    assert code == 0, err
+    ids, masks = stored(prefix)
+    assert len(ids) == 2 * 5
+    for example in (1, 2):
+        assert ids[2 * example : 2 * example + 2] == ids[0:2]
+        assert masks[2 * example : 2 * example + 2] == masks[0:2]
+    end = CONTROL_TOKENS["<|assistant_end|>"]
+    for row, completion in enumerate((chosen, rejected)):
+        learned = [i for i, m in zip(ids[row], masks[row]) if m]
+        assert learned == [*tekken.encode(completion), end], "not the prompt's assistant turn"
+    assert ids[6:8] == ids[8:10] and masks[6:8] == masks[8:10]
+    for row, completion in zip((6, 7), (" blue.", " green.")):
+        prompt_ids, completion_ids = tekken.encode("The sky is"), tekken.encode(completion)
+        assert ids[row] == [tekken.bos, *prompt_ids, *completion_ids, tekken.eod]
+        assert masks[row] == [0] * (1 + len(prompt_ids)) + [1] * (len(completion_ids) + 1)
+    assert ids[6] != ids[0], "text layouts are plain text, not the chat format"
+    completion = {"prompt": prompt, "reward": 1.0, "ref_rewards": [0.0, 2.0]}
+    code, _, err, _, prefix = run_tool(
+        captured,
+        tmp_path,
+        "qrpo",
+        [
+            json.dumps({**completion, "completion": chosen}),
+            json.dumps({**completion, "completion": [assistant(chosen)]}),
+        ],
+    )
+    assert code == 0, err
+    qrpo_ids, qrpo_masks = stored(prefix)
+    assert qrpo_ids == [ids[0], ids[0]] and qrpo_masks == [masks[0], masks[0]]
+
+
+def test_bad_trl_layout_lines_are_reported_with_their_reason(captured, tmp_path):
+    user, other = {"role": "user", "content": "Sky colour?"}, {"role": "user", "content": "Grass?"}
+    good = {"chosen": [user, assistant("Blue.")], "rejected": [user, assistant("Green.")]}
+    lines = [
+        good,
+        {"prompt": "Sky colour?", "chosen": [assistant("Blue.")], "rejected": "Green."},
+        {"prompt": [user], "chosen": [user, assistant("Blue.")], "rejected": "Green."},
+        {"chosen": [user, assistant("Blue.")], "rejected": [other, assistant("Green.")]},
+        {"chosen": "Yes.", "rejected": "No."},
+        {
+            "chosen": [user, assistant("a"), other, assistant("b")],
+            "rejected": [user, assistant("c"), other, assistant("b")],
+        },
+        {"chosen": "The sky is blue.", "rejected": [user, assistant("Green.")]},
+        {"prompt": [user], "chosen": [assistant(" ")], "rejected": "Green."},
+        {"chosen": good["chosen"], "rejected": good["chosen"]},
+        {"chosen": [user, assistant("Blue.")], "rejected": [user]},
+    ]
+    code, out, err, source, _ = run_tool(
+        captured, tmp_path, "dpo", [json.dumps(line) for line in lines]
+    )
+    assert code == 0, err
+    reasons = {
+        2: "'chosen' is a list of messages but the prompt is text",
+        3: "'chosen' must be one assistant message, not [user, assistant]",
+        4: "chosen and rejected share no prompt (their first messages differ)",
+        5: "chosen and rejected share no prompt (no common first words)",
+        6: "chosen and rejected differ before their last message (the implicit prompt is what "
+        "they share)",
+        7: "one of chosen and rejected is text, the other a list of messages",
+        8: "empty content in message 0 (assistant)",
+        9: "chosen and rejected are identical",
+        10: "'rejected' has no reply after the prompt both share",
+    }
+    for line, reason in reasons.items():
+        assert f"{source}:{line}: skipped: {reason}\n" in err
+    assert "wrote 1 examples" in out and "rejected 9 lines" in out
+    qrpo = {"completion": "Blue.", "reward": 1.0, "ref_rewards": [0.0, 2.0]}
+    code, out, err, source, _ = run_tool(
+        captured, tmp_path, "qrpo", [json.dumps({**qrpo, "prompt": [user]}), json.dumps(qrpo)]
+    )
+    assert code == 0 and f"{source}:2: skipped: no 'prompt' (text or a list of messages)" in err

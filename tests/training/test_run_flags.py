@@ -111,6 +111,7 @@ def test_a_training_checkpoint_records_its_run(trained):
     assert info["data_path"] == []  # the embedded corpus
     assert (info["iteration"], info["consumed_samples"]) == (5, 20)
     assert info["consumed_tokens"] == 20 * checkpoint.load_model_config(root / "ckpt").seq_length
+    assert info["fused_output_loss"] is True
     assert info["command"][0].endswith("pretrain_gpt.py") and "--save" in info["command"]
     assert info["version"] == importlib.metadata.version("megatron-apertus")
 

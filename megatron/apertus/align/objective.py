@@ -46,7 +46,7 @@ QUANTITIES = {
 def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Per row: the sum of ``log p`` of its loss tokens, in float64."""
     if per_token_loss.dim() != 2:
-        raise ConfigError("alignment needs per-token losses: run with --no-fused-output-loss")
+        raise ConfigError("alignment needs per-token losses: the output loss must be unfused")
     return -(per_token_loss.double() * loss_mask.double()).sum(-1)
 
 

@@ -93,13 +93,11 @@ def control_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     return dict(CONTROL_TOKENS)
 
 
-def parse_messages(record: object) -> list[dict[str, str]]:
-    """The ``messages`` of one JSON record, checked; :class:`ConversationError` says why not."""
-    if not isinstance(record, dict):
-        raise ConversationError(f"not a JSON object but {type(record).__name__}")
-    messages = record.get("messages")
+def check_messages(messages: object, what: str = "messages") -> list[dict[str, str]]:
+    """A list of messages (``what`` names it in the error), checked: known roles, non-empty
+    string contents, a system message only first; :class:`ConversationError` says why not."""
     if not isinstance(messages, list) or not messages:
-        raise ConversationError("no 'messages' list")
+        raise ConversationError(f"no {what!r} list")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ConversationError(f"message {i} is not an object")
@@ -114,16 +112,26 @@ def parse_messages(record: object) -> list[dict[str, str]]:
             )
         if not content.strip():
             raise ConversationError(f"empty content in message {i} ({role})")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ConversationError("no assistant message (nothing to learn)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def parse_messages(record: object) -> list[dict[str, str]]:
+    """The ``messages`` of one JSON record, checked; :class:`ConversationError` says why not."""
+    if not isinstance(record, dict):
+        raise ConversationError(f"not a JSON object but {type(record).__name__}")
+    messages = check_messages(record.get("messages"))
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConversationError("no assistant message (nothing to learn)")
+    return messages
+
+
 def encode_conversation(
-    tokenizer: Tokenizer, messages: Sequence[dict[str, str]]
+    tokenizer: Tokenizer, messages: Sequence[dict[str, str]], *, context: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """(token ids int32, loss mask uint8) of one conversation, ending with ``</s>``.
 
+    ``context``: the first ``context`` messages are a prompt whose assistant turns are given,
+    not learned (prompt-completion data learns the completion only).
     Message contents are tokenized as text: a literal ``<|user_end|>`` in a message stays
     characters and can never close a turn.
     """
@@ -134,21 +142,18 @@ def encode_conversation(
         mask.extend([int(learn)] * len(tokens))
 
     c = CONTROL_TOKENS
-    turns = list(messages)
-    if turns and turns[0]["role"] == "system":
+    first = 0
+    if messages and messages[0]["role"] == "system":
         add(
-            [
-                c["<|system_start|>"],
-                *tokenizer.encode(turns.pop(0)["content"]),
-                c["<|system_end|>"],
-            ],
+            [c["<|system_start|>"], *tokenizer.encode(messages[0]["content"]), c["<|system_end|>"]],
             False,
         )
+        first = 1
     add(
         [c["<|developer_start|>"], *tokenizer.encode(DEVELOPER_MESSAGE), c["<|developer_end|>"]],
         False,
     )
-    for message in turns:
+    for position, message in enumerate(messages[first:], start=first):
         role = message["role"]
         if role == "user":
             add(
@@ -157,11 +162,25 @@ def encode_conversation(
             )
         elif role == "assistant":
             add([c["<|assistant_start|>"]], False)
-            add([*tokenizer.encode(message["content"]), c["<|assistant_end|>"]], True)
+            learned = [*tokenizer.encode(message["content"]), c["<|assistant_end|>"]]
+            add(learned, position >= context)
         else:
             raise ConversationError(f"unknown role {role!r}")
     add([tokenizer.eod], False)
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+def encode_text(
+    tokenizer: Tokenizer, prompt: str, completion: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids int32, loss mask uint8) of plain text, no chat template:
+    ``<s> prompt completion </s>``, the prompt and the completion tokenized apart (so every
+    completion of a prompt starts from the same prompt tokens). The completion and ``</s>`` are
+    learned: without control tokens, ``</s>`` is how a text model learns to stop."""
+    given = [tokenizer.bos, *(tokenizer.encode(prompt) if prompt else [])]
+    learned = [*tokenizer.encode(completion), tokenizer.eod]
+    mask = [0] * len(given) + [1] * len(learned)
+    return np.asarray(given + learned, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
 def loss_mask_prefix(prefix: str) -> str:

@@ -27,7 +27,10 @@ tensor above holds the rank's seq / CP tokens, so activations, RoPE tables and t
 fall by CP. What CP adds is a working set of one layer at a time (``cp_buffer_bytes``): with
 ``p2p`` the ring's send/receive buffers, two blocks of keys and values in forward and two of
 keys, values and their gradients in backward; with ``a2a`` the query, key, value and output
-tensors in their head-split layout while attention runs. Gradients are reduced, and with the
+tensors in their head-split layout while attention runs; with ``a2a+p2p`` (hierarchical sizes
+A x P) both: the head-split tensors of the A-rank all-to-all and the ring's four blocks, each
+A x the tokens at 1/A of the heads (a per-layer list: the largest of its kinds). Per step, each
+GPU sends ``cp_layer_traffic`` per layer and micro-batch. Gradients are reduced, and with the
 distributed optimizer its states sharded, over data-parallel x context-parallel ranks.
 
 Pipelining: with 1F1B, pipeline rank r holds min(PP - r, M) micro-batches in flight; with
@@ -90,7 +93,11 @@ class Shape:
     """Where it runs (the fused loss sizes its chunks by device)."""
     context_parallel: int = 1
     """Ranks that share each sequence (``--context-parallel-size``)."""
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str | tuple[str, ...] = "p2p"
+    """One comm type, or one per transformer layer (Megatron-LM's per-layer list)."""
+    a2a_size: int = 1
+    """Ranks of the all-to-all level of ``a2a+p2p`` (``--hierarchical-context-parallel-sizes``'s
+    first)."""
     transformer_impl: str = "local"
     """``--transformer-impl``: the layers whose saved tensors ``layer_activation_bytes`` counts."""
 
@@ -219,19 +226,100 @@ def kv_block_bytes(model: ApertusConfig, shape: Shape) -> float:
     return 2 * shape.dtype_bytes * kv / shape.tp * shape.tokens
 
 
+def _split_kv_block_bytes(model: ApertusConfig, shape: Shape, ranks: int) -> float:
+    """:func:`kv_block_bytes` after an all-to-all over ``ranks``: the same bytes, unless the
+    query groups of a TP rank do not divide over them and K/V are repeated per query head first
+    (local layers; Transformer Engine refuses such a split)."""
+    groups = max(1, model.num_query_groups // shape.tp)
+    repeat = model.num_attention_heads // model.num_query_groups if groups % ranks else 1
+    return repeat * kv_block_bytes(model, shape)
+
+
+def _head_split_bytes(model: ApertusConfig, shape: Shape, ranks: int) -> float:
+    """Queries, keys, values and output of one layer in an all-to-all's head-split layout."""
+    queries_out = shape.dtype_bytes * 2 * model.hidden_size / shape.tp * shape.tokens
+    return queries_out + _split_kv_block_bytes(model, shape, ranks)
+
+
+def _comm_types(shape: Shape) -> tuple[str, ...]:
+    kinds = shape.cp_comm_type
+    return tuple(dict.fromkeys(kinds)) if isinstance(kinds, tuple) else (kinds,)
+
+
 def cp_buffer_bytes(model: ApertusConfig, shape: Shape) -> float:
     """Working set context parallelism adds while one layer's attention runs (0 without CP).
 
     ``p2p``: double-buffered ring transfers, peaking in backward where the keys and values and
     their gradients both travel (4 key/value blocks). ``a2a``: queries, keys, values and the
-    output in the all-to-all's other layout (same bytes as the local tensors).
+    output in the all-to-all's other layout (same bytes as the local tensors). ``a2a+p2p``:
+    the all-to-all's tensors and the ring's 4 blocks of the gathered, head-split keys and
+    values. A per-layer list: its largest.
     """
     if shape.context_parallel == 1:
         return 0.0
-    if shape.cp_comm_type == "p2p":
+    return max(_layer_cp_buffer_bytes(model, shape, kind) for kind in _comm_types(shape))
+
+
+def _layer_cp_buffer_bytes(model: ApertusConfig, shape: Shape, kind: str) -> float:
+    if kind == "p2p":
         return 4 * kv_block_bytes(model, shape)
-    h = model.hidden_size
-    return shape.dtype_bytes * 2 * h / shape.tp * shape.tokens + kv_block_bytes(model, shape)
+    if kind == "a2a":
+        return _head_split_bytes(model, shape, shape.context_parallel)
+    ranks = shape.a2a_size
+    return _head_split_bytes(model, shape, ranks) + 4 * _split_kv_block_bytes(model, shape, ranks)
+
+
+def cp_layer_traffic(model: ApertusConfig, shape: Shape, kind: str) -> tuple[float, float]:
+    """(forward, backward) bytes one GPU sends for one layer's attention of one micro-batch.
+
+    ``p2p``: the forward passes the rank's key/value block CP - 1 steps around the ring; the
+    backward passes the blocks again with their gradients (2 x). ``a2a``: the forward's three
+    all-to-alls (queries, keys, values to head-split) and the output's back, each sending
+    (CP - 1) / CP of its tensor; the backward the same four. ``a2a+p2p`` over A x P: the
+    all-to-alls within the A ranks ((A - 1) / A of each tensor), then the ring over the P
+    groups with the gathered, head-split key/value blocks (the same bytes as a local block;
+    P - 1 steps forward, twice that backward): fewer ring steps than p2p's CP - 1, and each
+    all-to-all within A ranks (a node's NVLink, say) instead of CP.
+    """
+    cp = shape.context_parallel
+    if cp == 1:
+        return 0.0, 0.0
+    if kind == "p2p":
+        ring = (cp - 1) * kv_block_bytes(model, shape)
+        return ring, 2 * ring
+    if kind == "a2a":
+        exchange = _head_split_bytes(model, shape, cp) * (cp - 1) / cp
+        return exchange, exchange
+    exchange, ring = hierarchical_layer_traffic(model, shape)
+    return exchange + ring, exchange + 2 * ring
+
+
+def cp_layer_inter_node_traffic(
+    model: ApertusConfig, shape: Shape, kind: str, cp_per_node: int
+) -> float:
+    """Of :func:`cp_layer_traffic` (forward + backward), the bytes whose transfers wait on a
+    link between nodes, when ``cp_per_node`` consecutive CP ranks share a node (megatron-core
+    places CP ranks next to each other after TP). A ring that leaves the node waits on that link
+    at every step: all its bytes count. An all-to-all over ``n`` ranks sends (n - c) / n of each
+    tensor off its node of ``c`` of them."""
+    cp = shape.context_parallel
+    if cp == 1 or cp <= cp_per_node:
+        return 0.0
+    if kind == "p2p":
+        return sum(cp_layer_traffic(model, shape, kind))
+    if kind == "a2a":
+        return 2 * _head_split_bytes(model, shape, cp) * (cp - cp_per_node) / cp
+    a2a = shape.a2a_size
+    exchange = 2 * _head_split_bytes(model, shape, a2a) * max(0, a2a - cp_per_node) / a2a
+    return exchange + 3 * hierarchical_layer_traffic(model, shape)[1]
+
+
+def hierarchical_layer_traffic(model: ApertusConfig, shape: Shape) -> tuple[float, float]:
+    """``a2a+p2p``'s forward bytes for one layer and micro-batch: (all-to-all within the A
+    ranks, ring over the P groups); the backward sends the same all-to-alls and twice the ring."""
+    a2a, ring_size = shape.a2a_size, shape.context_parallel // shape.a2a_size
+    exchange = _head_split_bytes(model, shape, a2a) * (a2a - 1) / a2a
+    return exchange, (ring_size - 1) * _split_kv_block_bytes(model, shape, a2a)
 
 
 def layer_input_bytes(model: ApertusConfig, shape: Shape) -> float:
@@ -277,6 +365,12 @@ def loss_buffer_bytes(model: ApertusConfig, shape: Shape) -> float:
     return p * shape.tokens * h + grad_weight + p * min(rows, shape.tokens) * vocab_local
 
 
+def unfused_loss_bytes(model: ApertusConfig, shape: Shape) -> float:
+    """Peak of the unfused output layer + loss (megatron-core's vocab-parallel cross-entropy):
+    the logits in the training dtype and the fp32 softmax it keeps for the backward."""
+    return (shape.dtype_bytes + FP32) * shape.tokens * model.vocab_size / shape.tp
+
+
 @dataclass(kw_only=True, frozen=True)
 class StageMemory:
     """Bytes on one GPU of pipeline stage ``pipeline_rank``."""
@@ -317,6 +411,8 @@ class Workload:
     recompute: Recompute = Recompute()
     forward_only: bool = False
     """Inference (teacher logits): weights and one layer's working set, no states."""
+    fused_loss: bool = True
+    """The fused output layer + loss (``--fused-output-loss``); unfused, the whole logits exist."""
 
 
 def model_state_bytes(parameters: int, run: Workload) -> tuple[float, float, float]:
@@ -371,7 +467,8 @@ def stage_memory(
     if last:
         h = model.hidden_size
         activations += (FP32 * h + shape.dtype_bytes * h + FP32) * shape.tokens / shape.seq_split
-        loss = loss_buffer_bytes(model, shape)
+        fused = run.fused_loss
+        loss = loss_buffer_bytes(model, shape) if fused else unfused_loss_bytes(model, shape)
     return StageMemory(
         pipeline_rank=pipeline_rank,
         parameters=parameters,

@@ -9,15 +9,16 @@ constraint:
 * the batch: global batch (and every ramp-up batch) divisible by micro-batch x DP; with virtual
   stages, micro-batches per step divisible by PP (megatron-core's interleaved schedule);
 * the placement: a TP group inside one node; the sequence over TP with sequence parallelism;
-* context parallelism: the sequence into 2 x CP chunks (Megatron's load-balanced split), each
-  rank's share over TP with sequence parallelism, and with ``a2a`` the heads and query groups of
-  a TP rank over CP;
+* context parallelism: the trainer's rule (``context_parallel_problems``: the sequence into
+  2 x CP chunks, hierarchical sizes, per-layer lists, heads and query groups of a TP rank over
+  an all-to-all), each rank's share over TP with sequence parallelism;
 * memory: the fullest pipeline stage (``memory.stage_memory``) within the usable share of a GPU.
 
 It reports the per-GPU memory (weights, gradients, optimizer states, activations with the
 chosen recomputation and the alternatives), model FLOPs per step (``flops_per_token``, the
 same count the training log uses for MFU) and, with CP, the bytes each GPU sends per step for
-attention (``cp_traffic_bytes``). ``sweep`` plans one run at several sequence lengths and CP
+attention (``cp_traffic_bytes``), and how much of it waits on links between nodes (where
+hierarchical ``a2a+p2p`` pays). ``sweep`` plans one run at several sequence lengths and CP
 sizes with the tokens per step held fixed (the long-context table).
 """
 
@@ -33,6 +34,7 @@ from typing import NoReturn
 import torch
 
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import given_destinations
 from megatron.apertus.launch import memory
 from megatron.apertus.launch.memory import Recompute, Shape, StageMemory, Workload
 from megatron.apertus.model.config import (
@@ -47,6 +49,7 @@ from megatron.apertus.optim.builder import OptimizerSettings
 from megatron.apertus.parallel import resolve_device
 from megatron.apertus.training.config import RunConfig, add_run_arguments, groups_from_arguments
 from megatron.apertus.training.loop_config import TrainingConfig
+from megatron.apertus.training.objectives import output_loss_fused
 
 GIB = 2**30
 FORWARD_ONLY_ENTRIES = ("tools/generate_teacher_logits.py",)
@@ -116,6 +119,8 @@ class Plan:
     train_iters: int | None = None
     cp_traffic_per_step: float = 0.0
     """Bytes each GPU sends per step for context-parallel attention (``cp_traffic_bytes``)."""
+    cp_inter_node_per_step: float = 0.0
+    """Of those, the bytes whose transfers wait on links between nodes."""
 
     @property
     def ok(self) -> bool:
@@ -131,22 +136,30 @@ class Plan:
 
 PLANNED_GROUPS = ("model", "parallel", "training", "optimizer", "engine")
 """The config groups of ``pretrain_gpt.py``'s command line that a layout depends on."""
+OBJECTIVE_GROUPS = ("align",)
+"""Groups read only to decide the output loss as the run does (``output_loss_fused``)."""
 
 
 def _parser() -> argparse.ArgumentParser:
     """The layout-relevant part of ``pretrain_gpt.py``'s command line (same generated flags)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_run_arguments(parser, PLANNED_GROUPS)
+    add_run_arguments(parser, PLANNED_GROUPS + OBJECTIVE_GROUPS)
     return parser
 
 
 def run_from_args(argv: list[str], *, forward_only: bool = False) -> Run:
-    """The run described by an entry point's flags; flags the planner does not need are ignored."""
-    args, _ = _parser().parse_known_args(argv)
+    """The run described by an entry point's flags; flags the planner does not need are ignored.
+    Its output loss is the one the run itself chooses for its objective."""
+    parser = _parser()
+    args, _ = parser.parse_known_args(argv)
     try:
-        return Run(**groups_from_arguments(args, PLANNED_GROUPS), forward_only=forward_only)
+        groups = groups_from_arguments(args, PLANNED_GROUPS + OBJECTIVE_GROUPS)
+        align = groups.pop("align")
+        fused = output_loss_fused(groups["training"], align, given_destinations(parser, argv))
     except ValueError as err:  # ConfigError is a ValueError
         raise ConfigError(str(err)) from err
+    groups["training"] = replace(groups["training"], fused_output_loss=fused)
+    return Run(**groups, forward_only=forward_only)
 
 
 def run_from_config(config: RunConfig) -> Run:
@@ -264,9 +277,26 @@ def _shape(run: Run) -> Shape:
         dtype_bytes=memory.DTYPE_BYTES[run.training.precision],
         device="cpu" if run.training.device == "cpu" else "cuda",
         context_parallel=run.parallel.context_parallel_size,
-        cp_comm_type=run.parallel.cp_comm_type,
+        cp_comm_type=_comm_type(run.parallel),
+        a2a_size=run.parallel.a2a_level_size,
         transformer_impl=_planned_impl(run),
     )
+
+
+def _comm_type(parallel: ParallelConfig) -> str | tuple[str, ...]:
+    kinds = parallel.cp_comm_type
+    return tuple(kinds) if isinstance(kinds, list) else kinds
+
+
+def _comm_label(parallel: ParallelConfig) -> str:
+    """The comm type as the report names it: ``a2a+p2p 2x4``, or the per-layer mix."""
+    sizes = parallel.hierarchical_context_parallel_sizes
+    split = f" {'x'.join(map(str, sizes))}" if sizes else ""
+    kinds = parallel.cp_comm_type
+    if not isinstance(kinds, list):
+        return kinds + (split if kinds == "a2a+p2p" else "")
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in parallel.cp_comm_types)
+    return f"per layer: {counts}{split}"
 
 
 def _planned_impl(run: Run) -> str:
@@ -286,6 +316,7 @@ def _stages(run: Run, dp: int, microbatches: int, recompute: Recompute) -> list[
         microbatches=microbatches,
         recompute=recompute,
         forward_only=run.forward_only,
+        fused_loss=run.training.fused_output_loss,
     )
     return [
         memory.stage_memory(run.model, run.parallel, _shape(run), workload, r)
@@ -311,21 +342,18 @@ def _hardware_flops(run: Run, tokens: int) -> float:
     return model + layers * (2 * memory.layer_parameters(m, 1) * tokens + attention_forward)
 
 
-def cp_traffic_bytes(run: Run, microbatches: int) -> float:
-    """Bytes one GPU sends per step for context-parallel attention, summed over its layers.
-
-    ``p2p``: each layer's forward passes the rank's key/value block CP - 1 steps around the
-    ring; its backward passes the blocks again with their gradients (2 x); recomputation that
-    repeats core attention (selective, full) repeats the forward. ``a2a``: four all-to-alls in
-    forward (queries, keys, values to head-split, the output back) and four in backward, each
-    sending (CP - 1) / CP of its tensor.
+def cp_traffic_bytes(run: Run, microbatches: int, cluster: Cluster | None = None) -> float:
+    """Bytes one GPU sends per step for context-parallel attention, summed over its layers
+    (``memory.cp_layer_traffic`` per layer and micro-batch, by the layer's comm type; a
+    per-layer list averaged over the pipeline stages). Recomputation that repeats core
+    attention (selective, full) repeats the forward's. With ``cluster``: only the bytes whose
+    transfers wait on links between nodes (``memory.cp_layer_inter_node_traffic``).
     """
-    cp = run.parallel.context_parallel_size
-    if cp == 1:
+    if run.parallel.context_parallel_size == 1:
         return 0.0
-    shape, model, recompute = _shape(run), run.model, run.recompute
-    pp = run.parallel.pipeline_model_parallel_size
-    vp = run.parallel.virtual_pipeline_model_parallel_size or 1
+    shape, model, recompute, par = _shape(run), run.model, run.recompute, run.parallel
+    pp = par.pipeline_model_parallel_size
+    vp = par.virtual_pipeline_model_parallel_size or 1
     layers = model.num_layers // pp
     recomputed = 0  # layers whose forward (and its communication) runs twice
     if recompute.granularity == "selective" or (
@@ -334,12 +362,16 @@ def cp_traffic_bytes(run: Run, microbatches: int) -> float:
         recomputed = layers
     elif recompute.granularity == "full":  # the first num_layers of each of the vp model chunks
         recomputed = min(recompute.num_layers, layers // vp) * vp
-    if run.parallel.cp_comm_type == "p2p":
-        passes = 3 * layers + recomputed  # forward, backward (blocks and their gradients)
-        return passes * (cp - 1) * memory.kv_block_bytes(model, shape) * microbatches
-    tensors = shape.dtype_bytes * 2 * model.hidden_size / shape.tp * shape.tokens
-    tensors += memory.kv_block_bytes(model, shape)
-    return (2 * layers + recomputed) * tensors * (cp - 1) / cp * microbatches
+    total = 0.0
+    for layer in range(model.num_layers):
+        kind = par.layer_cp_comm_type(layer)
+        forward, backward = memory.cp_layer_traffic(model, shape, kind)
+        if cluster is not None:
+            per_node = max(1, cluster.gpus_per_node // par.tensor_model_parallel_size)
+            slow = memory.cp_layer_inter_node_traffic(model, shape, kind, per_node)
+            forward, backward = (slow * part / (forward + backward) for part in (forward, backward))
+        total += forward * (1 + recomputed / layers) + backward
+    return total / pp * microbatches
 
 
 def plan(run: Run, cluster: Cluster) -> Plan:
@@ -370,6 +402,7 @@ def plan(run: Run, cluster: Cluster) -> Plan:
         flops_per_step=flops_per_token(run.model) * t.global_batch_size * run.model.seq_length,
         train_iters=t.total_iterations(dp) if not problems else None,
         cp_traffic_per_step=cp_traffic_bytes(run, microbatches),
+        cp_inter_node_per_step=cp_traffic_bytes(run, microbatches, cluster),
     )
     return replace(result, problems=problems + _memory_problem(result))
 
@@ -401,7 +434,7 @@ def format_plan(p: Plan, *, name: str = "") -> str:
     if p.data_parallel is not None:
         tokens = t.global_batch_size * run.model.seq_length
         context = (
-            f" x CP {par.context_parallel_size} ({par.cp_comm_type})"
+            f" x CP {par.context_parallel_size} ({_comm_label(par)})"
             if par.context_parallel_size > 1
             else ""
         )
@@ -426,8 +459,10 @@ def format_plan(p: Plan, *, name: str = "") -> str:
         if par.context_parallel_size > 1:
             lines.append(
                 f"  CP traffic   {p.cp_traffic_per_step / GIB:.2f} GiB sent per GPU per "
-                f"step ({par.cp_comm_type}, attention inputs and their gradients)"
+                f"step ({_comm_label(par)}, attention inputs and their gradients), "
+                f"{p.cp_inter_node_per_step / GIB:.2f} GiB of it waiting on links between nodes"
             )
+            lines += _traffic_lines(p)
         if p.train_iters is not None:
             lines.append(
                 f"  run          {p.train_iters} steps, "
@@ -456,9 +491,16 @@ def _memory_lines(p: Plan) -> list[str]:
             peak.optimizer,
         ),
         (f"activations (recompute {_recompute_name(run.recompute)})", peak.activations),
-        ("fused output layer + loss (dX, dW, a chunk of logits)", peak.loss_buffers),
+        (
+            (
+                "fused output layer + loss (dX, dW, a chunk of logits)"
+                if run.training.fused_output_loss
+                else "unfused output layer + loss (logits, fp32 softmax)"
+            ),
+            peak.loss_buffers,
+        ),
         *(
-            [(f"context-parallel {run.parallel.cp_comm_type} buffers (one layer)", peak.cp_buffers)]
+            [(f"context-parallel {_comm_label(run.parallel)} buffers (one layer)", peak.cp_buffers)]
             if run.parallel.context_parallel_size > 1
             else []
         ),
@@ -480,6 +522,24 @@ def _memory_lines(p: Plan) -> list[str]:
             )
         )
     return lines
+
+
+def _traffic_lines(p: Plan) -> list[str]:
+    """Where a2a+p2p's traffic goes (all-to-all level, ring level), beside flat p2p and a2a."""
+    par = p.run.parallel
+    if "a2a+p2p" not in par.cp_comm_types or par.hierarchical_context_parallel_sizes is None:
+        return []
+    a2a, ring = par.hierarchical_context_parallel_sizes
+    shape, model, mib = _shape(p.run), p.run.model, 2**20
+    exchange, ring_bytes = memory.hierarchical_layer_traffic(model, shape)
+    flat = {k: sum(memory.cp_layer_traffic(model, shape, k)) for k in ("p2p", "a2a")}
+    return [
+        f"               per layer and micro-batch: {2 * exchange / mib:.1f} MiB all-to-all "
+        f"within {a2a} ranks + {3 * ring_bytes / mib:.1f} MiB in {ring - 1} ring steps over "
+        f"{ring} groups, forward and backward (p2p: {flat['p2p'] / mib:.1f} MiB in "
+        f"{par.context_parallel_size - 1} ring steps; a2a: {flat['a2a'] / mib:.1f} MiB over "
+        f"{par.context_parallel_size} ranks)"
+    ]
 
 
 def _few(stages: list[StageMemory]) -> list[StageMemory]:
@@ -526,6 +586,25 @@ class SweepRow:
     plan: Plan
     a2a_traffic_per_step: float | None
     """The same layout's traffic with ``--cp-comm-type a2a``; None where a2a cannot split it."""
+    hierarchical: Plan | None = None
+    """The same layout with ``--cp-comm-type a2a+p2p`` split as :func:`hierarchical_split`
+    chooses; None where no split has an all-to-all level inside a node."""
+
+
+def hierarchical_split(run: Run, cluster: Cluster) -> tuple[int, int] | None:
+    """The ``--hierarchical-context-parallel-sizes A P`` that keeps the all-to-all inside a node:
+    the largest A (1 < A < CP, dividing CP) of at most the CP ranks a node holds (GPUs per node
+    / TP) whose heads split under the run's rule; None where there is none."""
+    par, cp = run.parallel, run.parallel.context_parallel_size
+    per_node = cluster.gpus_per_node // par.tensor_model_parallel_size
+    impl = run.engine.transformer_impl or "transformer_engine"
+    for a2a in range(min(per_node, cp - 1), 1, -1):
+        layout = replace(
+            par, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[a2a, cp // a2a]
+        )
+        if not cp % a2a and not context_parallel_problems(run.model, layout, impl):
+            return a2a, cp // a2a
+    return None
 
 
 def sweep(
@@ -555,17 +634,33 @@ def sweep(
                 str(cp),
             ]
             result = plan(run_from_args(varied), cluster)
-            a2a = plan(run_from_args(varied + ["--cp-comm-type", "a2a"]), cluster)
-            a2a_ok = not any("--cp-comm-type a2a" in problem for problem in a2a.problems)
+            a2a = _variant_plan(varied + ["--cp-comm-type", "a2a"], cluster)
+            split = hierarchical_split(result.run, cluster) if cp > 1 else None
+            sizes = ["--hierarchical-context-parallel-sizes", *map(str, split or ())]
+            hierarchical = (
+                _variant_plan(varied + ["--cp-comm-type", "a2a+p2p", *sizes], cluster)
+                if split
+                else None
+            )
             rows.append(
                 SweepRow(
                     seq_length=seq,
                     context_parallel=cp,
                     plan=result,
-                    a2a_traffic_per_step=a2a.cp_traffic_per_step if a2a_ok else None,
+                    a2a_traffic_per_step=a2a.cp_traffic_per_step if a2a else None,
+                    hierarchical=hierarchical,
                 )
             )
     return rows
+
+
+def _variant_plan(flags: list[str], cluster: Cluster) -> Plan | None:
+    """The plan of a comm-type variant of a sweep's row; None where its heads do not split."""
+    try:
+        result = plan(run_from_args(flags), cluster)
+    except ConfigError:
+        return None
+    return None if any("--cp-comm-type" in problem for problem in result.problems) else result
 
 
 def _verdict(p: Plan) -> str:
@@ -624,3 +719,56 @@ def format_sweep(rows: list[SweepRow], *, name: str = "") -> str:
             f"{_verdict(p)} |"
         )
     return "\n".join(lines)
+
+
+def format_hierarchical_sweep(rows: list[SweepRow], *, name: str = "") -> str:
+    """The sweep as a Markdown table of flat p2p against a2a+p2p (all-to-all inside a node):
+    memory of the fullest stage per GPU, traffic per GPU and step, and the part of it that waits
+    on links between nodes."""
+    first = rows[0].plan
+    par = first.run.parallel
+    lines = [
+        f"{name or 'model'}: TP {par.tensor_model_parallel_size} x PP "
+        f"{par.pipeline_model_parallel_size}, {first.cluster.gpus} GPUs of "
+        f"{first.cluster.gpu_memory_gib:g} GiB ({first.cluster.gpus_per_node} per node), "
+        f"{first.run.training.global_batch_size * first.run.model.seq_length / 2**20:.0f} Mi "
+        f"tokens per step",
+        "",
+        "| seq | CP | a2a+p2p split | TP | recompute | memory/GPU GiB p2p | a2a+p2p | "
+        "CP traffic/step GiB p2p | a2a+p2p | between nodes GiB p2p | a2a+p2p | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        p, h = row.plan, row.hierarchical
+        tp = p.run.parallel.tensor_model_parallel_size
+        cells = [
+            f"{row.seq_length // 1024}k",
+            str(row.context_parallel),
+            "x".join(map(str, h.run.parallel.hierarchical_context_parallel_sizes)) if h else "-",
+            str(tp),
+            _recompute_name(p.run.recompute),
+        ]
+        for get in (
+            lambda x: x.peak.total if x.peak else None,
+            lambda x: x.cp_traffic_per_step,
+            lambda x: x.cp_inter_node_per_step,
+        ):
+            cells += [_cell(get(p)), _cell(get(h) if h else None)]
+        cells.append(_hierarchical_verdict(p, h))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.1f}"
+
+
+def _hierarchical_verdict(flat: Plan, hierarchical: Plan | None) -> str:
+    if not flat.ok:
+        return _verdict(flat)
+    if hierarchical is None or not hierarchical.ok:
+        return "fits; p2p (no all-to-all level inside a node)"
+    if hierarchical.cp_inter_node_per_step < flat.cp_inter_node_per_step:
+        saved = 1 - hierarchical.cp_inter_node_per_step / flat.cp_inter_node_per_step
+        return f"fits; a2a+p2p pays: {saved:.0%} less between nodes"
+    return "fits; p2p (a2a+p2p sends no less between nodes)"

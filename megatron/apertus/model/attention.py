@@ -12,7 +12,8 @@ Two layouts:
 
 Under context parallelism (``--context-parallel-size`` > 1) each rank holds chunks ``i`` and
 ``2N-1-i`` of the sequence (of every document when packed) and attends through
-:mod:`megatron.apertus.ops.cp_attention` (ring ``p2p`` or ``a2a``, ``config.cp_comm_type``).
+:mod:`megatron.apertus.ops.cp_attention` (ring ``p2p``, ``a2a`` or hierarchical ``a2a+p2p``
+over megatron-core's hierarchical CP groups; the layer's ``cp_comm_type``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,26 @@ def uses_varlen(query: torch.Tensor) -> bool:
     )
 
 
+def _hierarchical_groups(pg_collection, cp_group) -> tuple:
+    """megatron-core's (all-to-all, ring) hierarchical CP groups of this rank
+    (``pg_collection.hcp``, else parallel_state's), checked to be laid out as the attention
+    assumes: CP rank ``a + A p`` is rank ``a`` of the all-to-all and ``p`` of the ring."""
+    groups = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
+    if groups is None:
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    if groups is None or len(groups) != 2:
+        raise ValueError(
+            "cp_comm_type a2a+p2p needs two hierarchical context-parallel groups "
+            "(--hierarchical-context-parallel-sizes A P)"
+        )
+    a2a, ring = groups
+    if a2a.size() * ring.size() != cp_group.size() or cp_group.rank() != (
+        a2a.rank() + a2a.size() * ring.rank()
+    ):
+        raise ValueError("the hierarchical CP groups are not laid out as levels of the CP group")
+    return a2a, ring
+
+
 class SDPAttention(MegatronModule):
     """megatron-core ``core_attention`` slot filled by PyTorch SDPA."""
 
@@ -89,6 +110,9 @@ class SDPAttention(MegatronModule):
             if config.attention_dropout > 0 or (attention_dropout or 0) > 0:
                 raise ValueError("context-parallel attention has no attention dropout")
         self.cp_comm_type = cp_comm_type or config.cp_comm_type or "p2p"
+        self.cp_levels = None
+        if self.cp_group is not None and self.cp_comm_type == "a2a+p2p":
+            self.cp_levels = _hierarchical_groups(pg_collection, self.cp_group)
         self.softmax_scale = softmax_scale
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
@@ -153,6 +177,7 @@ class SDPAttention(MegatronModule):
             group=self.cp_group,
             comm_type=self.cp_comm_type,
             scale=self.softmax_scale,
+            levels=self.cp_levels,
         )
         if params is not None:
             return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)

@@ -79,7 +79,9 @@ def transformer_config(
         # Overlapped p2p (megatron-core's overlap_p2p_comm) is unbatched by definition.
         batch_p2p_comm=not (cpu_compat.is_enabled() or overrides.get("overlap_p2p_comm", False)),
         context_parallel_size=parallel.context_parallel_size,
-        cp_comm_type=parallel.cp_comm_type,
+        # A per-layer list goes to the block spec instead (apertus_block_spec says why).
+        cp_comm_type=None if isinstance(parallel.cp_comm_type, list) else parallel.cp_comm_type,
+        hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
         cuda_graph_scope=[],  # megatron-core's default "full" only warns that it is deprecated
         **transformer_config_fields(engine or EngineConfig(), transformer_impl),
         **overrides,
@@ -96,6 +98,7 @@ def build_model_chunk(
     quant: QuantConfig | None = None,
     topk: int | None = None,
     topk_chunk_rows: int | None = None,
+    cp_comm_types: list[str] | None = None,
 ) -> GPTModel:
     """The part of the model that this rank holds for virtual stage ``vp_stage``.
 
@@ -104,12 +107,15 @@ def build_model_chunk(
     decoder's linears fake-quantize (:mod:`megatron.apertus.quant.layers`). ``topk``: the last
     stage returns the top-``topk`` ids and log-probabilities instead of logits, computed
     ``topk_chunk_rows`` tokens at a time (:mod:`megatron.apertus.model.topk`; the teacher).
+    ``cp_comm_types``: a per-layer ``--cp-comm-type`` list (:func:`apertus_block_spec`).
     """
     virtual = config.virtual_pipeline_model_parallel_size is not None
     model_class, head = FusedLossGPTModel if fused_loss else GPTModel, {}
     if topk is not None:
         model_class, head = TopKGPTModel, {"topk": topk, "chunk_rows": topk_chunk_rows}
-    spec = apertus_block_spec(model, config, vp_stage, xielu_impl=xielu_impl, quant=quant)
+    spec = apertus_block_spec(
+        model, config, vp_stage, xielu_impl=xielu_impl, quant=quant, cp_comm_types=cp_comm_types
+    )
     return model_class(
         **head,
         config=config,
@@ -150,6 +156,8 @@ def build_model(
     chunks = tconfig.virtual_pipeline_model_parallel_size or 1
     vp = [None] if chunks == 1 else list(range(chunks))
     head = dict(fused_loss=fused_loss, quant=quant, topk=topk, topk_chunk_rows=topk_chunk_rows)
+    if isinstance(parallel.cp_comm_type, list):
+        head["cp_comm_types"] = parallel.cp_comm_type
     return [
         build_model_chunk(model, tconfig, vp_stage=v, xielu_impl=xielu_impl, **head) for v in vp
     ]

@@ -26,10 +26,6 @@ if TYPE_CHECKING:
     import torch
 
 
-CP_COMM_TYPES = ("p2p", "a2a")
-"""Context-parallel attention exchanges this fork runs (Megatron-LM's names)."""
-
-
 @dataclass(kw_only=True, frozen=True)
 class ApertusConfig:
     """The Apertus decoder: xIELU MLP, QK-norm, GQA, RoPE with llama3 scaling, RMSNorm."""
@@ -163,8 +159,8 @@ class ApertusConfig:
         return model
 
 
-CP_COMM_TYPES = ("p2p", "a2a")
-"""Megatron-LM's ``--cp-comm-type`` values this code models."""
+CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
+"""Megatron-LM's ``--cp-comm-type`` values this code runs and models."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -185,10 +181,17 @@ class ParallelConfig:
         "into 2 x this many chunks and rank i keeps chunks i and 2CP-1-i",
         1,
     )
-    cp_comm_type: str = flag_help(
-        "attention under context parallelism: p2p (K/V passed around a ring) or a2a "
-        "(all-to-all between heads and sequence)",
+    cp_comm_type: list[str] | str = flag_help(
+        "attention under context parallelism: p2p (K/V passed around a ring), a2a "
+        "(all-to-all between heads and sequence) or a2a+p2p (all-to-all within the first "
+        "level of --hierarchical-context-parallel-sizes, ring over the second); one value for "
+        "every layer or one per transformer layer",
         "p2p",
+    )
+    hierarchical_context_parallel_sizes: list[int] | None = flag_help(
+        "sizes of the levels of hierarchical context parallelism (a2a+p2p: the all-to-all "
+        "level, then the ring level); their product is --context-parallel-size",
+        None,
     )
     distributed_timeout_minutes: int | None = flag_help(
         "timeout of collectives on every process group (default: torch's for the "
@@ -206,25 +209,50 @@ class ParallelConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            raise ConfigError(
-                f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
-            )
+        if isinstance(self.cp_comm_type, (list, tuple)):
+            # Megatron-LM's parsing: one value means every layer; a list stays one per layer.
+            types = list(self.cp_comm_type)
+            object.__setattr__(self, "cp_comm_type", types[0] if len(types) == 1 else types)
+        for kind in self.cp_comm_types:
+            if kind not in CP_COMM_TYPES:
+                raise ConfigError(
+                    f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {kind!r}"
+                )
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or self.pipeline_model_parallel_size == 1):
             raise ConfigError(
                 "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
                 f"(got PP={self.pipeline_model_parallel_size}, virtual stages={vp})"
             )
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            raise ConfigError(
-                f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
+        if self.hierarchical_context_parallel_sizes is not None:
+            object.__setattr__(
+                self,
+                "hierarchical_context_parallel_sizes",
+                list(self.hierarchical_context_parallel_sizes),
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         timeout = self.distributed_timeout_minutes
         if timeout is not None and timeout < 1:
             raise ConfigError(f"--distributed-timeout-minutes must be >= 1, got {timeout}")
+
+    @property
+    def cp_comm_types(self) -> list[str]:
+        """The distinct ``--cp-comm-type`` values, in order of first use."""
+        kinds = self.cp_comm_type if isinstance(self.cp_comm_type, list) else [self.cp_comm_type]
+        return list(dict.fromkeys(kinds))
+
+    def layer_cp_comm_type(self, layer: int) -> str:
+        """The comm type of transformer layer ``layer`` (0-based, counted over the whole
+        model): Megatron-LM's per-layer list has one entry per layer, in order."""
+        kinds = self.cp_comm_type
+        return kinds[layer] if isinstance(kinds, list) else kinds
+
+    @property
+    def a2a_level_size(self) -> int:
+        """Ranks of the hierarchical all-to-all level (1 without hierarchical sizes)."""
+        sizes = self.hierarchical_context_parallel_sizes
+        return sizes[0] if sizes else 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -320,29 +348,83 @@ def context_parallel_problems(
     transformer implementation ``impl``, one line each: the rule the trainer and the launch
     planner share.
 
-    The sequence splits into 2 x CP equal chunks. a2a's all-to-all splits each tensor-parallel
-    rank's attention heads over CP; Transformer Engine's splits K/V's query groups too (its
-    kernel asserts it), while the local implementation repeats K/V per query head first.
+    The sequence splits into 2 x CP equal chunks. ``--hierarchical-context-parallel-sizes``
+    multiply to CP; ``a2a+p2p`` needs two of them (the all-to-all level, the ring level). A
+    per-layer ``--cp-comm-type`` list has one entry per transformer layer. An all-to-all splits
+    each tensor-parallel rank's attention heads over its ranks (CP for ``a2a``, the first level
+    for ``a2a+p2p``); Transformer Engine's splits K/V's query groups too (its kernel asserts
+    it), while the local implementation repeats K/V per query head first.
     """
-    cp, tp = parallel.context_parallel_size, parallel.tensor_model_parallel_size
-    if cp == 1:
-        return []
+    cp = parallel.context_parallel_size
+    kinds = parallel.cp_comm_types
+    problems = _comm_type_problems(model, parallel)
+    if cp == 1 or problems:
+        return problems
     if model.seq_length % (2 * cp):
         return [
             f"--seq-length ({model.seq_length}) is not divisible by 2 x --context-parallel-size "
             f"({cp}): each rank keeps two of 2 x CP equal chunks"
         ]
-    if parallel.cp_comm_type != "a2a":
-        return []
+    splits = [(kind, cp if kind == "a2a" else parallel.a2a_level_size) for kind in kinds]
+    return [
+        line
+        for kind, ranks in splits
+        if kind != "p2p"
+        for line in _head_split_problems(model, parallel, kind, ranks, impl)
+    ]
+
+
+def _comm_type_problems(model: ApertusConfig, parallel: ParallelConfig) -> list[str]:
+    """The comm-type list and the hierarchical sizes against the model and CP."""
+    cp, sizes = parallel.context_parallel_size, parallel.hierarchical_context_parallel_sizes
+    kinds = parallel.cp_comm_type
+    problems = []
+    if isinstance(kinds, list) and len(kinds) != model.num_layers:
+        problems.append(
+            f"--cp-comm-type lists {len(kinds)} values for --num-layers ({model.num_layers}): "
+            "give one value, or one per transformer layer"
+        )
+    if sizes is not None:
+        if min(sizes) < 1 or math.prod(sizes) != cp:
+            product = " x ".join(map(str, sizes))
+            problems.append(
+                f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: the product "
+                f"{product} = {math.prod(sizes)} is not --context-parallel-size ({cp})"
+            )
+    if "a2a+p2p" in parallel.cp_comm_types:
+        if sizes is None:
+            problems.append(
+                "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P "
+                "(all-to-all level, ring level; A x P = --context-parallel-size)"
+            )
+        elif len(sizes) != 2:
+            problems.append(
+                f"--cp-comm-type a2a+p2p needs two --hierarchical-context-parallel-sizes (the "
+                f"all-to-all level, the ring level), got {len(sizes)}"
+            )
+    return problems
+
+
+def _head_split_problems(
+    model: ApertusConfig, parallel: ParallelConfig, kind: str, ranks: int, impl: str
+) -> list[str]:
+    """Heads (and under TE query groups) of a TP rank over the ``ranks`` of an all-to-all."""
+    tp = parallel.tensor_model_parallel_size
+    over = (
+        f"--context-parallel-size ({ranks})"
+        if kind == "a2a"
+        else f"the all-to-all level of --hierarchical-context-parallel-sizes ({ranks})"
+    )
+    fix = "use --cp-comm-type p2p" if kind == "a2a" else "use a smaller all-to-all level"
     split = [(model.num_attention_heads, "--num-attention-heads", "")]
     if impl == "transformer_engine":
         split.append((model.num_query_groups, "--num-query-groups", " (Transformer Engine)"))
     return [
-        f"--cp-comm-type a2a: {flag} ({value}) / --tensor-model-parallel-size ({tp}) = "
-        f"{value // tp} per rank is not divisible by --context-parallel-size ({cp}), over which "
-        f"the all-to-all{who} splits them; use --cp-comm-type p2p"
+        f"--cp-comm-type {kind}: {flag} ({value}) / --tensor-model-parallel-size ({tp}) = "
+        f"{value // tp} per rank is not divisible by {over}, over which "
+        f"the all-to-all{who} splits them; {fix}"
         for value, flag, who in split
-        if (value // tp) % cp
+        if (value // tp) % ranks
     ]
 
 

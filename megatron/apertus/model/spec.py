@@ -17,7 +17,8 @@ Checkpoint keys are the same for both: the local spec maps its norms to the TE-f
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Callable, Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -30,7 +31,11 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.attention import SDPAttention
@@ -187,6 +192,27 @@ def _check_quantizable(model: ApertusConfig, tp: int, quant: QuantConfig) -> Non
         check_divisible(slot, features, quant)
 
 
+def _with_comm_type(core: type, kind: str) -> Callable:
+    """``core`` (a core-attention class) built with the context-parallel comm type ``kind``
+    whatever megatron-core passes it (see :func:`apertus_block_spec`)."""
+
+    def build(*args, cp_comm_type=None, **kwargs):
+        return core(*args, cp_comm_type=kind, **kwargs)
+
+    return build
+
+
+def _layer_with_comm_type(layer: ModuleSpec, kind: str) -> ModuleSpec:
+    """``layer`` whose core attention runs context parallelism as ``kind``."""
+    attention = layer.submodules.self_attention
+    core = _with_comm_type(attention.submodules.core_attention, kind)
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=core)
+    )
+    submodules = dataclasses.replace(layer.submodules, self_attention=attention)
+    return dataclasses.replace(layer, submodules=submodules)
+
+
 def apertus_block_spec(
     model: ApertusConfig,
     config: TransformerConfig,
@@ -194,9 +220,18 @@ def apertus_block_spec(
     *,
     xielu_impl: str = "auto",
     quant: QuantConfig | None = None,
+    cp_comm_types: list[str] | None = None,
 ) -> TransformerBlockSubmodules:
     """The layers of this pipeline (virtual) stage plus the final RMSNorm, built from the
-    implementation named by ``config.transformer_impl``."""
+    implementation named by ``config.transformer_impl``.
+
+    ``cp_comm_types``: Megatron-LM's per-layer ``--cp-comm-type`` list, one entry per layer of
+    the whole model. megatron-core 0.16.1's ``TransformerLayer`` picks a layer's entry as
+    ``cp_comm_type[layer_number]`` with its 1-based layer number (every layer gets the next
+    layer's entry and the last one indexes past the list), so the builder leaves
+    ``config.cp_comm_type`` unset for a list and each layer's core attention gets entry
+    ``offset + i`` here (docs/megatron_core_changes.md).
+    """
     impl = config.transformer_impl
     if quant is not None and quant.enabled:
         _check_quantizable(model, config.tensor_model_parallel_size, quant)
@@ -208,4 +243,8 @@ def apertus_block_spec(
         attention_backend=config.attention_backend,
         quant=quant,
     )
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_final_norm(impl))
+    specs = [layer] * layers
+    if cp_comm_types is not None:
+        offset = get_transformer_layer_offset(config, vp_stage)
+        specs = [_layer_with_comm_type(layer, cp_comm_types[offset + i]) for i in range(layers)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=_final_norm(impl))

@@ -23,6 +23,14 @@ and backward, over any ``torch.distributed`` backend (gloo on CPU, NCCL on CUDA)
   each document for its heads with the same causal SDPA calls one process makes, and the inverse
   all-to-all brings the result back. Needs heads divisible by ``N``; key/value heads that
   are not are repeated per query head first (their gradients summed back by autograd).
+* ``a2a+p2p`` (hierarchical, Megatron-LM's ``--hierarchical-context-parallel-sizes A P``): the CP
+  ranks form P groups of A (megatron-core's level groups: CP rank ``a + A p`` is rank ``a`` of
+  the all-to-all group and rank ``p`` of the ring). An all-to-all within the A ranks turns
+  [local tokens, all heads] into [their A x local tokens, ``1/A`` of the heads], the ring over
+  the P groups attends those tokens to every group's (each ring member holds the union of its
+  A ranks' chunks, so the ring's blocks are A x larger and travel P - 1 steps instead of
+  CP - 1), and the inverse all-to-all brings the result back. Heads (and the key/value heads
+  the ring passes, else repeated per query head first) divisible by A.
 
 Shapes: ``q`` [b, heads, s_local, d]; ``k``, ``v`` [b, groups, s_local, d] (GQA: ``heads`` a
 multiple of ``groups``). Scores, softmax statistics and accumulators are fp32.
@@ -36,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-COMM_TYPES = ("p2p", "a2a")
+COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
 
 
 # -- partitions ------------------------------------------------------------------------------------
@@ -292,16 +300,22 @@ class _SequenceToHeads(torch.autograd.Function):
         return _all_to_all(grad, scatter_dim=1, gather_dim=2, group=ctx.group), None
 
 
-def all_to_all_attention(q, k, v, index, doc_start, scale, group) -> torch.Tensor:
-    """a2a context-parallel attention; see the module docstring."""
-    size = dist.get_world_size(group)
+def _heads_split(q, k, v, size: int, what: str):
+    """``k`` and ``v`` ready to split their heads over ``size`` ranks like ``q``'s: repeated per
+    query head when their heads do not divide (their gradients summed back by autograd)."""
     if q.shape[1] % size:
         raise ValueError(
-            f"a2a context parallelism needs attention heads ({q.shape[1]}) divisible by the CP "
-            f"size ({size})"
+            f"{what} context parallelism needs attention heads ({q.shape[1]}) divisible by "
+            f"{size}, the ranks of its all-to-all"
         )
     if k.shape[1] % size:  # fewer key/value heads than ranks: give each query head its own
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return k, v
+
+
+def all_to_all_attention(q, k, v, index, doc_start, scale, group) -> torch.Tensor:
+    """a2a context-parallel attention; see the module docstring."""
+    k, v = _heads_split(q, k, v, dist.get_world_size(group), "a2a")
     order = index.reshape(-1)  # the gathered tokens: rank 0's, then rank 1's, ...
     to_global = torch.argsort(order)
     qs, ks, vs = (_HeadsToSequence.apply(t, group)[:, :, to_global] for t in (q, k, v))
@@ -323,6 +337,30 @@ def causal_per_document(q, k, v, doc_start: torch.Tensor, scale: float | None) -
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
+# -- hierarchical (a2a+p2p) ------------------------------------------------------------------------
+
+
+def hierarchical_index(index: torch.Tensor, a2a_size: int) -> torch.Tensor:
+    """[P, A x s_local] the global token indices each ring member holds after the all-to-all:
+    CP rank ``a + A p``'s tokens are the ``a``-th part of ring member ``p``'s (megatron-core's
+    level groups; the all-to-all gathers in rank order)."""
+    cp, local = index.shape
+    if cp % a2a_size:
+        raise ValueError(f"CP size {cp} is not divisible by the all-to-all level's {a2a_size}")
+    return index.reshape(cp // a2a_size, a2a_size * local)
+
+
+def hierarchical_attention(q, k, v, index, doc_start, scale, a2a_group, ring_group):
+    """a2a+p2p context-parallel attention; see the module docstring."""
+    a2a_size = dist.get_world_size(a2a_group)
+    k, v = _heads_split(q, k, v, a2a_size, "a2a+p2p")
+    qs, ks, vs = (_HeadsToSequence.apply(t, a2a_group) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    ring_index = hierarchical_index(index, a2a_size)
+    out = RingAttention.apply(qs, ks, vs, ring_index, doc_start, scale, ring_group)
+    return _SequenceToHeads.apply(out, a2a_group)
+
+
 # -- dispatch --------------------------------------------------------------------------------------
 
 
@@ -336,12 +374,19 @@ def context_parallel_attention(
     group,
     comm_type: str = "p2p",
     scale: float | None = None,
+    levels: tuple | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries ``q`` to the whole sequence held by ``group``.
 
     ``index`` [N, s_local]: every CP rank's global token indices (:func:`sequence_partition`,
     :func:`document_partition`); ``doc_start`` [S]: first token of each token's document.
+    ``levels``: for ``a2a+p2p``, the (all-to-all, ring) groups of this rank, whose sizes
+    multiply to ``group``'s.
     """
+    if comm_type == "a2a+p2p":
+        if levels is None or len(levels) != 2:
+            raise ValueError("cp_comm_type a2a+p2p needs the two hierarchical CP groups")
+        return hierarchical_attention(q, k, v, index, doc_start, scale, *levels)
     if comm_type == "p2p":
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return RingAttention.apply(q, k, v, index, doc_start, scale, group)

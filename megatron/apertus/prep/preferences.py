@@ -2,10 +2,12 @@
 written as the chat datasets :mod:`megatron.apertus.align.data` reads
 (``tools/preprocess_preferences.py``).
 
-One JSON line per example, the prompt in the chat format of :mod:`megatron.apertus.data.chat`:
+One JSON line per example, in any of TRL's layouts (:mod:`megatron.apertus.prep.layouts`):
 
-* DPO: ``{"prompt": [messages...], "chosen": "...", "rejected": "..."}``
-* QRPO: ``{"prompt": [...], "completion": "...", "reward": r, "ref_rewards": [r1, r2, ...]}``
+* DPO: ``{"prompt": P, "chosen": C, "rejected": R}`` with P a list of messages and C, R
+  assistant messages (or their text), or all three text; or TRL's implicit prompt
+  ``{"chosen": C, "rejected": R}``, whole conversations or texts whose shared start is the prompt;
+* QRPO: ``{"prompt": P, "completion": C, "reward": r, "ref_rewards": [r1, r2, ...]}``
   where ``ref_rewards`` score the reference policy's own completions of the prompt; they
   define the quantile of ``reward`` (:func:`megatron.apertus.align.losses.quantile_rewards`),
   which is computed here, once.
@@ -22,13 +24,8 @@ import math
 import numpy as np
 
 from megatron.apertus.align.data import quantile_prefix, ref_logp_prefix
-from megatron.apertus.data.chat import (
-    ConversationError,
-    control_token_ids,
-    encode_conversation,
-    loss_mask_prefix,
-    parse_messages,
-)
+from megatron.apertus.data.chat import ConversationError, control_token_ids, loss_mask_prefix
+from megatron.apertus.prep.layouts import preference
 from megatron.apertus.prep.preprocess import decode_line
 from megatron.apertus.tokenizer.tokenizers import Tokenizer
 
@@ -56,50 +53,10 @@ def output_datasets(prefix: str, objective: str) -> dict[str, tuple[str, type]]:
     return outputs
 
 
-def _completion(record: dict, key: str) -> str:
-    if key not in record:
-        raise ConversationError(f"missing {key!r}")
-    value = record[key]
-    if not isinstance(value, str):
-        raise ConversationError(f"{key!r} is {type(value).__name__}, not a string")
-    if not value.strip():
-        raise ConversationError(f"empty {key!r}")
-    return value
-
-
 def _reward(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConversationError(f"{what} is not a finite number")
     return float(value)
-
-
-def _check_prompt(prompt: object) -> list:
-    """The prompt's messages; it needs a user turn and must end with one."""
-    if not isinstance(prompt, list):
-        raise ConversationError("no 'prompt' list of messages")
-    if not prompt:
-        raise ConversationError("empty prompt (it needs a user turn)")
-    if any(not isinstance(m, dict) for m in prompt):
-        raise ConversationError("the prompt must be a list of message objects")
-    if not any(m.get("role") == "user" for m in prompt):
-        raise ConversationError("no user turn in the prompt")
-    if prompt[-1].get("role") != "user":
-        raise ConversationError("the prompt must end with a user turn")
-    return prompt
-
-
-def completion_only(mask: np.ndarray) -> np.ndarray:
-    """The loss mask of the last assistant turn alone (the completion and its end token):
-    earlier assistant turns belong to the prompt."""
-    learned = np.flatnonzero(mask)
-    if learned.size == 0:
-        return mask
-    end = learned[-1]
-    prompt_part = np.flatnonzero(mask[:end] == 0)
-    start = prompt_part[-1] + 1 if prompt_part.size else 0
-    only = np.zeros_like(mask)
-    only[start : end + 1] = 1
-    return only
 
 
 def reference_logps(record: dict, objective: str) -> np.ndarray:
@@ -144,16 +101,11 @@ class PreferenceEncoder:
     def outputs(self, prefix: str) -> dict[str, tuple[str, type]]:
         return output_datasets(prefix, self.objective)
 
-    def _conversation(self, prompt: list[dict], completion: str) -> tuple[np.ndarray, np.ndarray]:
-        messages = parse_messages(
-            {"messages": [*prompt, {"role": "assistant", "content": completion}]}
-        )
-        ids, mask = encode_conversation(self.tokenizer, messages)
+    def _check_length(self, ids: np.ndarray) -> None:
         if self.max_tokens is not None and ids.size > self.max_tokens:
             raise ConversationError(
                 f"over-long ({ids.size} tokens > --max-tokens {self.max_tokens})"
             )
-        return ids, completion_only(mask)
 
     def __call__(self, raw: bytes) -> dict[str, list[np.ndarray]]:
         try:
@@ -162,13 +114,14 @@ class PreferenceEncoder:
             raise ConversationError(f"invalid JSON ({err.msg} at column {err.colno})") from None
         if not isinstance(record, dict):
             raise ConversationError(f"not a JSON object but {type(record).__name__}")
-        prompt = _check_prompt(record.get("prompt"))
-        completions = [_completion(record, key) for key in COMPLETIONS[self.objective]]
-        if self.objective == "dpo" and completions[0] == completions[1]:
+        parsed = preference(record, COMPLETIONS[self.objective])
+        if self.objective == "dpo" and parsed.completions[0] == parsed.completions[1]:
             raise ConversationError("chosen and rejected are identical")
         quantile = self._quantile(record) if self.objective == "qrpo" else None
         ref = reference_logps(record, self.objective)
-        pairs = [self._conversation(prompt, text) for text in completions]
+        pairs = parsed.encode(self.tokenizer)
+        for ids, _ in pairs:
+            self._check_length(ids)
         example = {
             "tokens": [p[0] for p in pairs],
             "loss_mask": [p[1] for p in pairs],

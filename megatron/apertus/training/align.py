@@ -79,8 +79,8 @@ class AlignRun:
         self.config = config
         if fused_output_loss:
             raise ConfigError(
-                "--align-objective needs each token's log-probability: add "
-                "--no-fused-output-loss"
+                "--align-objective needs each token's log-probability: the run's output loss "
+                "must be unfused"
             )
         train = _single_prefix("--train-data-path", dataset.train_data_path)
         if train is None or dataset.data_path:

@@ -211,6 +211,7 @@ def run_info(cfg: RunConfig, state: TrainingState) -> dict:
         "consumed_samples": state.consumed_samples,
         "consumed_tokens": state.consumed_samples * cfg.model.seq_length,
         "seq_length": cfg.model.seq_length,
+        "fused_output_loss": cfg.training.fused_output_loss,
         "command": list(sys.argv),
         "version": _package_version(),
         "git_commit": _source_commit(),

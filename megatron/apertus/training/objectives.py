@@ -19,9 +19,11 @@ QAD (quantization-aware distillation) is no objective of its own: it changes the
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from functools import partial
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from megatron.core import parallel_state
@@ -265,6 +267,46 @@ class CrossEntropy(Objective):
             f"validation loss at iteration {iteration} | lm loss value: "
             f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
         )
+
+
+def output_loss_fused(
+    training: TrainingConfig, align: AlignConfig, given: Iterable[str] = ()
+) -> bool:
+    """Whether the output layer and the loss run fused, for the run's objective.
+
+    Alignment sums each token's log-probability over a completion; the fused output loss never
+    holds them (it returns the summed loss), so an alignment run takes the unfused path by
+    itself. ``given``: the flag destinations the command line set
+    (:func:`~megatron.apertus.flags.given_destinations`); a fused loss asked for by name with
+    an alignment objective is refused rather than overridden.
+    """
+    if not align.enabled:
+        return training.fused_output_loss
+    if training.fused_output_loss and "fused_output_loss" in set(given):
+        raise ConfigError(
+            "--fused-output-loss (--cross-entropy-loss-fusion) cannot run with --align-objective: "
+            "alignment needs each token's log-probability, which the fused output loss never "
+            "holds; drop the flag (alignment runs the output loss unfused)"
+        )
+    return False
+
+
+def with_objective_output_loss(cfg: RunConfig, given: Iterable[str] = ()) -> RunConfig:
+    """``cfg`` with the output loss :func:`output_loss_fused` decides for its objective."""
+    fused = output_loss_fused(cfg.training, cfg.align, given)
+    if fused == cfg.training.fused_output_loss:
+        return cfg
+    training = dataclasses.replace(cfg.training, fused_output_loss=fused)
+    return dataclasses.replace(cfg, training=training)
+
+
+def describe_output_loss(training: TrainingConfig, align: AlignConfig) -> str:
+    """Whether the output loss is fused, and why not, for the run's start line."""
+    if training.fused_output_loss:
+        return "output layer + loss fused"
+    why = "--align-objective needs per-token log-probabilities"
+    why = why if align.enabled else "--no-fused-output-loss"
+    return f"output layer + loss unfused ({why})"
 
 
 def _check_distillation(training: TrainingConfig) -> None:

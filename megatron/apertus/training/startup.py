@@ -22,6 +22,7 @@ from megatron.apertus.model.engine import EngineConfig
 from megatron.apertus.training import runtime
 from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.loop_config import TrainingConfig
+from megatron.apertus.training.objectives import describe_output_loss
 from megatron.apertus.training.runtime import Runtime, is_reporting_rank
 from megatron.apertus.training.step import wrap_ddp
 
@@ -126,7 +127,8 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
     """This rank's model chunks as the step trains them: built by the engine the runtime chose,
     in low precision behind megatron-core's fp32-loss wrapper, each wrapped in DDP."""
     if is_reporting_rank():
-        log.info(describe_engine(started.transformer_impl, started.engine, cfg.training.precision))
+        engine = describe_engine(started.transformer_impl, started.engine, cfg.training.precision)
+        log.info(f"{engine}; {describe_output_loss(cfg.training, cfg.align)}")
     chunks = runtime.model_chunks(
         cfg.model,
         cfg.parallel,
