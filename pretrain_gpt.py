@@ -16,8 +16,8 @@ import sys
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import ADDITION_MARK, given_destinations
-from megatron.apertus.training import config as C
-from megatron.apertus.training.config import RunConfig
+from megatron.apertus.training.checkpoint_config import apply_checkpoint_args
+from megatron.apertus.training.config import RunConfig, add_run_arguments, run_from_arguments
 from megatron.apertus.training.megatron_flags import add_megatron_flags, refusals
 
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    C.add_run_arguments(parser)
+    add_run_arguments(parser)
     add_megatron_flags(parser)
     parser.add_argument(
         "--dry-run",
@@ -58,18 +58,18 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     from megatron.apertus.training.optimizer import check_schedule
 
     try:
-        restored = C.apply_checkpoint_args(args)
+        restored = apply_checkpoint_args(args)
         if restored and os.environ.get("RANK", "0") == "0":
             print(restored)
         given = given_destinations(parser, argv)
-        config = with_objective_output_loss(C.run_from_arguments(args, given), given)
+        config = with_objective_output_loss(run_from_arguments(args, given), given)
         check_schedule(config.schedule, config.training)
     except (ConfigError, ValueError) as err:
         parser.error(str(err))
     except RuntimeError as err:  # --device cuda without a GPU
         parser.error(str(err))
     if args.dry_run:
-        dry_run(argv, config.training.device)
+        dry_run(config)
     return config
 
 

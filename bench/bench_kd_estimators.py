@@ -345,7 +345,7 @@ def main() -> None:
     from megatron.apertus.checkpoint import load_model, load_model_config
     from megatron.apertus.model import ParallelConfig
     from megatron.apertus.model.builder import build_model
-    from megatron.apertus.model.presets import preset
+    from megatron.apertus.model.config import preset
     from megatron.apertus.tokenizer.tokenizers import build_tokenizer
 
     teacher_config = load_model_config(args.teacher_checkpoint)

@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO))
 from _common import RESULTS, write_results  # noqa: E402
 
 from megatron.apertus.launch.planner import Cluster, plan, run_from_args  # noqa: E402
+from megatron.apertus.model.config import PRESETS  # noqa: E402
 from megatron.apertus.model.config import ApertusConfig  # noqa: E402
-from megatron.apertus.model.presets import PRESETS  # noqa: E402
 
 PACKED = ["--reset-attention-mask", "--reset-position-ids", "--use-packed-seq-params"]
 TE = ["--transformer-impl", "transformer_engine"]

@@ -24,7 +24,7 @@ import pretrain_gpt
 from megatron.apertus import parallel
 from megatron.apertus.launch.submit import read_run
 from megatron.apertus.model import ParallelConfig, preset
-from megatron.apertus.training.config import CommunicationConfig
+from megatron.apertus.training.communication_config import CommunicationConfig
 from tests.conftest import REPO
 from tests.hub_cache import apertus_hf_home, apertus_hub_cache  # noqa: F401 (fixtures)
 

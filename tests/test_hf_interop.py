@@ -27,7 +27,7 @@ from megatron.apertus.convert.hf import (
     split_qkv,
     to_hf_state_dict,
 )
-from megatron.apertus.model.presets import preset
+from megatron.apertus.model.config import preset
 from megatron.apertus.ops.xielu import XIELU_BETA, XIELU_EPS
 from megatron.apertus.tokenizer.tokenizers import bundled_tekken_path, load_tokenizer
 from tests.conftest import run_entry, run_script

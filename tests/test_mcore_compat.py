@@ -50,7 +50,7 @@ def test_rampup_follows_megatron_lm_at_every_consumed_count(start, increment, ra
 def test_a_ramped_run_counts_the_same_steps_on_every_line():
     """A ramp 16 to 64 over 1000 samples, then 4000 more: 102 optimizer steps as counted by
     megatron-core 0.16's own ramp calculator, and so on this line."""
-    from megatron.apertus.training.config import TrainingConfig
+    from megatron.apertus.training.loop_config import TrainingConfig
 
     t = TrainingConfig(
         global_batch_size=64,

@@ -26,8 +26,7 @@ import sys
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import add_arguments, from_arguments
-from megatron.apertus.model.config import ApertusConfig
-from megatron.apertus.model.presets import PRESETS, preset
+from megatron.apertus.model.config import PRESETS, ApertusConfig, preset
 from megatron.apertus.training import config as C
 
 ARCHITECTURE = (

@@ -7,6 +7,11 @@ it); ``ours=True`` marks a flag neither Megatron-LM nor the Apertus fork has, an
 says so (:data:`ADDITION_MARK`). :func:`add_arguments` adds one dataclass's flags as an
 argument group, :func:`from_arguments` builds the dataclass back from the parsed flags.
 
+A group whose flags are more than its fields (the model's preset, the layout's Megatron-LM
+spellings) parses itself: it provides the :class:`SelfParsing` methods, and :func:`add_group`
+and :func:`build_group`, which every caller goes through, use them instead of the generator.
+The generator itself knows no group by name.
+
 This module sits on the ground floor, beside :mod:`megatron.apertus.errors`, and imports
 nothing else of the package and no third-party package: every unit (model, data, optim, align,
 quant, ...) declares its config next to its code without importing ``training/``, which only
@@ -23,7 +28,7 @@ import inspect
 import textwrap
 import types
 import typing
-from typing import Any
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 from megatron.apertus.errors import ConfigError
 
@@ -162,6 +167,40 @@ def from_arguments(cls: type, args: argparse.Namespace, base: Any = None, prefix
     if base is not None:
         return dataclasses.replace(base, **values)
     return cls(**values)
+
+
+@runtime_checkable
+class SelfParsing(Protocol):
+    """A config group class that adds and reads its own flags (both class methods)."""
+
+    def add_flags(self, parser: argparse.ArgumentParser, title: str) -> None:
+        """Add the group's flags under ``title`` in ``--help``."""
+
+    def from_flags(self, args: argparse.Namespace, prefix: str, built: Mapping[str, Any]) -> Any:
+        """The group from parsed flags; ``built``: the groups built before it, by name (the
+        layout reads the model's)."""
+
+
+def add_group(parser: argparse.ArgumentParser, cls: type, *, title: str, prefix: str = "") -> None:
+    """The flags of config group ``cls``: its own (:class:`SelfParsing`), else its fields'."""
+    if isinstance(cls, SelfParsing):
+        cls.add_flags(parser, title)
+    else:
+        add_arguments(parser, cls, title=title, prefix=prefix)
+
+
+def build_group(
+    cls: type,
+    args: argparse.Namespace,
+    *,
+    prefix: str = "",
+    built: Mapping[str, Any] | None = None,
+) -> Any:
+    """Config group ``cls`` from parsed flags: by its own reading (:class:`SelfParsing`), else
+    field by field; ``built``: the groups built before it, by name."""
+    if isinstance(cls, SelfParsing):
+        return cls.from_flags(args, prefix, built or {})
+    return from_arguments(cls, args, prefix=prefix)
 
 
 def given_destinations(parser: argparse.ArgumentParser, argv: list[str]) -> frozenset[str]:

@@ -24,7 +24,7 @@ from megatron.apertus.distill.targets import TeacherLogits, dataset_key
 from megatron.apertus.model import ParallelConfig, preset
 from megatron.apertus.prep.corpus import embedded_corpus_prefix
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
-from megatron.apertus.training.config import TrainingConfig
+from megatron.apertus.training.loop_config import TrainingConfig
 from tests.conftest import (
     PRETRAIN,
     REPO,

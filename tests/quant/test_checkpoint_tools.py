@@ -13,10 +13,10 @@ import torch
 
 from megatron.apertus import checkpoint
 from megatron.apertus.convert.hf_io import model_tensors
+from megatron.apertus.data.config import DataConfig
 from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.quant.transforms import NORM_FUSIONS, column_scales
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
-from megatron.apertus.training.config import DataConfig
 from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
 
 TINY = [

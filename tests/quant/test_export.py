@@ -22,13 +22,13 @@ from megatron.apertus import checkpoint
 from megatron.apertus.convert.hf import split_qkv, to_hf_state_dict
 from megatron.apertus.convert.hf_io import single_process
 from megatron.apertus.convert.quant_io import read_state, rtn_weight
+from megatron.apertus.data.config import DataConfig
 from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.prep.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import fake_nvfp4, nvfp4_quantize
 from megatron.apertus.quant.layers import decoder_linears
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
-from megatron.apertus.training.config import DataConfig
 from tests.conftest import PRETRAIN, REPO, cpu_models, run_entry, run_script
 
 EXPORT = REPO / "tools" / "checkpoint" / "export_quantized_hf.py"

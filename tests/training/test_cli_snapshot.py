@@ -21,6 +21,7 @@ import pytest
 
 import pretrain_gpt
 from megatron.apertus import flags
+from megatron.apertus.model.config import ParallelConfig
 from megatron.apertus.training import config as C
 
 SNAPSHOT = Path(__file__).with_name("cli_flags.json")
@@ -90,6 +91,50 @@ def test_a_new_field_needs_nothing_but_its_declaration():
     assert helps["new_explained"] == "metadata help wins" + flags.ADDITION_MARK
     args = parser.parse_args(["--new-plain", "5"])
     assert flags.from_arguments(_NewGroup, args, prefix="new_") == _NewGroup(plain=5)
+
+
+@dataclass(kw_only=True, frozen=True)
+class _SelfParsingGroup:
+    doubled: int = 0
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser, title: str) -> None:
+        parser.add_argument_group(title).add_argument("--half", type=int, default=1)
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace, prefix: str, built: dict) -> "_SelfParsingGroup":
+        return cls(doubled=2 * args.half + built["new"].plain)
+
+
+def test_a_self_parsing_group_writes_and_reads_its_own_flags():
+    """add_group/build_group ask a group with add_flags/from_flags, which sees the groups built
+    before it; a plain dataclass gets the generated flags (no ``--doubled`` for the other)."""
+    assert isinstance(_SelfParsingGroup, flags.SelfParsing)
+    assert not isinstance(_NewGroup, flags.SelfParsing)
+    parser = argparse.ArgumentParser()
+    flags.add_group(parser, _NewGroup, title="new", prefix="new_")
+    flags.add_group(parser, _SelfParsingGroup, title="own")
+    assert {a.dest for a in parser._actions} == {"help", "new_plain", "new_explained", "half"}
+    args = parser.parse_args(["--half", "4", "--new-plain", "5"])
+    new = flags.build_group(_NewGroup, args, prefix="new_")
+    own = flags.build_group(_SelfParsingGroup, args, built={"new": new})
+    assert (new.plain, own.doubled) == (5, 13)
+
+
+def test_model_and_layout_parse_themselves_through_the_registry():
+    """The layout reads the model built before it: PP 2 x 2 layers per virtual stage of the
+    tiny preset's 4 layers is one virtual stage per rank, the plain schedule (None)."""
+    argv = ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]
+    parser = argparse.ArgumentParser()
+    C.add_run_arguments(parser, ("model", "parallel"))
+    args = parser.parse_args([*argv, "--num-layers-per-virtual-pipeline-stage", "2"])
+    built = C.groups_from_arguments(args, ("model", "parallel"))
+    assert built["model"].num_layers == 8
+    assert built["parallel"].virtual_pipeline_model_parallel_size == 2
+    args = parser.parse_args([*argv[2:], "--num-layers-per-virtual-pipeline-stage", "2"])
+    assert C.groups_from_arguments(args, ("model", "parallel"))["parallel"] == (
+        ParallelConfig(pipeline_model_parallel_size=2)
+    )
 
 
 def test_tools_read_the_same_flags_as_pretrain_gpt():

@@ -45,8 +45,10 @@ from megatron.apertus.model.config import (
 )
 from megatron.apertus.model.engine import EngineConfig
 from megatron.apertus.model.flops import flops_per_token
+from megatron.apertus.optim.builder import OptimizerSettings
 from megatron.apertus.parallel import resolve_device
-from megatron.apertus.training import config as C
+from megatron.apertus.training.config import RunConfig, add_run_arguments, groups_from_arguments
+from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.objectives import output_loss_fused
 
 GIB = 2**30
@@ -86,8 +88,8 @@ class Run:
 
     model: ApertusConfig
     parallel: ParallelConfig
-    training: C.TrainingConfig
-    optimizer: C.OptimizerSettings
+    training: TrainingConfig
+    optimizer: OptimizerSettings
     engine: EngineConfig
     forward_only: bool = False
 
@@ -141,7 +143,7 @@ OBJECTIVE_GROUPS = ("align",)
 def _parser() -> argparse.ArgumentParser:
     """The layout-relevant part of ``pretrain_gpt.py``'s command line (same generated flags)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    C.add_run_arguments(parser, PLANNED_GROUPS + OBJECTIVE_GROUPS)
+    add_run_arguments(parser, PLANNED_GROUPS + OBJECTIVE_GROUPS)
     return parser
 
 
@@ -151,13 +153,18 @@ def run_from_args(argv: list[str], *, forward_only: bool = False) -> Run:
     parser = _parser()
     args, _ = parser.parse_known_args(argv)
     try:
-        groups = C.groups_from_arguments(args, PLANNED_GROUPS + OBJECTIVE_GROUPS)
+        groups = groups_from_arguments(args, PLANNED_GROUPS + OBJECTIVE_GROUPS)
         align = groups.pop("align")
         fused = output_loss_fused(groups["training"], align, given_destinations(parser, argv))
     except ValueError as err:  # ConfigError is a ValueError
         raise ConfigError(str(err)) from err
     groups["training"] = replace(groups["training"], fused_output_loss=fused)
     return Run(**groups, forward_only=forward_only)
+
+
+def run_from_config(config: RunConfig) -> Run:
+    """The layout-relevant groups of a run an entry point has already parsed and checked."""
+    return Run(**{name: getattr(config, name) for name in PLANNED_GROUPS})
 
 
 def run_from_command(command: list[str]) -> Run:
@@ -553,15 +560,16 @@ def _processes() -> tuple[int, int]:
     return 1, 1
 
 
-def dry_run(argv: list[str], device: str) -> NoReturn:
-    """Print the plan of the run ``argv`` describes for the processes this command runs as, on
-    ``device`` (--device), and exit: 0 when it can run, 1 when not (rank 0 prints under
-    torchrun)."""
+def dry_run(config: RunConfig) -> NoReturn:
+    """Print the plan of the parsed run ``config`` for the processes this command runs as, on
+    its ``--device``, and exit: 0 when it can run, 1 when not (rank 0 prints under torchrun).
+    The plan reads the configs the run would train with, not the command line again."""
     gpus, per_node = _processes()
-    on_gpu = resolve_device(device) == "cuda"
+    on_gpu = resolve_device(config.training.device) == "cuda"
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else None
     result = plan(
-        run_from_args(argv), Cluster(gpus=gpus, gpus_per_node=per_node, gpu_memory_gib=gib)
+        run_from_config(config),
+        Cluster(gpus=gpus, gpus_per_node=per_node, gpu_memory_gib=gib),
     )
     if os.environ.get("RANK", "0") == "0":
         print(format_plan(result, name="dry run"))

@@ -4,8 +4,13 @@ The builder (megatron-core, torch) loads on first use of its names: the configs 
 serve ``--help`` and argument errors, which must not pay for it.
 """
 
-from megatron.apertus.model.config import ApertusConfig, ParallelConfig, validate_layout
-from megatron.apertus.model.presets import PRESETS, preset
+from megatron.apertus.model.config import (
+    PRESETS,
+    ApertusConfig,
+    ParallelConfig,
+    preset,
+    validate_layout,
+)
 
 _BUILDER_NAMES = ("build_model_chunk", "transformer_config")
 

@@ -1,20 +1,25 @@
-"""Typed configuration of the Apertus architecture and of its parallel layout.
+"""Typed configuration of the Apertus architecture and of its parallel layout, and the
+published shapes (:data:`PRESETS`).
 
 ``ApertusConfig`` describes the network only; ``ParallelConfig`` describes how it is split
 over processes. :func:`validate_layout` checks the two against each other and against the
 world size *before* anything is allocated, and names the offending argument in each error.
+Both read their own flags (:class:`megatron.apertus.flags.SelfParsing`): the model starts from
+``--model-preset`` and pads the tokenizer's vocabulary as Megatron-LM does, the layout takes
+Megatron-LM's ``--num-layers-per-virtual-pipeline-stage`` and checks itself against the model.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import flag_help
+from megatron.apertus.flags import ADDITION_MARK, add_arguments, flag_help, from_arguments
 from megatron.apertus.ops.constants import XIELU_BETA, XIELU_EPS
 
 if TYPE_CHECKING:
@@ -107,6 +112,51 @@ class ApertusConfig:
         if unknown:
             raise ConfigError(f"unknown model config fields: {', '.join(unknown)}")
         return cls(**values)
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser, title: str) -> None:
+        """``--model-preset`` and the model flags, which override the preset's fields."""
+        parser.add_argument(
+            "--model-preset",
+            default="tiny",
+            choices=sorted(PRESETS),
+            help="architecture to start from; any model flag below overrides it" + ADDITION_MARK,
+        )
+        model = add_arguments(parser, cls, title=title, defaults=False)
+        model.add_argument(
+            "--make-vocab-size-divisible-by",
+            type=int,
+            help="the model's vocabulary is the tokenizer's, padded to a multiple of this x "
+            "--tensor-model-parallel-size (Megatron-LM's rule; with --vocab-size: checked to be "
+            "one)",
+        )
+
+    @classmethod
+    def from_flags(
+        cls, args: argparse.Namespace, prefix: str, built: Mapping[str, Any]
+    ) -> ApertusConfig:
+        """The preset, overridden by the model flags; ``--make-vocab-size-divisible-by`` pads
+        the tokenizer's vocabulary as Megatron-LM does unless ``--vocab-size`` is given (then it
+        checks).
+
+        A parser without the tokenizer flags (the launch planner's) checks the preset's
+        vocabulary instead of loading a tokenizer.
+        """
+        model = from_arguments(cls, args, base=preset(args.model_preset))
+        divisor = args.make_vocab_size_divisible_by
+        if divisor is None:
+            return model
+        tp = args.tensor_model_parallel_size
+        if args.vocab_size is None and "tokenizer_type" in args:
+            vocab = padded_vocab_size(_tokenizer_vocab_size(args), divisor, tp)
+            return dataclasses.replace(model, vocab_size=vocab)
+        if padded_vocab_size(model.vocab_size, divisor, tp) != model.vocab_size:
+            raise ConfigError(
+                f"--make-vocab-size-divisible-by {divisor}: the vocabulary ({model.vocab_size}, "
+                f"--vocab-size) is not a multiple of {divisor} x --tensor-model-parallel-size "
+                f"({tp})"
+            )
+        return model
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
@@ -207,6 +257,38 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser, title: str) -> None:
+        """The layout flags and Megatron-LM's ``--num-layers-per-virtual-pipeline-stage``."""
+        layout = add_arguments(parser, cls, title=title)
+        layout.add_argument(
+            "--num-layers-per-virtual-pipeline-stage",
+            type=int,
+            help="interleaved pipeline: layers per virtual stage (sets "
+            "--virtual-pipeline-model-parallel-size to --num-layers / PP / this)",
+        )
+
+    @classmethod
+    def from_flags(
+        cls, args: argparse.Namespace, prefix: str, built: Mapping[str, Any]
+    ) -> ParallelConfig:
+        """The layout flags, checked against ``built["model"]``; Megatron-LM's
+        ``--num-layers-per-virtual-pipeline-stage`` becomes the number of virtual stages per
+        pipeline rank."""
+        model = built["model"]
+        parallel = from_arguments(cls, args)
+        validate_context_parallel(model, parallel)
+        per_stage = args.num_layers_per_virtual_pipeline_stage
+        if per_stage is None:
+            return parallel
+        if parallel.virtual_pipeline_model_parallel_size is not None:
+            raise ConfigError(
+                "give --num-layers-per-virtual-pipeline-stage or "
+                "--virtual-pipeline-model-parallel-size, not both"
+            )
+        stages = virtual_stages(model.num_layers, parallel.pipeline_model_parallel_size, per_stage)
+        return dataclasses.replace(parallel, virtual_pipeline_model_parallel_size=stages)
 
 
 def validate_layout(model: ApertusConfig, parallel: ParallelConfig, world_size: int) -> int:
@@ -396,3 +478,71 @@ def dtype_from_name(name: str) -> torch.dtype:
     if name not in dtypes:
         raise ConfigError(f"unknown precision {name!r}; choose one of {', '.join(dtypes)}")
     return dtypes[name]
+
+
+def _tokenizer_vocab_size(args: argparse.Namespace) -> int:
+    # here, not at the top: the tokenizers load only for a vocabulary padded from one
+    from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
+
+    return checked_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+
+
+# -- published shapes (docs/recipe.md) and a tiny model for tests and the demo ----------------
+
+
+PRESETS: dict[str, ApertusConfig] = {
+    "apertus-8b": ApertusConfig(
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=21504,
+        num_attention_heads=32,
+        num_query_groups=8,
+    ),
+    "apertus-70b": ApertusConfig(
+        num_layers=80,
+        hidden_size=8192,
+        ffn_hidden_size=43008,
+        num_attention_heads=64,
+        num_query_groups=8,
+    ),
+    "apertus-v1.1-0.5b": ApertusConfig(
+        num_layers=20,
+        hidden_size=1024,
+        ffn_hidden_size=6144,
+        num_attention_heads=16,
+        num_query_groups=4,
+        untie_embeddings_and_output_weights=False,
+    ),
+    "apertus-v1.1-1.5b": ApertusConfig(
+        num_layers=16,
+        hidden_size=2048,
+        ffn_hidden_size=12288,
+        num_attention_heads=32,
+        num_query_groups=8,
+    ),
+    "apertus-v1.1-4b": ApertusConfig(
+        num_layers=24,
+        hidden_size=3072,
+        ffn_hidden_size=16384,
+        num_attention_heads=24,
+        num_query_groups=8,
+    ),
+    # Same architecture, CPU-sized: 4 layers so that PP=2 and PP=2 x 2 virtual stages split evenly,
+    # 4 query heads over 2 kv heads so that TP=2 keeps GQA.
+    "tiny": ApertusConfig(
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=192,
+        num_attention_heads=4,
+        num_query_groups=2,
+        seq_length=128,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ApertusConfig:
+    """A preset by name, with fields overridden (e.g. ``seq_length=256``)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown --model-preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

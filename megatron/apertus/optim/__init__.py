@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules on megatron-core (docs/ademamix_wsd.md).
 
-``ademamix`` holds the update (torch only); ``builder`` wraps it in megatron-core's optimizer
-stack; ``schedule`` holds the schedule's flags and ``param_scheduler`` megatron-core's
+``ademamix`` holds the update (torch only); ``builder`` holds the optimizer's flags and wraps
+the update in megatron-core's optimizer stack; ``schedule`` holds the schedule's flags and ``param_scheduler`` megatron-core's
 ``OptimizerParamScheduler`` configured for WSD. Each name loads its module on first use: the
 flags' dataclasses serve ``--help``, which must not import torch or megatron-core.
 """
@@ -13,6 +13,7 @@ _MODULES = {
     "StepScalars": "ademamix",
     "ademamix_reference_step": "ademamix",
     "AdEMAMixSettings": "builder",
+    "OptimizerSettings": "builder",
     "get_apertus_optimizer": "builder",
     "ScheduleConfig": "schedule",
     "ParamScheduler": "param_scheduler",

@@ -12,21 +12,62 @@ In both cases each group's ``weight_decay`` is set to ``weight_decay * wd_mult``
 megatron-core leaves that to the first step of ``OptimizerParamScheduler``, so without a scheduler
 its Adam decays norms too.
 
-megatron-core and torch are imported by the functions that build: :class:`AdEMAMixSettings`
-serves ``--help``, which must not pay for them.
+megatron-core and torch are imported by the functions that build: :class:`OptimizerSettings`
+and :class:`AdEMAMixSettings` serve ``--help``, which must not pay for them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron.apertus.flags import flag_help
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help, require
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 
     from megatron.apertus.optim.ademamix import AdEMAMix
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerSettings:
+    """The optimizer; its schedule is ``optim.ScheduleConfig``, AdEMAMix's own knobs
+    ``optim.AdEMAMixSettings`` (flags ``--ademamix-*``)."""
+
+    optimizer: str = flag_help("adam or ademamix", "adam")
+    lr: float = flag_help("peak learning rate", 1e-3)
+    min_lr: float = flag_help("learning rate at the end of the decay", 0.0)
+    weight_decay: float = flag_help(
+        "decoupled weight decay (never on norms, biases, xIELU alphas)", 0.1
+    )
+    adam_beta1: float = flag_help("first-moment decay", 0.9)
+    adam_beta2: float = flag_help("second-moment decay", 0.95)
+    adam_eps: float = flag_help("denominator epsilon", 1e-8)
+    clip_grad: float = flag_help("global gradient-norm clip (0: off)", 1.0)
+    use_distributed_optimizer: bool = flag_help(
+        "shard optimizer state over data-parallel ranks", False
+    )
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "ademamix"):
+            raise ConfigError(f"--optimizer must be adam or ademamix, got {self.optimizer!r}")
+        for flag, value in (
+            ("--lr", self.lr),
+            ("--min-lr", self.min_lr),
+            ("--weight-decay", self.weight_decay),
+            ("--clip-grad", self.clip_grad),
+        ):
+            require(math.isfinite(value) and value >= 0, flag, value, "a finite number >= 0")
+        for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            require(0 <= value < 1, flag, value, "in [0, 1)")
+        require(
+            math.isfinite(self.adam_eps) and self.adam_eps > 0,
+            "--adam-eps",
+            self.adam_eps,
+            "a finite number > 0",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -29,7 +29,9 @@ from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
-from megatron.apertus.training.config import CheckpointConfig, OptimizerSettings, RunConfig
+from megatron.apertus.optim.builder import OptimizerSettings
+from megatron.apertus.training.checkpoint_config import CheckpointConfig
+from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.signals import StopRequests
 from megatron.apertus.training.step import synced_parameters

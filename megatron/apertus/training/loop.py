@@ -33,13 +33,14 @@ from megatron.apertus.checkpoint import TrainingState, trusting_fp8_state
 from megatron.apertus.checkpoint_files import checkpoint_iteration
 from megatron.apertus.model.precision import set_bf16_layers
 from megatron.apertus.training import runtime
+from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.training.checkpointer import (
     Checkpointer,
     find_checkpoint,
     finished_run,
     resume,
 )
-from megatron.apertus.training.config import CheckpointConfig, RunConfig
+from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.diagnostics import ManualGC
 from megatron.apertus.training.fp8_guard import (
     CHECKPOINT_KEY,

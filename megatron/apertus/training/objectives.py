@@ -49,7 +49,8 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.tokenizer.tokenizers import Tokenizer
 from megatron.apertus.training import runtime
 from megatron.apertus.training.align import AlignRun
-from megatron.apertus.training.config import RunConfig, TrainingConfig
+from megatron.apertus.training.config import RunConfig
+from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.metrics import perplexity
 from megatron.apertus.training.step import (
     StepShape,

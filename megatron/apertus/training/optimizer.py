@@ -16,7 +16,8 @@ from megatron.apertus.optim import (
     build_scheduler,
     get_apertus_optimizer,
 )
-from megatron.apertus.training.config import OptimizerSettings, TrainingConfig
+from megatron.apertus.optim.builder import OptimizerSettings
+from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.step import install_schedule_hooks
 
 

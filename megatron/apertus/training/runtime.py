@@ -15,6 +15,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.apertus import parallel
+from megatron.apertus.data.config import DataConfig
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.builder import build_model
@@ -33,7 +34,7 @@ from megatron.apertus.model.engine import (
 )
 from megatron.apertus.prep.corpus import embedded_corpus_prefix
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
-from megatron.apertus.training.config import DataConfig, TrainingConfig
+from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.run_log import warn_if_slow_precision
 
 

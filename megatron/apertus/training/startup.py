@@ -21,7 +21,8 @@ from megatron.apertus.mcore_compat import init_num_microbatches_calculator
 from megatron.apertus.model.config import ParallelConfig
 from megatron.apertus.model.engine import EngineConfig
 from megatron.apertus.training import runtime
-from megatron.apertus.training.config import RunConfig, TrainingConfig
+from megatron.apertus.training.config import RunConfig
+from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.objectives import describe_output_loss
 from megatron.apertus.training.runtime import Runtime, is_reporting_rank
 from megatron.apertus.training.step import wrap_ddp

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.apertus.data.config import DataConfig
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
-from megatron.apertus.training.config import DataConfig, TrainingConfig
+from megatron.apertus.training.loop_config import TrainingConfig
 
 SAMPLING = ("topk", "random")
 """``--sampling`` values; a store's kind is ``topk`` or ``sampled`` (logit_store.KINDS)."""

@@ -20,8 +20,8 @@ from megatron.core.num_microbatches_calculator import (
 )
 
 from megatron.apertus.checkpoint import TrainingState
-from megatron.apertus.training.config import TrainingConfig
 from megatron.apertus.training.diagnostics import ManualGC
+from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.metrics import Metrics
 from megatron.apertus.training.objectives import Objective, metric_name
 from megatron.apertus.training.runtime import is_reporting_rank

@@ -1,0 +1,42 @@
+"""The tokenizer and the data loader's flags (``--help``'s "data" group); the datasets
+themselves are :class:`megatron.apertus.data.datasets.DatasetConfig`.
+
+A tokenizer other than the default is loaded when the flags are read, so that ``--dry-run``
+and the tools refuse a wrong file before anything is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help
+from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    tokenizer_type: str = flag_help(
+        "TekkenTokenizer, HuggingFaceTokenizer or SentencePieceTokenizer", "TekkenTokenizer"
+    )
+    tokenizer_model: Optional[str] = flag_help(
+        "tokenizer file or directory (TekkenTokenizer: default the one bundled with mistral-common)",
+        None,
+    )
+    goldfish_loss: bool = flag_help(
+        "drop a deterministic 1/k of label positions from the loss", False
+    )
+    num_workers: int = flag_help(
+        "data loader worker processes that read and collate the next step's micro-batches while "
+        "this one computes (0: read in the training process; Megatron-LM's default is 2); the "
+        "batches are the same for any number",
+        0,
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.tokenizer_model is not None or self.tokenizer_type != "TekkenTokenizer":
+            # Read now, not at the first batch: --dry-run and the tools refuse a wrong file too.
+            checked_tokenizer(self.tokenizer_type, self.tokenizer_model)

@@ -1,0 +1,100 @@
+"""Checkpointing flags (``--help``'s "checkpointing" group) and ``--use-checkpoint-args``,
+which fills the command line's unset model and tokenizer flags from the ``--load`` checkpoint
+before the groups are built.
+
+The checkpoint is read (with torch) only when ``--use-checkpoint-args`` is given: ``--help`` and
+argument errors need neither torch nor megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help, switch
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = flag_help("directory to save checkpoints to", None)
+    load: Optional[str] = flag_help(
+        "checkpoint (save directory or iter_* directory) to start from", None
+    )
+    save_interval: int = flag_help("iterations between checkpoints (0: only at the end)", 0)
+    finetune: bool = switch(
+        "load only the weights from --load: the iteration, consumed samples, optimizer, "
+        "learning-rate schedule and RNG states start fresh"
+    )
+    no_load_optim: bool = switch(
+        "load the weights, iteration and consumed samples from --load, not the optimizer state; "
+        "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
+    )
+    no_load_rng: bool = switch("keep this run's seeded RNG states instead of the checkpoint's")
+    use_checkpoint_args: bool = switch(
+        "take the model's shape from the --load checkpoint (each model flag not given on the "
+        "command line; the preset is not used) and its tokenizer (--tokenizer-type, and "
+        "--tokenizer-model unless given), as Megatron-LM does; a --load without a checkpoint "
+        "keeps the command line's"
+    )
+    async_save: bool = switch(
+        "write checkpoints in a background process while training goes on (megatron-core's "
+        "asynchronous torch_dist save); a checkpoint counts once every rank has written it, and "
+        "the run waits for the last one before it exits"
+    )
+    ckpt_fully_parallel_save: bool = flag_help(
+        "data-parallel replicas share the writing of the checkpoint (megatron-core's fully "
+        "parallel save; Megatron-LM's default)",
+        True,
+    )
+    ckpt_fully_parallel_load: bool = switch(
+        "data-parallel replicas each read a share of the checkpoint and exchange it"
+    )
+    ckpt_assume_constant_structure: bool = switch(
+        "with the fully parallel save: keep the distribution of tensors between the replicas "
+        "from the first save instead of computing it again (the state's structure must not change)"
+    )
+
+    def loads_optimizer(self) -> bool:
+        return not (self.finetune or self.no_load_optim)
+
+    def loads_rng(self) -> bool:
+        return not (self.finetune or self.no_load_rng)
+
+    def continuing(self) -> "CheckpointConfig":
+        """These flags for a load that continues the run itself (the FP8 guard going back to one
+        of its checkpoints): everything restored, whatever the first --load took."""
+        return dataclasses.replace(self, finetune=False, no_load_optim=False, no_load_rng=False)
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
+    """``--use-checkpoint-args``: fill ``args`` from the --load checkpoint as Megatron-LM's
+    ``load_args_from_checkpoint`` does: every model flag left unset from ``apertus_model.json``,
+    the tokenizer type (it has a default, which Megatron-LM overwrites too) and, unless given,
+    the tokenizer model from ``apertus_run.json``. Returns the line to log, None when the flag
+    is off."""
+    if not args.use_checkpoint_args:
+        return None
+    if not args.load:
+        raise ConfigError("--use-checkpoint-args reads the checkpoint --load names: give --load")
+    from megatron.apertus.checkpoint import find_checkpoint, load_model_config
+    from megatron.apertus.checkpoint_files import read_run_info
+
+    found = find_checkpoint(args.load)
+    if found is None:
+        return f"--use-checkpoint-args: no checkpoint at {args.load}, using the command line"
+    taken = []
+    for name, value in dataclasses.asdict(load_model_config(found)).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+            taken.append(name)
+    tokenizer = (read_run_info(found) or {}).get("tokenizer") or {}
+    if tokenizer.get("type"):
+        args.tokenizer_type = tokenizer["type"]
+        taken.append("tokenizer_type")
+    if tokenizer.get("model") and args.tokenizer_model is None:
+        args.tokenizer_model = tokenizer["model"]
+        taken.append("tokenizer_model")
+    return f"--use-checkpoint-args: {', '.join(taken) or 'nothing'} from {found}"

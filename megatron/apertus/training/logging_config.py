@@ -1,0 +1,95 @@
+"""Monitoring flags (``--help``'s "logging" group): TensorBoard, wandb, the JSON-lines history,
+the loss plot and the optional diagnostics. Outputs and the wandb package are checked when the
+flags are read, not when the run first writes."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.apertus.cli import check_output
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help, switch
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoggingConfig:
+    tensorboard_dir: Optional[str] = flag_help("write TensorBoard scalars here", None)
+    wandb_project: Optional[str] = flag_help(
+        "log to this wandb project (WANDB_MODE=offline works)", None
+    )
+    wandb_exp_name: Optional[str] = flag_help("wandb run name", None)
+    log_json: Optional[str] = flag_help(
+        "append every recorded scalar to this JSON-lines file (one object per iteration), "
+        "flushed at every log line so a killed run keeps each logged interval; a resumed run "
+        "starts it over from its checkpoint's history",
+        None,
+        ours=True,
+    )
+    loss_plot: Optional[str] = flag_help(
+        "PNG of the loss curves, redrawn at every checkpoint and at the end (default: "
+        "SAVE/loss.png)",
+        None,
+        ours=True,
+    )
+    log_params_norm: bool = switch(
+        "log the L2 norm of all parameters (the whole model, each shard once) every --log-interval"
+    )
+    log_params_norm_per_param: bool = switch(
+        "log each parameter's L2 norm (params-norm/NAME) to TensorBoard, wandb and --log-json "
+        "every --log-interval; Apertus-fork flag"
+    )
+    log_progress: bool = switch(
+        "append Megatron-LM's progress lines (job starts, checkpoints with job and cumulative "
+        "TFLOP/s per device, FLOPs and tokens so far) to SAVE/progress.txt"
+    )
+    log_loss_scale_to_tensorboard: bool = flag_help(
+        "record the loss scale (1.0 unless fp16 scales it) as TensorBoard's and wandb's "
+        "loss-scale; --no-log-loss-scale-to-tensorboard: not (Megatron-LM has only that "
+        "form; the positive form is ours)",
+        True,
+        ours=True,
+    )
+    log_memory_to_tensorboard: bool = switch(
+        "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "
+        "and reserved bytes, on a CPU the process's resident memory"
+    )
+    log_intermediate_metrics: Optional[list[str]] = flag_help(
+        "statistics of every transformer GEMM's input, per layer, among mean, rms, kurtosis, "
+        "underflow, overflow (FP8 e4m3 cast); Apertus-fork flag, docs/gpu.md",
+        None,
+    )
+    log_intermediate_metrics_interval: Optional[int] = flag_help(
+        "iterations between intermediate-metric measurements (default: --log-interval); "
+        "Apertus-fork flag",
+        None,
+    )
+
+    def __post_init__(self) -> None:
+        self._check_outputs()
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "--wandb-project needs wandb, which is not installed: "
+                "pip install 'megatron-apertus[wandb]'"
+            )
+        from megatron.apertus.training.gemm_metrics import STATISTICS
+
+        unknown = sorted(set(self.log_intermediate_metrics or ()) - set(STATISTICS))
+        if unknown:
+            raise ConfigError(
+                f"--log-intermediate-metrics: unknown {', '.join(unknown)}; choose among "
+                f"{', '.join(STATISTICS)}"
+            )
+        interval = self.log_intermediate_metrics_interval
+        if interval is not None and interval < 1:
+            raise ConfigError(f"--log-intermediate-metrics-interval must be >= 1, got {interval}")
+
+    def _check_outputs(self) -> None:
+        """Outputs refused when the flags are read, not when the run first writes them after
+        building the model (or after its first log interval)."""
+        for flag, path in (("--log-json", self.log_json), ("--loss-plot", self.loss_plot)):
+            if path:
+                check_output(flag, path, directory=False)
+        if self.tensorboard_dir:
+            check_output("--tensorboard-dir", self.tensorboard_dir, directory=True)

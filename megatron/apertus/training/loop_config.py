@@ -1,0 +1,187 @@
+"""The training loop's own flags: batch sizes, run length, seed, intervals, precision, exits
+and recomputation (``--help``'s "training" group), and the counts derived from them.
+
+``--help`` and argument errors need neither torch nor megatron-core: the ramp-up's steps import
+megatron-core where they are counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help, require, switch
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainingConfig:
+    micro_batch_size: int = flag_help("samples per micro-batch per data-parallel rank", 1)
+    global_batch_size: int = flag_help("samples per optimizer step over all data-parallel ranks", 8)
+    rampup_batch_size: Optional[list[int]] = flag_help(
+        "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES", None
+    )
+    train_iters: Optional[int] = flag_help("optimizer steps to run (or give --train-samples)", None)
+    train_samples: Optional[int] = flag_help("samples to train on (instead of --train-iters)", None)
+    seed: int = flag_help("seed of initialisation and data order", 1234)
+    log_interval: int = flag_help("iterations between log lines", 10)
+    eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
+    eval_iters: int = flag_help("validation batches per validation pass", 4)
+    device: str = flag_help("auto, cpu or cuda", "auto", ours=True)
+    precision: Optional[str] = flag_help(
+        "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)",
+        None,
+        ours=True,
+    )
+    bf16: bool = switch("Megatron-LM's --precision bf16")
+    fp16: bool = switch("Megatron-LM's --precision fp16")
+    exit_signal_handler: bool = flag_help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
+    trigger_path: Optional[str] = flag_help("directory watched for 'save' and 'exit' files", None)
+    exit_interval: int = flag_help("save and stop after this many iterations (0: never)", 0)
+    exit_duration_in_mins: Optional[float] = flag_help(
+        "save and stop once the job has run this many minutes (checked after every step and "
+        "validation batch, agreed on by all ranks)",
+        None,
+    )
+    max_skipped_steps: int = flag_help(
+        "stop after this many consecutive non-finite steps", 5, ours=True
+    )
+    recompute_granularity: Optional[str] = flag_help(
+        "activation recomputation: full or selective", None
+    )
+    recompute_method: Optional[str] = flag_help("full recomputation: uniform or block", None)
+    recompute_num_layers: Optional[int] = flag_help(
+        "layers per recomputed group (uniform) or count (block)", None
+    )
+    manual_gc: bool = switch(
+        "turn Python's automatic garbage collector off and collect on every rank at the same "
+        "moments (start, --manual-gc-interval, around validation and saves), so no rank stalls "
+        "the others at a collective"
+    )
+    manual_gc_interval: int = flag_help(
+        "with --manual-gc: iterations between collections (0: only at start, validation, saves)",
+        0,
+    )
+    manual_gc_eval: bool = flag_help(
+        "with --manual-gc: also collect right before and after each validation pass "
+        "(--no-manual-gc-eval: not there)",
+        True,
+    )
+    decrease_batch_size_if_needed: bool = switch(
+        "a --global-batch-size that does not split into --micro-batch-size x data-parallel size "
+        "runs as the largest multiple of that below it (megatron-core's calculator) instead of "
+        "being refused"
+    )
+    xielu_impl: str = flag_help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
+    fused_output_loss: bool = flag_help(
+        "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)",
+        True,
+        ours=True,
+    )
+
+    def __post_init__(self) -> None:
+        self._resolve_precision()
+        self._check_ranges()
+        if (self.train_iters is None) == (self.train_samples is None):
+            raise ConfigError("give exactly one of --train-iters and --train-samples")
+        if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
+            raise ConfigError("--rampup-batch-size takes three numbers: START INCREMENT SAMPLES")
+        if self.rampup_batch_size is not None and self.train_iters is not None:
+            raise ConfigError("--rampup-batch-size needs --train-samples (the step count varies)")
+        if (
+            self.rampup_batch_size is not None
+            and self.rampup_batch_size[0] == self.global_batch_size
+        ):
+            # Nothing to ramp: megatron-core's calculator would divide by zero increments.
+            object.__setattr__(self, "rampup_batch_size", None)
+        if self.rampup_batch_size is not None:
+            for part, value in zip(("START", "INCREMENT"), self.rampup_batch_size):
+                require(value >= 1, f"--rampup-batch-size {part}", value, ">= 1")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ConfigError(
+                f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}"
+            )
+        if self.manual_gc_interval < 0:
+            raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
+
+    def _check_ranges(self) -> None:
+        """Counts a run divides by or steps with, refused here so that ``--dry-run`` and the
+        launch planner name the flag instead of dividing by zero."""
+        for flag, value in (
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--global-batch-size", self.global_batch_size),
+            ("--log-interval", self.log_interval),
+            ("--train-samples", self.train_samples),
+            ("--recompute-num-layers", self.recompute_num_layers),
+        ):
+            require(value is None or value >= 1, flag, value, ">= 1")
+        for flag, value in (
+            ("--train-iters", self.train_iters),
+            ("--eval-interval", self.eval_interval),
+            ("--eval-iters", self.eval_iters),
+            ("--exit-interval", self.exit_interval),
+        ):
+            require(value is None or value >= 0, flag, value, ">= 0")
+
+    def total_iterations(self, dp: int) -> int:
+        """Optimizer steps of the run, following megatron-core's batch-size ramp-up."""
+        if self.train_iters is not None:
+            return self.train_iters
+        gbs, samples = self.global_batch_size, self.train_samples
+        if not self.rampup_batch_size:
+            return math.ceil(samples / gbs)
+        from megatron.apertus.mcore_compat import rampup_calculator
+
+        ramp = self.rampup_batch_size[2]
+        calculator = rampup_calculator(self.rampup_batch_size, gbs, self.micro_batch_size, dp)
+        consumed = steps = 0
+        while consumed < samples and consumed <= ramp:
+            calculator.update(consumed, consistency_check=False)
+            consumed += calculator.get_current_global_batch_size()
+            steps += 1
+        return steps + max(0, math.ceil((samples - consumed) / gbs))
+
+    def _resolve_precision(self) -> None:
+        """``precision`` from --precision, --bf16 or --fp16, which must not disagree; always set
+        afterwards (the frozen field is written once, here, as dataclasses document)."""
+        switched = [name for name in ("bf16", "fp16") if getattr(self, name)]
+        if len(switched) == 2:
+            raise ConfigError("--bf16 and --fp16 exclude each other")
+        if switched and self.precision not in (None, switched[0]):
+            raise ConfigError(f"--{switched[0]} contradicts --precision {self.precision}")
+        precision = self.precision or (switched[0] if switched else "fp32")
+        if precision not in PRECISIONS:
+            raise ConfigError(
+                f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+            )
+        object.__setattr__(self, "precision", precision)
+
+    def total_samples(self) -> int:
+        """Samples the run consumes (its training dataset's size)."""
+        if self.train_samples is not None:
+            return self.train_samples
+        return self.train_iters * self.global_batch_size
+
+    def dataset_sizes(self) -> tuple[int, int, int]:
+        """Samples of the train/valid/test datasets: the run and every validation pass.
+
+        The training dataset's sample order depends on its size, so everything that must see
+        the student's order (teacher logits) builds its datasets from this.
+        """
+        validations = (self.total_samples() // self.global_batch_size) // max(
+            self.eval_interval, 1
+        ) + 2
+        return (self.total_samples(), validations * self.eval_iters * self.global_batch_size, 0)
+
+    def recompute_overrides(self) -> dict:
+        """TransformerConfig fields for activation recomputation."""
+        if self.recompute_granularity is None:
+            return {}
+        return {
+            "recompute_granularity": self.recompute_granularity,
+            "recompute_method": self.recompute_method,
+            "recompute_num_layers": self.recompute_num_layers,
+        }
