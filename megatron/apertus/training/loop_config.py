@@ -77,7 +77,8 @@ class TrainingConfig:
     )
     xielu_impl: str = flag_help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
     fused_output_loss: bool = flag_help(
-        "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist)",
+        "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist); "
+        "--align-objective runs it unfused",
         True,
         ours=True,
     )
