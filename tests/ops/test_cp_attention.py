@@ -2,8 +2,9 @@
 TE use; the ring's tile arithmetic by fp64 gradcheck; p2p, a2a and hierarchical a2a+p2p (2 x 1,
 1 x 2 and 2 x 2) on 2 and 4 gloo processes against one-process attention, outputs and the
 gradients of q, k and v, for one causal sequence (batch of 2, GQA) and for packed documents that
-cross the chunk boundaries; and a negative control: the same comparison fails when documents may
-see each other.
+cross the chunk boundaries; packed documents padded at their tails as the data loader pads them
+give each document's attention alone; and a negative control: the same comparison fails when
+documents may see each other.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron.apertus.data.context_parallel import padded_document_sources
 from megatron.apertus.ops import cp_attention
 from megatron.apertus.ops.cp_attention import (
     RingAttention,
@@ -35,6 +37,10 @@ TILE = 3
 DOCUMENTS = [8, 40, 16]
 """Packed document lengths, multiples of 2 x CP for CP 2 and 4; the 40-token one spans the
 chunks of the unpacked split, so a leak across documents would change the result."""
+PADDED_DOCUMENTS = [5, 27, 11]
+"""Document lengths that are no multiple of 2 x CP: each is padded at its tail to one (the padding
+repeats its last token), the layout of Transformer Engine's failures with packed sequences, CP and
+padding."""
 
 
 def test_sequence_partition_keeps_chunks_i_and_mirror():
@@ -150,6 +156,50 @@ def _compare(layout, comm_type: str, group, *, leak: bool = False, levels=None) 
     return max(errors)
 
 
+def _gathered_output(out: torch.Tensor, index: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's output, in the order of the whole (padded) sequence."""
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, out.contiguous(), group=group)
+    full = torch.empty(*out.shape[:2], index.numel(), out.shape[3])
+    full[:, :, index.reshape(-1)] = torch.cat(parts, dim=2)
+    return full
+
+
+def _padded_documents_error(comm_type: str, group, *, levels=None) -> float:
+    """Largest relative error of each tail-padded document's real tokens against that document's
+    causal attention computed alone."""
+    cp = dist.get_world_size(group)
+    lengths = torch.tensor(PADDED_DOCUMENTS)
+    real_cu = torch.tensor([0, *torch.cumsum(lengths, 0).tolist()])
+    sources, _, padded_cu = padded_document_sources(real_cu, cp)
+    q, k, v, _ = _full_case(5, 1, int(real_cu[-1]))
+    index = document_partition(padded_cu, cp)
+    mine = sources[index[dist.get_rank(group)]]
+    out = context_parallel_attention(
+        *(t[:, :, mine] for t in (q, k, v)),
+        index=index,
+        doc_start=document_starts(padded_cu),
+        group=group,
+        comm_type=comm_type,
+        levels=levels,
+    )
+    full = _gathered_output(out, index, group)
+    errors = []
+    for doc, length in enumerate(PADDED_DOCUMENTS):
+        real = slice(int(real_cu[doc]), int(real_cu[doc + 1]))
+        alone = torch.arange(length)
+        want = reference_attention(
+            q[:, :, real],
+            k[:, :, real],
+            v[:, :, real],
+            allowed(alone, alone, torch.zeros(length, dtype=torch.long)),
+            DIM**-0.5,
+        )
+        start = int(padded_cu[doc])
+        errors.append(_relative_error(full[:, :, start : start + length], want))
+    return max(errors)
+
+
 def _worker(rank: int, world: int, init_file: str, results) -> None:
     torch.set_num_threads(1)
     cp_attention.TILE = TILE
@@ -161,12 +211,17 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
             for comm in ("p2p", "a2a"):
                 report[f"{name}/{comm}"] = _compare(layout, comm, group)
             report[f"{name}/p2p/leak"] = _compare(layout, "p2p", group, leak=True)
+        for comm in ("p2p", "a2a"):
+            report[f"padded/{comm}"] = _padded_documents_error(comm, group)
         for a2a, ring in LEVELS[world]:
             levels = _level_groups(world, a2a)
             for name, layout in _layouts(world).items():
                 key = f"{name}/a2a+p2p/{a2a}x{ring}"
                 report[key] = _compare(layout, "a2a+p2p", group, levels=levels)
                 report[key + "/leak"] = _compare(layout, "a2a+p2p", group, leak=True, levels=levels)
+            report[f"padded/a2a+p2p/{a2a}x{ring}"] = _padded_documents_error(
+                "a2a+p2p", group, levels=levels
+            )
         results[rank] = report
     finally:
         dist.destroy_process_group()
@@ -197,6 +252,16 @@ def test_hierarchical_cp_attention_matches_one_process(cp_report, layout):
             assert report[key] < FP32_TOL, (rank, key, report[key])
             if layout == "packed":  # negative control
                 assert report[key + "/leak"] > 1e-2, (rank, key)
+
+
+def test_tail_padded_documents_attend_as_if_alone(cp_report):
+    """Documents padded to a multiple of 2 x CP at their tails: each real token's output equals
+    its document's causal attention computed alone, with p2p, a2a and a2a+p2p."""
+    for rank, report in cp_report.items():
+        padded = {key: error for key, error in report.items() if key.startswith("padded/")}
+        assert len(padded) == 2 + len(LEVELS[len(cp_report)]), padded
+        for key, error in padded.items():
+            assert error < FP32_TOL, (rank, key, error)
 
 
 def test_leaking_documents_are_detected(cp_report):
