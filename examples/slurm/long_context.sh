@@ -55,7 +55,7 @@ RUN_DIR="$BASE_DIR/$STAGE"
 source "${APERTUS_REPO:-$SLURM_SUBMIT_DIR}/examples/slurm/launch.sh"
 source "$APERTUS_REPO/examples/slurm/recipe.sh"
 apertus_launch --run-dir "$RUN_DIR" --gpu-memory-gib 96 -- pretrain_gpt.py \
-    "${APERTUS_RECIPE[@]}" "${APERTUS_GOLDFISH[@]}" \
+    "${APERTUS_RECIPE[@]}" "${APERTUS_GOLDFISH[@]}" "${APERTUS_FP8_FLAGS[@]}" \
     --model-preset "$MODEL" --rotary-base "${ROTARY_BASE[$STAGE]}" \
     --tensor-model-parallel-size "${TP[$STAGE]}" --context-parallel-size "${CP[$STAGE]}" \
     "${LAYOUT[@]}" \

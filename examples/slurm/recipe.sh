@@ -28,5 +28,16 @@ APERTUS_RECIPE=(
     --log-interval 10 --eval-interval 2000 --eval-iters 10
 )
 
+# FP8 (APERTUS_FP8=1): Transformer Engine's hybrid format with delayed scaling (the fastest on
+# Hopper in docs/gpu.md), watched by the FP8 guard: a layer whose GEMM inputs grow heavy tails or
+# underflow continues in bf16 from the last checkpoint saved before the alarm (docs/gpu.md).
+APERTUS_FP8_FLAGS=()
+if [[ "${APERTUS_FP8:-0}" == 1 ]]; then
+    APERTUS_FP8_FLAGS=(
+        --fp8-format hybrid --fp8-recipe delayed
+        --fp8-guard --fp8-guard-action bf16-layers
+    )
+fi
+
 # Memorisation-safe pretraining: Goldfish drops a deterministic 1/50 of the loss positions.
 APERTUS_GOLDFISH=(--goldfish-loss --goldfish-k 50 --goldfish-h 50)

@@ -49,6 +49,28 @@ def test_every_launcher_passes_the_planner(script, tmp_path):
     }.get(script.stem, shape.tasks)
 
 
+PRETRAINING = [s for s in SCRIPTS if s.stem.startswith(("pretrain_", "long_context_"))]
+
+
+@pytest.mark.parametrize("script", PRETRAINING, ids=lambda p: p.name)
+def test_fp8_launches_are_guarded_and_pass_the_planner(script, tmp_path):
+    """APERTUS_FP8=1: FP8 with the guard switching alarmed layers to bf16; without it, neither."""
+    env = dict(
+        SETTINGS, APERTUS_REPO=str(REPO), APERTUS_RUN_DIR=str(tmp_path), PATH="/usr/bin:/bin"
+    )
+    for fp8 in ("1", "0"):
+        result, _, recorded = check(
+            script, [], dict(env, APERTUS_FP8=fp8), gpu_memory_gib=None, usable_fraction=0.9
+        )
+        assert result.ok, result.problems
+        command = recorded["command"]
+        guarded = "--fp8-guard" in command and "--fp8-format" in command
+        assert guarded == (fp8 == "1"), command
+        if guarded:
+            action = command[command.index("--fp8-guard-action") + 1]
+            assert action == "bf16-layers"
+
+
 RECOMPUTE_FLAGS = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")
 
 
