@@ -45,9 +45,9 @@ sys.path.insert(0, str(REPO))
 
 from _common import RESULTS, write_results  # noqa: E402
 
+from megatron.apertus.launch.memory import fp8_weight_cache_bytes  # noqa: E402
 from megatron.apertus.launch.planner import Cluster, plan, run_from_args  # noqa: E402
 from megatron.apertus.model.config import PRESETS  # noqa: E402
-from megatron.apertus.model.config import ApertusConfig  # noqa: E402
 
 PACKED = ["--reset-attention-mask", "--reset-position-ids", "--use-packed-seq-params"]
 TE = ["--transformer-impl", "transformer_engine"]
@@ -127,15 +127,6 @@ def model_args(model: str, seq: int) -> list[str]:
     if model == EIGHT_B_LAYERS:
         return ["--model-preset", "apertus-8b", "--num-layers", str(layers_that_fit(seq))]
     return ["--model-preset", model]
-
-
-def fp8_weight_cache_bytes(model: ApertusConfig) -> float:
-    """What FP8 adds to the memory model: TE keeps each GEMM weight of the blocks as e4m3 and its
-    transpose (one byte each) between the forward and the backward."""
-    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
-    qkv = h * d * (model.num_attention_heads + 2 * model.num_query_groups)
-    gemm_weights = qkv + model.num_attention_heads * d * h + 2 * h * f
-    return 2 * model.num_layers * gemm_weights
 
 
 def layers_that_fit(seq: int, gpu_gib: float = GPU_80GB_GIB) -> int:

@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import bench_train_step as bench  # noqa: E402
 import gpu_suite as suite  # noqa: E402
 
+from megatron.apertus.launch.memory import fp8_weight_cache_bytes  # noqa: E402
 from megatron.apertus.launch.planner import Cluster, plan, run_from_args  # noqa: E402
 from megatron.apertus.ops.xielu import xielu  # noqa: E402
 
@@ -135,12 +136,12 @@ def test_eight_b_layers_are_the_most_that_fit_an_80gb_gpu():
         model = result.run.model
         assert (model.hidden_size, model.ffn_hidden_size) == (4096, 21504)
         assert (model.num_attention_heads, model.num_query_groups) == (32, 8)
-        return result.peak.total + bench.fp8_weight_cache_bytes(model)
+        return result.peak.total + fp8_weight_cache_bytes(model)
 
     assert 3 <= layers < 32
     assert total(layers) <= usable < total(layers + 1)
     # an FP8 copy and its transpose: two bytes per block weight
-    assert bench.fp8_weight_cache_bytes(
+    assert fp8_weight_cache_bytes(
         run_from_args(
             ["--model-preset", "apertus-8b", "--num-layers", "1", "--train-iters", "1"]
         ).model

@@ -150,6 +150,17 @@ def stage_parameters(model: ApertusConfig, parallel: ParallelConfig, pipeline_ra
 # -- activations -----------------------------------------------------------------------------
 
 
+def fp8_weight_cache_bytes(model: ApertusConfig) -> float:
+    """What FP8 adds to a bf16 plan at most: TE keeps each GEMM weight of the blocks as e4m3 and
+    its transpose (one byte each) between the forward and the backward. Not part of
+    :func:`stage_memory`: recorded FP8 peaks lie between the bf16 estimate and it plus these
+    copies, since FP8 also saves some activations in one byte (``tests/launch/test_memory.py``)."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    qkv = h * d * (model.num_attention_heads + 2 * model.num_query_groups)
+    gemm_weights = qkv + model.num_attention_heads * d * h + 2 * h * f
+    return 2 * model.num_layers * gemm_weights
+
+
 def layer_activation_bytes(model: ApertusConfig, shape: Shape, *, selective: bool = False) -> float:
     """Bytes one transformer layer saves for backward for one micro-batch (no recomputation).
 
