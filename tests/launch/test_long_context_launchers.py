@@ -5,6 +5,7 @@ stages run in order, and a stage that has saved resumes itself instead of starti
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,26 @@ def test_dry_run_plans_each_stage_for_slurms_task_count(
     assert f"TP {tp} x PP {pp} (virtual stages {5 if pp > 1 else 1}){context} x DP {dp}" in out
     assert "OK: the layout is valid" in out
     assert not (tmp_path / stage).exists(), "a dry run writes nothing"
+
+
+STATED_MEMORY = re.compile(
+    r"No recomputation: with Transformer\s+# Engine's layers the planner finds ([\d.]+) GiB per GPU "
+    r"at every stage, of ([\d.]+) usable"
+)
+"""The reason the 70B launcher's header gives for training without recomputation."""
+
+
+def test_the_70b_launchers_stated_reason_agrees_with_the_planner(tmp_path):
+    """Its header's figures are the planner's, stage by stage: each stage's plan has no
+    recomputation and peaks at the stated GiB (to the stated decimal) within the usable share of
+    the 96 GB the launch plans for (``long_context.sh``: ``--gpu-memory-gib 96``)."""
+    stated = STATED_MEMORY.search(script("70b").read_text())
+    assert stated, "the header no longer states why the 70B stages run without recomputation"
+    peak_gib, usable_gib = float(stated[1]), float(stated[2])
+    assert "--gpu-memory-gib 96" in (SLURM_DIR / "long_context.sh").read_text()
+    assert usable_gib == pytest.approx(96 * 0.9)
+    for stage in STAGES:
+        result, _, _ = plan_stage("70b", stage, tmp_path / stage)
+        assert result.run.recompute.granularity is None, stage
+        assert round(result.peak.total / 2**30, 1) == peak_gib, stage
+        assert peak_gib < usable_gib
