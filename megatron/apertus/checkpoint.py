@@ -82,7 +82,7 @@ from megatron.apertus.checkpoint_files import (
     manifest_problem,
     write_manifest,
 )
-from megatron.apertus.cli import end_with_parent
+from megatron.apertus.cli import die_with_parent, end_with_parent
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.mcore_compat import check_checkpoint_readable
 from megatron.apertus.model.config import ApertusConfig
@@ -356,8 +356,19 @@ def save(
         publish()
     else:
         request.add_finalize_fn(publish)
+        if request.async_fn is not None:
+            writer = partial(_write_ending_with_this_rank, request.async_fn)
+            request = request._replace(async_fn=writer)
         options.async_queue.schedule_async_request(request)
     return final
+
+
+def _write_ending_with_this_rank(write: Callable, *args, **kwargs) -> None:
+    """megatron-core's background writer, in the process it forks: set to end with the rank.
+    A rank killed by SIGKILL (a lost node, the OOM killer) would otherwise leave the writer
+    waiting for ever; its save is never published, so nothing of value ends with it."""
+    die_with_parent()
+    write(*args, **kwargs)
 
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}

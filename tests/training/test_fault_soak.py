@@ -141,7 +141,25 @@ def _interrupt(save: Path, log: Path, trial: int) -> tuple[str, int, float]:
     proc.wait(timeout=300)
     reader.join(timeout=60)
     _end_leftovers(job)
+    _assert_nothing_of_the_job_survives(save)
     return target, max(seen, default=0), delay
+
+
+def _assert_nothing_of_the_job_survives(save: Path) -> None:
+    """No process of the killed job is left, including those its ranks started after the kill
+    was aimed (a background checkpoint writer forks from its rank at each save): each has to end
+    with its rank by itself, as nothing else is left to stop it on a machine without Slurm."""
+    deadline = time.time() + 30
+    while True:
+        left = [
+            p.info["pid"]
+            for p in psutil.process_iter(["pid", "cmdline"])
+            if str(save) in " ".join(p.info["cmdline"] or [])
+        ]
+        if not left or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"processes of the killed job still run: {left}"
 
 
 def _end_leftovers(job: list[psutil.Process]) -> None:
