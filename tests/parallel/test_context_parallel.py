@@ -472,7 +472,9 @@ def test_distillation_and_sft_match_one_process(
     root, references, request, family, layout, args, nproc
 ):
     """The losses, and every gradient element of the first step on every rank, at CP=2 (p2p)
-    and CP=4 (a2a: the tiny model's 4 heads, one per rank).
+    and CP=4 (a2a: the tiny model's 4 heads, one per rank; its 2 query groups are repeated per
+    head first by the local attention, so the rule allows it, where Transformer Engine's would
+    need 4 groups).
 
     Quantization-aware: step 1 quantizes the same weights in both runs, so its loss and gradient
     agree as fp32 sums in another order do. After an update the weights differ by that round-off
