@@ -510,7 +510,8 @@ def test_distillation_under_hierarchical_context_parallel_matches_one_process(
 def test_comparisons_fail_without_the_context_parallel_reduction(root, references, request, family):
     """Negative control: at CP=2 (p2p) with the gradients and the loss sums left unreduced over
     the CP ranks (tests/parallel/grad_worker.py), each rank holds the gradient and loss of its
-    own tokens only, and the first-step comparisons above fail."""
+    own tokens only, and the first-step comparisons above fail. Summed over the ranks, as the
+    reduction would, the gradients are one process's again: the control breaks nothing else."""
     flags = _family_args(request, family)
     expected = references(family, flags)
     got = _run(root, f"{family}-unreduced", flags + _cp(2), 2, steps=1, grads=True, unreduced=True)
@@ -518,6 +519,8 @@ def test_comparisons_fail_without_the_context_parallel_reduction(root, reference
         _assert_same_gradients(got, expected)
     with pytest.raises(AssertionError):
         _assert_same_first_step(got, expected)
+    shares = got["grads"]
+    _assert_same_gradients({"grads": [{k: sum(g[k] for g in shares) for k in shares[0]}]}, expected)
 
 
 def test_saved_at_cp2_resumes_at_cp1_and_cp4(root, unpacked):
