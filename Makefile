@@ -61,8 +61,9 @@ test-fast: $(STAMP)
 
 # The second supported line (docs/install.md): Python 3.12 with megatron-core 0.19.x in .venv312
 # (torch from PyPI, its default CUDA build, which runs on CPU), then its smoke tier (tests marked
-# `smoke`: the compatibility layer, train and exact resume on 1 process, TP=2 and PP=2, the
-# launch arrays and the planner, the Hugging Face export).
+# `smoke`: the compatibility layer, train and exact resume on 1 process, TP=2 and PP=2, CP=2 p2p
+# and hierarchical CP=4 against one process, the launch arrays and the planner, the Hugging Face
+# export).
 SMOKE_VENV ?= .venv312
 SMOKE_PYTHON ?= $(shell PYENV_VERSION=3.12.1 pyenv which python 2>/dev/null || command -v python3.12)
 

@@ -1,11 +1,16 @@
 """Run ``pretrain_gpt.py`` and keep every parameter's gradient of its first step.
 
-    python tests/parallel/grad_worker.py GRADS_PREFIX -- PRETRAIN_FLAGS   (alone or under torchrun)
+    python tests/parallel/grad_worker.py GRADS_PREFIX [--without-cp-reduction] -- PRETRAIN_FLAGS
+        (alone or under torchrun)
 
 Each rank writes ``GRADS_PREFIX.rank<R>.pt``: ``{parameter name: gradient}`` as the optimizer
 receives it after the first backward pass (DDP's ``main_grad``, reduced over the data- and
 context-parallel ranks and divided by the step's token count), before the step updates the
 weights. The run goes on as ``pretrain_gpt.py`` runs it (same flags, same exit status).
+
+``--without-cp-reduction`` is the negative control of the context-parallel comparisons: in this
+process only, DDP's gradient reduction and the reported loss's sum leave out the context-parallel
+ranks, so each rank keeps the gradient and loss of its own share of the tokens.
 """
 
 from __future__ import annotations
@@ -16,14 +21,38 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+USAGE = "usage: grad_worker.py GRADS_PREFIX [--without-cp-reduction] -- PRETRAIN_FLAGS"
+
+
+def without_cp_reduction() -> None:
+    """Break the two reductions over the context-parallel ranks: megatron-core DDP's gradient
+    all-reduce over ``dp_cp`` (skipped: the control runs with one data-parallel rank, where
+    ``dp_cp`` is the CP group) and the loss sums of :mod:`megatron.apertus.training.step`
+    (reduced over the data-parallel ranks only). The token count that scales the gradients is
+    still the global batch's (megatron-core's ``finalize_model_grads``)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron.apertus.training import step
+
+    def unreduced(self, force_all_reduce: bool = False) -> None:
+        assert parallel_state.get_data_parallel_world_size() == 1, "controls run at DP=1"
+
+    DistributedDataParallel.finish_grad_sync = unreduced
+    step.data_and_context_parallel_group = parallel_state.get_data_parallel_group
 
 
 def main() -> None:
-    prefix, separator, *flags = sys.argv[1:]
-    assert separator == "--", "usage: grad_worker.py GRADS_PREFIX -- PRETRAIN_FLAGS"
+    prefix, *options = sys.argv[1:]
+    separator = options.index("--") if "--" in options else None
+    assert separator is not None and set(options[:separator]) <= {"--without-cp-reduction"}, USAGE
+    flags = options[separator + 1 :]
     import torch
 
     from tests.conftest import after_backward
+
+    if "--without-cp-reduction" in options[:separator]:
+        without_cp_reduction()
 
     def keep_first(passes: int, model: list) -> None:
         if passes != 1:
