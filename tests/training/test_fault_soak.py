@@ -108,13 +108,27 @@ def _collect(proc: subprocess.Popen, lines: list[str], seen: list[int]) -> threa
     return reader
 
 
-def _kill(job: list[psutil.Process], target: str, rng: random.Random) -> None:
-    """SIGKILL one rank (chosen at random), or the launcher and its ranks at once as when a
-    node is lost (torchrun starts each rank in a session of its own: a signal to the
-    launcher's process group alone would leave them running)."""
-    launcher, ranks = job[0], job[1:]
-    for process in [launcher, *ranks] if target == "job" else [rng.choice(ranks)]:
+def _kill(launcher: psutil.Process, target: str, rng: random.Random) -> list[psutil.Process]:
+    """SIGKILL one rank (chosen at random), or the launcher and every process under it at once
+    as when a node is lost (torchrun starts each rank in a session of its own: a signal to the
+    launcher's process group alone would leave them running). Returns the processes of the job
+    seen at the kill. The ranks are the launcher's own children: a rank's background checkpoint
+    writer has the rank's command line too, and killing it would stop no training."""
+    victims = [] if target == "job" else [rng.choice(_ranks(launcher))]
+    job = [launcher, *launcher.children(recursive=True)]
+    for process in victims or job:
         process.kill()
+    return job
+
+
+def _ranks(launcher: psutil.Process) -> list[psutil.Process]:
+    """The job's two ranks, once the launcher has started them (a kill aimed early in start-up
+    waits for them)."""
+    deadline = time.time() + 120
+    while len(ranks := launcher.children()) < 2:
+        assert time.time() < deadline, "the launcher started no two ranks"
+        time.sleep(0.05)
+    return sorted(ranks, key=lambda process: process.pid)
 
 
 def _interrupt(save: Path, log: Path, trial: int) -> tuple[str, int, float]:
@@ -136,8 +150,7 @@ def _interrupt(save: Path, log: Path, trial: int) -> tuple[str, int, float]:
         time.sleep(0.01)
     time.sleep(delay)
     assert proc.poll() is None, "the job ended before the kill:\n" + "".join(lines[-30:])
-    job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    _kill(job, target, rng)
+    job = _kill(psutil.Process(proc.pid), target, rng)
     proc.wait(timeout=300)
     reader.join(timeout=60)
     _end_leftovers(job)
