@@ -148,7 +148,7 @@ def build_model_chunk(
 def chunk_groups(chunk: torch.nn.Module) -> ProcessGroupCollection:
     """The process groups a model chunk was built with, through its wrappers (DDP,
     Float16Module): what the code that drives the chunk communicates over."""
-    return get_attr_wrapped_model(chunk, "pg_collection")
+    return get_attr_wrapped_model(chunk, "pg_collection", allow_none=False)
 
 
 def build_model(
