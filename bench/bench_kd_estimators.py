@@ -146,13 +146,18 @@ def topk_targets(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 def sampled_targets(logprobs: torch.Tensor, draws: int, first_position: int, seed: int):
     """(ids [b, s, draws], weights count / draws (0 for the padding ids)) and the draws of a
     store made with ``--sampling-seed seed``."""
+    from megatron.apertus import parallel
     from megatron.apertus.model.topk import global_samples
 
     b, s, v = logprobs.shape
     uniforms = np.stack(
         [logit_store.draw_uniforms(seed, first_position + i, s, draws) for i in range(b)]
     )
-    drawn = global_samples(logprobs.reshape(-1, v), torch.from_numpy(uniforms.reshape(-1, draws)))
+    drawn = global_samples(
+        logprobs.reshape(-1, v),
+        torch.from_numpy(uniforms.reshape(-1, draws)),
+        group=parallel.process_groups().tp,
+    )
     counts = torch.zeros(b * s, v).scatter_add_(1, drawn.long(), torch.ones(drawn.shape))
     top = counts.topk(draws, dim=-1)  # distinct ids, the drawn ones first, then zero weights
     shape = (b, s, draws)

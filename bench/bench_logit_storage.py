@@ -116,6 +116,7 @@ def teacher_topk(
                 drawn = global_samples(
                     logits.reshape(-1, logits.shape[-1]),
                     torch.from_numpy(uniforms.reshape(-1, draws)).to(device),
+                    group=chunk.pg_collection.tp,
                 )
                 sampled.append(drawn.view(len(x), model.seq_length, draws).long().cpu().numpy())
         return tokens, np.concatenate(ids), np.concatenate(logprobs), np.concatenate(sampled)

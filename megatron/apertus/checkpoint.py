@@ -51,7 +51,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
@@ -69,6 +69,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module
 from torch.distributed.checkpoint import CheckpointException
 
@@ -85,6 +86,7 @@ from megatron.apertus.checkpoint_files import (
 from megatron.apertus.cli import die_with_parent, end_with_parent
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.mcore_compat import check_checkpoint_readable
+from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.config import ApertusConfig
 
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -181,28 +183,23 @@ def _model_state(chunks) -> dict:
     }
 
 
-def _layout() -> list[int]:
-    """PP, TP, DP (and CP when above 1) sizes: RNG states have one owner per rank of these."""
-    cp = parallel_state.get_context_parallel_world_size()
-    return [
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_data_parallel_world_size(),
-    ] + ([cp] if cp > 1 else [])
+def _layout_groups(groups: ProcessGroupCollection) -> list:
+    """The PP, TP, DP (and CP when above 1) groups: RNG states have one owner per rank of
+    these."""
+    return [groups.pp, groups.tp, groups.dp] + ([groups.cp] if groups.cp.size() > 1 else [])
 
 
-def _layout_ranks() -> tuple[int, ...]:
+def _layout(groups: ProcessGroupCollection) -> list[int]:
+    """The sizes of :func:`_layout_groups`."""
+    return [group.size() for group in _layout_groups(groups)]
+
+
+def _layout_ranks(groups: ProcessGroupCollection) -> tuple[int, ...]:
     """This rank's place in :func:`_layout`."""
-    ranks = (
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_data_parallel_rank(),
-    )
-    cp = parallel_state.get_context_parallel_world_size()
-    return ranks + ((parallel_state.get_context_parallel_rank(),) if cp > 1 else ())
+    return tuple(group.rank() for group in _layout_groups(groups))
 
 
-def _rng_state() -> ShardedObject:
+def _rng_state(groups: ProcessGroupCollection) -> ShardedObject:
     """This rank's Python, NumPy, torch and model-parallel RNG states, one entry per rank."""
     state = {
         "random": random.getstate(),
@@ -211,7 +208,9 @@ def _rng_state() -> ShardedObject:
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    return ShardedObject("rng_state", state, tuple(_layout()), _layout_ranks(), replica_id=0)
+    return ShardedObject(
+        "rng_state", state, tuple(_layout(groups)), _layout_ranks(groups), replica_id=0
+    )
 
 
 def _restore_rng(state: dict) -> None:
@@ -226,6 +225,7 @@ def _restore_rng(state: dict) -> None:
 def _training_state_dict(
     chunks, optimizer, scheduler, state: TrainingState, *, rng: bool, loading: bool = False
 ) -> dict:
+    groups = chunk_groups(chunks[0])
     sharded = _model_state(chunks)
     if optimizer is not None:
         merged = {}
@@ -238,11 +238,11 @@ def _training_state_dict(
     if scheduler is not None:
         sharded["scheduler"] = scheduler.state_dict()
     if rng:
-        sharded["rng_state"] = _rng_state()
+        sharded["rng_state"] = _rng_state(groups)
     sharded["training_state"] = {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
-        "layout": _layout(),  # RNG states are restored only into the layout that saved them
+        "layout": _layout(groups),  # RNG states are restored only into the layout that saved them
         "extra": state.extra,
     }
     return sharded
@@ -291,12 +291,13 @@ def _use_write_results_queue(background: bool) -> None:
     filesystem_async._results_queue = _background_results_queue
 
 
-def _save_strategy(options: SaveOptions):
+def _save_strategy(options: SaveOptions, groups: ProcessGroupCollection):
+    """megatron-core's default writer, shared out over the data-parallel replicas if asked."""
     strategy = get_default_save_sharded_strategy("torch_dist")
-    if options.fully_parallel and parallel_state.get_data_parallel_world_size() > 1:
+    if options.fully_parallel and groups.dp.size() > 1:
         strategy = FullyParallelSaveStrategyWrapper(
             strategy,
-            parallel_state.get_data_parallel_group(with_context_parallel=True),
+            groups.dp_cp,
             do_cache_distribution=options.cache_distribution,
         )
     return strategy
@@ -338,7 +339,7 @@ def save(
         request = dist_checkpointing.save(
             sharded,
             str(tmp),
-            _save_strategy(options),
+            _save_strategy(options, chunk_groups(chunks[0])),
             async_sharded_save=options.async_queue is not None,
         )
         if rank0:
@@ -474,7 +475,8 @@ def load(
     trained = has_optimizer_states(directory)  # a training checkpoint: it holds RNG states too
     full = optimizer is not None and trained
     # RNG states are per rank; in another layout they have no owner and the run keeps its seeds.
-    same_layout = common.get("training_state", {}).get("layout") == _layout()
+    groups = chunk_groups(chunks[0])
+    same_layout = common.get("training_state", {}).get("layout") == _layout(groups)
     template = _training_state_dict(
         chunks,
         optimizer if full else None,
@@ -487,7 +489,7 @@ def load(
         loaded, _, absent = dist_checkpointing.load(
             template,
             str(directory),
-            _load_strategy(directory, fully_parallel),
+            _load_strategy(directory, fully_parallel, groups),
             strict=StrictHandling.RETURN_UNEXPECTED,
         )
     except CheckpointException as err:
@@ -528,13 +530,12 @@ def _unreadable_line(directory: Path, err: CheckpointException) -> str:
     )
 
 
-def _load_strategy(directory: Path, fully_parallel: bool):
+def _load_strategy(directory: Path, fully_parallel: bool, groups: ProcessGroupCollection):
     """megatron-core's default reader, shared out over the data-parallel replicas if asked."""
-    if not fully_parallel or parallel_state.get_data_parallel_world_size() == 1:
+    if not fully_parallel or groups.dp.size() == 1:
         return None
     return FullyParallelLoadStrategyWrapper(
-        get_default_load_sharded_strategy(str(directory)),
-        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        get_default_load_sharded_strategy(str(directory)), groups.dp_cp
     )
 
 

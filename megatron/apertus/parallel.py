@@ -1,5 +1,10 @@
 """Process-group setup: torch.distributed (NCCL on GPU, gloo on CPU) and megatron-core's groups.
 
+The one module of ours that reads megatron-core's global parallel state: :func:`initialize`
+creates the groups, :func:`process_groups` hands them out as megatron-core's own
+``ProcessGroupCollection``, which the runtime passes down to the model and every component that
+communicates (docs/megatron_core_changes.md, "Process groups", says what stays global and why).
+
 Ranks come from the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) as set by torchrun or by our Slurm launchers; a bare single process gets
 a world of one on a free local port.
@@ -16,6 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron.apertus import cpu_compat
 from megatron.apertus.model.config import ParallelConfig, validate_layout
@@ -90,6 +97,23 @@ def initialize(parallel: ParallelConfig, *, device: str, seed: int, model=None) 
     )
     set_seed(seed)
     return parallel_state.get_data_parallel_world_size()
+
+
+def process_groups() -> ProcessGroupCollection:
+    """This process's megatron-core groups (after :func:`initialize`), all of them in one
+    collection: the same groups megatron-core's modules take when given none."""
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def is_reporting_rank(groups: ProcessGroupCollection) -> bool:
+    """The one rank that holds the loss and writes reports: last stage, first TP, CP and DP
+    rank."""
+    return (
+        is_pp_last_stage(groups.pp)
+        and groups.tp.rank() == 0
+        and groups.dp.rank() == 0
+        and groups.cp.rank() == 0
+    )
 
 
 def shutdown() -> None:

@@ -74,6 +74,7 @@ def batch_of(rows: list[list[int]], eod: int, pack: bool):
 
 
 def logits(chunk, batch) -> torch.Tensor:
+    from megatron.apertus.model.builder import chunk_groups
     from megatron.apertus.training.step import packed_seq_params_to
 
     with torch.no_grad():
@@ -81,7 +82,9 @@ def logits(chunk, batch) -> torch.Tensor:
             batch.tokens.cuda(),
             batch.position_ids.cuda(),
             None,
-            packed_seq_params=packed_seq_params_to(batch.packed_seq_params, "cuda"),
+            packed_seq_params=packed_seq_params_to(
+                batch.packed_seq_params, "cuda", chunk_groups(chunk).cp
+            ),
         ).float()
 
 
@@ -227,6 +230,7 @@ FP8 = [
 
 def te_weight_gradients(ddp, batch) -> dict[str, torch.Tensor]:
     """``main_grad`` of every TE linear's weight after two micro-batches' backward."""
+    from megatron.apertus.model.builder import chunk_groups
     from megatron.apertus.training.step import packed_seq_params_to
 
     ddp.zero_grad_buffer()
@@ -235,7 +239,9 @@ def te_weight_gradients(ddp, batch) -> dict[str, torch.Tensor]:
             batch.tokens.cuda(),
             batch.position_ids.cuda(),
             None,
-            packed_seq_params=packed_seq_params_to(batch.packed_seq_params, "cuda"),
+            packed_seq_params=packed_seq_params_to(
+                batch.packed_seq_params, "cuda", chunk_groups(ddp).cp
+            ),
         )
         out.float().square().mean().backward()
     return {

@@ -35,7 +35,9 @@ def test_chunked_topk_is_bitwise_the_full_logits_topk(tiny_cpu, dtype):
     tokens = torch.tensor([ids[:128], ids[128:]])
     positions = torch.arange(128).expand(2, -1)
     with torch.no_grad():
-        want_ids, want_logprobs = global_topk(plain(tokens, positions, None), TOPK)
+        want_ids, want_logprobs = global_topk(
+            plain(tokens, positions, None), TOPK, group=plain.pg_collection.tp
+        )
         # 4 chunks; 96 + 160 (the remainder joins the last); one chunk; the default
         for rows in (64, 96, 256, None):
             chunked.chunk_rows = rows

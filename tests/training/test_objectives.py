@@ -31,7 +31,7 @@ ALIGN = ["--no-fused-output-loss", "--align-objective", "dpo", "--train-data-pat
 def test_objectives_refuse_what_they_cannot_serve_before_reading_data(flags, refusal):
     cfg = pretrain_gpt.parse_args(TINY + flags)
     with pytest.raises(ConfigError, match=refusal.replace("(", r"\(").replace(")", r"\)")):
-        build_objective(cfg, tokenizer=build_tokenizer(), dp=1)
+        build_objective(cfg, tokenizer=build_tokenizer(), dp=1, dp_rank=0)
 
 
 def test_quantities_keep_their_log_names():

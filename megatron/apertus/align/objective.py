@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from megatron.apertus.align.config import AlignConfig
@@ -50,13 +49,13 @@ def sequence_logps(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> tor
     return -(per_token_loss.double() * loss_mask.double()).sum(-1)
 
 
-def over_context_parallel_ranks(per_row: torch.Tensor) -> torch.Tensor:
-    """Per-row sums over this rank's tokens -> over the whole rows: summed over the CP group in
+def over_context_parallel_ranks(
+    per_row: torch.Tensor, cp_group: torch.distributed.ProcessGroup
+) -> torch.Tensor:
+    """Per-row sums over this rank's tokens -> over the whole rows: summed over ``cp_group`` in
     the forward, passed through unchanged in the backward (megatron-core's reduce-from-region,
     on the CP group), since every CP rank differentiates the same loss through its own tokens."""
-    return reduce_from_tensor_model_parallel_region(
-        per_row, group=parallel_state.get_context_parallel_group()
-    )
+    return reduce_from_tensor_model_parallel_region(per_row, group=cp_group)
 
 
 def _dpo_terms(config: AlignConfig, logps, ref, lengths):
@@ -106,23 +105,28 @@ class PreferenceBatch(Batch):
 
 
 def alignment_loss(
-    config: AlignConfig, batch: PreferenceBatch, loss_mask: torch.Tensor, output: torch.Tensor
+    config: AlignConfig,
+    cp_group: torch.distributed.ProcessGroup,
+    batch: PreferenceBatch,
+    loss_mask: torch.Tensor,
+    output: torch.Tensor,
 ):
-    """(loss sum, examples, reported) of one micro-batch; ``reported`` holds the objective's
+    """(loss sum, examples, reported) of one micro-batch whose tokens are shared out over
+    ``cp_group`` (the first two arguments bound first); ``reported`` holds the objective's
     quantities (:data:`QUANTITIES`) as sums over the examples with their count."""
-    logps = over_context_parallel_ranks(sequence_logps(output, loss_mask))
+    logps = over_context_parallel_ranks(sequence_logps(output, loss_mask), cp_group)
     ref = batch.ref_logps.to(logps.device)
     quantiles, ref_counts = batch.quantiles, batch.ref_counts
     lengths = None
     if config.align_length_normalization:
-        lengths = over_context_parallel_ranks(loss_mask.double().sum(-1))
+        lengths = over_context_parallel_ranks(loss_mask.double().sum(-1), cp_group)
     if config.align_objective == "dpo":
         losses, quantities = _dpo_terms(config, logps, ref, lengths)
     else:
         losses, quantities = _qrpo_terms(
             config, logps, ref, lengths, quantiles.to(logps.device), ref_counts.to(logps.device)
         )
-    counted = parallel_state.get_context_parallel_rank() == 0
+    counted = cp_group.rank() == 0
     count = torch.tensor(float(losses.numel() if counted else 0), device=logps.device)
     reported = {
         "lm loss": torch.stack([losses.sum().detach().float() * counted, count]),

@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -67,11 +67,12 @@ def uses_varlen(query: torch.Tensor) -> bool:
 
 def _hierarchical_groups(pg_collection, cp_group) -> tuple:
     """megatron-core's (all-to-all, ring) hierarchical CP groups of this rank
-    (``pg_collection.hcp``, else parallel_state's), checked to be laid out as the attention
-    assumes: CP rank ``a + A p`` is rank ``a`` of the all-to-all and ``p`` of the ring."""
-    groups = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
-    if groups is None:
-        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    (``pg_collection.hcp``; a collection without them, as megatron-core's Attention builds when
+    given none, gets megatron-core's default), checked to be laid out as the attention assumes:
+    CP rank ``a + A p`` is rank ``a`` of the all-to-all and ``p`` of the ring."""
+    if getattr(pg_collection, "hcp", None) is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["hcp"])
+    groups = pg_collection.hcp
     if groups is None or len(groups) != 2:
         raise ValueError(
             "cp_comm_type a2a+p2p needs two hierarchical context-parallel groups "
@@ -102,11 +103,9 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         self.cp_group = None
         if config.context_parallel_size > 1:
-            self.cp_group = (
-                pg_collection.cp
-                if pg_collection is not None
-                else parallel_state.get_context_parallel_group()
-            )
+            if pg_collection is None:  # built outside megatron-core's Attention, which passes one
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp"])
+            self.cp_group = pg_collection.cp
             if config.attention_dropout > 0 or (attention_dropout or 0) > 0:
                 raise ValueError("context-parallel attention has no attention dropout")
         self.cp_comm_type = cp_comm_type or config.cp_comm_type or "p2p"

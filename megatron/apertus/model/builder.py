@@ -5,9 +5,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel.utils import (
+    is_pp_first_stage,
+    is_pp_last_stage,
+    is_vp_first_stage,
+    is_vp_last_stage,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron.apertus import cpu_compat
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
@@ -100,8 +107,10 @@ def build_model_chunk(
     topk: int | None = None,
     topk_chunk_rows: int | None = None,
     cp_comm_types: list[str] | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
 ) -> GPTModel:
-    """The part of the model that this rank holds for virtual stage ``vp_stage``.
+    """The part of the model that this rank holds for virtual stage ``vp_stage``, communicating
+    over ``pg_collection`` (None: megatron-core's default, all of parallel_state's groups).
 
     ``fused_loss``: the last stage returns the summed loss of a fused output layer + loss
     (:mod:`megatron.apertus.model.fused_loss`) instead of per-token losses. ``quant``: the
@@ -110,7 +119,8 @@ def build_model_chunk(
     ``topk_chunk_rows`` tokens at a time (:mod:`megatron.apertus.model.topk`; the teacher).
     ``cp_comm_types``: a per-layer ``--cp-comm-type`` list (:func:`apertus_block_spec`).
     """
-    virtual = config.virtual_pipeline_model_parallel_size is not None
+    groups = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    vp_size = config.virtual_pipeline_model_parallel_size
     model_class, head = FusedLossGPTModel if fused_loss else GPTModel, {}
     if topk is not None:
         model_class, head = TopKGPTModel, {"topk": topk, "chunk_rows": topk_chunk_rows}
@@ -123,19 +133,22 @@ def build_model_chunk(
         transformer_layer_spec=spec,
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(
-            ignore_virtual=not virtual, vp_stage=vp_stage
-        ),
-        post_process=parallel_state.is_pipeline_last_stage(
-            ignore_virtual=not virtual, vp_stage=vp_stage
-        ),
+        pre_process=is_pp_first_stage(groups.pp) and is_vp_first_stage(vp_stage, vp_size),
+        post_process=is_pp_last_stage(groups.pp) and is_vp_last_stage(vp_stage, vp_size),
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=model.rotary_base,
         rope_scaling=model.rope_scaling,
         rope_scaling_factor=model.rope_scaling_factor,
         vp_stage=vp_stage,
+        pg_collection=groups,
     )
+
+
+def chunk_groups(chunk: torch.nn.Module) -> ProcessGroupCollection:
+    """The process groups a model chunk was built with, through its wrappers (DDP,
+    Float16Module): what the code that drives the chunk communicates over."""
+    return get_attr_wrapped_model(chunk, "pg_collection", allow_none=False)
 
 
 def build_model(
@@ -148,16 +161,20 @@ def build_model(
     topk: int | None = None,
     topk_chunk_rows: int | None = None,
     engine: EngineConfig | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
     **config,
 ) -> list[GPTModel]:
     """All model chunks of this rank (more than one with interleaved pipeline stages), built
     from the :func:`transformer_config` that ``engine`` and ``config`` complete; each chunk keeps
     it as ``.config``, and the layers ``engine.bf16_layers`` names stay out of FP8. The one place
-    where training, the teacher-logit runner, conversions and tests build a model."""
+    where training, the teacher-logit runner, conversions and tests build a model.
+    ``pg_collection``: the runtime's process groups (None: megatron-core's default, the same
+    groups read from parallel_state), kept by each chunk (:func:`chunk_groups`)."""
     tconfig = transformer_config(model, parallel, engine=engine, **config)
     chunks = tconfig.virtual_pipeline_model_parallel_size or 1
     vp = [None] if chunks == 1 else list(range(chunks))
     head = dict(fused_loss=fused_loss, quant=quant, topk=topk, topk_chunk_rows=topk_chunk_rows)
+    head["pg_collection"] = pg_collection
     if isinstance(parallel.cp_comm_type, list):
         head["cp_comm_types"] = parallel.cp_comm_type
     built = [

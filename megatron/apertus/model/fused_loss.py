@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -99,10 +98,11 @@ class FusedLossGPTModel(GPTModel):
         [s, b, h] and the output layer's weight without materialising the logits."""
         # Every TP rank needs all tokens, and the hidden-state gradient is the sum of the ranks'
         # vocabulary-shard contributions: the two regions below do exactly that in backward.
+        tp_group = self.pg_collection.tp
         if self.config.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=tp_group)
         else:
-            hidden_states = copy_to_tensor_model_parallel_region(hidden_states)
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
         weight = (
             self.shared_embedding_or_output_weight()
             if self.share_embeddings_and_output_weights
@@ -110,8 +110,6 @@ class FusedLossGPTModel(GPTModel):
         )
         if weight is self.output_layer.weight:
             _run_forward_pre_hooks(self.output_layer)
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         if teacher is not None and teacher.alpha == 0.0:
             teacher = None  # cross-entropy only: exactly the path of a run without a teacher
         # hidden [s, b, h] vs labels/mask/teacher [b, s, ...]: flatten all in [s, b] order.
@@ -125,7 +123,7 @@ class FusedLossGPTModel(GPTModel):
             alpha=0.0 if teacher is None else teacher.alpha,
             tail=DEFAULT_TAIL if teacher is None else teacher.tail,
             tp_group=tp_group if tp_group.size() > 1 else None,
-            vocab_start=tp_rank * weight.shape[0],
+            vocab_start=tp_group.rank() * weight.shape[0],
             validate=False,
         )
         return loss_sum

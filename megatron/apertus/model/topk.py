@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -23,12 +22,14 @@ TOPK_CHUNK_BYTES = 256 * 2**20
 """Default size of one chunk's logits on the last stage."""
 
 
-def global_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_topk(
+    logits: torch.Tensor, k: int, *, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` ids (int32) and log-probabilities (fp32) over the full vocabulary from this
-    rank's vocabulary shard ``logits [..., V_local]`` (tensor-parallel collectives)."""
-    group = parallel_state.get_tensor_model_parallel_group()
+    rank's vocabulary shard ``logits [..., V_local]`` (collectives over the tensor-parallel
+    ``group``)."""
     vocab_local = logits.shape[-1]
-    vocab_start = parallel_state.get_tensor_model_parallel_rank() * vocab_local
+    vocab_start = group.rank() * vocab_local
     row_max, sum_exp = row_max_and_sum_exp(logits.reshape(-1, vocab_local))
     row_max, sum_exp = row_max.view(*logits.shape[:-1], 1), sum_exp.view(*logits.shape[:-1], 1)
     if group.size() > 1:
@@ -48,17 +49,18 @@ def global_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return ids.int(), values - lse
 
 
-def global_samples(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def global_samples(
+    logits: torch.Tensor, uniforms: torch.Tensor, *, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Ids (int32 [rows, N]) drawn from softmax(logits) over the full vocabulary by inverse
     CDF at ``uniforms`` (float64 [rows, N] in [0, 1)), from this rank's vocabulary shard
-    ``logits [rows, V_local]`` (tensor-parallel collectives).
+    ``logits [rows, V_local]`` (collectives over the tensor-parallel ``group``).
 
     The CDF runs in float64 over exp(z - global max): every rank holds the same shard totals, so
     the shards' intervals partition [0, total) exactly and each draw lands on one rank; the
     draws depend on the tensor-parallel size only through float64 rounding of the shard sums."""
-    group = parallel_state.get_tensor_model_parallel_group()
     vocab_local = logits.shape[-1]
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    rank = group.rank()
     row_max = logits.amax(-1, keepdim=True).double()
     if group.size() > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -121,7 +123,12 @@ def output_weight(model: GPTModel) -> torch.Tensor:
 
 
 def chunked_topk(
-    hidden_states: torch.Tensor, weight: torch.Tensor, k: int, chunk_rows: int
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    chunk_rows: int,
+    *,
+    group: dist.ProcessGroup,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`global_topk` of the logits ``hidden_states [s, b, h] @ weight.T``, ``[b, s, k]``,
     holding one chunk's logits at a time.
@@ -133,7 +140,7 @@ def chunked_topk(
     rows = hidden_states.reshape(s * b, h)
     chunks = row_chunks(s * b, chunk_rows)
     logits = _chunk_logits(rows, weight, max(c.stop - c.start for c in chunks))
-    parts = [global_topk(logits(rows[c]), k) for c in chunks]
+    parts = [global_topk(logits(rows[c]), k, group=group) for c in chunks]
     ids, logprobs = (torch.cat(p).view(s, b, -1).transpose(0, 1) for p in zip(*parts))
     return ids, logprobs
 
@@ -158,7 +165,12 @@ def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, most_rows: int):
 
 
 def chunked_samples(
-    hidden_states: torch.Tensor, weight: torch.Tensor, uniforms: torch.Tensor, chunk_rows: int
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    uniforms: torch.Tensor,
+    chunk_rows: int,
+    *,
+    group: dist.ProcessGroup,
 ) -> torch.Tensor:
     """:func:`global_samples` of the logits ``hidden_states [s, b, h] @ weight.T`` at
     ``uniforms [b, s, N]``: the drawn ids ``[b, s, N]``, one chunk's logits at a time."""
@@ -167,7 +179,7 @@ def chunked_samples(
     u = uniforms.to(rows.device).transpose(0, 1).reshape(s * b, -1)
     chunks = row_chunks(s * b, chunk_rows)
     logits = _chunk_logits(rows, weight, max(c.stop - c.start for c in chunks))
-    parts = [global_samples(logits(rows[c]), u[c]) for c in chunks]
+    parts = [global_samples(logits(rows[c]), u[c], group=group) for c in chunks]
     return torch.cat(parts).view(s, b, -1).transpose(0, 1)
 
 
@@ -194,9 +206,10 @@ class TopKGPTModel(GPTModel):
             return hidden_states
         weight = output_weight(self)
         rows = self.chunk_rows or default_topk_chunk_rows(weight.shape[0], weight.dtype)
+        tp = self.pg_collection.tp
         if uniforms is not None:
-            return (chunked_samples(hidden_states, weight, uniforms, rows),)
-        return chunked_topk(hidden_states, weight, self.topk, rows)
+            return (chunked_samples(hidden_states, weight, uniforms, rows, group=tp),)
+        return chunked_topk(hidden_states, weight, self.topk, rows, group=tp)
 
     def _postprocess(self, hidden_states: torch.Tensor, *args, **kwargs):
         """The final hidden states of all tokens (the output layer's own sequence-parallel
@@ -204,5 +217,7 @@ class TopKGPTModel(GPTModel):
         if not self.post_process:
             return super()._postprocess(hidden_states, *args, **kwargs)
         if self.config.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, group=self.pg_collection.tp
+            )
         return hidden_states

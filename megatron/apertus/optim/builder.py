@@ -160,7 +160,6 @@ def _init_state(optimizer: AdEMAMix, config: OptimizerConfig | None = None) -> N
 def _ademamix_optimizer(
     config: OptimizerConfig, model_chunks: list, settings: AdEMAMixSettings
 ) -> MegatronOptimizer:
-    from megatron.core import parallel_state
     from megatron.core.optimizer import (
         ChainedOptimizer,
         Float16OptimizerWithFloat16Params,
@@ -168,7 +167,7 @@ def _ademamix_optimizer(
         _get_param_groups_and_buffers,
     )
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.utils import get_pg_rank, get_pg_size
+    from megatron.core.utils import get_attr_wrapped_model, get_pg_rank, get_pg_size
 
     from megatron.apertus.optim.ademamix import AdEMAMix
     from megatron.apertus.optim.distrib_optimizer import AdEMAMixDistributedOptimizer
@@ -220,5 +219,9 @@ def _ademamix_optimizer(
     else:
         optimizer = FP32Optimizer(inner, config, _init_state)
         optimizer.grad_stats_parallel_group = groups["mp_group"]
-    optimizer.tp_group = parallel_state.get_tensor_model_parallel_group()
+    # The tensor-parallel group the model was built with (megatron-core's own optimizers read it
+    # from parallel_state).
+    optimizer.tp_group = get_attr_wrapped_model(
+        model_chunks[0], "pg_collection", allow_none=False
+    ).tp
     return ChainedOptimizer([optimizer])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from tqdm import tqdm
 
 from megatron.apertus.align import reference
@@ -33,6 +33,7 @@ from megatron.apertus.data.batches import rank_positions
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.distill.logit_store import LogitStoreError
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.training.step import StepShape, run_microbatches, token_forward
 
 log = logging.getLogger("apertus")
@@ -163,11 +164,10 @@ class AlignRun:
     def _compute(
         self, model, data: PreferenceDataset, micro_batch_size: int, name: str, reporting: bool
     ):
-        """Reference values of every sequence of ``data`` from the current weights."""
-        dp, rank = (
-            parallel_state.get_data_parallel_world_size(),
-            parallel_state.get_data_parallel_rank(),
-        )
+        """Reference values of every sequence of ``data`` from the current weights, over the
+        groups the model was built with."""
+        groups = chunk_groups(model[0])
+        dp, rank = groups.dp.size(), groups.dp.rank()
         share = -(-len(data) // dp)
         examples = [min(i, len(data) - 1) for i in range(rank * share, (rank + 1) * share)]
         zero = torch.zeros(data.group * len(data), dtype=torch.float64)
@@ -185,7 +185,7 @@ class AlignRun:
             disable=not reporting,
             mininterval=1.0,
         ) as bar:
-            for part in _pieces(batches, parallel_state.get_pipeline_model_parallel_world_size()):
+            for part in _pieces(batches, groups.pp.size()):
                 shape = StepShape(
                     num_microbatches=len(part),
                     seq_length=data.seq_length,
@@ -196,18 +196,18 @@ class AlignRun:
                     [iter(part) for _ in model],
                     shape,
                     forward_only=True,
-                    forward=partial(token_forward, loss=partial(alignment_loss, self.config)),
+                    forward=partial(
+                        token_forward, loss=partial(alignment_loss, self.config, groups.cp)
+                    ),
                 )
                 bar.update(sum(b.tokens.shape[0] for b in part) * dp)
         for chunk in model:
             chunk.train()
         logps = torch.zeros(share * data.group, dtype=torch.float64)
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        if is_pp_last_stage(groups.pp):
             logps = torch.cat([entry["sequence logp"].cpu() for entry in reported])
         gathered = [torch.zeros_like(logps) for _ in range(dp)]
-        torch.distributed.all_gather(
-            gathered, logps, group=parallel_state.get_data_parallel_group()
-        )
+        torch.distributed.all_gather(gathered, logps, group=groups.dp)
         values = torch.cat(gathered)[: data.group * len(data)].numpy()
         sequences = [data.sequence(i) for i in range(data.group * len(data))]
         return reference.ReferenceLogps(
@@ -225,14 +225,21 @@ class AlignRun:
         return collate([data[e] for e in examples], ref[rows])
 
     def micro_batches(
-        self, name: str, consumed: int, global_batch: int, micro_batch_size: int, dp_size: int
+        self,
+        name: str,
+        consumed: int,
+        global_batch: int,
+        micro_batch_size: int,
+        dp_size: int,
+        dp_rank: int,
     ) -> list[PreferenceBatch]:
-        """This rank's micro-batches of the step that starts at example ``consumed``."""
+        """Data-parallel rank ``dp_rank``'s micro-batches of the step that starts at example
+        ``consumed``."""
         data = self.parts[name]
         positions = rank_positions(
             consumed,
             global_batch,
-            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_rank=dp_rank,
             dp_size=dp_size,
             length=len(data),
         )

@@ -20,9 +20,10 @@ import re
 
 import psutil
 import torch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
+
+from megatron.apertus.model.builder import chunk_groups
 
 LAYER = re.compile(r"(?<=\blayers\.)(\d+)(?=\.)")
 
@@ -66,19 +67,18 @@ def _squared_norms(chunks) -> dict[str, torch.Tensor]:
 
 def params_norms(chunks, *, per_param: bool) -> tuple[float, dict[str, float]]:
     """L2 norm of all parameters and, with ``per_param``, of each (a collective: all ranks
-    call it; every rank gets the same numbers)."""
+    call it, over the groups the chunks were built with; every rank gets the same numbers)."""
+    groups = chunk_groups(chunks[0])
     squares = _squared_norms(chunks)
     values = torch.stack(list(squares.values()))
-    torch.distributed.all_reduce(values, group=parallel_state.get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(values, group=groups.tp)
     total = values.sum().double().reshape(1)
-    torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(total, group=groups.pp)
     if not per_param:
         return total.sqrt().item(), {}
-    stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    stages = [None] * groups.pp.size()
     torch.distributed.all_gather_object(
-        stages,
-        dict(zip(squares, values.sqrt().tolist())),
-        group=parallel_state.get_pipeline_model_parallel_group(),
+        stages, dict(zip(squares, values.sqrt().tolist())), group=groups.pp
     )
     return total.sqrt().item(), {k: v for stage in stages for k, v in stage.items()}
 

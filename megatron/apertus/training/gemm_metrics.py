@@ -28,8 +28,9 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.apertus.model.builder import chunk_groups
 
 E4M3_MAX = 448.0
 E4M3_SATURATES = 464.0
@@ -115,11 +116,14 @@ STATISTICS = ("mean", "rms", "kurtosis", "underflow", "overflow")
 
 
 class GemmInputMonitor:
-    """Hooks the GEMM inputs of one training step and gathers the statistics for reporting."""
+    """Hooks the GEMM inputs of one training step and gathers the statistics for reporting
+    over the pipeline-parallel group the chunks were built with."""
 
     def __init__(
         self, chunks: Iterable[torch.nn.Module], *, names: Iterable[str], delayed_scaling: bool
     ) -> None:
+        chunks = list(chunks)
+        self.pp_group = chunk_groups(chunks[0]).pp
         self.modules = _gemm_modules(chunks)
         self.names = tuple(names)
         self.delayed_scaling = delayed_scaling
@@ -158,7 +162,6 @@ class GemmInputMonitor:
             for name, value in zip(STATISTICS, stats.tolist())
             if name in self.names
         }
-        group = parallel_state.get_pipeline_model_parallel_group()
-        gathered: list = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(gathered, local, group=group)
+        gathered: list = [None] * self.pp_group.size()
+        torch.distributed.all_gather_object(gathered, local, group=self.pp_group)
         return {k: v for stage in gathered for k, v in stage.items()}

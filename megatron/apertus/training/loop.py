@@ -94,7 +94,9 @@ class Trainer:
         self._apply_guard_decisions()
         start_microbatches(cfg.training, self.dp)
         tokenizer = runtime.tokenizer(cfg.data, cfg.model)
-        self.objective = build_objective(cfg, tokenizer=tokenizer, dp=self.dp)
+        self.objective = build_objective(
+            cfg, tokenizer=tokenizer, dp=self.dp, dp_rank=self.runtime.groups.dp.rank()
+        )
         self.model = build_model(cfg, self.runtime)
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(
             self.model,

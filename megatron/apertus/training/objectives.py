@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
 
@@ -46,6 +45,7 @@ from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.distill.config import DistillConfig
 from megatron.apertus.distill.targets import TeacherLogits
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.tokenizer.tokenizers import Tokenizer
 from megatron.apertus.training import runtime
 from megatron.apertus.training.align import AlignRun
@@ -154,18 +154,19 @@ class TokenData:
         micro_batch_size: int,
         seq_length: int,
         dp: int,
+        dp_rank: int,
         num_workers: int,
     ) -> None:
         self.train, self.valid = datasets
         self.batch, self.micro_batch_size, self.seq_length = batch, micro_batch_size, seq_length
-        self.dp = dp
+        self.dp, self.dp_rank = dp, dp_rank
         self.reader = None  # --train-iters 0: no training data
         if self.train is not None:
             self.reader = MicroBatchReader(
                 self.train,
                 batch,
                 micro_batch_size=micro_batch_size,
-                dp_rank=parallel_state.get_data_parallel_rank(),
+                dp_rank=dp_rank,
                 dp_size=dp,
                 num_workers=num_workers,
             )
@@ -200,13 +201,14 @@ class TokenData:
             consumed_samples=consumed,
             global_batch_size=global_batch,
             micro_batch_size=self.micro_batch_size,
-            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_rank=self.dp_rank,
             dp_size=self.dp,
         )
 
 
-def token_data(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> TokenData:
-    """The run's GPT datasets with their Goldfish and packing settings."""
+def token_data(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: int) -> TokenData:
+    """The run's GPT datasets with their Goldfish and packing settings, read by data-parallel
+    rank ``dp_rank`` of ``dp``."""
     batch = BatchConfig(
         eod=tokenizer.eod,
         pack_documents=cfg.dataset.reset_attention_mask,
@@ -222,6 +224,7 @@ def token_data(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> TokenData:
         micro_batch_size=cfg.training.micro_batch_size,
         seq_length=cfg.model.seq_length,
         dp=dp,
+        dp_rank=dp_rank,
         num_workers=cfg.data.num_workers,
     )
 
@@ -361,7 +364,7 @@ class Distillation(CrossEntropy):
             rank_positions(
                 consumed,
                 get_current_running_global_batch_size(),
-                dp_rank=parallel_state.get_data_parallel_rank(),
+                dp_rank=self.data.dp_rank,
                 dp_size=self.data.dp,
                 length=len(self.train_data),
             )
@@ -394,8 +397,9 @@ class Alignment(Objective):
         seq_length: int,
         pad: int,
         dp: int,
+        dp_rank: int,
     ) -> None:
-        self.config, self.dp = config, dp
+        self.config, self.dp, self.dp_rank = config, dp, dp_rank
         self.micro_batch_size, self.seq_length = training.micro_batch_size, seq_length
         self.run = AlignRun(
             config,
@@ -424,18 +428,19 @@ class Alignment(Objective):
 
     def train_batches(self, consumed: int, global_batch: int) -> list[Batch]:
         return self.run.micro_batches(
-            "train", consumed, global_batch, self.micro_batch_size, self.dp
+            "train", consumed, global_batch, self.micro_batch_size, self.dp, self.dp_rank
         )
 
     def valid_batches(self, consumed: int, global_batch: int) -> list[Batch]:
         return self.run.micro_batches(
-            "valid", consumed, global_batch, self.micro_batch_size, self.dp
+            "valid", consumed, global_batch, self.micro_batch_size, self.dp, self.dp_rank
         )
 
     def train_forward(self, batch: Batch, model: GPTModel):
         """Per-token log-probabilities, reduced to the preference loss against the reference
-        values the batch carries."""
-        return token_forward(batch, model, loss=partial(alignment_loss, self.config))
+        values the batch carries (summed over the model's context-parallel group)."""
+        loss = partial(alignment_loss, self.config, chunk_groups(model).cp)
+        return token_forward(batch, model, loss=loss)
 
     def validation_line(self, iteration: int, loss: float, quantities: dict[str, float]) -> str:
         return (
@@ -444,9 +449,10 @@ class Alignment(Objective):
         )
 
 
-def build_objective(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> Objective:
-    """The run's objective, with its datasets built: the one place a new objective plugs in, and
-    the one that hands each objective its config groups."""
+def build_objective(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: int) -> Objective:
+    """The run's objective, with its datasets built, read by data-parallel rank ``dp_rank`` of
+    ``dp``: the one place a new objective plugs in, and the one that hands each objective its
+    config groups."""
     if cfg.align.enabled and cfg.distill.enabled:
         raise ConfigError(
             "--align-objective and --distill-logits-path are two objectives: give one of them"
@@ -459,13 +465,14 @@ def build_objective(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int) -> Objecti
             seq_length=cfg.model.seq_length,
             pad=tokenizer.pad,
             dp=dp,
+            dp_rank=dp_rank,
         )
     if cfg.distill.enabled:
         _check_distillation(cfg.training)
         return Distillation(
-            token_data(cfg, tokenizer=tokenizer, dp=dp),
+            token_data(cfg, tokenizer=tokenizer, dp=dp, dp_rank=dp_rank),
             cfg.distill,
             vocab_size=cfg.model.vocab_size,
             total_samples=cfg.training.total_samples(),
         )
-    return CrossEntropy(token_data(cfg, tokenizer=tokenizer, dp=dp))
+    return CrossEntropy(token_data(cfg, tokenizer=tokenizer, dp=dp, dp_rank=dp_rank))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron.apertus import parallel
 from megatron.apertus.data.config import DataConfig
@@ -46,6 +46,9 @@ class Runtime:
     """``cuda`` or ``cpu``."""
     dp: int
     """The data-parallel size (context-parallel ranks share their data and are not counted)."""
+    groups: ProcessGroupCollection
+    """megatron-core's process groups of this process, built once after they exist and passed
+    to the model chunks and every component that communicates."""
     transformer_impl: str | None = None
     """The transformer implementation the engine config chose (None: the builder's default)."""
     engine: EngineConfig | None = None
@@ -82,7 +85,13 @@ def start(
         _apply_engine(engine, transformer_impl)
     dp = parallel.initialize(layout, device=device_name, seed=training.seed, model=model)
     warn_if_slow_precision(training.precision, device_name)
-    return Runtime(device_name=device_name, dp=dp, transformer_impl=transformer_impl, engine=engine)
+    return Runtime(
+        device_name=device_name,
+        dp=dp,
+        groups=parallel.process_groups(),
+        transformer_impl=transformer_impl,
+        engine=engine,
+    )
 
 
 def _apply_engine(engine: EngineConfig, transformer_impl: str) -> None:
@@ -94,13 +103,11 @@ def _apply_engine(engine: EngineConfig, transformer_impl: str) -> None:
 
 
 def is_reporting_rank() -> bool:
-    """The one rank that holds the loss and writes reports: last stage, first TP and DP rank."""
-    return (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-        and parallel_state.get_context_parallel_rank() == 0
-    )
+    """The one rank that holds the loss and writes reports (:func:`parallel.is_reporting_rank`).
+
+    Asked of the process's groups rather than passed: it gates the logging of a dozen call sites
+    in the loop's components, which otherwise would carry the groups for that alone."""
+    return parallel.is_reporting_rank(parallel.process_groups())
 
 
 def tokenizer(data: DataConfig, model: ApertusConfig) -> Tokenizer:
@@ -157,5 +164,6 @@ def model_chunks(
         xielu_impl=training.xielu_impl,
         params_dtype=dtype_from_name(training.precision),
         use_cpu_initialization=runtime.device_name == "cpu",
+        pg_collection=runtime.groups,
         **options,
     )

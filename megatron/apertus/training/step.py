@@ -5,6 +5,9 @@ global batch (``calculate_per_token_loss``), so micro-batching, data parallelism
 masked positions all give the same gradient as one big batch would. Context-parallel ranks each
 compute the loss sum of their share of the tokens (:func:`shard_batch`); the sums and counts are
 reduced over the data- and context-parallel group, as megatron-core reduces the gradients.
+
+The process groups are the ones the model chunks were built with (:func:`chunk_groups`), so
+a step communicates over exactly the groups its model does.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from functools import partial
 from typing import Callable, Iterator
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -26,10 +28,13 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
 from megatron.apertus.data.context_parallel import shard_batch
+from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.engine import fuse_te_wgrad_accumulation
 
 log = logging.getLogger("apertus")
@@ -115,10 +120,7 @@ def install_schedule_hooks(
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     ddp_config = model[0].ddp_config
-    if (
-        ddp_config.overlap_grad_reduce
-        and parallel_state.get_pipeline_model_parallel_world_size() > 1
-    ):
+    if ddp_config.overlap_grad_reduce and chunk_groups(model[0]).pp.size() > 1:
         # Pipeline stages start each chunk's reduction when its last backward is done.
         config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
         if len(model) == 1:
@@ -186,13 +188,14 @@ def language_model_output(
     loss as arguments (distillation: ``teacher``)."""
     device = model_device(model)
     loss_mask = to_device(batch.loss_mask, device)
+    packed = packed_seq_params_to(batch.packed_seq_params, device, chunk_groups(model).cp)
     output = model(
         to_device(batch.tokens, device),
         to_device(batch.position_ids, device),
         None,
         labels=to_device(batch.labels, device),
         loss_mask=loss_mask,
-        packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
+        packed_seq_params=packed,
         **targets,
     )
     return output, loss_mask
@@ -205,14 +208,15 @@ def token_forward(batch: Batch, model: GPTModel, loss: LossFunction = token_loss
     return output, partial(loss, batch, loss_mask)
 
 
-def forward_step(forward: ForwardPass, data_iterator: Iterator[Batch], model: GPTModel):
-    """megatron-core forward step (``forward`` bound first): the objective's forward pass over
-    this context-parallel rank's share of the next micro-batch."""
-    batch = shard_batch(
-        next(data_iterator),
-        parallel_state.get_context_parallel_rank(),
-        parallel_state.get_context_parallel_world_size(),
-    )
+def forward_step(
+    forward: ForwardPass,
+    cp_group: torch.distributed.ProcessGroup,
+    data_iterator: Iterator[Batch],
+    model: GPTModel,
+):
+    """megatron-core forward step (``forward`` and the context-parallel group bound first): the
+    objective's forward pass over this context-parallel rank's share of the next micro-batch."""
+    batch = shard_batch(next(data_iterator), cp_group.rank(), cp_group.size())
     return forward(batch, model)
 
 
@@ -233,8 +237,9 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def packed_seq_params_to(
-    params: PackedSeqParams | None, device: torch.device
+    params: PackedSeqParams | None, device: torch.device, cp_group: torch.distributed.ProcessGroup
 ) -> PackedSeqParams | None:
+    """A micro-batch's document boundaries on ``device``, for attention over ``cp_group``."""
     if params is None:
         return None
     cu = to_device(params.cu_seqlens_q, device)
@@ -242,38 +247,34 @@ def packed_seq_params_to(
         params,
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        cp_group=parallel_state.get_context_parallel_group(),
+        cp_group=cp_group,
     )
 
 
-def _reduce(losses: list[dict], key: str) -> torch.Tensor | None:
+def _reduce(losses: list[dict], key: str, groups: ProcessGroupCollection) -> torch.Tensor | None:
     """Sum a reported pair over micro-batches and data- and context-parallel ranks, on the last
     stage."""
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if not is_pp_last_stage(groups.pp):
         return None
     total = torch.stack([entry[key] for entry in losses]).sum(0)
-    torch.distributed.all_reduce(total, group=data_and_context_parallel_group())
+    torch.distributed.all_reduce(total, group=groups.dp_cp)
     return total
 
 
-def reduce_quantities(losses: list[dict]) -> dict[str, float]:
+def reduce_quantities(losses: list[dict], groups: ProcessGroupCollection) -> dict[str, float]:
     """The means over micro-batches and data-parallel ranks of the reported (sum, count) pairs
     named ``QUANTITY_PREFIX + name``, by name (last stage only: elsewhere empty). A quantity
     counted nowhere in the global batch (Goldfish on a batch without loss positions) has no
-    mean and is left out."""
-    if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    mean and is left out. ``groups``: the model's (megatron-core's ``dp_cp`` holds the ranks
+    whose sums make up the global batch's)."""
+    if not losses or not is_pp_last_stage(groups.pp):
         return {}
     means = {}
     for key in (k for k in losses[0] if k.startswith(QUANTITY_PREFIX)):
-        total = _reduce(losses, key)
+        total = _reduce(losses, key, groups)
         if total[1] > 0:
             means[key[len(QUANTITY_PREFIX) :]] = (total[0] / total[1]).item()
     return means
-
-
-def data_and_context_parallel_group():
-    """The ranks whose loss sums make up the global batch's (megatron-core's ``dp_cp``)."""
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _all_finite(loss: torch.Tensor | None, device: torch.device) -> bool:
@@ -319,7 +320,7 @@ def run_microbatches(
 ) -> list[dict]:
     """megatron-core's schedule over one global batch; the reported losses (last stage only)."""
     return get_forward_backward_func()(
-        forward_step_func=partial(forward_step, forward),
+        forward_step_func=partial(forward_step, forward, chunk_groups(model[0]).cp),
         data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
         model=model,
         num_microbatches=shape.num_microbatches,
@@ -346,7 +347,8 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = run_microbatches(model, data_iterators, shape, forward_only=False, forward=forward)
-    loss = _reduce(losses, "lm loss")
+    groups = chunk_groups(model[0])
+    loss = _reduce(losses, "lm loss", groups)
     updated, grad_norm = optimizer_step(optimizer, _all_finite(loss, model_device(model[0])))
     if loss is None:
         return StepResult(loss=None, num_tokens=None, grad_norm=grad_norm, skipped=not updated)
@@ -355,5 +357,5 @@ def train_step(
         num_tokens=int(loss[1].item()),
         grad_norm=grad_norm,
         skipped=not updated,
-        quantities=reduce_quantities(losses),
+        quantities=reduce_quantities(losses, groups),
     )

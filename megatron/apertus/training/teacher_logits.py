@@ -33,8 +33,8 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from tqdm import tqdm
 
 from megatron.apertus import checkpoint, parallel
@@ -49,6 +49,7 @@ from megatron.apertus.distill.logit_store import (
     sample_key,
 )
 from megatron.apertus.distill.targets import sample_tokens
+from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.training import runtime
 from megatron.apertus.training.step import packed_seq_params_to
@@ -72,17 +73,14 @@ def _forward_step(data_iterator: Iterator[tuple[Batch, torch.Tensor | None]], mo
     else None); the last stage's output is already its top-k (or draws), which the schedule
     keeps as it is when there is no loss function."""
     batch, uniforms = next(data_iterator)
-    batch = shard_batch(
-        batch,
-        parallel_state.get_context_parallel_rank(),
-        parallel_state.get_context_parallel_world_size(),
-    )
+    cp = chunk_groups(model).cp
+    batch = shard_batch(batch, cp.rank(), cp.size())
     device = next(model.parameters()).device
     output = model(
         batch.tokens.to(device),
         batch.position_ids.to(device),
         None,
-        packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device),
+        packed_seq_params=packed_seq_params_to(batch.packed_seq_params, device, cp),
         uniforms=uniforms,
     )
     return output, None
@@ -99,11 +97,13 @@ def _micro_batches(dataset, positions: list[int], micro: int, config: BatchConfi
 
 
 class TeacherRunner:
-    """One process of the teacher: its model chunks, the student's dataset, the store writer."""
+    """One process of the teacher: its model chunks, the student's dataset, the store writer;
+    it communicates over the runtime's process groups."""
 
     def __init__(self, cfg: GenerationConfig) -> None:
         self.cfg = cfg
         self.runtime = runtime.start(cfg.parallel, model=cfg.model, training=cfg.training)
+        self.groups = self.runtime.groups
         self.tokenizer = runtime.tokenizer(cfg.data, cfg.model)
         self.dataset, _ = runtime.pretraining_datasets(
             cfg.dataset, self.tokenizer, model=cfg.model, training=cfg.training
@@ -136,11 +136,8 @@ class TeacherRunner:
 
     @property
     def is_writer(self) -> bool:
-        return (
-            parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_context_parallel_rank() == 0
-        )
+        groups = self.groups
+        return is_pp_last_stage(groups.pp) and groups.tp.rank() == 0 and groups.cp.rank() == 0
 
     @property
     def sampled(self) -> bool:
@@ -168,8 +165,7 @@ class TeacherRunner:
 
     def _writer(self) -> LogitStoreWriter | None:
         """Data-parallel rank 0's writer creates the store before the others open it."""
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp_size = parallel_state.get_data_parallel_world_size()
+        dp_rank, dp_size = self.groups.dp.rank(), self.groups.dp.size()
         writer = None
         for turn in (True, False):
             if self.is_writer and (dp_rank == 0) == turn:
@@ -184,7 +180,7 @@ class TeacherRunner:
 
     def pending_blocks(self) -> list[int]:
         """This data-parallel group's unfinished blocks, as its writer sees them."""
-        group = parallel_state.get_model_parallel_group()
+        group = self.groups.mp
         flags = self._tensor([int(self.is_writer)] * group.size())
         dist.all_gather_into_tensor(flags, self._tensor([int(self.is_writer)]), group=group)
         source = dist.get_global_rank(group, int(flags.argmax()))
@@ -200,7 +196,7 @@ class TeacherRunner:
 
     def _from_first_context_rank(self, blocks: list[int]) -> list[int]:
         """Context-parallel ranks share the writer of their first rank, and so its blocks."""
-        group = parallel_state.get_context_parallel_group()
+        group = self.groups.cp
         if group.size() == 1:
             return blocks
         shared = [blocks]
@@ -215,7 +211,7 @@ class TeacherRunner:
         seq = self.cfg.model.seq_length
         packed = self.batch.pack_documents
         uniforms = [None] * len(batches)
-        if self.sampled and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        if self.sampled and is_pp_last_stage(self.groups.pp):
             uniforms = self._uniforms(positions, micro, batches)
         iterators = [iter(zip(batches, uniforms)) for _ in self.chunks]
         with torch.no_grad():
@@ -229,7 +225,7 @@ class TeacherRunner:
                 forward_only=True,
                 collect_non_loss_data=True,
             )
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        if is_pp_last_stage(self.groups.pp):
             outputs = [
                 self._whole_sequence(batch, output) for batch, output in zip(batches, outputs)
             ]
@@ -249,8 +245,7 @@ class TeacherRunner:
         context parallelism this rank's tokens of them, as its share of the batch."""
         padded = positions + [positions[-1]] * (-len(positions) % micro)
         seq, draws = self.cfg.model.seq_length, self.cfg.logits.samples
-        rank = parallel_state.get_context_parallel_rank()
-        size = parallel_state.get_context_parallel_world_size()
+        rank, size = self.groups.cp.rank(), self.groups.cp.size()
         result = []
         for i, batch in enumerate(batches):
             u = np.stack(
@@ -263,14 +258,11 @@ class TeacherRunner:
             result.append(shard_tokens(whole, batch, rank, size))
         return result
 
-    @staticmethod
-    def _whole_sequence(batch: Batch, output: tuple[torch.Tensor, torch.Tensor]):
+    def _whole_sequence(self, batch: Batch, output: tuple[torch.Tensor, torch.Tensor]):
         """A micro-batch's (ids, log-probabilities) over the whole sequence, from the CP ranks'
         shares."""
-        rank = parallel_state.get_context_parallel_rank()
-        size = parallel_state.get_context_parallel_world_size()
-        group = parallel_state.get_context_parallel_group()
-        return tuple(gather_tokens(t, batch, rank, size, group) for t in output)
+        group = self.groups.cp
+        return tuple(gather_tokens(t, batch, group.rank(), group.size(), group) for t in output)
 
     def run(self) -> None:
         pending = self.pending_blocks()
@@ -278,7 +270,7 @@ class TeacherRunner:
             total=len(pending),
             unit="block",
             disable=not self.is_writer,
-            desc=f"teacher logits (dp rank {parallel_state.get_data_parallel_rank()})",
+            desc=f"teacher logits (dp rank {self.groups.dp.rank()})",
         )
         start, tokens = time.perf_counter(), 0
         for block in pending:
@@ -297,7 +289,7 @@ class TeacherRunner:
             bar.update()
         bar.close()
         dist.barrier()
-        if self.writer is not None and parallel_state.get_data_parallel_rank() == 0:
+        if self.writer is not None and self.groups.dp.rank() == 0:
             self.writer.finalize()
             log.info(f"teacher logits complete: {self.cfg.logits.logits_dir}")
 

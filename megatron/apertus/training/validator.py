@@ -13,13 +13,14 @@ import logging
 from typing import Iterator
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import (
     get_current_running_global_batch_size,
     get_num_microbatches,
 )
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 
 from megatron.apertus.checkpoint import TrainingState
+from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.training.diagnostics import ManualGC
 from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.metrics import Metrics
@@ -28,7 +29,6 @@ from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.signals import past_duration
 from megatron.apertus.training.step import (
     chunk_iterators,
-    data_and_context_parallel_group,
     reduce_quantities,
     run_microbatches,
     synced_parameters,
@@ -38,7 +38,8 @@ log = logging.getLogger("apertus")
 
 
 class Validator:
-    """The run's validation passes over ``model`` (every rank takes part)."""
+    """The run's validation passes over ``model`` (every rank takes part), communicating over
+    the groups the model was built with."""
 
     def __init__(
         self,
@@ -52,6 +53,7 @@ class Validator:
     ) -> None:
         self.objective, self.model, self.training = objective, model, training
         self.metrics, self.gc, self.device = metrics, gc, device
+        self.groups = chunk_groups(model[0])
 
     def due(self, iteration: int) -> bool:
         """Whether --eval-interval validates after ``iteration``."""
@@ -88,11 +90,11 @@ class Validator:
             if is_reporting_rank():
                 log.info("--exit-duration-in-mins reached during validation: stopping it")
             return None
-        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        if not is_pp_last_stage(self.groups.pp):
             return None
         total = torch.stack([entry["lm loss"] for entry in reported]).double().sum(0)
-        torch.distributed.all_reduce(total, group=data_and_context_parallel_group())
-        quantities = reduce_quantities(reported)
+        torch.distributed.all_reduce(total, group=self.groups.dp_cp)
+        quantities = reduce_quantities(reported, self.groups)
         for name, value in quantities.items():
             self.metrics.record(f"valid/{metric_name(name)}", iteration, value)
         return (total[0] / total[1]).item(), quantities
@@ -103,11 +105,11 @@ class Validator:
         for chunk in self.model:
             chunk.eval()
         yield
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if self.groups.pp.size() > 1:
             # The interleaved schedule's forward-only pass with overlapped p2p returns on an
             # earlier stage before its last sends are delivered; a stage that then exits (the
             # run's final validation, no save after it) closes the pipe its next stage reads.
-            torch.distributed.barrier(group=parallel_state.get_pipeline_model_parallel_group())
+            torch.distributed.barrier(group=self.groups.pp)
         for chunk in self.model:
             chunk.train()
 
