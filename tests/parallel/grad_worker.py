@@ -28,18 +28,26 @@ def without_cp_reduction() -> None:
     """Break the two reductions over the context-parallel ranks: megatron-core DDP's gradient
     all-reduce over ``dp_cp`` (skipped: the control runs with one data-parallel rank, where
     ``dp_cp`` is the CP group) and the loss sums of :mod:`megatron.apertus.training.step`
-    (reduced over the data-parallel ranks only). The token count that scales the gradients is
-    still the global batch's (megatron-core's ``finalize_model_grads``)."""
-    from megatron.core import parallel_state
+    (reduced over the model's data-parallel group only). The token count that scales the
+    gradients is still the global batch's (megatron-core's ``finalize_model_grads``)."""
+    import copy
+
     from megatron.core.distributed import DistributedDataParallel
 
     from megatron.apertus.training import step
 
+    reduce_over_dp_cp = step._reduce
+
     def unreduced(self, force_all_reduce: bool = False) -> None:
-        assert parallel_state.get_data_parallel_world_size() == 1, "controls run at DP=1"
+        assert self.dp_group.size() == 1, "controls run at DP=1"
+
+    def reduce_over_dp(losses: list, key: str, groups):
+        data_parallel_only = copy.copy(groups)
+        data_parallel_only.dp_cp = groups.dp
+        return reduce_over_dp_cp(losses, key, data_parallel_only)
 
     DistributedDataParallel.finish_grad_sync = unreduced
-    step.data_and_context_parallel_group = parallel_state.get_data_parallel_group
+    step._reduce = reduce_over_dp
 
 
 def main() -> None:
