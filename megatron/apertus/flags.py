@@ -4,7 +4,8 @@ A config dataclass declares its flags by its fields: ``micro_batch_size`` become
 ``--micro-batch-size``, its type and default the flag's. A field's help is what
 :func:`flag_help` (or :func:`switch`) gives it, else its docstring (the string literal after
 it); ``ours=True`` marks a flag neither Megatron-LM nor the Apertus fork has, and ``--help``
-says so (:data:`ADDITION_MARK`). :func:`add_arguments` adds one dataclass's flags as an
+says so (:data:`ADDITION_MARK`). A field without a default is a required flag, and a
+``Literal[...]`` field takes only the values it names (argparse's ``choices``). :func:`add_arguments` adds one dataclass's flags as an
 argument group, :func:`from_arguments` builds the dataclass back from the parsed flags.
 
 A group whose flags are more than its fields (the model's preset, the layout's Megatron-LM
@@ -93,6 +94,10 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
 @functools.cache
 def field_docstrings(cls: type) -> dict[str, str]:
     """The docstring of each field of dataclass ``cls`` and of its bases (the string literal
@@ -137,7 +142,12 @@ def add_arguments(
         kind = _base_type(hints[f.name])
         name = prefix + f.name
         kwargs = dict(default=_default(f) if defaults else None, help=field_help(cls, f))
-        if kind is bool:
+        if defaults and _required(f):
+            kwargs.update(required=True)
+        if typing.get_origin(kind) is typing.Literal:
+            choices = typing.get_args(kind)
+            group.add_argument(_flag(name), type=type(choices[0]), choices=choices, **kwargs)
+        elif kind is bool:
             action = "store_true" if f.metadata.get("switch") else argparse.BooleanOptionalAction
             group.add_argument(_flag(name), action=action, **kwargs)
             for alias in ALIASES.get(name, []):
