@@ -53,15 +53,17 @@ def flag_help(
     *,
     ours: bool = False,
     switch: bool = False,
+    empty: bool = False,
     **kwargs: Any,
 ) -> Any:
     """A dataclass field with its flag's help: the one place that writes a field's metadata.
 
     ``ours``: a flag neither Megatron-LM nor the Apertus fork has (marked as our addition in
-    ``--help``); ``switch``: a boolean flag that only switches on; ``kwargs`` go to
-    :func:`dataclasses.field` (``default_factory``).
+    ``--help``); ``switch``: a boolean flag that only switches on; ``empty``: a list's flag
+    may be given without a value (an empty list); ``kwargs`` go to :func:`dataclasses.field`
+    (``default_factory``).
     """
-    metadata = {"help": text, "ours": ours, "switch": switch}
+    metadata = {"help": text, "ours": ours, "switch": switch, "empty": empty}
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
@@ -161,7 +163,8 @@ def add_arguments(
                 )
         elif typing.get_origin(kind) is list:
             flags = [_flag(name), *ALIASES.get(name, [])]
-            group.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **kwargs)
+            nargs = "*" if f.metadata.get("empty") else "+"
+            group.add_argument(*flags, nargs=nargs, type=typing.get_args(kind)[0], **kwargs)
         else:
             group.add_argument(_flag(name), *ALIASES.get(name, []), type=kind, **kwargs)
     return group
