@@ -13,36 +13,19 @@ import argparse
 import logging
 import sys
 import time
-from dataclasses import dataclass
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.flags import add_arguments, flag_help, from_arguments, switch
+from megatron.apertus.flags import add_arguments, from_arguments
 from megatron.apertus.prep.preprocess import (
     DocumentOptions,
     PreprocessConfig,
+    RunOptions,
     SentenceOptions,
     add_corpus_arguments,
     corpus_config,
     format_summary,
     preprocess,
 )
-
-
-@dataclass(kw_only=True, frozen=True)
-class RunOptions:
-    """This tool's flags beyond the documents': progress, the exit status, and two flags of
-    Megatron-LM's tool that change nothing here."""
-
-    partitions: int = flag_help(
-        "accepted for Megatron-LM compatibility: --workers already tokenizes in parallel, and "
-        "the output is in input order whatever its value",
-        1,
-    )
-    keep_sequential_samples: bool = switch(
-        "accepted for Megatron-LM compatibility: documents always keep their input order"
-    )
-    log_interval: int = flag_help("log progress every this many documents", 1000)
-    strict: bool = switch("exit 1 when any line was rejected", ours=True)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, bool]:

@@ -25,12 +25,15 @@ import functools
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, get_args
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.flags import add_arguments, flag_help, from_arguments, require
+from megatron.apertus.flags import add_arguments, from_arguments
+from megatron.apertus.prep.preference_options import (  # noqa: F401 (checked against the library)
+    MIN_REF_REWARDS,
+    OBJECTIVES,
+    PreferenceOptions,
+)
 from megatron.apertus.prep.preprocess import (
     PreprocessConfig,
     add_corpus_arguments,
@@ -38,37 +41,6 @@ from megatron.apertus.prep.preprocess import (
     format_summary,
     preprocess,
 )
-
-Objective = Literal["dpo", "qrpo"]
-OBJECTIVES = get_args(Objective)
-"""``megatron.apertus.align.losses.OBJECTIVES``, spelled out so that ``--help`` and argument
-errors need not import torch (a test keeps the two equal)."""
-MIN_REF_REWARDS = 2
-"""``megatron.apertus.prep.preferences.MIN_REF_REWARDS``, spelled out for the same reason."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class PreferenceOptions:
-    """This tool's flags beyond the corpus's: what :class:`PreferenceEncoder` keeps."""
-
-    objective: Objective = flag_help("the alignment objective the examples are for", ours=True)
-    max_tokens: Optional[int] = flag_help(
-        "skip examples with a conversation longer than this (--seq-length + 1)", None, ours=True
-    )
-    qrpo_min_ref_rewards: int = flag_help(
-        "QRPO: skip completions with fewer reference rewards than this "
-        f"(default {MIN_REF_REWARDS})",
-        MIN_REF_REWARDS,
-        ours=True,
-    )
-
-    def __post_init__(self) -> None:
-        require(
-            self.qrpo_min_ref_rewards >= 1,
-            "--qrpo-min-ref-rewards",
-            self.qrpo_min_ref_rewards,
-            ">= 1",
-        )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, PreferenceOptions]:

@@ -22,13 +22,11 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
 
 from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import add_arguments, flag_help, from_arguments, switch
+from megatron.apertus.flags import add_arguments, from_arguments
 from megatron.apertus.prep.preprocess import (
     RECORD_SUFFIX,
     DocumentOptions,
@@ -38,9 +36,13 @@ from megatron.apertus.prep.preprocess import (
     tokenizer_record,
 )
 from megatron.apertus.prep.tokenize_pipeline import (
+    Execution,
     IndexedDatasetWriter,
     MergeTasks,
     ShardReader,
+    SlurmJob,
+    TaskData,
+    TokenizeCorpusConfig,
     cached_tokenizer,
     run_local_tasks,
     task_prefix,
@@ -52,71 +54,6 @@ PLAN_FILE = "tokenize_corpus.json"
 
 InputError = ConfigError
 """Bad flags or inputs, reported in one line with exit status 2."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class TaskData:
-    """The inputs and outputs of the tasks; with the tokenizer's and the documents' groups, the
-    flags of tools/preprocess_data.py that apply to a task."""
-
-    input: list[str] = flag_help(
-        "JSON-lines (.jsonl, .gz, .zst) or .parquet files; globs and fsspec URLs allowed; "
-        "sorted per pattern, in the order given"
-    )
-    output_dir: str = flag_help("where the tasks' datasets go", ours=True)
-    max_reported: int = flag_help("bad lines reported in full, per task", 10, ours=True)
-    strict: bool = switch("exit 1 when any line was rejected (local executor)", ours=True)
-
-
-@dataclass(kw_only=True, frozen=True)
-class Execution:
-    """How the tasks run, and what follows them."""
-
-    executor: Literal["local", "slurm"] = flag_help("where the tasks run", "local", ours=True)
-    tasks: Optional[int] = flag_help(
-        "datasets to write (default: one per input file)", None, ours=True
-    )
-    workers: Optional[int] = flag_help(
-        "tasks running at once (local default 1; slurm default: no limit)", None, ours=True
-    )
-    merge_prefix: Optional[str] = flag_help(
-        "when every task is complete, merge the tasks' datasets into "
-        "MERGE_PREFIX_KEY_document.bin/.idx (on Slurm: a job that depends on the tokenization "
-        "job)",
-        None,
-        ours=True,
-    )
-    logging_dir: Optional[str] = flag_help(
-        "datatrove logs, stats and completion markers (default: OUTPUT_DIR/.datatrove)",
-        None,
-        ours=True,
-    )
-
-
-@dataclass(kw_only=True, frozen=True)
-class SlurmJob:
-    """The Slurm executor's job options."""
-
-    partition: Optional[str] = flag_help("the partition the jobs run in", None, ours=True)
-    time: str = flag_help("time limit per task", "24:00:00", ours=True)
-    cpus_per_task: int = flag_help("CPUs per task", 1, ours=True)
-    mem_per_cpu_gb: int = flag_help("memory per CPU in GB", 4, ours=True)
-    job_name: str = flag_help("the job's name", "tokenize", ours=True)
-    qos: Optional[str] = flag_help("the jobs' quality of service", None, ours=True)
-    sbatch_args: list[str] = flag_help(
-        "further #SBATCH options as KEY=VALUE, e.g. account=a01", default_factory=list, ours=True
-    )
-    env_command: Optional[str] = flag_help(
-        "shell line run before each task (default: put this Python's bin directory first on "
-        "PATH)",
-        None,
-        ours=True,
-    )
-
-
-@dataclass(kw_only=True, frozen=True)
-class TokenizeCorpusConfig(TokenizerConfig, DocumentOptions, TaskData, Execution, SlurmJob):
-    """Every flag of this tool, one group each in ``--help``."""
 
 
 GROUPS = {

@@ -127,6 +127,23 @@ class PreprocessConfig(TokenizerConfig, DocumentOptions, SentenceOptions):
     """Log documents and tokens per second every this many documents."""
 
 
+@dataclass(kw_only=True, frozen=True)
+class RunOptions:
+    """``tools/preprocess_data.py``'s flags beyond the documents': progress, the exit status, and two flags of
+    Megatron-LM's tool that change nothing here."""
+
+    partitions: int = flag_help(
+        "accepted for Megatron-LM compatibility: --workers already tokenizes in parallel, and "
+        "the output is in input order whatever its value",
+        1,
+    )
+    keep_sequential_samples: bool = switch(
+        "accepted for Megatron-LM compatibility: documents always keep their input order"
+    )
+    log_interval: int = flag_help("log progress every this many documents", 1000)
+    strict: bool = switch("exit 1 when any line was rejected", ours=True)
+
+
 def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every JSON-lines tokenizing tool shares: :class:`CorpusOptions`' and the
     tokenizer's (the trainer's group)."""
