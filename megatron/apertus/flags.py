@@ -5,8 +5,9 @@ A config dataclass declares its flags by its fields: ``micro_batch_size`` become
 :func:`flag_help` (or :func:`switch`) gives it, else its docstring (the string literal after
 it); ``ours=True`` marks a flag neither Megatron-LM nor the Apertus fork has, and ``--help``
 says so (:data:`ADDITION_MARK`). A field without a default is a required flag, and a
-``Literal[...]`` field takes only the values it names (argparse's ``choices``). :func:`add_arguments` adds one dataclass's flags as an
-argument group, :func:`from_arguments` builds the dataclass back from the parsed flags.
+``Literal[...]`` field takes only the values it names (argparse's ``choices``).
+:func:`add_arguments` adds one dataclass's flags as an argument group, :func:`from_arguments`
+builds the dataclass back from the parsed flags.
 
 A group whose flags are more than its fields (the model's preset, the layout's Megatron-LM
 spellings) parses itself: it provides the :class:`SelfParsing` methods, and :func:`add_group`
