@@ -114,8 +114,9 @@ class SentenceOptions:
 
 @dataclass(kw_only=True, frozen=True)
 class PreprocessConfig(TokenizerConfig, DocumentOptions, SentenceOptions):
-    """What :func:`preprocess` writes; the tools build it from their flags (:func:`corpus_config`),
-    which are its groups' fields."""
+    """What :func:`preprocess` writes. Its tokenizer, document and sentence fields are flag
+    groups (the tools add them); the rest are :class:`CorpusOptions`' flags, or library
+    settings that no tool changes (``lines_per_task``)."""
 
     inputs: list[Path]
     output_prefix: str
@@ -129,8 +130,8 @@ class PreprocessConfig(TokenizerConfig, DocumentOptions, SentenceOptions):
 
 @dataclass(kw_only=True, frozen=True)
 class RunOptions:
-    """``tools/preprocess_data.py``'s flags beyond the documents': progress, the exit status, and two flags of
-    Megatron-LM's tool that change nothing here."""
+    """``tools/preprocess_data.py``'s flags beyond the documents': progress, the exit status,
+    and two flags of Megatron-LM's tool that change nothing here."""
 
     partitions: int = flag_help(
         "accepted for Megatron-LM compatibility: --workers already tokenizes in parallel, and "
