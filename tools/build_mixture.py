@@ -17,50 +17,34 @@ import argparse
 import sys
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.prep.mixture import MixtureError, build_mixture, format_report
+from megatron.apertus.flags import add_arguments, from_arguments
+from megatron.apertus.prep.mixture import (
+    MixtureError,
+    MixtureOptions,
+    build_mixture,
+    format_report,
+)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> MixtureOptions:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--folders",
-        nargs="+",
-        required=True,
-        help="folders of .bin/.idx datasets (or earlier mixtures)",
-    )
-    parser.add_argument(
-        "--weights", nargs="+", type=float, required=True, help="one per folder; normalised"
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=lambda s: int(s.replace("_", "")),
-        required=True,
-        help="token budget of the mixture (underscores allowed)",
-    )
-    parser.add_argument(
-        "--exclude", nargs="*", default=[], help="folders whose datasets must not be taken again"
-    )
-    parser.add_argument("--output", required=True, help="the mixture folder (must not exist)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument(
-        "--seq-length", type=int, default=4096, help="sequence length of the samples in the report"
-    )
-    return parser.parse_args(argv)
+    add_arguments(parser, MixtureOptions, title="mixture")
+    return from_arguments(MixtureOptions, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    options = parse_args(argv)
     try:
         record = build_mixture(
-            args.folders,
-            args.weights,
-            args.max_tokens,
-            args.output,
-            exclude=args.exclude,
-            seed=args.seed,
-            seq_length=args.seq_length,
+            options.folders,
+            options.weights,
+            options.max_tokens,
+            options.output,
+            exclude=options.exclude,
+            seed=options.seed,
+            seq_length=options.seq_length,
         )
     except MixtureError as err:
         print(f"build_mixture.py: error: {err}", file=sys.stderr)

@@ -6,6 +6,11 @@
 Each dataset is weighted by its tokens, so the blend draws from every dataset (and every source
 of a mixture) in proportion to its size. ``--output`` writes the same list to a file for
 ``pretrain_gpt.py --data-args-path`` (written under a temporary name, then renamed).
+
+Unlike the other data tools, its arguments are argparse's own, not generated from a config
+dataclass (``megatron/apertus/flags.py``): the folders are positional, which the generator does
+not make (it makes one ``--`` flag per field), and one generated ``--output`` beside them would
+split two arguments between two mechanisms.
 """
 
 from __future__ import annotations

@@ -13,38 +13,29 @@ import argparse
 import sys
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.prep.merge import MergeError, dataset_prefixes, merge
+from megatron.apertus.flags import add_arguments, from_arguments
+from megatron.apertus.prep.merge import MergeError, MergeOptions, dataset_prefixes, merge
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> MergeOptions:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--input", required=True, help="directory holding the .bin/.idx pairs to merge"
-    )
-    parser.add_argument(
-        "--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx (and .meta.json)"
-    )
-    parser.add_argument(
-        "--no-tokenizer-check",
-        dest="require_records",
-        action="store_false",
-        help="merge parts that have no .meta.json (their tokenizer is unknown; "
-        "dtypes are still checked) [megatron-apertus addition]",
-    )
-    return parser.parse_args(argv)
+    add_arguments(parser, MergeOptions, title="merge")
+    return from_arguments(MergeOptions, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    options = parse_args(argv)
     try:
-        prefixes = dataset_prefixes(args.input)
-        documents = merge(prefixes, args.output_prefix, require_records=args.require_records)
+        prefixes = dataset_prefixes(options.input)
+        documents = merge(
+            prefixes, options.output_prefix, require_records=not options.no_tokenizer_check
+        )
     except MergeError as err:
         print(f"merge_datasets.py: error: {err}", file=sys.stderr)
         return 2
-    print(f"merged {len(prefixes)} datasets, {documents} documents into {args.output_prefix}")
+    print(f"merged {len(prefixes)} datasets, {documents} documents into {options.output_prefix}")
     return 0
 
 

@@ -25,7 +25,8 @@ import sys
 import time
 
 from megatron.apertus.cli import ArgumentParser, run
-from megatron.apertus.prep.chat import ChatEncoder
+from megatron.apertus.flags import add_arguments, from_arguments
+from megatron.apertus.prep.chat import ChatEncoder, ChatOptions
 from megatron.apertus.prep.preprocess import (
     PreprocessConfig,
     add_corpus_arguments,
@@ -40,16 +41,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, int | N
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_corpus_arguments(parser)
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="skip conversations longer than this many tokens (e.g. --seq-length)",
-    )
+    add_arguments(parser, ChatOptions, title="conversations")
     args = parser.parse_args(argv)
-    if args.max_tokens is not None and args.max_tokens < 2:
-        parser.error(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    return corpus_config(args), args.max_tokens
+    return corpus_config(args), from_arguments(ChatOptions, args).max_tokens
 
 
 def main(argv: list[str] | None = None) -> int:

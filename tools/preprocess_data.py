@@ -15,8 +15,12 @@ import sys
 import time
 
 from megatron.apertus.cli import ArgumentParser, run
+from megatron.apertus.flags import add_arguments, from_arguments
 from megatron.apertus.prep.preprocess import (
+    DocumentOptions,
     PreprocessConfig,
+    RunOptions,
+    SentenceOptions,
     add_corpus_arguments,
     corpus_config,
     format_summary,
@@ -29,66 +33,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, bool]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_corpus_arguments(parser)
-    parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument(
-        "--append-eod",
-        action="store_true",
-        default=True,
-        help="end every document with </s> (the default; kept for Megatron compatibility)",
-    )
-    parser.add_argument(
-        "--no-eod", dest="append_eod", action="store_false", help="do not append </s>"
-    )
-    parser.add_argument(
-        "--no-bos", dest="add_bos", action="store_false", default=True, help="do not prepend <s>"
-    )
-    parser.add_argument(
-        "--split-sentences",
-        action="store_true",
-        help="one index entry per sentence (nltk Punkt, punkt_tab data); writes "
-        "PREFIX_KEY_sentence.bin/.idx",
-    )
-    parser.add_argument("--lang", default="english", help="Punkt model of --split-sentences")
-    parser.add_argument(
-        "--keep-newlines",
-        action="store_true",
-        help="with --split-sentences: keep the whitespace (newlines included) " "between sentences",
-    )
-    parser.add_argument(
-        "--partitions",
-        type=int,
-        default=1,
-        help="accepted for Megatron-LM compatibility: --workers already "
-        "tokenizes in parallel, and the output is in input order whatever its "
-        "value",
-    )
-    parser.add_argument(
-        "--keep-sequential-samples",
-        action="store_true",
-        help="accepted for Megatron-LM compatibility: documents always keep " "their input order",
-    )
-    parser.add_argument(
-        "--log-interval", type=int, default=1000, help="log progress every this many documents"
-    )
-    parser.add_argument(
-        "--strict",
-        action="store_true",
-        help="exit 1 when any line was rejected [megatron-apertus addition]",
-    )
+    add_arguments(parser, DocumentOptions, title="documents")
+    add_arguments(parser, SentenceOptions, title="sentences")
+    add_arguments(parser, RunOptions, title="run")
     args = parser.parse_args(argv)
-    return (
-        corpus_config(
-            args,
-            json_keys=args.json_keys,
-            add_bos=args.add_bos,
-            add_eod=args.append_eod,
-            split_sentences=args.split_sentences,
-            lang=args.lang,
-            keep_newlines=args.keep_newlines,
-            log_interval=args.log_interval,
-        ),
-        args.strict,
-    )
+    return corpus_config(args), from_arguments(RunOptions, args).strict
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,43 +28,29 @@ import time
 from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, run
+from megatron.apertus.flags import add_arguments, from_arguments
+from megatron.apertus.prep.preference_options import (  # noqa: F401 (checked against the library)
+    MIN_REF_REWARDS,
+    OBJECTIVES,
+    PreferenceOptions,
+)
 from megatron.apertus.prep.preprocess import (
+    PreprocessConfig,
     add_corpus_arguments,
     corpus_config,
     format_summary,
     preprocess,
 )
 
-OBJECTIVES = ("dpo", "qrpo")
-"""``megatron.apertus.align.losses.OBJECTIVES``, spelled out so that ``--help`` and argument
-errors need not import torch (a test keeps the two equal)."""
-MIN_REF_REWARDS = 2
-"""``megatron.apertus.prep.preferences.MIN_REF_REWARDS``, spelled out for the same reason."""
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> tuple[PreprocessConfig, PreferenceOptions]:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--objective", required=True, choices=OBJECTIVES)
+    add_arguments(parser, PreferenceOptions, title="examples")
     add_corpus_arguments(parser)
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="skip examples with a conversation longer than this (--seq-length + 1)",
-    )
-    parser.add_argument(
-        "--qrpo-min-ref-rewards",
-        type=int,
-        default=MIN_REF_REWARDS,
-        help="QRPO: skip completions with fewer reference rewards than this "
-        f"(default {MIN_REF_REWARDS})",
-    )
     args = parser.parse_args(argv)
-    if args.qrpo_min_ref_rewards < 1:
-        parser.error(f"--qrpo-min-ref-rewards must be >= 1, got {args.qrpo_min_ref_rewards}")
-    return args
+    return corpus_config(args), from_arguments(PreferenceOptions, args)
 
 
 def _remove_outputs(prefix: str, objective: str) -> None:
@@ -76,14 +62,14 @@ def _remove_outputs(prefix: str, objective: str) -> None:
             Path(name + suffix).unlink(missing_ok=True)
 
 
-def _check_reference(args: argparse.Namespace) -> None:
+def _check_reference(config: PreprocessConfig, objective: str) -> None:
     """Refuse a run whose lines carry reference log-probabilities only in part (a run that kept
     no example is refused by ``preprocess`` itself)."""
     from megatron.apertus.align.data import partial_reference_error, stored_reference
     from megatron.apertus.prep.preferences import output_datasets
 
-    inputs = ", ".join(args.input)
-    tokens, _ = output_datasets(args.output_prefix, args.objective)["tokens"]
+    inputs = ", ".join(str(path) for path in config.inputs)
+    tokens, _ = output_datasets(config.output_prefix, objective)["tokens"]
     values = stored_reference(tokens)
     error = None if values is None else partial_reference_error(values)
     if error:
@@ -93,22 +79,21 @@ def _check_reference(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("megatron.core").setLevel(logging.WARNING)  # index loading chatter
-    args = parse_args(argv)
+    config, options = parse_args(argv)
     from megatron.apertus.prep.preferences import PreferenceEncoder
 
-    config = corpus_config(args)
     encoder = functools.partial(
         PreferenceEncoder,
-        objective=args.objective,
-        max_tokens=args.max_tokens,
-        min_ref_rewards=args.qrpo_min_ref_rewards,
+        objective=options.objective,
+        max_tokens=options.max_tokens,
+        min_ref_rewards=options.qrpo_min_ref_rewards,
     )
     start = time.perf_counter()
     summary = preprocess(config, encoder)
     try:
-        _check_reference(args)
+        _check_reference(config, options.objective)
     except ValueError as err:
-        _remove_outputs(args.output_prefix, args.objective)
+        _remove_outputs(config.output_prefix, options.objective)
         print(f"preprocess_preferences.py: error: {err}", file=sys.stderr)
         return 2
     print(format_summary(summary, time.perf_counter() - start).replace("documents", "examples"))

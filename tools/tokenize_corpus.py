@@ -26,24 +26,29 @@ from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import add_arguments, from_arguments
 from megatron.apertus.prep.preprocess import (
     RECORD_SUFFIX,
+    DocumentOptions,
     Summary,
     check_input_files,
     require_documents,
     tokenizer_record,
 )
 from megatron.apertus.prep.tokenize_pipeline import (
+    Execution,
     IndexedDatasetWriter,
     MergeTasks,
     ShardReader,
+    SlurmJob,
+    TaskData,
+    TokenizeCorpusConfig,
     cached_tokenizer,
     run_local_tasks,
     task_prefix,
 )
-from megatron.apertus.tokenizer.tokenizers import TOKENIZER_TYPES
+from megatron.apertus.tokenizer.config import TokenizerConfig
 
-ADDITION = " [megatron-apertus addition]"
 PLAN_FILE = "tokenize_corpus.json"
 
 
@@ -51,97 +56,23 @@ InputError = ConfigError
 """Bad flags or inputs, reported in one line with exit status 2."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+GROUPS = {
+    "data (as tools/preprocess_data.py)": TaskData,
+    "tokenizer": TokenizerConfig,
+    "documents": DocumentOptions,
+    "execution": Execution,
+    "Slurm executor": SlurmJob,
+}
+"""The groups of :class:`TokenizeCorpusConfig` by their ``--help`` titles."""
+
+
+def parse_args(argv: list[str] | None = None) -> TokenizeCorpusConfig:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    data = parser.add_argument_group("data (as tools/preprocess_data.py)")
-    data.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        help="JSON-lines (.jsonl, .gz, .zst) or .parquet files; globs and fsspec "
-        "URLs allowed; sorted per pattern, in the order given",
-    )
-    data.add_argument("--json-keys", nargs="+", default=["text"])
-    data.add_argument("--output-dir", required=True, help="where the tasks' datasets go" + ADDITION)
-    data.add_argument("--tokenizer-type", default="TekkenTokenizer", choices=TOKENIZER_TYPES)
-    data.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)",
-    )
-    data.add_argument(
-        "--append-eod",
-        action="store_true",
-        default=True,
-        help="end every document with </s> (the default)",
-    )
-    data.add_argument(
-        "--no-eod", dest="append_eod", action="store_false", help="do not append </s>" + ADDITION
-    )
-    data.add_argument(
-        "--no-bos",
-        dest="add_bos",
-        action="store_false",
-        default=True,
-        help="do not prepend <s>" + ADDITION,
-    )
-    data.add_argument(
-        "--max-reported",
-        type=int,
-        default=10,
-        help="bad lines reported in full, per task" + ADDITION,
-    )
-    data.add_argument(
-        "--strict",
-        action="store_true",
-        help="exit 1 when any line was rejected (local executor)" + ADDITION,
-    )
-    run = parser.add_argument_group("execution" + ADDITION)
-    run.add_argument("--executor", choices=("local", "slurm"), default="local")
-    run.add_argument(
-        "--tasks", type=int, default=None, help="datasets to write (default: one per input file)"
-    )
-    run.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="tasks running at once (local default 1; slurm default: no limit)",
-    )
-    run.add_argument(
-        "--merge-prefix",
-        default=None,
-        help="when every task is complete, merge the tasks' datasets into "
-        "MERGE_PREFIX_KEY_document.bin/.idx (on Slurm: a job that depends on the "
-        "tokenization job)",
-    )
-    run.add_argument(
-        "--logging-dir",
-        default=None,
-        help="datatrove logs, stats and completion markers (default: " "OUTPUT_DIR/.datatrove)",
-    )
-    slurm = parser.add_argument_group("Slurm executor" + ADDITION)
-    slurm.add_argument("--partition", default=None)
-    slurm.add_argument("--time", default="24:00:00", help="time limit per task")
-    slurm.add_argument("--cpus-per-task", type=int, default=1)
-    slurm.add_argument("--mem-per-cpu-gb", type=int, default=4)
-    slurm.add_argument("--job-name", default="tokenize")
-    slurm.add_argument("--qos", default=None)
-    slurm.add_argument(
-        "--sbatch-args",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="further #SBATCH options, e.g. account=a01",
-    )
-    slurm.add_argument(
-        "--env-command",
-        default=None,
-        help="shell line run before each task (default: put this Python's bin "
-        "directory first on PATH)",
-    )
-    return parser.parse_args(argv)
+    for title, group in GROUPS.items():
+        add_arguments(parser, group, title=title)
+    return from_arguments(TokenizeCorpusConfig, parser.parse_args(argv))
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
@@ -162,38 +93,38 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     return files
 
 
-def check(args: argparse.Namespace, files: list[str]) -> tuple[int, dict]:
+def check(config: TokenizeCorpusConfig, files: list[str]) -> tuple[int, dict]:
     """The number of tasks and the tokenizer's record; refuse what would fail later, on a
     compute node."""
-    tasks = args.tasks or len(files)
+    tasks = config.tasks or len(files)
     if tasks < 1 or tasks > len(files):
         raise InputError(
             f"--tasks {tasks}: give between 1 and the {len(files)} input files "
             "(a task tokenizes whole files)"
         )
-    if args.executor == "slurm" and not args.partition:
+    if config.executor == "slurm" and not config.partition:
         raise InputError("--executor slurm needs --partition")
-    if args.executor == "slurm" and shutil.which("sbatch") is None:
+    if config.executor == "slurm" and shutil.which("sbatch") is None:
         raise InputError(
             "--executor slurm: sbatch is not on PATH (run this on a Slurm login "
             "node, or use --executor local)"
         )
-    if args.workers is not None and args.workers < 1 and args.executor == "local":
-        raise InputError(f"--workers {args.workers}: must be at least 1")
-    if not Path(args.output_dir).parent.is_dir():
-        raise InputError(f"--output-dir: {Path(args.output_dir).parent} does not exist")
-    if args.merge_prefix and not Path(args.merge_prefix).absolute().parent.is_dir():
+    if config.workers is not None and config.workers < 1 and config.executor == "local":
+        raise InputError(f"--workers {config.workers}: must be at least 1")
+    if not Path(config.output_dir).parent.is_dir():
+        raise InputError(f"--output-dir: {Path(config.output_dir).parent} does not exist")
+    if config.merge_prefix and not Path(config.merge_prefix).absolute().parent.is_dir():
         raise InputError(
-            f"--merge-prefix: {Path(args.merge_prefix).absolute().parent} does " "not exist"
+            f"--merge-prefix: {Path(config.merge_prefix).absolute().parent} does " "not exist"
         )
     try:
-        tokenizer = cached_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
     except (FileNotFoundError, ValueError) as err:
         raise InputError(f"--tokenizer-model: {err}") from None
-    for item in args.sbatch_args:
+    for item in config.sbatch_args:
         if "=" not in item:
-            raise InputError(f"--sbatch-args {item}: expected KEY=VALUE")
-    return tasks, tokenizer_record(args.tokenizer_type, tokenizer)
+            raise InputError(f"--sbatch-config {item}: expected KEY=VALUE")
+    return tasks, tokenizer_record(config.tokenizer_type, tokenizer)
 
 
 def check_same_run(logging_dir: str, plan: dict) -> None:
@@ -216,34 +147,34 @@ def check_same_run(logging_dir: str, plan: dict) -> None:
         Path(temporary).write_text(json.dumps(plan, indent=1))
 
 
-def logging_dir_of(args: argparse.Namespace) -> str:
-    return os.path.abspath(args.logging_dir or os.path.join(args.output_dir, ".datatrove"))
+def logging_dir_of(config: TokenizeCorpusConfig) -> str:
+    return os.path.abspath(config.logging_dir or os.path.join(config.output_dir, ".datatrove"))
 
 
-def build_executor(args: argparse.Namespace, files: list[str], tasks: int) -> tuple:
+def build_executor(config: TokenizeCorpusConfig, files: list[str], tasks: int) -> tuple:
     """The tokenization executor, and the Slurm options a dependent job reuses (none locally)."""
-    output_dir = os.path.abspath(args.output_dir)
+    output_dir = os.path.abspath(config.output_dir)
     pipeline = [
-        ShardReader(files, args.json_keys),
+        ShardReader(files, config.json_keys),
         IndexedDatasetWriter(
             output_dir,
-            args.json_keys,
-            args.tokenizer_type,
-            args.tokenizer_model,
-            args.add_bos,
-            args.append_eod,
-            args.max_reported,
+            config.json_keys,
+            config.tokenizer_type,
+            config.tokenizer_model,
+            config.add_bos,
+            config.add_eod,
+            config.max_reported,
         ),
     ]
-    logging_dir = logging_dir_of(args)
-    if args.executor == "local":
+    logging_dir = logging_dir_of(config)
+    if config.executor == "local":
         from datatrove.executor import LocalPipelineExecutor
 
         return (
             LocalPipelineExecutor(
                 pipeline,
                 tasks=tasks,
-                workers=args.workers or 1,
+                workers=config.workers or 1,
                 logging_dir=logging_dir,
                 start_method="fork",
             ),
@@ -251,31 +182,31 @@ def build_executor(args: argparse.Namespace, files: list[str], tasks: int) -> tu
         )
     from datatrove.executor import SlurmPipelineExecutor
 
-    env_command = args.env_command or f'export PATH="{os.path.dirname(sys.executable)}:$PATH"'
+    env_command = config.env_command or f'export PATH="{os.path.dirname(sys.executable)}:$PATH"'
     slurm = dict(
-        time=args.time,
-        partition=args.partition,
-        cpus_per_task=args.cpus_per_task,
-        mem_per_cpu_gb=args.mem_per_cpu_gb,
-        qos=args.qos,
+        time=config.time,
+        partition=config.partition,
+        cpus_per_task=config.cpus_per_task,
+        mem_per_cpu_gb=config.mem_per_cpu_gb,
+        qos=config.qos,
         env_command=env_command,
         # a job whose dependency failed (the merge, datatrove's stats merge) would otherwise
         # stay pending forever, holding its place in the queue
         sbatch_args={"kill-on-invalid-dep": "yes"}
-        | dict(item.split("=", 1) for item in args.sbatch_args),
+        | dict(item.split("=", 1) for item in config.sbatch_args),
     )
     executor = SlurmPipelineExecutor(
         pipeline,
         tasks=tasks,
-        workers=args.workers or -1,
-        job_name=args.job_name,
+        workers=config.workers or -1,
+        job_name=config.job_name,
         logging_dir=logging_dir,
         **slurm,
     )
     return executor, slurm
 
 
-def merge_job(args: argparse.Namespace, tokenize, slurm: dict):
+def merge_job(config: TokenizeCorpusConfig, tokenize, slurm: dict):
     """The Slurm job that merges the tasks' datasets once the tokenization job succeeded.
 
     It runs on every submission, as the local merge does: a merge marked complete by an earlier
@@ -283,13 +214,13 @@ def merge_job(args: argparse.Namespace, tokenize, slurm: dict):
     from datatrove.executor import SlurmPipelineExecutor
 
     step = MergeTasks(
-        os.path.abspath(args.output_dir), args.json_keys, os.path.abspath(args.merge_prefix)
+        os.path.abspath(config.output_dir), config.json_keys, os.path.abspath(config.merge_prefix)
     )
     return SlurmPipelineExecutor(
         [step],
         tasks=1,
-        job_name=args.job_name + "-merge",
-        logging_dir=os.path.join(logging_dir_of(args), "merge"),
+        job_name=config.job_name + "-merge",
+        logging_dir=os.path.join(logging_dir_of(config), "merge"),
         depends=tokenize,
         skip_completed=False,
         **slurm,
@@ -331,22 +262,22 @@ def forget_tasks(executor, ranks: list[int], output_dir: str, keys: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    files = expand_inputs(args.input)
-    tasks, tokenizer = check(args, files)
-    os.makedirs(args.output_dir, exist_ok=True)
+    config = parse_args(argv)
+    files = expand_inputs(config.input)
+    tasks, tokenizer = check(config, files)
+    os.makedirs(config.output_dir, exist_ok=True)
     plan = dict(
         inputs=files,
         tasks=tasks,
-        json_keys=args.json_keys,
+        json_keys=config.json_keys,
         tokenizer=tokenizer,
-        add_bos=args.add_bos,
-        add_eod=args.append_eod,
+        add_bos=config.add_bos,
+        add_eod=config.add_eod,
     )
-    check_same_run(logging_dir_of(args), plan)
-    executor, slurm = build_executor(args, files, tasks)
-    if args.executor == "slurm":
-        merge = merge_job(args, executor, slurm) if args.merge_prefix else None
+    check_same_run(logging_dir_of(config), plan)
+    executor, slurm = build_executor(config, files, tasks)
+    if config.executor == "slurm":
+        merge = merge_job(config, executor, slurm) if config.merge_prefix else None
         return submit(executor, merge, tasks)
     to_run = executor.get_incomplete_ranks()
     if len(to_run) < tasks:
@@ -354,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     failed = run_local_tasks(
         executor,
-        args.workers or 1,
+        config.workers or 1,
         report=lambda line: print(f"tokenize_corpus.py: {line}", file=sys.stderr),
     )
     if failed:
@@ -366,24 +297,24 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    output_dir = os.path.abspath(args.output_dir)
+    output_dir = os.path.abspath(config.output_dir)
     if not to_run:
         print(f"nothing to do: all {tasks} tasks were complete")
     else:
         line, total = summarize(
-            output_dir, tasks, to_run, args.json_keys[0], time.perf_counter() - start
+            output_dir, tasks, to_run, config.json_keys[0], time.perf_counter() - start
         )
         try:
             require_documents(files, total)
         except InputError:
-            forget_tasks(executor, to_run, output_dir, args.json_keys)
+            forget_tasks(executor, to_run, output_dir, config.json_keys)
             raise
         print(line)
-        if args.strict and total.rejected_lines:
+        if config.strict and total.rejected_lines:
             return 1
-    if args.merge_prefix:
-        MergeTasks(output_dir, args.json_keys, args.merge_prefix).run()
-        print(f"merged the {tasks} tasks' datasets into {args.merge_prefix}_KEY_document")
+    if config.merge_prefix:
+        MergeTasks(output_dir, config.json_keys, config.merge_prefix).run()
+        print(f"merged the {tasks} tasks' datasets into {config.merge_prefix}_KEY_document")
     return 0
 
 

@@ -4,8 +4,10 @@ A config dataclass declares its flags by its fields: ``micro_batch_size`` become
 ``--micro-batch-size``, its type and default the flag's. A field's help is what
 :func:`flag_help` (or :func:`switch`) gives it, else its docstring (the string literal after
 it); ``ours=True`` marks a flag neither Megatron-LM nor the Apertus fork has, and ``--help``
-says so (:data:`ADDITION_MARK`). :func:`add_arguments` adds one dataclass's flags as an
-argument group, :func:`from_arguments` builds the dataclass back from the parsed flags.
+says so (:data:`ADDITION_MARK`). A field without a default is a required flag, and a
+``Literal[...]`` field takes only the values it names (argparse's ``choices``).
+:func:`add_arguments` adds one dataclass's flags as an argument group, :func:`from_arguments`
+builds the dataclass back from the parsed flags.
 
 A group whose flags are more than its fields (the model's preset, the layout's Megatron-LM
 spellings) parses itself: it provides the :class:`SelfParsing` methods, and :func:`add_group`
@@ -52,15 +54,17 @@ def flag_help(
     *,
     ours: bool = False,
     switch: bool = False,
+    empty: bool = False,
     **kwargs: Any,
 ) -> Any:
     """A dataclass field with its flag's help: the one place that writes a field's metadata.
 
     ``ours``: a flag neither Megatron-LM nor the Apertus fork has (marked as our addition in
-    ``--help``); ``switch``: a boolean flag that only switches on; ``kwargs`` go to
-    :func:`dataclasses.field` (``default_factory``).
+    ``--help``); ``switch``: a boolean flag that only switches on; ``empty``: a list's flag
+    may be given without a value (an empty list); ``kwargs`` go to :func:`dataclasses.field`
+    (``default_factory``).
     """
-    metadata = {"help": text, "ours": ours, "switch": switch}
+    metadata = {"help": text, "ours": ours, "switch": switch, "empty": empty}
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
@@ -91,6 +95,10 @@ def _default(f: dataclasses.Field) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return None
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 @functools.cache
@@ -137,7 +145,12 @@ def add_arguments(
         kind = _base_type(hints[f.name])
         name = prefix + f.name
         kwargs = dict(default=_default(f) if defaults else None, help=field_help(cls, f))
-        if kind is bool:
+        if defaults and _required(f):
+            kwargs.update(required=True)
+        if typing.get_origin(kind) is typing.Literal:
+            choices = typing.get_args(kind)
+            group.add_argument(_flag(name), type=type(choices[0]), choices=choices, **kwargs)
+        elif kind is bool:
             action = "store_true" if f.metadata.get("switch") else argparse.BooleanOptionalAction
             group.add_argument(_flag(name), action=action, **kwargs)
             for alias in ALIASES.get(name, []):
@@ -151,7 +164,8 @@ def add_arguments(
                 )
         elif typing.get_origin(kind) is list:
             flags = [_flag(name), *ALIASES.get(name, [])]
-            group.add_argument(*flags, nargs="+", type=typing.get_args(kind)[0], **kwargs)
+            nargs = "*" if f.metadata.get("empty") else "+"
+            group.add_argument(*flags, nargs=nargs, type=typing.get_args(kind)[0], **kwargs)
         else:
             group.add_argument(_flag(name), *ALIASES.get(name, []), type=kind, **kwargs)
     return group

@@ -157,6 +157,64 @@ def test_unknown_tokenizer_fails_before_any_work(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
 
 
+def tool_actions(parser) -> dict:
+    return {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+
+
+def test_the_data_tools_add_the_trainers_tokenizer_group():
+    """One declaration (``TokenizerConfig``): the same flags, help, default and choices in the
+    trainer and in every tokenizing tool; a tool's parser builds ``PreprocessConfig``."""
+    import pretrain_gpt
+    from tests.test_cli import load_tool
+
+    trainer = tool_actions(pretrain_gpt.build_parser())
+    for name in ("preprocess_data", "tokenize_corpus", "preprocess_chat", "preprocess_preferences"):
+        module = load_tool(REPO / "tools" / f"{name}.py")
+        if name == "tokenize_corpus":
+            parser = module.argparse.ArgumentParser()
+            for title, group in module.GROUPS.items():
+                module.add_arguments(parser, group, title=title)
+        else:
+            parser = module.ArgumentParser()
+            module.add_corpus_arguments(parser)
+        tool = tool_actions(parser)
+        for flag in ("--tokenizer-type", "--tokenizer-model"):
+            ours, theirs = tool[flag], trainer[flag]
+            assert (ours.help, ours.default, ours.choices) == (
+                theirs.help,
+                theirs.default,
+                theirs.choices,
+            ), (name, flag)
+    config, strict = load_tool(TOOL).parse_args(
+        [
+            "--input",
+            "a.jsonl",
+            "--output-prefix",
+            "o",
+            "--no-bos",
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--strict",
+        ]
+    )
+    assert (config.add_bos, config.add_eod, config.tokenizer_type, strict) == (
+        False,
+        True,
+        "HuggingFaceTokenizer",
+        True,
+    )
+
+
+def test_append_eod_with_no_eod_is_refused_in_one_line(tmp_path):
+    source = write_jsonl(tmp_path / "corpus.jsonl", DOCS[:2])
+    out = str(tmp_path / "out")
+    proc = run_tool("--input", str(source), "--output-prefix", out, "--append-eod", "--no-eod")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "preprocess_data.py: error: --append-eod and --no-eod: give one of them\n"
+    assert run_tool("--input", str(source), "--output-prefix", out, "--append-eod").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir())[0] == "corpus.jsonl"
+
+
 def test_special_token_strings_in_text_stay_text(tekken):
     ids = tekken.encode_document("a literal </s> and <s> inside a web page")
     assert ids[0] == tekken.bos and ids[-1] == tekken.eod

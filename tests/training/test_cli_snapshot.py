@@ -16,11 +16,12 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 import pretrain_gpt
-from megatron.apertus import flags
+from megatron.apertus import cli, flags
 from megatron.apertus.model.config import ParallelConfig
 from megatron.apertus.training import config as C
 
@@ -91,6 +92,34 @@ def test_a_new_field_needs_nothing_but_its_declaration():
     assert helps["new_explained"] == "metadata help wins" + flags.ADDITION_MARK
     args = parser.parse_args(["--new-plain", "5"])
     assert flags.from_arguments(_NewGroup, args, prefix="new_") == _NewGroup(plain=5)
+
+
+@dataclass(kw_only=True, frozen=True)
+class _ToolGroup:
+    source: str
+    """No default: a required flag."""
+    kind: Literal["a", "b"] = "a"
+    """Only the values it names."""
+    skip: list[str] = flags.flag_help(
+        "may be given without a value", default_factory=list, empty=True
+    )
+    keys: list[str] = flags.flag_help("one value at least", default_factory=list)
+
+
+def test_required_choice_and_empty_list_flags_come_from_the_declaration(capsys):
+    parser = cli.ArgumentParser(prog="tool.py")
+    flags.add_arguments(parser, _ToolGroup, title="tool")
+    args = parser.parse_args(["--source", "s", "--kind", "b", "--skip"])
+    assert flags.from_arguments(_ToolGroup, args) == _ToolGroup(source="s", kind="b", skip=[])
+    for argv, message in [
+        (["--kind", "b"], "the following arguments are required: --source"),
+        (["--source", "s", "--kind", "c"], "invalid choice: 'c'"),
+        (["--source", "s", "--keys"], "--keys: expected at least one argument"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
 @dataclass(kw_only=True, frozen=True)

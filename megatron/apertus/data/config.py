@@ -1,5 +1,6 @@
 """The tokenizer and the data loader's flags (``--help``'s "data" group); the datasets
-themselves are :class:`megatron.apertus.data.datasets.DatasetConfig`.
+themselves are :class:`megatron.apertus.data.datasets.DatasetConfig`. The tokenizer's flags are
+:class:`megatron.apertus.tokenizer.config.TokenizerConfig`, which the preparation tools share.
 
 A tokenizer other than the default is loaded when the flags are read, so that ``--dry-run``
 and the tools refuse a wrong file before anything is built.
@@ -8,22 +9,15 @@ and the tools refuse a wrong file before anything is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help
+from megatron.apertus.tokenizer.config import TokenizerConfig
 from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
 
 
 @dataclass(kw_only=True, frozen=True)
-class DataConfig:
-    tokenizer_type: str = flag_help(
-        "TekkenTokenizer, HuggingFaceTokenizer or SentencePieceTokenizer", "TekkenTokenizer"
-    )
-    tokenizer_model: Optional[str] = flag_help(
-        "tokenizer file or directory (TekkenTokenizer: default the one bundled with mistral-common)",
-        None,
-    )
+class DataConfig(TokenizerConfig):
     goldfish_loss: bool = flag_help(
         "drop a deterministic 1/k of label positions from the loss", False
     )

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -23,9 +25,23 @@ from megatron.apertus.data.chat import (
     loss_mask_prefix,
     parse_messages,
 )
+from megatron.apertus.flags import flag_help, require
 from megatron.apertus.prep.layouts import explicit
 from megatron.apertus.prep.preprocess import decode_line
 from megatron.apertus.tokenizer.tokenizers import Tokenizer
+
+
+@dataclass(kw_only=True, frozen=True)
+class ChatOptions:
+    """``tools/preprocess_chat.py``'s flag beyond the corpus's: :class:`ChatEncoder`'s limit."""
+
+    max_tokens: Optional[int] = flag_help(
+        "skip conversations longer than this many tokens (e.g. --seq-length)", None, ours=True
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None:
+            require(self.max_tokens >= 2, "--max-tokens", self.max_tokens, ">= 2")
 
 
 def encode_sft(tokenizer: Tokenizer, record: object) -> tuple[np.ndarray, np.ndarray]:

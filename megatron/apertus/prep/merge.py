@@ -8,12 +8,14 @@ what one ``tools/preprocess_data.py`` run over all inputs writes.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help, switch
 from megatron.apertus.prep.preprocess import (
     RECORD_SUFFIX,
     read_dataset_record,
@@ -23,6 +25,19 @@ from megatron.apertus.prep.preprocess import (
 
 class MergeError(ConfigError):
     """Parts that cannot be merged; the message names the part."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MergeOptions:
+    """``tools/merge_datasets.py``'s flags: Megatron-LM's, and the check this merge adds."""
+
+    input: str = flag_help("directory holding the .bin/.idx pairs to merge")
+    output_prefix: str = flag_help("writes OUTPUT_PREFIX.bin/.idx (and .meta.json)")
+    no_tokenizer_check: bool = switch(
+        "merge parts that have no .meta.json (their tokenizer is unknown; dtypes are still "
+        "checked)",
+        ours=True,
+    )
 
 
 def dataset_prefixes(folder: str | os.PathLike) -> list[str]:

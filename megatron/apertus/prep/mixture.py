@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import flag_help
 from megatron.apertus.prep.merge import MergeError, check_compatible, dataset_prefixes
 
 MIXTURE_FILE = "mixture.json"
@@ -80,6 +81,24 @@ def select(parts: list[Part], budget: float, rng: np.random.Generator) -> list[P
         chosen.append(parts[i])
         tokens += parts[i].tokens
     return sorted(chosen, key=lambda p: p.prefix)
+
+
+@dataclass(kw_only=True, frozen=True)
+class MixtureOptions:
+    """``tools/build_mixture.py``'s flags: the arguments of :func:`build_mixture`."""
+
+    folders: list[str] = flag_help("folders of .bin/.idx datasets (or earlier mixtures)", ours=True)
+    weights: list[float] = flag_help("one per folder; normalised", ours=True)
+    max_tokens: int = flag_help("token budget of the mixture (underscores allowed)", ours=True)
+    exclude: list[str] = flag_help(
+        "folders whose datasets must not be taken again",
+        default_factory=list,
+        ours=True,
+        empty=True,
+    )
+    output: str = flag_help("the mixture folder (must not exist)", ours=True)
+    seed: int = flag_help("shuffles each folder's datasets", 1234, ours=True)
+    seq_length: int = flag_help("sequence length of the samples in the report", 4096, ours=True)
 
 
 def build_mixture(

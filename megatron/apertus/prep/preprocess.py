@@ -45,8 +45,10 @@ import numpy as np
 
 from megatron.apertus.cli import atomic_outputs, die_with_parent
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import add_arguments, flag_help, from_arguments, switch
 from megatron.apertus.prep.indexed_writer import IndexedDatasetWriter
-from megatron.apertus.tokenizer.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megatron.apertus.tokenizer.config import TokenizerConfig
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
 
 log = logging.getLogger("apertus.preprocess")
 
@@ -54,62 +56,109 @@ Line = tuple[int, int, bytes]  # (input file index, 1-based line number, raw byt
 
 
 @dataclass(kw_only=True, frozen=True)
-class PreprocessConfig:
+class CorpusOptions:
+    """The flags every JSON-lines tokenizing tool shares beside the tokenizer's, with
+    Megatron-LM's names; :func:`corpus_config` turns them into :class:`PreprocessConfig`'s
+    fields of the same names (``input``'s patterns into the files ``inputs``)."""
+
+    input: list[str] = flag_help("JSON-lines files (.jsonl, .gz, .zst); shell-style globs allowed")
+    output_prefix: str = flag_help("where the datasets go: their names begin with OUTPUT_PREFIX")
+    workers: int = flag_help("processes that tokenize", 1)
+    max_reported: int = flag_help("bad lines reported in full", 10, ours=True)
+
+
+@dataclass(kw_only=True, frozen=True)
+class DocumentOptions:
+    """Which texts of a line are documents and how each begins and ends: the flags
+    ``tools/preprocess_data.py`` and ``tools/tokenize_corpus.py`` share."""
+
+    json_keys: list[str] = flag_help(
+        "the keys of each line whose texts are tokenized, one dataset per key",
+        default_factory=lambda: ["text"],
+    )
+    append_eod: bool = switch(
+        "end every document with </s> (the default; kept for Megatron-LM compatibility)"
+    )
+    no_eod: bool = switch("do not append </s>", ours=True)
+    no_bos: bool = switch("do not prepend <s>", ours=True)
+
+    def __post_init__(self) -> None:
+        if self.append_eod and self.no_eod:
+            raise ConfigError("--append-eod and --no-eod: give one of them")
+
+    @property
+    def add_bos(self) -> bool:
+        """Every document begins with ``<s>``."""
+        return not self.no_bos
+
+    @property
+    def add_eod(self) -> bool:
+        """Every document ends with ``</s>``."""
+        return not self.no_eod
+
+
+@dataclass(kw_only=True, frozen=True)
+class SentenceOptions:
+    """Megatron-LM's sentence-level datasets (``PREFIX_KEY_sentence``) with nltk's Punkt."""
+
+    split_sentences: bool = switch(
+        "one index entry per sentence (nltk Punkt, punkt_tab data); writes "
+        "PREFIX_KEY_sentence.bin/.idx"
+    )
+    lang: str = flag_help("Punkt model of --split-sentences", "english")
+    keep_newlines: bool = switch(
+        "with --split-sentences: keep the whitespace (newlines included) between sentences with "
+        "the sentence before it, so that the sentences concatenate to the text"
+    )
+
+
+@dataclass(kw_only=True, frozen=True)
+class PreprocessConfig(TokenizerConfig, DocumentOptions, SentenceOptions):
+    """What :func:`preprocess` writes. Its tokenizer, document and sentence fields are flag
+    groups (the tools add them); the rest are :class:`CorpusOptions`' flags, or library
+    settings that no tool changes (``lines_per_task``)."""
+
     inputs: list[Path]
-    json_keys: list[str] = field(default_factory=lambda: ["text"])
     output_prefix: str
-    tokenizer_type: str = "TekkenTokenizer"
-    tokenizer_model: str | None = None
-    add_bos: bool = True
-    add_eod: bool = True
     workers: int = 1
     lines_per_task: int = 64
     max_reported: int = 10
     """Rejected lines reported in full; the rest are only counted."""
-    split_sentences: bool = False
-    """Megatron-LM's sentence-level datasets (``PREFIX_KEY_sentence``) with nltk's Punkt."""
-    lang: str = "english"
-    """The Punkt model of ``split_sentences``."""
-    keep_newlines: bool = False
-    """With ``split_sentences``: the whitespace between sentences (newlines included) stays
-    with the sentence before it, so the sentences concatenate to the text."""
     log_interval: int = 1000
     """Log documents and tokens per second every this many documents."""
 
 
+@dataclass(kw_only=True, frozen=True)
+class RunOptions:
+    """``tools/preprocess_data.py``'s flags beyond the documents': progress, the exit status,
+    and two flags of Megatron-LM's tool that change nothing here."""
+
+    partitions: int = flag_help(
+        "accepted for Megatron-LM compatibility: --workers already tokenizes in parallel, and "
+        "the output is in input order whatever its value",
+        1,
+    )
+    keep_sequential_samples: bool = switch(
+        "accepted for Megatron-LM compatibility: documents always keep their input order"
+    )
+    log_interval: int = flag_help("log progress every this many documents", 1000)
+    strict: bool = switch("exit 1 when any line was rejected", ours=True)
+
+
 def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every JSON-lines tokenizing tool shares, with Megatron-LM's names."""
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        help="JSON-lines files (.jsonl, .gz, .zst); shell-style globs allowed",
-    )
-    parser.add_argument("--output-prefix", required=True)
-    parser.add_argument("--tokenizer-type", default="TekkenTokenizer", choices=TOKENIZER_TYPES)
-    parser.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="tokenizer file/directory (TekkenTokenizer defaults to mistral-common's)",
-    )
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--max-reported", type=int, default=10, help="bad lines reported in full")
+    """The flags every JSON-lines tokenizing tool shares: :class:`CorpusOptions`' and the
+    tokenizer's (the trainer's group)."""
+    add_arguments(parser, CorpusOptions, title="input and output")
+    add_arguments(parser, TokenizerConfig, title="tokenizer")
 
 
-def corpus_config(args: argparse.Namespace, **options) -> PreprocessConfig:
-    """The config of :func:`add_corpus_arguments`' flags plus a tool's own ``options``. Globs
+def corpus_config(args: argparse.Namespace) -> PreprocessConfig:
+    """The config of a tool's flags: :func:`add_corpus_arguments`' and those of any group of
+    :class:`PreprocessConfig` the tool added (one it did not add keeps its defaults). Globs
     expand in sorted order; a name that matches nothing stays, for :func:`preprocess` to
     report as missing."""
     inputs = [Path(p) for pattern in args.input for p in (sorted(glob.glob(pattern)) or [pattern])]
-    return PreprocessConfig(
-        inputs=inputs,
-        output_prefix=args.output_prefix,
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        workers=args.workers,
-        max_reported=args.max_reported,
-        **options,
-    )
+    return from_arguments(PreprocessConfig, argparse.Namespace(**vars(args), inputs=inputs))
 
 
 @dataclass

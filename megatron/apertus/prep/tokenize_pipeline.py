@@ -23,6 +23,10 @@ executor, whose pool waits forever for a worker killed outright and whose helper
 outlives a killed parent: each task is a process of its own, watched until it exits, and it
 ends with its parent. :class:`MergeTasks` merges the tasks' datasets (on Slurm, as a job that
 depends on the tokenization job).
+
+``tools/tokenize_corpus.py``'s flags are declared here too (:class:`TokenizeCorpusConfig`, for
+the flags generator): the tokenizer's and the documents' groups are those of
+``tools/preprocess_data.py``.
 """
 
 from __future__ import annotations
@@ -33,16 +37,18 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Literal, Optional
 
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.logging import logger
 
 from megatron.apertus.cli import die_with_parent
+from megatron.apertus.flags import flag_help, switch
 from megatron.apertus.prep.indexed_writer import IndexedDatasetWriter as _BinWriter
 from megatron.apertus.prep.merge import dataset_prefixes, merge
 from megatron.apertus.prep.preprocess import (
+    DocumentOptions,
     Summary,
     dataset_record,
     encode_document,
@@ -54,10 +60,76 @@ from megatron.apertus.prep.preprocess import (
     tokenizer_record,
     write_dataset_record,
 )
+from megatron.apertus.tokenizer.config import TokenizerConfig
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
 
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 PROGRESS_SECONDS = 30.0
+
+
+@dataclass(kw_only=True, frozen=True)
+class TaskData:
+    """The inputs and outputs of the tasks; with the tokenizer's and the documents' groups, the
+    flags of tools/preprocess_data.py that apply to a task."""
+
+    input: list[str] = flag_help(
+        "JSON-lines (.jsonl, .gz, .zst) or .parquet files; globs and fsspec URLs allowed; "
+        "sorted per pattern, in the order given"
+    )
+    output_dir: str = flag_help("where the tasks' datasets go", ours=True)
+    max_reported: int = flag_help("bad lines reported in full, per task", 10, ours=True)
+    strict: bool = switch("exit 1 when any line was rejected (local executor)", ours=True)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Execution:
+    """How the tasks run, and what follows them."""
+
+    executor: Literal["local", "slurm"] = flag_help("where the tasks run", "local", ours=True)
+    tasks: Optional[int] = flag_help(
+        "datasets to write (default: one per input file)", None, ours=True
+    )
+    workers: Optional[int] = flag_help(
+        "tasks running at once (local default 1; slurm default: no limit)", None, ours=True
+    )
+    merge_prefix: Optional[str] = flag_help(
+        "when every task is complete, merge the tasks' datasets into "
+        "MERGE_PREFIX_KEY_document.bin/.idx (on Slurm: a job that depends on the tokenization "
+        "job)",
+        None,
+        ours=True,
+    )
+    logging_dir: Optional[str] = flag_help(
+        "datatrove logs, stats and completion markers (default: OUTPUT_DIR/.datatrove)",
+        None,
+        ours=True,
+    )
+
+
+@dataclass(kw_only=True, frozen=True)
+class SlurmJob:
+    """The Slurm executor's job options."""
+
+    partition: Optional[str] = flag_help("the partition the jobs run in", None, ours=True)
+    time: str = flag_help("time limit per task", "24:00:00", ours=True)
+    cpus_per_task: int = flag_help("CPUs per task", 1, ours=True)
+    mem_per_cpu_gb: int = flag_help("memory per CPU in GB", 4, ours=True)
+    job_name: str = flag_help("the job's name", "tokenize", ours=True)
+    qos: Optional[str] = flag_help("the jobs' quality of service", None, ours=True)
+    sbatch_args: list[str] = flag_help(
+        "further #SBATCH options as KEY=VALUE, e.g. account=a01", default_factory=list, ours=True
+    )
+    env_command: Optional[str] = flag_help(
+        "shell line run before each task (default: put this Python's bin directory first on "
+        "PATH)",
+        None,
+        ours=True,
+    )
+
+
+@dataclass(kw_only=True, frozen=True)
+class TokenizeCorpusConfig(TokenizerConfig, DocumentOptions, TaskData, Execution, SlurmJob):
+    """Every flag of ``tools/tokenize_corpus.py``, one group each in its ``--help``."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,13 +22,14 @@ import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, get_args
 
 from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.tokenizer.config import TokenizerType
 
 DEFAULT_TEKKEN = "tekken_240718.json"
-TOKENIZER_TYPES = ("TekkenTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
+TOKENIZER_TYPES: tuple[str, ...] = get_args(TokenizerType)
 
 
 def bundled_tekken_path(name: str = DEFAULT_TEKKEN) -> Path:
