@@ -264,6 +264,9 @@ class SaveOptions:
     replica writing them all."""
     cache_distribution: bool = False
     """Keep the fully parallel save's distribution of tensors between saves."""
+    unpublished: dict[int, tuple[Path, str]] = field(default_factory=dict)
+    """Background saves not published yet, by the queue's call index: the directory being
+    written and the line to end with if its write runs out of disk."""
 
 
 _background_results_queue = None
@@ -323,7 +326,7 @@ def save(
     on every rank then (at once for a synchronous save)."""
     if options.async_queue is not None:
         # The previous save is published before this one clears unpublished directories.
-        options.async_queue.maybe_finalize_async_calls(blocking=True)
+        finalize_background_saves(options, blocking=True)
     final = iteration_dir(save_dir, state.iteration)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = dist.get_rank() == 0
@@ -360,8 +363,29 @@ def save(
         if request.async_fn is not None:
             writer = partial(_write_ending_with_this_rank, request.async_fn)
             request = request._replace(async_fn=writer)
-        options.async_queue.schedule_async_request(request)
+        call = options.async_queue.schedule_async_request(request)
+        options.unpublished[call] = (tmp, _out_of_space_line(save_dir, final, sharded))
     return final
+
+
+def finalize_background_saves(options: SaveOptions, blocking: bool) -> None:
+    """Publish the background saves that every rank has written (a collective; ``blocking``:
+    wait for all of them). A write that ran out of disk ends in :class:`CheckpointWriteError`
+    naming the directory and the space it needed, its partial directory removed, as a
+    synchronous save does."""
+    try:
+        published = options.async_queue.maybe_finalize_async_calls(blocking=blocking)
+    except (Exception, CheckpointException) as err:  # torch's is a BaseException
+        if not _out_of_space(err) or not options.unpublished:
+            raise
+        _, line = options.unpublished[min(options.unpublished)]
+        if dist.get_rank() == 0:
+            for tmp, _ in options.unpublished.values():
+                shutil.rmtree(tmp, ignore_errors=True)
+        options.unpublished.clear()
+        raise CheckpointWriteError(line) from None
+    for call in published:
+        options.unpublished.pop(call, None)
 
 
 def _write_ending_with_this_rank(write: Callable, *args, **kwargs) -> None:

@@ -116,12 +116,14 @@ def _full_disk_open(path, mode="r", *args, **kwargs):
     return _FullDisk(open(path, mode, *args, **kwargs), room=1000)
 
 
+@pytest.mark.parametrize("background", [[], ["--async-save"]], ids=["sync", "async"])
 def test_a_save_out_of_disk_ends_in_one_line_and_keeps_the_last_checkpoint(
-    saved, tmp_path, monkeypatch, capsys
+    saved, tmp_path, monkeypatch, capsys, background
 ):
+    """Written by this process or, with --async-save, by the writer it forks."""
     save = _copy(saved, tmp_path)
     monkeypatch.setattr(filesystem_async, "open", _full_disk_open, raising=False)
-    argv = BASE + ["--save", str(save), "--load", str(save)]
+    argv = BASE + background + ["--save", str(save), "--load", str(save)]
     handler = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as exited:

@@ -267,7 +267,7 @@ class Checkpointer:
         """Publish the background saves that are done, then agree with every rank on a save
         and an exit: requests (signals, trigger files, the duration) and the intervals."""
         if self.in_background:
-            self.options.async_queue.maybe_finalize_async_calls(blocking=False)
+            checkpoint.finalize_background_saves(self.options, blocking=False)
         requests = self.requests.poll(self.device)
         exit_now = requests.exit or bool(self.exit_interval and iteration % self.exit_interval == 0)
         return AfterStep(
@@ -299,7 +299,7 @@ class Checkpointer:
     def finish(self) -> None:
         """Wait until every background save is written and published (all ranks)."""
         if self.in_background:
-            self.options.async_queue.maybe_finalize_async_calls(blocking=True)
+            checkpoint.finalize_background_saves(self.options, blocking=True)
 
 
 def _log_saved(path: Path) -> None:

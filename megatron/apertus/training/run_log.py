@@ -28,13 +28,18 @@ class _OursOrWarnings(logging.Filter):
 
 
 def configure_logging(save_dir: str | None) -> None:
-    """Console and debug-log handlers on the root logger (call once, in an entry point)."""
+    """Console and debug-log handlers on the root logger (in an entry point). A run started
+    again in the same interpreter replaces the handlers of the one before, whose console and
+    --save may be gone."""
     root = logging.getLogger()
     root.setLevel(logging.INFO)
+    for earlier in [h for h in root.handlers if getattr(h, OURS, False)]:
+        root.removeHandler(earlier)
+        earlier.close()
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     console.addFilter(_OursOrWarnings())
-    root.addHandler(console)
+    _add_ours(root, console)
     if not save_dir or os.environ.get("RANK", "0") != "0":
         return
     try:
@@ -43,7 +48,12 @@ def configure_logging(save_dir: str | None) -> None:
     except OSError:
         return  # an unwritable --save is refused, in one line, when the run starts
     debug.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root.addHandler(debug)
+    _add_ours(root, debug)
+
+
+def _add_ours(root: logging.Logger, handler: logging.Handler) -> None:
+    setattr(handler, OURS, True)
+    root.addHandler(handler)
 
 
 def warn_if_slow_precision(precision: str, device: str) -> None:
