@@ -29,11 +29,7 @@ from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, run
 from megatron.apertus.flags import add_arguments, from_arguments
-from megatron.apertus.prep.preference_options import (  # noqa: F401 (checked against the library)
-    MIN_REF_REWARDS,
-    OBJECTIVES,
-    PreferenceOptions,
-)
+from megatron.apertus.prep.preference_options import PreferenceOptions
 from megatron.apertus.prep.preprocess import (
     PreprocessConfig,
     add_corpus_arguments,
