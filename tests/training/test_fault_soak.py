@@ -110,9 +110,9 @@ def _collect(proc: subprocess.Popen, lines: list[str], seen: list[int]) -> threa
 
 def _kill(launcher: psutil.Process, target: str, rng: random.Random) -> list[psutil.Process]:
     """SIGKILL one rank (chosen at random), or the launcher and every process under it at once
-    as when a node is lost (torchrun starts each rank with setsid, apart from its own group: a signal to the
-    launcher's process group alone would leave them running). Returns the processes of the job
-    seen at the kill. The ranks are the launcher's own children: a rank's background checkpoint
+    as when a node is lost (torchrun starts each rank with setsid, outside the launcher's process
+    group: a signal to that group alone would leave them running). Returns the processes of the
+    job seen at the kill. The ranks are the launcher's own children: a rank's background checkpoint
     writer has the rank's command line too, and killing it would stop no training."""
     victims = [] if target == "job" else [rng.choice(_ranks(launcher))]
     job = [launcher, *launcher.children(recursive=True)]
