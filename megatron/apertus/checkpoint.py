@@ -228,12 +228,12 @@ def _training_state_dict(
     groups = chunk_groups(chunks[0])
     sharded = _model_state(chunks)
     if optimizer is not None:
-        merged = {}
-        for part in sharded.values():
-            merged.update(part)
-        # is_loading makes megatron-core create the (still empty) optimizer states to load into.
+        # All chunks' tensors, nested by chunk: megatron-core finds each optimizer parameter's
+        # tensor among them by identity. (Merged into one dict, the chunks of virtual stages
+        # would overwrite each other's entries, whose local names are alike.) is_loading makes
+        # megatron-core create the (still empty) optimizer states to load into.
         sharded["optimizer"] = optimizer.sharded_state_dict(
-            merged, is_loading=loading, metadata=SHARDING_METADATA
+            dict(sharded), is_loading=loading, metadata=SHARDING_METADATA
         )
     if scheduler is not None:
         sharded["scheduler"] = scheduler.state_dict()

@@ -1,5 +1,5 @@
-"""Checkpoints: exact resume (1 process, TP=2, PP=2, background saves, DP=2 fully parallel
-loads), other layouts, signals, interrupted saves."""
+"""Checkpoints: exact resume (1 process, TP=2, PP=2, PP=2 with virtual stages, background saves,
+DP=2 fully parallel loads), other layouts, signals, interrupted saves."""
 
 from __future__ import annotations
 
@@ -110,6 +110,22 @@ def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tupl
         pytest.param(
             "pp2",
             ["--pipeline-model-parallel-size", "2"],
+            2,
+            marks=[pytest.mark.smoke, pytest.mark.slow],
+        ),
+        # Virtual stages: each chunk's optimizer state is found among all chunks' tensors.
+        (
+            "pp2-virtual",
+            ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
+            2,
+        ),
+        pytest.param(
+            "pp2-virtual-distributed-optimizer",
+            [
+                *("--pipeline-model-parallel-size", "2"),
+                *("--virtual-pipeline-model-parallel-size", "2"),
+                *("--use-distributed-optimizer", "--optimizer", "ademamix"),
+            ],
             2,
             marks=[pytest.mark.smoke, pytest.mark.slow],
         ),

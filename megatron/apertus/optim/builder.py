@@ -27,6 +27,7 @@ from megatron.apertus.flags import flag_help, require
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron.apertus.optim.ademamix import AdEMAMix
 
@@ -107,15 +108,32 @@ def get_apertus_optimizer(
     """
     from megatron.core.optimizer import get_megatron_optimizer
 
+    groups = _model_groups(model_chunks)
     if config.optimizer == "ademamix":
-        optimizer = _ademamix_optimizer(config, model_chunks, ademamix or AdEMAMixSettings())
+        optimizer = _ademamix_optimizer(
+            config, model_chunks, ademamix or AdEMAMixSettings(), groups
+        )
     elif ademamix is not None:
         raise ValueError(f"AdEMAMix settings were given but the optimizer is {config.optimizer!r}")
     else:
-        optimizer = get_megatron_optimizer(config, model_chunks)
+        optimizer = get_megatron_optimizer(
+            config, model_chunks, use_gloo_process_groups=False, pg_collection=groups
+        )
     for group in optimizer.param_groups:
         group["weight_decay"] = config.weight_decay * group["wd_mult"]
     return optimizer
+
+
+def _model_groups(model_chunks: list) -> ProcessGroupCollection:
+    """The process groups the model chunks were built with (megatron-core's
+    ``ProcessGroupCollection``), for the optimizer's own reductions and parameter gathers.
+
+    Given a collection, megatron-core's optimizer helpers take no gloo groups: those serve only
+    the memory-efficient ``fully_reshardable`` and the ``dp_zero_gather_scatter`` checkpoint
+    formats, which checkpoints here do not use."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(model_chunks[0], "pg_collection", allow_none=False)
 
 
 def _check_supported(config: OptimizerConfig, model_chunks: list) -> None:
@@ -158,7 +176,10 @@ def _init_state(optimizer: AdEMAMix, config: OptimizerConfig | None = None) -> N
 
 
 def _ademamix_optimizer(
-    config: OptimizerConfig, model_chunks: list, settings: AdEMAMixSettings
+    config: OptimizerConfig,
+    model_chunks: list,
+    settings: AdEMAMixSettings,
+    model_groups: ProcessGroupCollection,
 ) -> MegatronOptimizer:
     from megatron.core.optimizer import (
         ChainedOptimizer,
@@ -167,13 +188,15 @@ def _ademamix_optimizer(
         _get_param_groups_and_buffers,
     )
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.utils import get_attr_wrapped_model, get_pg_rank, get_pg_size
+    from megatron.core.utils import get_pg_rank, get_pg_size
 
     from megatron.apertus.optim.ademamix import AdEMAMix
     from megatron.apertus.optim.distrib_optimizer import AdEMAMixDistributedOptimizer
 
     _check_supported(config, model_chunks)
-    groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, True)
+    groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
+        model_groups, model_chunks, use_gloo_process_groups=False
+    )
     param_groups, buffers = _get_param_groups_and_buffers(
         model_chunks,
         model_chunk_offset=0,
@@ -219,9 +242,5 @@ def _ademamix_optimizer(
     else:
         optimizer = FP32Optimizer(inner, config, _init_state)
         optimizer.grad_stats_parallel_group = groups["mp_group"]
-    # The tensor-parallel group the model was built with (megatron-core's own optimizers read it
-    # from parallel_state).
-    optimizer.tp_group = get_attr_wrapped_model(
-        model_chunks[0], "pg_collection", allow_none=False
-    ).tp
+    optimizer.tp_group = model_groups.tp
     return ChainedOptimizer([optimizer])

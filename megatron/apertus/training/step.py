@@ -28,9 +28,11 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_model_config
 
 from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
 from megatron.apertus.data.context_parallel import shard_batch
@@ -89,7 +91,9 @@ def wrap_ddp(
         fp8_param_gather=fp8_param_gather,
     )
     wrapped = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        DistributedDataParallel(
+            config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=chunk_groups(chunk)
+        )
         for i, chunk in enumerate(chunks)
     ]
     if gradient_accumulation_fusion:
@@ -310,6 +314,19 @@ def optimizer_step(optimizer: MegatronOptimizer, loss_finite: bool) -> tuple[boo
     return optimizer.step_with_ready_grads(), grad_norm
 
 
+def schedule(model: list[torch.nn.Module]) -> Callable[..., list]:
+    """megatron-core's forward-backward function for ``model``'s pipeline layout (one chunk per
+    virtual stage), bound to the chunks' process groups: its stage-to-stage messages, loss-token
+    count and gradient finalisation use them rather than parallel_state's."""
+    groups = chunk_groups(model[0])
+    virtual_stages = len(model) if len(model) > 1 else None
+    return partial(
+        get_forward_backward_func(pp_size=groups.pp.size(), vp_size=virtual_stages),
+        p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=get_model_config(model[0])),
+        pg_collection=groups,
+    )
+
+
 def run_microbatches(
     model: list[DistributedDataParallel],
     data_iterators: list[Iterator[Batch]],
@@ -319,7 +336,7 @@ def run_microbatches(
     forward: ForwardPass = token_forward,
 ) -> list[dict]:
     """megatron-core's schedule over one global batch; the reported losses (last stage only)."""
-    return get_forward_backward_func()(
+    return schedule(model)(
         forward_step_func=partial(forward_step, forward, chunk_groups(model[0]).cp),
         data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
         model=model,

@@ -33,7 +33,6 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from tqdm import tqdm
 
@@ -52,7 +51,7 @@ from megatron.apertus.distill.targets import sample_tokens
 from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.training import runtime
-from megatron.apertus.training.step import packed_seq_params_to
+from megatron.apertus.training.step import packed_seq_params_to, schedule
 from megatron.apertus.training.teacher_logits_config import GenerationConfig
 
 log = logging.getLogger("apertus.distill")
@@ -215,7 +214,7 @@ class TeacherRunner:
             uniforms = self._uniforms(positions, micro, batches)
         iterators = [iter(zip(batches, uniforms)) for _ in self.chunks]
         with torch.no_grad():
-            outputs = get_forward_backward_func()(
+            outputs = schedule(self.chunks)(
                 forward_step_func=_forward_step,
                 data_iterator=iterators[0] if len(iterators) == 1 else iterators,
                 model=self.chunks,
