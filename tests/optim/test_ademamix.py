@@ -203,6 +203,7 @@ def megatron_reports(tmp_path_factory):
     }
 
 
+@pytest.mark.smoke  # megatron-core 0.19 moved where the defaults are applied
 @pytest.mark.parametrize("run", ["single", "distributed"])
 def test_no_weight_decay_on_norms_and_xielu_alphas(megatron_reports, run):
     decay = megatron_reports[run]["weight_decay"]

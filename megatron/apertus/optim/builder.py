@@ -186,6 +186,7 @@ def _ademamix_optimizer(
         Float16OptimizerWithFloat16Params,
         FP32Optimizer,
         _get_param_groups_and_buffers,
+        get_standard_config_overrides,
     )
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_pg_rank, get_pg_size
@@ -201,7 +202,9 @@ def _ademamix_optimizer(
         model_chunks,
         model_chunk_offset=0,
         config=config,
-        config_overrides=None,
+        # megatron-core's defaults (no decay on norms, biases, xIELU's scalars), which 0.16.1
+        # applies in the helper itself and 0.19 only in get_megatron_optimizer.
+        config_overrides=get_standard_config_overrides(config),
         filter_fn=lambda g: not g["is_expert_parallel"],
         buffer_name="buffers",
     )
