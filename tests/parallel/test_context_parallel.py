@@ -88,8 +88,10 @@ GRAD_TOL = 2e-6
 parameter's gradient: fp32 round-off of sums in another order (the attention's softmax merges,
 the loss and the gradient reductions over CP ranks). Measured, largest over every parameter and
 rank: 1.0e-6 at p2p CP=4; 9e-7 at a2a+p2p 2 x 2 and at p2p CP=2 (pretraining, top-k, SFT); 8e-7
-sampled, 7e-7 QAD; a2a at most 5.3e-7; largest absolute difference 3.0e-8. The negative controls
-(no reduction over the CP ranks) miss by 0.41-0.79."""
+sampled, 7e-7 QAD; 6.3e-7 at CP=2 x TP=2 (its whole weights put back together from the TP
+shards); a2a at most 5.3e-7; largest absolute difference 3.0e-8. The negative controls (no
+reduction over the CP ranks) miss by 0.41-0.79; the TP shards put together in the other order
+by 0.79 or more."""
 SCALAR_GRAD_TOL = 1e-4
 """The same for one-number parameters (xIELU's alphas): each is a sum over every token and
 feature of its layer that cancels to ~4e-7, so the same ~1e-11 of round-off is 2e-5 of it, as
