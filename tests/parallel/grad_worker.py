@@ -3,10 +3,17 @@
     python tests/parallel/grad_worker.py GRADS_PREFIX [--without-cp-reduction] -- PRETRAIN_FLAGS
         (alone or under torchrun)
 
-Each rank writes ``GRADS_PREFIX.rank<R>.pt``: ``{parameter name: gradient}`` as the optimizer
-receives it after the first backward pass (DDP's ``main_grad``, reduced over the data- and
-context-parallel ranks and divided by the step's token count), before the step updates the
-weights. The run goes on as ``pretrain_gpt.py`` runs it (same flags, same exit status).
+Each rank writes ``GRADS_PREFIX.rank<R>.pt``, a dict of
+
+* ``grads``: ``{parameter name: gradient}`` as the optimizer receives it after the first backward
+  pass (DDP's ``main_grad``, reduced over the data- and context-parallel ranks and divided by the
+  step's token count), before the step updates the weights: this rank's shard of a weight split
+  over the tensor-parallel ranks;
+* ``splits``: ``{parameter name: (partition_dim, partition_stride)}`` for those split weights,
+  megatron-core's own attributes of the parameter (set where ``tensor_model_parallel`` is);
+* ``tp_ranks``: the global ranks of this rank's tensor-parallel group, in TP-rank order.
+
+The run goes on as ``pretrain_gpt.py`` runs it (same flags, same exit status).
 
 ``--without-cp-reduction`` is the negative control of the context-parallel comparisons: in this
 process only, DDP's gradient reduction and the reported loss's sum leave out the context-parallel
@@ -57,6 +64,7 @@ def main() -> None:
     flags = options[separator + 1 :]
     import torch
 
+    from megatron.apertus.model.builder import chunk_groups
     from tests.conftest import after_backward
 
     if "--without-cp-reduction" in options[:separator]:
@@ -65,12 +73,21 @@ def main() -> None:
     def keep_first(passes: int, model: list) -> None:
         if passes != 1:
             return
-        grads = {
-            f"{i}.{name}": param.main_grad.detach().clone()
+        params = {
+            f"{i}.{name}": param
             for i, chunk in enumerate(model)
             for name, param in chunk.named_parameters()
         }
-        torch.save(grads, f"{prefix}.rank{os.environ.get('RANK', '0')}.pt")
+        record = {
+            "grads": {name: param.main_grad.detach().clone() for name, param in params.items()},
+            "splits": {
+                name: (param.partition_dim, param.partition_stride)
+                for name, param in params.items()
+                if getattr(param, "tensor_model_parallel", False)
+            },
+            "tp_ranks": torch.distributed.get_process_group_ranks(chunk_groups(model[0]).tp),
+        }
+        torch.save(record, f"{prefix}.rank{os.environ.get('RANK', '0')}.pt")
 
     sys.argv = [str(REPO / "pretrain_gpt.py"), *flags]
     with after_backward(keep_first):

@@ -6,18 +6,22 @@ What is compared, against the one-process run of the same flags:
 * every step's loss (RTOL) and gradient norm (GRAD_NORM_RTOL), the validation loss, and that the
   steps move the loss by far more than the tolerance (so equality proves something);
 * every parameter's gradient of the first step, element by element on every rank
-  (tests/parallel/grad_worker.py; GRAD_TOL relative to the parameter's largest gradient).
+  (tests/parallel/grad_worker.py; GRAD_TOL relative to the parameter's largest gradient); under
+  tensor parallelism, each weight put back together from its TP shards along megatron-core's
+  ``partition_dim`` (the shards in the other order miss: a control of the gather), the
+  replicated parameters the same bits on every TP rank.
 
 For: unpacked samples at CP=2 (``p2p``, ``a2a``), CP=4 (``p2p``), hierarchical CP=4
 (``a2a+p2p`` over 2 x 2: all-to-all within pairs, ring over the pairs) and a per-layer
 comm-type list; packed documents with Goldfish (CP=2 ``p2p``, CP=4 ``a2a``, hierarchical);
 distillation from stored top-k and sampled teacher logits, int4 QAD and SFT loss masks on packed
 chats, each at CP=2 ``p2p`` and CP=4 ``a2a`` (the tiny model's 4 heads, one per rank); top-k
-distillation at hierarchical CP=4. CP=2 x TP=2 compares losses and gradient norms only (its
-ranks hold TP shards). QAD compares its first step only (see its test).
+distillation at hierarchical CP=4; unpacked samples at CP=2 x TP=2. QAD compares its first step
+only (see its test).
 
 Negative controls: for pretraining, top-k, sampled, QAD and SFT, a CP=2 run whose gradients and
-loss sums leave out the context-parallel ranks fails the same first-step comparisons.
+loss sums leave out the context-parallel ranks fails the same first-step comparisons; so does
+pretraining at CP=2 x TP=2.
 
 Checkpoints and teacher logits: a run saved at CP=2 resumes at CP=1 and CP=4 on the
 uninterrupted trajectory; teacher logits generated at CP=2 with ``a2a`` are the same bytes as at
@@ -84,8 +88,10 @@ GRAD_TOL = 2e-6
 parameter's gradient: fp32 round-off of sums in another order (the attention's softmax merges,
 the loss and the gradient reductions over CP ranks). Measured, largest over every parameter and
 rank: 1.0e-6 at p2p CP=4; 9e-7 at a2a+p2p 2 x 2 and at p2p CP=2 (pretraining, top-k, SFT); 8e-7
-sampled, 7e-7 QAD; a2a at most 5.3e-7; largest absolute difference 3.0e-8. The negative controls
-(no reduction over the CP ranks) miss by 0.41-0.79."""
+sampled, 7e-7 QAD; 6.3e-7 at CP=2 x TP=2 (its whole weights put back together from the TP
+shards); a2a at most 5.3e-7; largest absolute difference 3.0e-8. The negative controls (no
+reduction over the CP ranks) miss by 0.41-0.79; the TP shards put together in the other order
+by 0.79 or more."""
 SCALAR_GRAD_TOL = 1e-4
 """The same for one-number parameters (xIELU's alphas): each is a sum over every token and
 feature of its layer that cancels to ~4e-7, so the same ~1e-11 of round-off is 2e-5 of it, as
@@ -142,8 +148,9 @@ def _run(
     unreduced: bool = False,
 ) -> dict:
     """The run ``name`` from the initial checkpoint; with ``grads``, its first step's gradients
-    on every rank too (``["grads"]``, one dict per rank); with ``unreduced``, the negative
-    control: nothing is reduced over the context-parallel ranks (grad_worker.py)."""
+    too: ``["ranks"]`` as each rank wrote them (grad_worker.py), ``["grads"]`` one whole-model
+    dict per tensor-parallel group (:func:`_whole_gradients`; per rank without TP); with
+    ``unreduced``, the negative control: nothing is reduced over the context-parallel ranks."""
     out = root / f"{name}.json"
     flags = (
         COMMON
@@ -158,23 +165,74 @@ def _run(
         run_entry(PRETRAIN, flags, nproc=nproc)
     history = read_json(out)
     if grads:
-        history["grads"] = [torch.load(f"{prefix}.rank{r}.pt") for r in range(nproc)]
+        history["ranks"] = [torch.load(f"{prefix}.rank{r}.pt") for r in range(nproc)]
+        history["grads"] = _whole_gradients(history["ranks"])
     return history
 
 
-def _assert_same_gradients(got: dict, expected: dict) -> None:
-    """Every rank's first-step gradient of every parameter, element by element, against one
-    process's, relative to the largest magnitude of that parameter's gradient."""
+def _unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """The tensor that megatron-core split over the tensor-parallel ranks as ``shards`` (in
+    TP-rank order): cut into ``stride x TP`` equal pieces along ``dim``, rank r holds pieces
+    r, r + TP, r + 2 TP, ... (``_initialize_affine_weight_cpu``); stride 1 is a plain
+    concatenation.
+
+    Fused QKV weights need no regrouping: megatron-core lays ``linear_qkv``'s rows out query
+    group by query group (``[q..., k, v]`` per group, ``get_query_key_value_tensors``), and each
+    rank's rows are a contiguous run of whole groups (with more ranks than groups, a contiguous
+    part of one group, which the attention all-gathers), so the ranks' rows in rank order are one
+    process's fused rows; a checkpoint saved at TP=1 loads at TP=2 by the same contiguous split.
+    Apertus's fc1 is not gated (``fc2(xIELU(fc1(x)))``): no ``[gate; up]`` halves per rank
+    either. The comparison checks the order: the shards put together in the other order miss
+    (:func:`_assert_shard_order_matters`)."""
+    pieces = [shard.chunk(stride, dim) for shard in shards]
+    return torch.cat([rank[i] for i in range(stride) for rank in pieces], dim)
+
+
+def _whole_gradients(ranks: list[dict]) -> list[dict]:
+    """One ``{name: gradient}`` per tensor-parallel group (rank files of grad_worker.py): a
+    weight split over the group is its ranks' shards put back together along megatron-core's
+    ``partition_dim`` and ``partition_stride``; any other parameter (norms, QK-norm, xIELU's
+    alphas) must be the same on every rank of the group, bit for bit (each rank computes it
+    from the same activations, or megatron-core sums it over the group), and is one copy."""
+    groups = {tuple(rank["tp_ranks"]): [ranks[r] for r in rank["tp_ranks"]] for rank in ranks}
+    whole = []
+    for group in groups.values():
+        first = group[0]
+        grads = {}
+        for name, grad in first["grads"].items():
+            copies = [rank["grads"][name] for rank in group]
+            if name in first["splits"]:
+                grads[name] = _unshard(copies, *first["splits"][name])
+            else:
+                assert all(torch.equal(c, grad) for c in copies), f"{name} differs over TP"
+                grads[name] = grad
+        whole.append(grads)
+    return whole
+
+
+def _gradient_errors(got: dict, expected: dict) -> dict[str, float]:
+    """Each parameter's largest first-step gradient difference over every rank (every
+    tensor-parallel group), relative to the largest magnitude of one process's gradient."""
     (reference,) = expected["grads"]
-    for rank, grads in enumerate(got["grads"]):
+    errors = dict.fromkeys(reference, 0.0)
+    for grads in got["grads"]:
         assert grads.keys() == reference.keys()
         for name, want in reference.items():
             assert grads[name].shape == want.shape, name
             scale = want.abs().max().item()
             assert scale > 0, f"{name}: a zero gradient compares nothing"
             error = (grads[name] - want).abs().max().item() / scale
-            tolerance = GRAD_TOL if want.numel() > 1 else SCALAR_GRAD_TOL
-            assert error < tolerance, (rank, name, error)
+            errors[name] = max(errors[name], error)
+    return errors
+
+
+def _assert_same_gradients(got: dict, expected: dict) -> None:
+    """Every rank's first-step gradient of every parameter, element by element, against one
+    process's, relative to the largest magnitude of that parameter's gradient."""
+    (reference,) = expected["grads"]
+    for name, error in _gradient_errors(got, expected).items():
+        tolerance = GRAD_TOL if reference[name].numel() > 1 else SCALAR_GRAD_TOL
+        assert error < tolerance, (name, error)
 
 
 def _assert_losses_move(history: dict) -> None:
@@ -233,6 +291,19 @@ def unpacked(references):
 TP2 = ["--tensor-model-parallel-size", "2"]
 
 
+def _assert_shard_order_matters(got: dict, expected: dict) -> None:
+    """Negative control of :func:`_unshard`: every split weight's shards put together in the
+    other tensor-parallel order (at TP=2 with 2 query groups: fused QKV with its groups
+    swapped) miss one process's gradient by far more than the tolerance, so the comparison
+    holds the gather's row and column order, not only its values."""
+    flipped = [dict(rank, tp_ranks=rank["tp_ranks"][::-1]) for rank in got["ranks"]]
+    errors = _gradient_errors({"grads": _whole_gradients(flipped)}, expected)
+    splits = got["ranks"][0]["splits"]
+    assert splits
+    for name in splits:
+        assert errors[name] > 100 * GRAD_TOL, (name, errors[name])
+
+
 @pytest.mark.parametrize(
     "name, args, nproc",
     [
@@ -243,16 +314,20 @@ TP2 = ["--tensor-model-parallel-size", "2"]
     ],
 )
 def test_unpacked_context_parallel_matches_one_process(root, unpacked, name, args, nproc):
-    """The losses, and every gradient element of the first step on every rank. CP=2 x TP=2
-    compares losses and gradient norms only: its ranks hold TP shards of the split weights
-    (and of a vocabulary padded for TP=2), which would have to be gathered along each weight's
-    partition dimension and unpadded to compare element-wise; CP alone is compared element-wise
-    here, TP alone in tests/parallel/test_layout_parity.py."""
-    tensor_parallel = TP2[0] in args
-    got = _run(root, name, args, nproc, grads=not tensor_parallel)
+    """The losses, and every gradient element of the first step on every rank.
+
+    CP=2 x TP=2: each tensor-parallel pair's shards of the split weights (QKV, attention
+    output, fc1, fc2, embedding, output layer) are put back together along megatron-core's
+    ``partition_dim`` (:func:`_whole_gradients`) and compared whole, with the shards in the
+    other order as a control; the replicated parameters (norms, QK-norm, xIELU's alphas) are
+    the same bits on both ranks of a pair. The vocabulary has one process's 4096 rows: the test
+    tokenizer's 4096 pieces are a multiple of 128 x 2 already, so TP=2 pads none (the shapes are
+    compared)."""
+    got = _run(root, name, args, nproc, grads=True)
     _assert_same_run(got, unpacked)
-    if not tensor_parallel:
-        _assert_same_gradients(got, unpacked)
+    _assert_same_gradients(got, unpacked)
+    if TP2[0] in args:
+        _assert_shard_order_matters(got, unpacked)
 
 
 @pytest.mark.slow
@@ -506,15 +581,26 @@ def test_distillation_under_hierarchical_context_parallel_matches_one_process(
     _assert_same_gradients(got, expected)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_comparisons_fail_without_the_context_parallel_reduction(root, references, request, family):
-    """Negative control: at CP=2 (p2p) with the gradients and the loss sums left unreduced over
-    the CP ranks (tests/parallel/grad_worker.py), each rank holds the gradient and loss of its
-    own tokens only, and the first-step comparisons above fail. Summed over the ranks, as the
-    reduction would, the gradients are one process's again: the control breaks nothing else."""
+@pytest.mark.parametrize(
+    "family, tensor_parallel",
+    [(family, []) for family in FAMILIES] + [("pretraining", TP2)],
+    ids=[*FAMILIES, "pretraining-tp2"],
+)
+def test_comparisons_fail_without_the_context_parallel_reduction(
+    root, references, request, family, tensor_parallel
+):
+    """Negative control: at CP=2 (p2p; for pretraining also CP=2 x TP=2) with the gradients and
+    the loss sums left unreduced over the CP ranks (tests/parallel/grad_worker.py), each rank
+    holds the gradient and loss of its own tokens only, and the first-step comparisons above
+    fail. Summed over the CP ranks (one whole-model gradient per TP pair), as the reduction
+    would, the gradients are one process's again: the control breaks nothing else."""
     flags = _family_args(request, family)
     expected = references(family, flags)
-    got = _run(root, f"{family}-unreduced", flags + _cp(2), 2, steps=1, grads=True, unreduced=True)
+    name = f"{family}-unreduced" + ("-tp2" if tensor_parallel else "")
+    nproc = 4 if tensor_parallel else 2
+    got = _run(
+        root, name, flags + _cp(2) + tensor_parallel, nproc, steps=1, grads=True, unreduced=True
+    )
     with pytest.raises(AssertionError):
         _assert_same_gradients(got, expected)
     with pytest.raises(AssertionError):
