@@ -33,6 +33,43 @@ COMMON_IN_SHARDS = MCORE_VERSION >= Version("0.19.0")
 writes no ``common.pt``; 0.16 reads the common state from ``common.pt`` only (0.19 reads both)."""
 
 
+CUDA_GRAPH_MODULES = MCORE_VERSION >= Version("0.19.0")
+"""megatron-core 0.19 renamed TransformerConfig's ``cuda_graph_scope`` to ``cuda_graph_modules``
+(the old name still works, with a DeprecationWarning) and moved whole-iteration graphs to
+``cuda_graph_impl="full_iteration"``; Megatron-LM's ``--cuda-graph-scope`` keeps its name."""
+
+
+def cuda_graph_fields(impl: str, scope: list[str], warmup_steps: int) -> dict[str, Any]:
+    """TransformerConfig's CUDA-graph fields on this megatron-core line (an empty scope: whole
+    layers, what megatron-core's deprecated default "full" means too)."""
+    key = "cuda_graph_modules" if CUDA_GRAPH_MODULES else "cuda_graph_scope"
+    return {"cuda_graph_impl": impl, key: list(scope), "cuda_graph_warmup_steps": warmup_steps}
+
+
+def te_cuda_graph_helper(
+    model: list,
+    config: Any,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    optimizers: list,
+    groups: Any,
+) -> Any:
+    """megatron-core's ``TECudaGraphHelper``; 0.19 takes the process groups (0.16 reads
+    parallel_state's, the same groups here)."""
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    extra = {"pg_collection": groups} if CUDA_GRAPH_MODULES else {}
+    return TECudaGraphHelper(
+        model=model,
+        config=config,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        optimizers=optimizers,
+        **extra,
+    )
+
+
 def check_checkpoint_readable(directory: Path) -> None:
     """Refuse, in one line, a 0.19 checkpoint under 0.16, which would fail deep in torch.load."""
     written_by_019 = (directory / "metadata.json").is_file() and not (

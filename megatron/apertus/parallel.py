@@ -67,17 +67,30 @@ def init_distributed(device: str, timeout_minutes: int | None = None) -> None:
         )
 
 
-def set_seed(seed: int) -> None:
-    """Seed Python, NumPy, torch and megatron-core's model-parallel RNG tracker."""
+def set_seed(seed: int, *, te_rng_tracker: bool = False) -> None:
+    """Seed Python, NumPy, torch and megatron-core's model-parallel RNG tracker.
+
+    ``te_rng_tracker``: the tracker is Transformer Engine's, the graph-safe one megatron-core's
+    CUDA graphs require (made anew: megatron-core keeps the first tracker of a process)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, te_rng_tracker=te_rng_tracker, force_reset_rng=te_rng_tracker
+    )
 
 
-def initialize(parallel: ParallelConfig, *, device: str, seed: int, model=None) -> int:
+def initialize(
+    parallel: ParallelConfig,
+    *,
+    device: str,
+    seed: int,
+    model=None,
+    te_rng_tracker: bool = False,
+) -> int:
     """Set up everything a training or conversion process needs; returns the data-parallel size
     (context-parallel ranks share their data and are not counted in it).
+    ``te_rng_tracker``: see :func:`set_seed` (CUDA graphs).
 
     ``model`` (an :class:`ApertusConfig`) is checked against the layout before any group exists.
     """
@@ -95,7 +108,7 @@ def initialize(parallel: ParallelConfig, *, device: str, seed: int, model=None) 
         hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
         **({} if timeout is None else {"distributed_timeout_minutes": timeout}),
     )
-    set_seed(seed)
+    set_seed(seed, te_rng_tracker=te_rng_tracker)
     return parallel_state.get_data_parallel_world_size()
 
 

@@ -18,6 +18,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron.apertus import cpu_compat
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.model.cuda_graphs import CudaGraphConfig
 from megatron.apertus.model.engine import EngineConfig, transformer_config_fields
 from megatron.apertus.model.fused_loss import FusedLossGPTModel
 from megatron.apertus.model.precision import set_bf16_layers
@@ -34,10 +35,12 @@ def transformer_config(
     use_cpu_initialization: bool = False,
     transformer_impl: str = "local",
     engine: EngineConfig | None = None,
+    graphs: CudaGraphConfig | None = None,
     **overrides,
 ) -> TransformerConfig:
     """megatron-core's TransformerConfig for ``model`` split as ``parallel``, its layers built
-    by ``transformer_impl`` in the precision ``engine`` asks for (FP8, deterministic kernels).
+    by ``transformer_impl`` in the precision ``engine`` asks for (FP8, deterministic kernels),
+    captured in CUDA graphs as ``graphs`` says (default: none).
 
     ``overrides`` carries training-side fields (recomputation, overlap flags, ...).
     ``use_te_activation_func=True`` is megatron-core's switch for "build the MLP activation from
@@ -90,7 +93,8 @@ def transformer_config(
         # A per-layer list goes to the block spec instead (apertus_block_spec says why).
         cp_comm_type=None if isinstance(parallel.cp_comm_type, list) else parallel.cp_comm_type,
         hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
-        cuda_graph_scope=[],  # megatron-core's default "full" only warns that it is deprecated
+        # An explicit empty scope: megatron-core's default "full" only warns that it is deprecated.
+        **(graphs or CudaGraphConfig()).transformer_config_fields(),
         **transformer_config_fields(engine or EngineConfig(), transformer_impl),
         **overrides,
     )

@@ -40,7 +40,8 @@ from megatron.apertus.training.checkpointer import (
     finished_run,
     resume,
 )
-from megatron.apertus.training.config import RunConfig
+from megatron.apertus.training.config import RunConfig, check_cuda_graphs
+from megatron.apertus.training.cuda_graphs import GraphCapture
 from megatron.apertus.training.diagnostics import ManualGC
 from megatron.apertus.training.fp8_guard import (
     CHECKPOINT_KEY,
@@ -87,6 +88,11 @@ class Trainer:
             training=cfg.training,
             engine=cfg.engine,
             packed_documents=cfg.dataset.reset_attention_mask,
+            te_rng_tracker=cfg.cuda_graphs.enabled,
+        )
+        started = self.runtime
+        check_cuda_graphs(
+            cfg, device=started.device_name, impl=started.transformer_impl, engine=started.engine
         )
         self.device, self.dp = self.runtime.device, self.runtime.dp
         check_batch_sizes(cfg.training, cfg.parallel, self.dp)
@@ -133,9 +139,18 @@ class Trainer:
 
     def _start_components(self) -> None:
         """Saving (from now on a signal asks for a save), reporting (continued from a resumed
-        checkpoint's metrics), the count of skipped steps, the garbage collector, validation and
-        the FP8 guard (its counts continued too)."""
+        checkpoint's metrics), the count of skipped steps, the garbage collector, validation,
+        the FP8 guard (its counts continued too) and the capture of CUDA graphs."""
         cfg, t = self.cfg, self.cfg.training
+        self.graphs = GraphCapture(
+            cfg.cuda_graphs,
+            self.model,
+            self.optimizer,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            start_iteration=self.state.iteration,
+            reporting=is_reporting_rank(),
+        )
         self.checkpointer = Checkpointer(cfg, self.device)
         self.reporter = Reporter(
             cfg,
@@ -170,6 +185,7 @@ class Trainer:
         global_batch = get_current_running_global_batch_size()
         batches = self.objective.train_batches(self.state.consumed_samples, global_batch)
         iteration = self.state.iteration + 1
+        self.graphs.before_step(iteration)
         with self.reporter.gemm_inputs(iteration) as measured:
             result = train_step(
                 self.model,
@@ -179,6 +195,7 @@ class Trainer:
                 self.objective.train_forward,
             )
         self.gemm_inputs = measured
+        self.graphs.after_step()
         self.state.iteration = iteration
         self.state.consumed_samples += global_batch
         if not result.skipped:

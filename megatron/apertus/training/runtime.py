@@ -69,11 +69,13 @@ def start(
     training: TrainingConfig,
     engine: EngineConfig | None = None,
     packed_documents: bool = False,
+    te_rng_tracker: bool = False,
 ) -> Runtime:
     """Resolve the device, set up the transformer engine (when ``engine`` is given: it is
     checked before any process group exists), the process groups and the seeds.
     ``packed_documents`` (the run's ``--reset-attention-mask``) decides which core attention a
-    deterministic TE run can use."""
+    deterministic TE run can use; ``te_rng_tracker``: Transformer Engine's RNG tracker, which
+    CUDA graphs need."""
     device_name = parallel.resolve_device(training.device)
     transformer_impl = None
     if engine is not None:
@@ -83,7 +85,9 @@ def start(
             engine, transformer_impl, packed_documents=packed_documents
         )
         _apply_engine(engine, transformer_impl)
-    dp = parallel.initialize(layout, device=device_name, seed=training.seed, model=model)
+    dp = parallel.initialize(
+        layout, device=device_name, seed=training.seed, model=model, te_rng_tracker=te_rng_tracker
+    )
     warn_if_slow_precision(training.precision, device_name)
     return Runtime(
         device_name=device_name,
