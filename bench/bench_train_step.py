@@ -17,7 +17,10 @@ and times full optimizer steps after warm-up. Configurations:
   recipe's only format) GEMMs, and ``...-bf16-ends`` with ``--first-last-layers-bf16``;
 * ``...-deterministic``: with ``--deterministic-mode``; ``...-metrics``: with
   ``--log-intermediate-metrics`` hooked on every step (its cost per measured step);
-* ``...-sdpa``: TE's linears with PyTorch's flash / varlen attention (``--attention-backend local``).
+* ``...-sdpa``: TE's linears with PyTorch's flash / varlen attention (``--attention-backend local``);
+* ``...-graphs-mlp``, ``te-bf16-graphs``, ``te-bf16-graphs-local``: CUDA graphs (``GRAPH_PAIRS``
+  pairs each with its configuration without graphs): TE's graphs of the MLPs (packed), of whole
+  layers (unpacked), and megatron-core's own of whole layers (unpacked, weight gradients unfused).
 
 Models: the presets, and ``apertus-8b-layers``: the 8B's layer shapes (hidden 4096, FFN 21504, 32
 heads / 8 groups) with as many layers as one 80 GB GPU holds (``layers_that_fit``).
@@ -102,6 +105,36 @@ CONFIGS.update(
         if name.startswith("te-")
     }
 )
+
+GRAPHS_TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-warmup-steps", "1"]
+"""Transformer Engine's per-layer CUDA graphs, captured before the second step (the warm-up
+steps of a row then include the capture and one replay)."""
+GRAPHS_MLP = [*GRAPHS_TE, "--cuda-graph-scope", "mlp"]
+"""Graphs of the MLPs only: attention, whose packed cu_seqlens change every batch, runs eagerly."""
+GRAPHS_LOCAL = [
+    "--cuda-graph-impl",
+    "local",
+    "--cuda-graph-warmup-steps",
+    "1",
+    "--no-gradient-accumulation-fusion",
+]
+"""megatron-core's own graphs of whole layers, captured at the end of the first step (they need
+the weight gradients unfused: docs/gpu.md)."""
+for _name in ("te-bf16-packed", "te-fp8-delayed-packed"):
+    for _variant in ("", "-sdpa"):
+        CONFIGS[f"{_name}-graphs-mlp{_variant}"] = [*CONFIGS[_name + _variant], *GRAPHS_MLP]
+CONFIGS["te-bf16-graphs"] = [*TE, *GRAPHS_TE]
+CONFIGS["te-bf16-nofusion"] = [*TE, "--no-gradient-accumulation-fusion"]
+CONFIGS["te-bf16-graphs-local"] = [*TE, *GRAPHS_LOCAL]
+GRAPH_PAIRS = [
+    ("te-bf16-packed", "te-bf16-packed-graphs-mlp"),
+    ("te-fp8-delayed-packed", "te-fp8-delayed-packed-graphs-mlp"),
+    ("te-bf16", "te-bf16-graphs"),
+    ("te-bf16-nofusion", "te-bf16-graphs-local"),
+]
+"""Each CUDA-graph configuration beside the same one without graphs. Whole-layer graphs hold
+attention and take unpacked documents (``te-bf16-graphs`` keeps TE's attention: megatron-core
+replays an all-zero mask that only TE's causal attention ignores)."""
 
 EIGHT_B_LAYERS = "apertus-8b-layers"
 """The 8B's layer shapes, cut to the layers one 80 GB GPU holds."""
@@ -321,6 +354,7 @@ def measure(argv: list[str], warmup: int, timed: int, profile: bool = False) -> 
         "mfu": tflops / device_peak_tflops(),
         "peak_memory_gib": peak,
         "losses": losses,
+        "cuda_graphs": trainer.graphs.count,
         **(profile_step(trainer) if profile else {}),
     }
 

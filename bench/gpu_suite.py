@@ -25,11 +25,13 @@ value (``STAGES``). Each stage runs under its own limit (``STAGE_LIMIT_S``, 9 mi
 every finished stage. A device call returns at most 8 files: setup's log, a kernel archive and
 three stages. Without stage names the suite runs the stages with no results in the tree yet
 (``bench/results/gpu_suite_<stage>_<device>.json``, written by ``--collect``), as many as fit
-``--budget-s``; named stages run even when they have results.
+``--budget-s``; named stages run even when they have results, and the ``on_request`` ones
+(``cuda-graphs``) run only when named.
 
 ``--dry-run`` runs the same path without a GPU: the setup commands are printed, pytest collects
 the very tests a stage would run, every trainer command line a stage would start is parsed by
-``pretrain_gpt.py``'s parser, the attention check's parser reads a recorded TE debug log, and the
+``pretrain_gpt.py``'s parser (and its CUDA graphs checked as on a Hopper GPU with TE), the
+attention check's parser reads a recorded TE debug log, and the
 FP8-loss stage trains the tiny model twice on CPU and plots the recorded result.
 """
 
@@ -94,6 +96,8 @@ RESUME_TEST = (
 ATTENTION_LOG = REPO / "docs" / "device_runs" / "2026-11-24_h100_gpu_path.log"
 """A recorded TE debug log: what the dry run's attention parser reads."""
 DEFAULT_METRICS_INTERVAL = 10
+HOPPER = (9, 0)
+"""The compute capability the dry run checks trainer command lines against."""
 """``--log-intermediate-metrics-interval``'s default (``--log-interval``'s default)."""
 
 
@@ -317,6 +321,8 @@ class Stage:
     """Expected wall time: measured on an H200 where a stage has run, with a margin for an H100
     (the suite starts a stage only when this much is left)."""
     run: Callable[[Context, "Stage"], dict]
+    on_request: bool = False
+    """Runs only when named: a lever to try, not a figure the docs owe."""
 
 
 def record_name(stage: str, megatron_core: str) -> str:
@@ -505,12 +511,17 @@ def attention_suffix(ctx: Context) -> str:
     return ""
 
 
-def bench_stage(ctx: Context, name: str, flags: list[str], derive=None) -> dict:
-    """``bench_train_step.py`` with ``flags`` (configs take the attention stage's verdict), its
-    JSON read back. In the dry run every trainer command line it would start is parsed."""
+def bench_stage(
+    ctx: Context, name: str, flags: list[str], derive=None, follows=lambda config: True
+) -> dict:
+    """``bench_train_step.py`` with ``flags`` (the configs that ``follows`` take the attention
+    stage's verdict), its JSON read back. In the dry run every trainer command line it would
+    start is parsed."""
     suffix = attention_suffix(ctx)
+    configs = bench_module().CONFIGS
     flags = [
-        f"{f}{suffix}" if f in bench_module().CONFIGS and f.startswith("te-") else f for f in flags
+        f"{f}{suffix}" if f.startswith("te-") and f + suffix in configs and follows(f) else f
+        for f in flags
     ]
     work = Path("/tmp/gpu_suite") / name
     argv = [
@@ -545,16 +556,47 @@ def check_bench_argv(ctx: Context, argv: list[str]) -> dict:
 
 
 def check_trainer_argvs(ctx: Context, planned: list[list[str]], what: str) -> None:
-    """Parse every trainer command line ``what`` starts; the first refusal ends the stage."""
+    """Parse every trainer command line ``what`` starts, and check its CUDA graphs as a GPU with
+    Transformer Engine would; the first refusal ends the stage."""
     from megatron.apertus.training.megatron_flags import refusals
     from pretrain_gpt import build_parser
 
     parser = build_parser()
     for trainer_argv in planned:
-        refused = refusals(parser.parse_args(trainer_argv))
+        args = parser.parse_args(trainer_argv)
+        refused = refusals(args) or cuda_graph_refusals(args)
         if refused:
             raise SystemExit(f"gpu_suite.py: {' '.join(trainer_argv)}: {refused[0]}")
     ctx.write_log(f"dry run: {what}: {len(planned)} trainer command lines parsed")
+
+
+def cuda_graph_refusals(args: argparse.Namespace) -> list[str]:
+    """The trainer's CUDA-graph refusal of parsed ``args`` on a Hopper GPU with Transformer
+    Engine (the groups that rule reads, built from the flags; the model is the preset's)."""
+    from types import SimpleNamespace
+
+    from megatron.apertus.errors import ConfigError
+    from megatron.apertus.model.config import preset
+    from megatron.apertus.model.engine import validate_engine
+    from megatron.apertus.training.config import check_cuda_graphs, groups_from_arguments
+
+    model = preset(args.model_preset)
+    names = ["parallel", "training", "engine", "cuda_graphs", "dataset", "logging", "fp8_guard"]
+    try:
+        config = SimpleNamespace(**groups_from_arguments(args, names, model=model))
+        impl = validate_engine(
+            config.engine,
+            device="cuda",
+            num_layers=args.num_layers or model.num_layers,
+            te_error=lambda: None,
+            capability=lambda: HOPPER,
+        )
+        check_cuda_graphs(
+            config, device="cuda", impl=impl, engine=config.engine, te_error=lambda: None
+        )
+    except ConfigError as err:
+        return [str(err)]
+    return []
 
 
 def tokens_ratio(result: dict, pairs: list[tuple[str, str]]) -> dict[str, float]:
@@ -662,6 +704,35 @@ def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
         "te-fp8-delayed-packed",
     ]
     return bench_stage(ctx, stage.name, flags)
+
+
+def cuda_graphs_stage(ctx: Context, stage: Stage) -> dict:
+    """CUDA graphs at the 8B's layer shapes (``bench_train_step.GRAPH_PAIRS``): TE's graphs of
+    the MLPs (packed; bf16 and FP8 delayed), of whole layers (unpacked), and megatron-core's own
+    (unpacked, weight gradients unfused), each beside the same configuration without graphs. The
+    rows keep their losses: graphs must not change them beyond bf16's rounding."""
+    pairs = bench_module().GRAPH_PAIRS
+    flags = [
+        "--models",
+        bench_module().EIGHT_B_LAYERS,
+        "--global-batch",
+        "8",
+        "--warmup",
+        "2",
+        "--steps",
+        "4",
+        "--configs",
+        *(config for pair in pairs for config in pair),
+    ]
+    # Only packed rows take PyTorch's attention where TE's is unfused (there it runs out of
+    # memory): whole-layer graphs need TE's attention, and their pairs keep it on both sides.
+    return bench_stage(
+        ctx,
+        stage.name,
+        flags,
+        lambda r: {"speedup_with_graphs": tokens_ratio(r, pairs)},
+        follows=lambda config: "packed" in config,
+    )
 
 
 def distill_step_stage(ctx: Context, stage: Stage) -> dict:
@@ -874,8 +945,15 @@ STAGES = [
     Stage("determinism", "--deterministic-mode cost in tokens/s", 3, determinism_stage),
     Stage("metrics-overhead", "--log-intermediate-metrics overhead", 2.5, metrics_overhead_stage),
     Stage("fp8-guard", "FP8 guard: injected outlier, bf16-layers, cost", 4.5, fp8_guard_stage),
+    Stage(
+        "cuda-graphs",
+        "8B layer shapes: CUDA graphs (TE MLP / layer, local) vs none",
+        4,
+        cuda_graphs_stage,
+        on_request=True,
+    ),
 ]
-"""In order of value."""
+"""In order of value; the stages ``on_request`` run only when named."""
 
 
 def stage_named(name: str) -> Stage:
@@ -901,12 +979,15 @@ def select(
     names: list[str], tree: Path, megatron_core: str = MEGATRON_CORE_LINES[0]
 ) -> tuple[list[Stage], list[str]]:
     """The candidate stages and why others are left: named ones as given; else the ones without
-    results in the tree (for this megatron-core line), in order of value."""
+    results in the tree (for this megatron-core line) and not ``on_request``, in order of
+    value."""
     if names:
         return [stage_named(n) for n in names], []
     pending, notes = [], []
     for stage in STAGES:
-        if done_in_tree(tree, record_name(stage.name, megatron_core)):
+        if stage.on_request:
+            notes.append(f"{stage.name}: runs only when named")
+        elif done_in_tree(tree, record_name(stage.name, megatron_core)):
             notes.append(f"{stage.name}: has results in the tree (name it to run it again)")
         else:
             pending.append(stage)
@@ -1156,6 +1237,7 @@ def main(argv: list[str] | None = None) -> int:
         for stage in STAGES:
             name = record_name(stage.name, args.megatron_core)
             done = "done" if done_in_tree(args.tree, name) else "pending"
+            done = "named" if stage.on_request else done
             print(f"{stage.name:18s} {done:8s} ~{stage.minutes:g} min  {stage.what}")
         return 0
     if not args.dry_run and len(args.stages) > args.max_stages:
