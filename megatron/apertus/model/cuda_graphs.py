@@ -61,7 +61,6 @@ class CudaGraphConfig:
         "what each layer's graph covers with --cuda-graph-impl transformer_engine: attn, mlp "
         "(the rest runs eagerly); none given: the whole layer (local: always the whole layer)",
         default_factory=list,
-        empty=True,
     )
     cuda_graph_warmup_steps: int = flag_help(
         "CUDA graph warmup steps: transformer_engine: eager training steps before the capture; "
