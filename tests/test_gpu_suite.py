@@ -47,8 +47,11 @@ def test_dry_run_selects_builds_writes_and_plots(tmp_path):
     proc = run_suite("--dry-run", "--out", str(out), "--tree", str(tree))
 
     assert "fp8-resume: has results in the tree" in proc.stdout
+    assert "cuda-graphs: runs only when named" in proc.stdout
     written = {p.stem for p in out.glob("*.json")}
-    assert written == {s.name for s in suite.STAGES} - {"fp8-resume"}
+    on_request = {s.name for s in suite.STAGES if s.on_request}
+    assert on_request == {"cuda-graphs"}
+    assert written == {s.name for s in suite.STAGES} - {"fp8-resume"} - on_request
     results = {name: json.loads((out / f"{name}.json").read_text()) for name in written}
     assert {r["status"] for r in results.values()} == {"dry"}
     assert all((out / f"{name}.log").stat().st_size > 0 for name in written)
@@ -92,8 +95,57 @@ def test_dry_run_selects_builds_writes_and_plots(tmp_path):
     assert (home / "bench" / "results" / "gpu_suite_train-step-8b_dry.json").exists()
     assert list((home / "docs" / "device_runs").glob("*_dry_attention.log"))
     # a dry result never counts as done; a named stage runs although the tree has its results
-    assert [s.name for s in suite.select([], home)[0]] == [s.name for s in suite.STAGES]
+    by_default = [s.name for s in suite.STAGES if not s.on_request]
+    assert [s.name for s in suite.select([], home)[0]] == by_default
     assert [s.name for s in suite.select(["fp8-resume"], tree)[0]] == ["fp8-resume"]
+
+
+def test_cuda_graphs_stage_runs_when_named_and_its_command_lines_can_run(tmp_path):
+    """The stage's dry run: every trainer command line parses and its CUDA graphs pass the
+    trainer's checks as on a Hopper GPU with TE; where TE's attention is unfused (the recorded
+    verdict) only packed rows move to PyTorch's attention, which whole-layer graphs cannot use."""
+    tree, out = tmp_path / "tree", tmp_path / "out"
+    out.mkdir()
+    unfused = {"backends": {"8b-thd": "UnfusedDotProductAttention"}}
+    (out / "attention.json").write_text(json.dumps(unfused))
+
+    run_suite("--dry-run", "--out", str(out), "--tree", str(tree), "cuda-graphs")
+
+    result = json.loads((out / "cuda-graphs.json").read_text())
+    assert result["status"] == "dry"
+    planned = result["planned"]
+    assert len(planned) == 2 * len(bench.GRAPH_PAIRS) == 8
+    graphed = [argv for argv in planned if "--cuda-graph-impl" in argv]
+    assert len(graphed) == 4
+    impls = [argv[argv.index("--cuda-graph-impl") + 1] for argv in graphed]
+    assert sorted(impls) == [
+        "local",
+        "transformer_engine",
+        "transformer_engine",
+        "transformer_engine",
+    ]
+    for argv in planned:
+        packed = "--reset-attention-mask" in argv
+        assert ("--attention-backend" in argv) == packed
+        if packed and "--cuda-graph-impl" in argv:
+            assert argv[argv.index("--cuda-graph-scope") + 1] == "mlp"
+    assert "8 trainer command lines parsed" in (out / "cuda-graphs.log").read_text()
+
+
+def test_dry_run_refuses_a_graph_the_trainer_would_refuse():
+    import pretrain_gpt
+
+    parser = pretrain_gpt.build_parser()
+    whole_layers = bench.run_args(
+        "apertus-v1.1-0.5b", "te-bf16-graphs", seq=256, steps=2, micro=1, global_batch=2, extra=[]
+    )
+    assert suite.cuda_graph_refusals(parser.parse_args(whole_layers)) == []
+    (line,) = suite.cuda_graph_refusals(
+        parser.parse_args([*whole_layers, "--attention-backend", "local"])
+    )
+    assert "--attention-backend local reads the all-zero mask" in line
+    (line,) = suite.cuda_graph_refusals(parser.parse_args([*whole_layers, *bench.PACKED]))
+    assert "packed documents" in line
 
 
 def test_unknown_stage_is_one_line_and_exit_2(tmp_path):
