@@ -706,11 +706,16 @@ def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
     return bench_stage(ctx, stage.name, flags)
 
 
+GRAPH_TEST = "tests/gpu/test_cuda_graphs.py"
+
+
 def cuda_graphs_stage(ctx: Context, stage: Stage) -> dict:
-    """CUDA graphs at the 8B's layer shapes (``bench_train_step.GRAPH_PAIRS``): TE's graphs of
-    the MLPs (packed; bf16 and FP8 delayed), of whole layers (unpacked), and megatron-core's own
-    (unpacked, weight gradients unfused), each beside the same configuration without graphs. The
-    rows keep their losses: graphs must not change them beyond bf16's rounding."""
+    """CUDA graphs: first ``GRAPH_TEST`` (graphs captured, the same losses as without), then the
+    8B's layer shapes (``bench_train_step.GRAPH_PAIRS``): TE's graphs of the MLPs (packed; bf16
+    and FP8 delayed), of whole layers (unpacked), and megatron-core's own (unpacked, weight
+    gradients unfused), each beside the same configuration without graphs; the rows keep their
+    losses."""
+    checked = run_pytest(ctx, [GRAPH_TEST])
     pairs = bench_module().GRAPH_PAIRS
     flags = [
         "--models",
@@ -726,13 +731,14 @@ def cuda_graphs_stage(ctx: Context, stage: Stage) -> dict:
     ]
     # Only packed rows take PyTorch's attention where TE's is unfused (there it runs out of
     # memory): whole-layer graphs need TE's attention, and their pairs keep it on both sides.
-    return bench_stage(
+    measured = bench_stage(
         ctx,
         stage.name,
         flags,
         lambda r: {"speedup_with_graphs": tokens_ratio(r, pairs)},
         follows=lambda config: "packed" in config,
     )
+    return {**measured, "status": worst_status([checked, measured]), "pytest": checked["pytest"]}
 
 
 def distill_step_stage(ctx: Context, stage: Stage) -> dict:
@@ -947,8 +953,8 @@ STAGES = [
     Stage("fp8-guard", "FP8 guard: injected outlier, bf16-layers, cost", 4.5, fp8_guard_stage),
     Stage(
         "cuda-graphs",
-        "8B layer shapes: CUDA graphs (TE MLP / layer, local) vs none",
-        4,
+        "CUDA graphs: GPU test, then 8B layer shapes (TE MLP / layer, local) vs none",
+        6,
         cuda_graphs_stage,
         on_request=True,
     ),
