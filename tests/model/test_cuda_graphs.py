@@ -19,6 +19,7 @@ TE_OK = lambda: None  # noqa: E731
 TE_MISSING = lambda: "Transformer Engine is not installed"  # noqa: E731
 GPU_RUN = GraphedRun(
     device="cuda",
+    precision="bf16",
     transformer_impl="transformer_engine",
     attention_backend="auto",
     packed_documents=False,
@@ -134,6 +135,7 @@ def test_without_te_both_implementations_are_refused():
         (TE_GRAPHS, dict(fp8=True, bf16_layers=True), "--bf16-layers is read at every forward"),
         (TE_MLP, dict(fp8=True, fp8_guard_switches=True), "the FP8 guard's switching actions"),
         (TE_GRAPHS, dict(intermediate_metrics=True), "--log-intermediate-metrics reads"),
+        (TE_MLP, dict(precision="fp32"), "needs --precision bf16: megatron-core captures"),
         (LOCAL, {}, "give --no-gradient-accumulation-fusion"),
         (TE_GRAPHS, dict(device="cpu"), "needs a CUDA device (this run is on cpu)"),
     ],
@@ -154,6 +156,7 @@ def test_each_combination_a_graph_cannot_run_is_refused(graphs, changes, message
         (TE_GRAPHS, dict(fp8=False, bf16_layers=True)),
         (LOCAL, dict(gradient_accumulation_fusion=False)),
         (LOCAL, dict(transformer_impl="local")),
+        (LOCAL, dict(transformer_impl="local", precision="fp32")),
         (LOCAL, dict(transformer_impl="local", rampup=True, recompute_granularity="selective")),
         (CudaGraphConfig(), dict(device="cpu", packed_documents=True, transformer_impl="local")),
     ],

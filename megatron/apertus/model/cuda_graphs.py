@@ -20,7 +20,8 @@ Invariants a graph needs, refused here before anything is built, each in one lin
 device and Transformer Engine (its RNG tracker is the graph-safe one megatron-core accepts for
 both implementations); the same shapes at every replay, so no packed documents (their
 ``cu_seqlens`` change every batch) where the graph covers attention, and a fixed number of
-micro-batches under pipeline parallelism; a layer's precision fixed at capture, so no
+micro-batches under pipeline parallelism, and Transformer Engine's graphs only in bf16 (megatron-core
+captures them from bf16 sample inputs); a layer's precision fixed at capture, so no
 ``--bf16-layers`` or FP8-guard switch under FP8; no Python hooks inside a layer
 (``--log-intermediate-metrics``); megatron-core's own rules (no full
 recomputation outside whole-iteration graphs). Whole-iteration graphs (``full_iteration``) copy
@@ -136,6 +137,7 @@ class GraphedRun:
     checks, gathered from the other config groups)."""
 
     device: str
+    precision: str
     transformer_impl: str
     attention_backend: str
     packed_documents: bool
@@ -230,8 +232,14 @@ def _precision_problems(run: GraphedRun, flag: str) -> list[str]:
 
 
 def _te_problems(graphs: CudaGraphConfig, run: GraphedRun, flag: str) -> list[str]:
-    """megatron-core replays TE graphs of attention with an all-zero mask in place of none: only
-    Transformer Engine's own causal attention ignores it (ours would attend everywhere)."""
+    """megatron-core captures TE's graphs from bf16 sample inputs, and replays graphs of attention
+    with an all-zero mask in place of none: only Transformer Engine's own causal attention
+    ignores it (ours would attend everywhere)."""
+    if run.precision != "bf16":
+        return [
+            f"{flag} needs --precision bf16: megatron-core captures the layers from bf16 sample "
+            f"inputs (this run is {run.precision})"
+        ]
     ours = run.transformer_impl == "local" or run.attention_backend == "local"
     if not (graphs.covers_attention and ours):
         return []

@@ -144,6 +144,7 @@ def graphed_run(config: Any, *, device: str, impl: str, engine: EngineConfig) ->
     training, guard = config.training, config.fp8_guard
     return GraphedRun(
         device=device,
+        precision=training.precision,
         transformer_impl=impl,
         attention_backend=engine.attention_backend,
         packed_documents=config.dataset.reset_attention_mask,
