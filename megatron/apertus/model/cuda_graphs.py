@@ -19,15 +19,15 @@ training loop drives the capture (:mod:`megatron.apertus.training.cuda_graphs`).
 Invariants a graph needs, refused here before anything is built, each in one line: a CUDA
 device and Transformer Engine (its RNG tracker is the graph-safe one megatron-core accepts for
 both implementations); the same shapes at every replay, so no packed documents (their
-``cu_seqlens`` change every batch) where the graph covers attention, and a fixed number of
-micro-batches under pipeline parallelism, and Transformer Engine's graphs only in bf16 (megatron-core
-captures them from bf16 sample inputs); a layer's precision fixed at capture, so no
-``--bf16-layers`` or FP8-guard switch under FP8; no Python hooks inside a layer
-(``--log-intermediate-metrics``); megatron-core's own rules (no full
-recomputation outside whole-iteration graphs). Whole-iteration graphs (``full_iteration``) copy
-dict batches into static buffers; our batches are dataclasses moved inside the forward step, so
-that scope is refused too. This module imports no torch or megatron-core: ``--help`` and the
-refusals start at once.
+``cu_seqlens`` change every batch) where the graph covers attention, a fixed number of
+micro-batches under pipeline parallelism, and Transformer Engine's graphs only in bf16
+(megatron-core captures them from bf16 sample inputs); a layer's precision fixed at capture, so
+no ``--bf16-layers`` or FP8-guard switch under FP8; no Python hooks inside a layer
+(``--log-intermediate-metrics``); megatron-core's own rules (no full recomputation outside
+whole-iteration graphs). Whole-iteration graphs (``full_iteration``) copy dict batches into
+static buffers; our batches are dataclasses moved inside the forward step, so that scope is
+refused too. This module imports no torch or megatron-core: ``--help`` and the refusals start at
+once.
 """
 
 from __future__ import annotations
