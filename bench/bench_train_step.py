@@ -17,7 +17,8 @@ and times full optimizer steps after warm-up. Configurations:
   recipe's only format) GEMMs, and ``...-bf16-ends`` with ``--first-last-layers-bf16``;
 * ``...-deterministic``: with ``--deterministic-mode``; ``...-metrics``: with
   ``--log-intermediate-metrics`` hooked on every step (its cost per measured step);
-* ``...-sdpa``: TE's linears with PyTorch's flash / varlen attention (``--attention-backend local``);
+* ``...-sdpa``: TE's linears with PyTorch's flash / varlen attention
+  (``--attention-backend local``);
 * ``...-graphs-mlp``, ``te-bf16-graphs``, ``te-bf16-graphs-local``: CUDA graphs (``GRAPH_PAIRS``
   pairs each with its configuration without graphs): TE's graphs of the MLPs (packed), of whole
   layers (unpacked), and megatron-core's own of whole layers (unpacked, weight gradients unfused).
