@@ -180,9 +180,10 @@ def cuda_graph_problems(
         problems += _te_problems(graphs, run, flag)
     elif run.transformer_impl == "transformer_engine" and run.gradient_accumulation_fusion:
         problems.append(
-            f"{flag}: megatron-core captures at the end of a step whose gradients are not yet "
-            "applied, and TE's fused weight-gradient GEMMs would add the capture's runs to them; "
-            "give --no-gradient-accumulation-fusion"
+            f"{flag}: megatron-core's local graphs keep DDP's bookkeeping of TE's fused "
+            "weight-gradient accumulation only under TransformerConfig's "
+            "gradient_accumulation_fusion, which this trainer leaves off (it fuses TE's modules "
+            "alone); give --no-gradient-accumulation-fusion"
         )
     problems += _allocator_problems(flag)
     return problems
