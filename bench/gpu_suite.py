@@ -93,6 +93,7 @@ TE_SITE = Path("/tmp/site")
 RESUME_TEST = (
     "tests/gpu/test_transformer_engine.py::test_fp8_trains_is_deterministic_and_resumes_exactly"
 )
+GRAPH_TEST = "tests/gpu/test_cuda_graphs.py"
 ATTENTION_LOG = REPO / "docs" / "device_runs" / "2026-11-24_h100_gpu_path.log"
 """A recorded TE debug log: what the dry run's attention parser reads."""
 DEFAULT_METRICS_INTERVAL = 10
@@ -475,8 +476,10 @@ def probe_attention() -> None:
 
 
 def pytest_gpu_stage(ctx: Context, stage: Stage) -> dict:
-    """Every GPU test but the FP8 resume (a stage of its own)."""
-    return run_pytest(ctx, ["tests/gpu", "tests/ops", "--deselect", RESUME_TEST])
+    """Every GPU test but the FP8 resume and the CUDA graphs (stages of their own)."""
+    return run_pytest(
+        ctx, ["tests/gpu", "tests/ops", "--deselect", RESUME_TEST, "--ignore", GRAPH_TEST]
+    )
 
 
 def fp8_resume_stage(ctx: Context, stage: Stage) -> dict:
@@ -578,7 +581,8 @@ def cuda_graph_refusals(args: argparse.Namespace) -> list[str]:
     from megatron.apertus.errors import ConfigError
     from megatron.apertus.model.config import preset
     from megatron.apertus.model.engine import validate_engine
-    from megatron.apertus.training.config import check_cuda_graphs, groups_from_arguments
+    from megatron.apertus.training.config import groups_from_arguments
+    from megatron.apertus.training.cuda_graphs import check_cuda_graphs
 
     model = preset(args.model_preset)
     names = ["parallel", "training", "engine", "cuda_graphs", "dataset", "logging", "fp8_guard"]
@@ -704,9 +708,6 @@ def fp8_profile_stage(ctx: Context, stage: Stage) -> dict:
         "te-fp8-delayed-packed",
     ]
     return bench_stage(ctx, stage.name, flags)
-
-
-GRAPH_TEST = "tests/gpu/test_cuda_graphs.py"
 
 
 def cuda_graphs_stage(ctx: Context, stage: Stage) -> dict:

@@ -24,23 +24,23 @@ import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from megatron.apertus.align.config import AlignConfig
 from megatron.apertus.data.config import DataConfig
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
-from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import add_group, build_group
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
-from megatron.apertus.model.cuda_graphs import CudaGraphConfig, GraphedRun, cuda_graph_problems
-from megatron.apertus.model.engine import EngineConfig, transformer_engine_error, validate_engine
+from megatron.apertus.model.cuda_graphs import CudaGraphConfig
+from megatron.apertus.model.engine import EngineConfig, validate_engine
 from megatron.apertus.optim.builder import AdEMAMixSettings, OptimizerSettings
 from megatron.apertus.optim.schedule import ScheduleConfig
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.training.communication_config import CommunicationConfig
+from megatron.apertus.training.cuda_graphs import check_cuda_graphs
 from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 from megatron.apertus.training.logging_config import LoggingConfig
 from megatron.apertus.training.loop_config import TrainingConfig
@@ -135,41 +135,3 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
         save=config.checkpoint.save, fp8_param_gather=config.engine.fp8_param_gather
     )
     return config
-
-
-def graphed_run(config: Any, *, device: str, impl: str, engine: EngineConfig) -> GraphedRun:
-    """What CUDA graphs depend on in the rest of the run: ``config`` holds the groups (a
-    :class:`RunConfig`, or any object with its group attributes); ``impl`` and ``engine`` as the
-    run resolves them (a deterministic run may switch the core attention)."""
-    training, guard = config.training, config.fp8_guard
-    return GraphedRun(
-        device=device,
-        precision=training.precision,
-        transformer_impl=impl,
-        attention_backend=engine.attention_backend,
-        packed_documents=config.dataset.reset_attention_mask,
-        pipeline_parallel=config.parallel.pipeline_model_parallel_size,
-        context_parallel=config.parallel.context_parallel_size,
-        rampup=training.rampup_batch_size is not None,
-        recompute_granularity=training.recompute_granularity,
-        fp8=engine.fp8,
-        bf16_layers=bool(engine.bf16_layers),
-        fp8_guard_switches=guard.switches,
-        intermediate_metrics=bool(config.logging.log_intermediate_metrics),
-        gradient_accumulation_fusion=engine.gradient_accumulation_fusion,
-    )
-
-
-def check_cuda_graphs(
-    config: Any,
-    *,
-    device: str,
-    impl: str,
-    engine: EngineConfig,
-    te_error: Callable[[], str | None] = transformer_engine_error,
-) -> None:
-    """Refuse, in one line, CUDA graphs the rest of the run cannot replay (the first reason)."""
-    run = graphed_run(config, device=device, impl=impl, engine=engine)
-    problems = cuda_graph_problems(config.cuda_graphs, run, te_error)
-    if problems:
-        raise ConfigError(problems[0])

@@ -18,9 +18,16 @@ megatron-core is imported only when graphs are on (they need a GPU and Transform
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
-from megatron.apertus.model.builder import chunk_groups
-from megatron.apertus.model.cuda_graphs import CudaGraphConfig, captured_graphs
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.model.cuda_graphs import (
+    CudaGraphConfig,
+    GraphedRun,
+    captured_graphs,
+    cuda_graph_problems,
+)
+from megatron.apertus.model.engine import EngineConfig, transformer_engine_error
 
 log = logging.getLogger("apertus")
 
@@ -50,6 +57,7 @@ class GraphCapture:
             from megatron.core.utils import get_model_config
 
             from megatron.apertus.mcore_compat import te_cuda_graph_helper
+            from megatron.apertus.model.builder import chunk_groups
 
             self.helper = te_cuda_graph_helper(
                 model,
@@ -85,3 +93,41 @@ class GraphCapture:
                 self.config.cuda_graph_impl,
                 self.count,
             )
+
+
+def graphed_run(config: Any, *, device: str, impl: str, engine: EngineConfig) -> GraphedRun:
+    """What CUDA graphs depend on in the rest of the run: ``config`` holds the groups (a
+    :class:`RunConfig`, or any object with its group attributes); ``impl`` and ``engine`` as the
+    run resolves them (a deterministic run may switch the core attention)."""
+    training, guard = config.training, config.fp8_guard
+    return GraphedRun(
+        device=device,
+        precision=training.precision,
+        transformer_impl=impl,
+        attention_backend=engine.attention_backend,
+        packed_documents=config.dataset.reset_attention_mask,
+        pipeline_parallel=config.parallel.pipeline_model_parallel_size,
+        context_parallel=config.parallel.context_parallel_size,
+        rampup=training.rampup_batch_size is not None,
+        recompute_granularity=training.recompute_granularity,
+        fp8=engine.fp8,
+        bf16_layers=bool(engine.bf16_layers),
+        fp8_guard_switches=guard.switches,
+        intermediate_metrics=bool(config.logging.log_intermediate_metrics),
+        gradient_accumulation_fusion=engine.gradient_accumulation_fusion,
+    )
+
+
+def check_cuda_graphs(
+    config: Any,
+    *,
+    device: str,
+    impl: str,
+    engine: EngineConfig,
+    te_error: Callable[[], str | None] = transformer_engine_error,
+) -> None:
+    """Refuse, in one line, CUDA graphs the rest of the run cannot replay (the first reason)."""
+    run = graphed_run(config, device=device, impl=impl, engine=engine)
+    problems = cuda_graph_problems(config.cuda_graphs, run, te_error)
+    if problems:
+        raise ConfigError(problems[0])

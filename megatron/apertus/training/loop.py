@@ -40,8 +40,8 @@ from megatron.apertus.training.checkpointer import (
     finished_run,
     resume,
 )
-from megatron.apertus.training.config import RunConfig, check_cuda_graphs
-from megatron.apertus.training.cuda_graphs import GraphCapture
+from megatron.apertus.training.config import RunConfig
+from megatron.apertus.training.cuda_graphs import GraphCapture, check_cuda_graphs
 from megatron.apertus.training.diagnostics import ManualGC
 from megatron.apertus.training.fp8_guard import (
     CHECKPOINT_KEY,
