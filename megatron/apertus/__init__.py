@@ -6,9 +6,12 @@ states and checks. ``cpu_compat`` is the one module that teaches megatron-core t
 Importing this package hides megatron-core's import-time notices that Transformer Engine or
 Apex is absent: megatron-core then uses its PyTorch fallbacks, which are this package's default
 CPU path, so the notices say nothing a user can act on. Only those messages are matched, and
-only from megatron-core; every subpackage imports this file before megatron-core.
+only from megatron-core; every subpackage imports this file before megatron-core. Likewise
+torch's CUDA build on a machine without a GPU logs "No CUDA runtime is found" when megatron-core
+imports ``torch.utils.cpp_extension``: CPU runs need no CUDA runtime, so that one line is hidden.
 """
 
+import logging
 import warnings
 
 __version__ = "0.1.0"
@@ -19,3 +22,10 @@ warnings.filterwarnings(
     category=UserWarning,
     module=r"megatron\.core\.",
 )
+
+
+def _not_missing_cuda_runtime(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+logging.getLogger("torch.utils.cpp_extension").addFilter(_not_missing_cuda_runtime)

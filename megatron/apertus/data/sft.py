@@ -65,7 +65,8 @@ class ChatGPTDataset(GPTDataset):
         return MaskedIndexedDataset(dataset_path, mmap=config.mmap_bin_files)
 
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
-        packed, _ = self._query_document_sample_shuffle_indices(0 if idx is None else idx)
+        # The text ids come first (megatron-core 0.19 returns per-document counts as well).
+        packed = self._query_document_sample_shuffle_indices(0 if idx is None else idx)[0]
         packed = torch.from_numpy(packed)
         text = packed & ((1 << MASK_SHIFT) - 1)
         tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
