@@ -85,7 +85,7 @@ from megatron.apertus.checkpoint_files import (
 )
 from megatron.apertus.cli import die_with_parent, end_with_parent
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.mcore_compat import check_checkpoint_readable
+from megatron.apertus.mcore_compat import async_save_arguments, check_checkpoint_readable
 from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.config import ApertusConfig
 
@@ -344,6 +344,7 @@ def save(
             str(tmp),
             _save_strategy(options, chunk_groups(chunks[0])),
             async_sharded_save=options.async_queue is not None,
+            **(async_save_arguments() if options.async_queue is not None else {}),
         )
         if rank0:
             (tmp / MODEL_CONFIG).write_text(model.to_json())

@@ -39,6 +39,18 @@ CUDA_GRAPH_MODULES = MCORE_VERSION >= Version("0.19.0")
 ``cuda_graph_impl="full_iteration"``; Megatron-LM's ``--cuda-graph-scope`` keeps its name."""
 
 
+ASYNC_STRATEGY_ARGUMENT = MCORE_VERSION >= Version("0.19.0")
+"""megatron-core 0.19's ``dist_checkpointing.save`` takes an ``async_strategy``, by default
+"nvrx" (NVIDIA's resiliency extension, which this package does not install); "mcore", its own
+background writer, is the one 0.16 always uses."""
+
+
+def async_save_arguments() -> dict[str, str]:
+    """``dist_checkpointing.save``'s extra arguments for a background save: megatron-core's own
+    writer on both lines."""
+    return {"async_strategy": "mcore"} if ASYNC_STRATEGY_ARGUMENT else {}
+
+
 def cuda_graph_fields(impl: str, scope: list[str], warmup_steps: int) -> dict[str, Any]:
     """TransformerConfig's CUDA-graph fields on this megatron-core line (an empty scope: whole
     layers, what megatron-core's deprecated default "full" means too)."""

@@ -130,7 +130,9 @@ def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tupl
             marks=[pytest.mark.smoke, pytest.mark.slow],
         ),
         # Background saves at every step, the one the stop asks for too.
-        ("async-save", ["--async-save", "--save-interval", "1"], 1),
+        pytest.param(
+            "async-save", ["--async-save", "--save-interval", "1"], 1, marks=pytest.mark.smoke
+        ),
         (
             "dp2-async-fully-parallel",
             [
