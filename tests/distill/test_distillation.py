@@ -251,6 +251,21 @@ def test_pipeline_stages_write_the_same_bytes(teacher, logits, tmp_path):
     assert block_digests(pp2, 3) == block_digests(logits, 3)
 
 
+def test_virtual_pipeline_stages_store_the_same_logits(teacher, logits, tmp_path):
+    """PP=2 x 2 virtual stages in blocks of 6 samples: 3 micro-batches per block, padded to
+    whole groups of one per stage for megatron-core's interleaved schedule; the stored ids and
+    probabilities are one process's."""
+    interleaved = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size"]
+    vpp = tmp_path / "vpp"
+    generate(teacher, vpp, nproc=2, extra=[*interleaved, "2", "--samples-per-block", "6"])
+    expected, got = LogitStoreReader(logits), LogitStoreReader(vpp)
+    assert got.header.samples_per_block == 6 != expected.header.samples_per_block
+    everything = range(expected.header.num_samples)
+    want, have = expected.read(everything), got.read(everything)
+    assert np.array_equal(have.sample_keys, want.sample_keys)
+    assert torch.equal(have.ids, want.ids) and torch.equal(have.probs, want.probs)
+
+
 def test_student_distils_and_resumes_at_the_right_logit_position(logits, tmp_path):
     distil = ["--distill-logits-path", str(logits), "--kd-alpha", "0.9"]
     run_entry(PRETRAIN, STUDENT + distil + ["--log-json", str(tmp_path / "full.json")])
