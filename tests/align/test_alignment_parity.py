@@ -1,6 +1,8 @@
-"""DPO on 2 CPU processes (TP=2, PP=2 plain and interleaved, DP=2) reproduces the
-single-process run: the stored reference log-probabilities, the losses of 3 steps and the
-held-out loss and reward margin.
+"""DPO on 2 CPU processes (TP=2, PP=2 plain, with 2 pairs per micro-batch and interleaved,
+DP=2) reproduces the single-process run: the stored reference log-probabilities, the losses of
+3 steps and the held-out loss and reward margin. 13 training and 5 held-out pairs: the reference
+pass's last micro-batch and its count of micro-batches fill no whole group (pipeline stages
+send one shape; the interleaved schedule runs groups of one micro-batch per stage).
 
 Tolerances as for pretraining (tests/parallel/test_layout_parity.py): splitting sums over
 ranks changes the order of floating-point additions, so equality is to 2e-6 relative on the
@@ -58,6 +60,7 @@ COMMON = [
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
+    "pp2-micro-batch-2": ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"],
     "pp2-interleaved": [
         "--pipeline-model-parallel-size",
         "2",
@@ -73,7 +76,7 @@ def single(tmp_path_factory):
     root = tmp_path_factory.mktemp("align-parity")
     pairs = [r for r in docstring_preferences() if len(r["chosen"]) < 120]
     prefixes = {}
-    for part, records in (("train", pairs[:12]), ("valid", pairs[12:16])):
+    for part, records in (("train", pairs[:13]), ("valid", pairs[13:18])):
         source = root / f"{part}.jsonl"
         source.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
         run_entry(

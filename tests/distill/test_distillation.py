@@ -251,6 +251,21 @@ def test_pipeline_stages_write_the_same_bytes(teacher, logits, tmp_path):
     assert block_digests(pp2, 3) == block_digests(logits, 3)
 
 
+def test_virtual_pipeline_stages_write_the_same_bytes(teacher, tmp_path):
+    """PP=2 x 2 virtual stages in blocks of 6 samples: 3 micro-batches per block, padded to
+    whole groups of one per stage for megatron-core's interleaved schedule; the store is one
+    process's, byte for byte."""
+    blocks = ["--samples-per-block", "6"]
+    interleaved = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size"]
+    one, vpp = tmp_path / "one", tmp_path / "vpp"
+    generate(teacher, one, extra=blocks)
+    generate(teacher, vpp, nproc=2, extra=[*blocks, *interleaved, "2"])
+    for name in ("header.json", "index.bin"):
+        assert (vpp / name).read_bytes() == (one / name).read_bytes()
+    assert LogitStoreReader(vpp).header.samples_per_block == 6
+    assert block_digests(vpp, 4) == block_digests(one, 4)
+
+
 def test_student_distils_and_resumes_at_the_right_logit_position(logits, tmp_path):
     distil = ["--distill-logits-path", str(logits), "--kd-alpha", "0.9"]
     run_entry(PRETRAIN, STUDENT + distil + ["--log-json", str(tmp_path / "full.json")])

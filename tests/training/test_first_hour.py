@@ -205,6 +205,19 @@ def test_a_ramp_up_that_does_not_split_into_micro_batches_is_refused():
     )
 
 
+def test_interleaved_micro_batches_not_a_multiple_of_the_stages_are_refused():
+    """PP=2 with virtual stages runs a step's micro-batches in groups of one per stage: 3 of them
+    would stop megatron-core's interleaved schedule in the first step (both ranks say it)."""
+    interleaved = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size"]
+    args = TINY + interleaved + ["2", "--global-batch-size", "6", "--micro-batch-size", "2"]
+    proc = run_script(PRETRAIN, args, nproc=2, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert {line for line in proc.stderr.splitlines() if line.startswith(ERROR)} == {
+        ERROR + "--global-batch-size (6) gives 3 micro-batches per step, not a multiple of "
+        "--pipeline-model-parallel-size (2) as the interleaved schedule needs"
+    }
+
+
 def test_log_progress_without_save_is_refused():
     assert refused(["--log-progress"]) == (
         "--log-progress writes progress.txt beside the checkpoints: it needs --save"

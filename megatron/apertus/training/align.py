@@ -170,6 +170,10 @@ class AlignRun:
         dp, rank = groups.dp.size(), groups.dp.rank()
         share = -(-len(data) // dp)
         examples = [min(i, len(data) - 1) for i in range(rank * share, (rank + 1) * share)]
+        # Whole micro-batches (pipeline stages send one shape), in groups of one per stage
+        # under the interleaved schedule; the padding's values are dropped.
+        stages = groups.pp.size() if len(model) > 1 else 1
+        examples += examples[-1:] * (-share % (micro_batch_size * stages))
         zero = torch.zeros(data.group * len(data), dtype=torch.float64)
         batches = [
             self._batch(data, examples[i : i + micro_batch_size], zero)
@@ -185,7 +189,7 @@ class AlignRun:
             disable=not reporting,
             mininterval=1.0,
         ) as bar:
-            for part in _pieces(batches, groups.pp.size()):
+            for part in _pieces(batches, groups.pp.size(), stages):
                 shape = StepShape(
                     num_microbatches=len(part),
                     seq_length=data.seq_length,
@@ -206,6 +210,7 @@ class AlignRun:
         logps = torch.zeros(share * data.group, dtype=torch.float64)
         if is_pp_last_stage(groups.pp):
             logps = torch.cat([entry["sequence logp"].cpu() for entry in reported])
+            logps = logps[: share * data.group]
         gathered = [torch.zeros_like(logps) for _ in range(dp)]
         torch.distributed.all_gather(gathered, logps, group=groups.dp)
         values = torch.cat(gathered)[: data.group * len(data)].numpy()
@@ -261,9 +266,13 @@ class AlignRun:
         )
 
 
-def _pieces(batches: list[PreferenceBatch], pipeline_stages: int) -> list[list[PreferenceBatch]]:
+def _pieces(
+    batches: list[PreferenceBatch], pipeline_stages: int, group: int
+) -> list[list[PreferenceBatch]]:
     """The reference pass's micro-batches in schedule calls of at least ``2 x stages`` (and 8)
-    micro-batches each, so that the progress bar moves while the pipeline stays full."""
+    micro-batches each, so that the progress bar moves while the pipeline stays full; each
+    call's count is a multiple of ``group`` (of which ``batches`` holds a multiple)."""
+    groups = len(batches) // group
     count = max(1, len(batches) // max(8, 2 * pipeline_stages))
-    bounds = [i * len(batches) // count for i in range(count + 1)]
+    bounds = [group * (i * groups // count) for i in range(count + 1)]
     return [batches[a:b] for a, b in zip(bounds, bounds[1:])]

@@ -73,7 +73,26 @@ def check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> Non
             f"--pipeline-model-parallel-size {layout.pipeline_model_parallel_size} x "
             f"--context-parallel-size {layout.context_parallel_size}))"
         )
+    _check_interleaved_microbatches(sizes, layout, unit)
     _check_rampup_reaches_the_batch(t)
+
+
+def _check_interleaved_microbatches(
+    sizes: dict[str, int], layout: ParallelConfig, unit: int
+) -> None:
+    """megatron-core's interleaved schedule runs a step's micro-batches in groups of one per
+    pipeline stage and raises mid-step on a count that is no multiple of the stages; each
+    batch size (a ramp-up's start and increment too) is refused here instead, naming its flag."""
+    pp = layout.pipeline_model_parallel_size
+    if layout.virtual_pipeline_model_parallel_size is None:
+        return
+    for flag, size in sizes.items():
+        if flag == "--micro-batch-size" or not (size // unit) % pp:
+            continue
+        raise ConfigError(
+            f"{flag} ({size}) gives {size // unit} micro-batches per step, not a multiple of "
+            f"--pipeline-model-parallel-size ({pp}) as the interleaved schedule needs"
+        )
 
 
 def _check_rampup_reaches_the_batch(t: TrainingConfig) -> None:

@@ -85,10 +85,16 @@ def _forward_step(data_iterator: Iterator[tuple[Batch, torch.Tensor | None]], mo
     return output, None
 
 
-def _micro_batches(dataset, positions: list[int], micro: int, config: BatchConfig) -> list[Batch]:
-    """Micro-batches of ``micro`` samples; the last is padded by repeating its final sample
-    (megatron-core's schedules need one shape for all of them) and trimmed after the forward."""
-    padded = positions + [positions[-1]] * (-len(positions) % micro)
+def _padded(positions: list[int], micro: int, stages: int) -> list[int]:
+    """``positions`` padded by repeating the last to whole micro-batches of ``micro`` samples
+    (megatron-core's schedules need one shape for all of them), and to a multiple of ``stages``
+    micro-batches (its interleaved schedule runs them in groups of one per pipeline stage);
+    the padding's outputs are dropped after the forward."""
+    return positions + [positions[-1]] * (-len(positions) % (micro * stages))
+
+
+def _micro_batches(dataset, padded: list[int], micro: int, config: BatchConfig) -> list[Batch]:
+    """Micro-batches of ``micro`` samples of the :func:`_padded` positions ``padded``."""
     return [
         collate([dataset[p] for p in padded[i : i + micro]], config)
         for i in range(0, len(padded), micro)
@@ -206,12 +212,13 @@ class TeacherRunner:
         """Teacher top-k ids [n, s, k] and log-probabilities of the samples at ``positions``;
         of a sampled store, the drawn ids [n, s, N] alone."""
         micro = self.cfg.training.micro_batch_size
-        batches = _micro_batches(self.dataset, positions, micro, self.batch)
+        padded = _padded(positions, micro, self.groups.pp.size() if len(self.chunks) > 1 else 1)
+        batches = _micro_batches(self.dataset, padded, micro, self.batch)
         seq = self.cfg.model.seq_length
         packed = self.batch.pack_documents
         uniforms = [None] * len(batches)
         if self.sampled and is_pp_last_stage(self.groups.pp):
-            uniforms = self._uniforms(positions, micro, batches)
+            uniforms = self._uniforms(padded, micro, batches)
         iterators = [iter(zip(batches, uniforms)) for _ in self.chunks]
         with torch.no_grad():
             outputs = schedule(self.chunks)(
@@ -238,11 +245,11 @@ class TeacherRunner:
         logprobs = torch.cat([o[1].reshape(-1, seq, k) for o in outputs])[: len(positions)]
         return ids.cpu().numpy(), logprobs.cpu().numpy()
 
-    def _uniforms(self, positions: list[int], micro: int, batches: list[Batch]) -> list:
-        """Each micro-batch's uniforms [b, s, N] (packed: [1, b*s, N]), fixed by the sampling
-        seed and each sample's position alone (the padding repeats the last sample's); under
-        context parallelism this rank's tokens of them, as its share of the batch."""
-        padded = positions + [positions[-1]] * (-len(positions) % micro)
+    def _uniforms(self, padded: list[int], micro: int, batches: list[Batch]) -> list:
+        """Each micro-batch's uniforms [b, s, N] (packed: [1, b*s, N]) of the :func:`_padded`
+        positions ``padded``, fixed by the sampling seed and each sample's position alone (the
+        padding repeats the last sample's); under context parallelism this rank's tokens of
+        them, as its share of the batch."""
         seq, draws = self.cfg.model.seq_length, self.cfg.logits.samples
         rank, size = self.groups.cp.rank(), self.groups.cp.size()
         result = []
