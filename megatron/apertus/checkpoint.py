@@ -85,7 +85,11 @@ from megatron.apertus.checkpoint_files import (
 )
 from megatron.apertus.cli import die_with_parent, end_with_parent
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.mcore_compat import async_save_arguments, check_checkpoint_readable
+from megatron.apertus.mcore_compat import (
+    async_save_arguments,
+    check_checkpoint_readable,
+    checkpoint_writer_errors,
+)
 from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.config import ApertusConfig
 
@@ -339,13 +343,14 @@ def save(
     sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=optimizer is not None)
     _use_write_results_queue(background=options.async_queue is not None)
     try:
-        request = dist_checkpointing.save(
-            sharded,
-            str(tmp),
-            _save_strategy(options, chunk_groups(chunks[0])),
-            async_sharded_save=options.async_queue is not None,
-            **(async_save_arguments() if options.async_queue is not None else {}),
-        )
+        with checkpoint_writer_errors() as logged:
+            request = dist_checkpointing.save(
+                sharded,
+                str(tmp),
+                _save_strategy(options, chunk_groups(chunks[0])),
+                async_sharded_save=options.async_queue is not None,
+                **(async_save_arguments() if options.async_queue is not None else {}),
+            )
         if rank0:
             (tmp / MODEL_CONFIG).write_text(model.to_json())
             if run_info is not None:
@@ -353,7 +358,7 @@ def save(
     except (Exception, CheckpointException) as err:  # torch's is a BaseException
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if _out_of_space(err):
+        if _out_of_space(err) or _names_no_space(logged):
             raise CheckpointWriteError(_out_of_space_line(save_dir, final, sharded)) from None
         raise
     publish = partial(_publish, Path(save_dir), tmp, final, state.iteration, on_published)
@@ -425,6 +430,10 @@ def _out_of_space(err: BaseException) -> bool:
             pending += [f[0] for f in failures.values() if isinstance(f, tuple) and f]
         pending += [current.__cause__, current.__context__]
     return False
+
+
+def _names_no_space(messages: list[str]) -> bool:
+    return any(f"[Errno {code}]" in message for message in messages for code in NO_SPACE)
 
 
 def _saved_bytes(sharded: dict) -> int:

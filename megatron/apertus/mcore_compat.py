@@ -12,9 +12,10 @@ inside a run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from megatron.core import package_info
 from packaging.version import Version
@@ -49,6 +50,30 @@ def async_save_arguments() -> dict[str, str]:
     """``dist_checkpointing.save``'s extra arguments for a background save: megatron-core's own
     writer on both lines."""
     return {"async_strategy": "mcore"} if ASYNC_STRATEGY_ARGUMENT else {}
+
+
+class _Messages(logging.Handler):
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__(level=logging.ERROR)
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def checkpoint_writer_errors() -> Iterator[list[str]]:
+    """The errors megatron-core's checkpoint writer logs meanwhile. 0.19's synchronous writer logs
+    a failed write's ``OSError`` (errno and all) and then raises an ``AssertionError`` naming only
+    its class, so the log is where a full disk shows; 0.16 raises the ``OSError`` itself."""
+    messages: list[str] = []
+    handler = _Messages(messages)
+    logger = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
 
 
 def cuda_graph_fields(impl: str, scope: list[str], warmup_steps: int) -> dict[str, Any]:
