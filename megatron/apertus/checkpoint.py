@@ -69,6 +69,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module
 from torch.distributed.checkpoint import CheckpointException
@@ -508,6 +509,8 @@ def load(
     common = dist_checkpointing.load_common_state_dict(str(directory))
     trained = has_optimizer_states(directory)  # a training checkpoint: it holds RNG states too
     full = optimizer is not None and trained
+    if full:
+        _check_optimizer_kind(common, optimizer, path)
     # RNG states are per rank; in another layout they have no owner and the run keeps its seeds.
     groups = chunk_groups(chunks[0])
     same_layout = common.get("training_state", {}).get("layout") == _layout(groups)
@@ -548,6 +551,29 @@ def load(
         extra=saved.get("extra") or {},
     )
     return state, full
+
+
+def _holds_sharding_type(state) -> bool:
+    if not isinstance(state, dict):
+        return False
+    return "param_state_sharding_type" in state or any(map(_holds_sharding_type, state.values()))
+
+
+def _check_optimizer_kind(common: dict, optimizer, path: str | os.PathLike) -> None:
+    """Refuse, in one line, optimizer state of the other kind: megatron-core loads a distributed
+    optimizer's state (which records its sharding type) only into a distributed optimizer, and a
+    plain one's only into a plain one; across them it fails deep in ``load_state_dict``."""
+    saved = _holds_sharding_type(common.get("optimizer"))
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    running = any(isinstance(part, DistributedOptimizer) for part in parts)
+    if saved != running:
+        raise ConfigError(
+            f"--load {path}: its optimizer state was saved "
+            f"{'with' if saved else 'without'} --use-distributed-optimizer and this run "
+            f"{'uses' if running else 'does not use'} it, which megatron-core cannot convert: "
+            "resume with the same choice, or add --no-load-optim to keep the weights and start "
+            "the optimizer afresh"
+        )
 
 
 def _unreadable_line(directory: Path, err: CheckpointException) -> str:

@@ -25,6 +25,7 @@ from tests.conftest import (
     run_entry,
     series,
 )
+from tests.training.test_first_hour import refused
 
 ITERS = 6
 COMMON = [
@@ -193,6 +194,22 @@ def test_resume_in_another_layout(uninterrupted):
     steps, losses = series(read_json(root / "relayout.json"), "train/loss")
     assert steps == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+
+
+def test_optimizer_state_of_the_other_kind_is_refused(tmp_path):
+    """megatron-core cannot load a distributed optimizer's state into a plain one or back: one
+    line says so, and --no-load-optim keeps the weights and starts the optimizer afresh."""
+    ademamix = ["--optimizer", "ademamix", "--exit-interval", "1"]
+    distributed, plain = tmp_path / "distributed", tmp_path / "plain"
+    run_entry(
+        PRETRAIN, COMMON + ademamix + ["--use-distributed-optimizer", "--save", str(distributed)]
+    )
+    run_entry(PRETRAIN, COMMON + ademamix + ["--save", str(plain)])
+    line = refused(ademamix + ["--load", str(distributed)], base=COMMON)
+    assert "saved with --use-distributed-optimizer and this run does not use it" in line, line
+    line = refused(ademamix + ["--use-distributed-optimizer", "--load", str(plain)], base=COMMON)
+    assert "saved without --use-distributed-optimizer and this run uses it" in line, line
+    run_entry(PRETRAIN, COMMON + ademamix + ["--load", str(distributed), "--no-load-optim"])
 
 
 def _start(args: list[str]) -> subprocess.Popen:
