@@ -52,6 +52,14 @@ def _raise_terminated(signum: int, frame) -> None:
     raise Terminated
 
 
+def _exit(code: int) -> NoReturn:
+    """Exit with ``code``. Everything is cleaned up by now, so a SIGTERM during the interpreter's
+    shutdown (torchrun stopping the other ranks of a run that one rank refused) ends the process
+    as the default action does, not with a traceback from inside an atexit hook."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(code)
+
+
 def error_line(prog: str, err: BaseException) -> str:
     """The one line for an error a user can act on."""
     if isinstance(err, OSError) and err.filename is not None:
@@ -142,19 +150,19 @@ def run(
         code = main()
     except ConfigError as err:
         print(error_line(prog, err), file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        _exit(EXIT_USAGE)
     except OSError as err:
         if err.filename is None:
             raise
         print(error_line(prog, err), file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        _exit(EXIT_USAGE)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; {kept}", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+        _exit(128 + signal.SIGINT)
     except Terminated:
         print(f"{prog}: terminated; {kept}", file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM)
-    sys.exit(code or 0)
+        _exit(128 + signal.SIGTERM)
+    _exit(code or 0)
 
 
 def temporary_name(path: str | os.PathLike) -> str:

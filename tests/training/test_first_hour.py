@@ -212,10 +212,11 @@ def test_interleaved_micro_batches_not_a_multiple_of_the_stages_are_refused():
     args = TINY + interleaved + ["2", "--global-batch-size", "6", "--micro-batch-size", "2"]
     proc = run_script(PRETRAIN, args, nproc=2, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    assert {line for line in proc.stderr.splitlines() if line.startswith(ERROR)} == {
+    # Each rank writes the line, and the two may share a line of the output.
+    assert (
         ERROR + "--global-batch-size (6) gives 3 micro-batches per step, not a multiple of "
         "--pipeline-model-parallel-size (2) as the interleaved schedule needs"
-    }
+    ) in proc.stderr, proc.stderr[-4000:]
 
 
 def test_log_progress_without_save_is_refused():
