@@ -631,22 +631,20 @@ def eight_b_configs() -> list[str]:
     ]
 
 
+def eight_b_flags(configs: list[str]) -> list[str]:
+    """The bench's flags for ``configs`` at the 8B's layer shapes: global batch 8, 2 warm-up
+    and 4 measured steps."""
+    return [
+        *("--models", bench_module().EIGHT_B_LAYERS, "--global-batch", "8"),
+        *("--warmup", "2", "--steps", "4", "--configs", *configs),
+    ]
+
+
 def train_step_8b_stage(ctx: Context, stage: Stage) -> dict:
     """bf16 against FP8 (tensorwise, delayed, blockwise; all layers or bf16 ends) at the 8B's
     layer shapes."""
     configs = eight_b_configs()
-    flags = [
-        "--models",
-        bench_module().EIGHT_B_LAYERS,
-        "--global-batch",
-        "8",
-        "--warmup",
-        "2",
-        "--steps",
-        "4",
-        "--configs",
-        *configs,
-    ]
+    flags = eight_b_flags(configs)
     pairs = [("te-bf16-packed", c) for c in configs[1:]]
     return bench_stage(
         ctx, stage.name, flags, lambda r: {"speedup_over_bf16": tokens_ratio(r, pairs)}
@@ -718,18 +716,7 @@ def cuda_graphs_stage(ctx: Context, stage: Stage) -> dict:
     losses."""
     checked = run_pytest(ctx, [GRAPH_TEST])
     pairs = bench_module().GRAPH_PAIRS
-    flags = [
-        "--models",
-        bench_module().EIGHT_B_LAYERS,
-        "--global-batch",
-        "8",
-        "--warmup",
-        "2",
-        "--steps",
-        "4",
-        "--configs",
-        *(config for pair in pairs for config in pair),
-    ]
+    flags = eight_b_flags([config for pair in pairs for config in pair])
     # Only packed rows take PyTorch's attention where TE's is unfused (there it runs out of
     # memory): whole-layer graphs need TE's attention, and their pairs keep it on both sides.
     measured = bench_stage(
