@@ -6,6 +6,7 @@ Runs on whichever line is installed, against that line's own megatron-core objec
 from __future__ import annotations
 
 import ast
+import logging
 
 import pytest
 from packaging.requirements import Requirement
@@ -82,3 +83,14 @@ def test_setup_and_the_import_check_agree_on_the_supported_releases(version):
 def test_the_installed_release_is_supported():
     assert mcore_compat.is_supported(mcore_compat.MCORE_VERSION)
     assert mcore_compat.STEP_SCHEDULE == (mcore_compat.MCORE_VERSION >= Version("0.19"))
+
+
+@pytest.mark.parametrize("logger_name, notice", sorted(mcore_compat.RELEASE_NOTICES.items()))
+def test_release_notices_are_hidden_and_nothing_else_from_their_loggers(
+    logger_name: str, notice: str, caplog: pytest.LogCaptureFixture
+):
+    logger = logging.getLogger(logger_name)
+    with caplog.at_level(logging.WARNING, logger=logger_name):
+        logger.warning(f"{notice} and will be removed in the future releases.")
+        logger.warning("a checkpoint shard could not be written")
+    assert [r.getMessage() for r in caplog.records] == ["a checkpoint shard could not be written"]

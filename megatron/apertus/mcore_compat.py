@@ -220,20 +220,33 @@ def _refuse_decrease_with_ramp(decrease: bool) -> None:
         )
 
 
-class _GPTModelDeprecationFilter(logging.Filter):
-    """megatron-core 0.19 logs "GPTModel IS DEPRECATED" from every model chunk it builds."""
+class _HiddenNotice(logging.Filter):
+    """Drops the records of one logger whose message contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "GPTModel IS DEPRECATED" not in record.getMessage()
+        return self.text not in record.getMessage()
+
+
+RELEASE_NOTICES = {
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+}
+"""megatron-core 0.19's notices that ask for a migration we document instead, by logger:
+``GPTModel`` is deprecated in favour of ``HybridModel`` but still maintained (logged for every
+model chunk); megatron-core's own checkpoint writer is deprecated in favour of NVIDIA's
+resiliency extension, which this package does not install, and the notice comes with every
+first save, the synchronous ones included (0.19's synchronous save goes through that writer)."""
 
 
 def quiet_release_notices() -> None:
-    """Hide the notices of newer releases that ask for a migration we document instead.
-
-    ``GPTModel`` is deprecated in favour of ``HybridModel`` in 0.19 but still maintained there;
-    ``docs/megatron_core_changes.md`` says why we keep it.
-    """
-    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_GPTModelDeprecationFilter())
+    """Hide :data:`RELEASE_NOTICES`; ``docs/megatron_core_changes.md`` says why we keep what they
+    deprecate."""
+    for name, text in RELEASE_NOTICES.items():
+        logging.getLogger(name).addFilter(_HiddenNotice(text))
 
 
 quiet_release_notices()
