@@ -1,16 +1,18 @@
 """Megatron-LM's run flags: --finetune, --no-load-optim, --no-load-rng, --manual-gc,
 --num-workers, --num-dataset-builder-threads, --log-progress,
 --log-params-norm (and the Apertus fork's per-parameter norms), --log-memory-to-tensorboard,
---decrease-batch-size-if-needed; each checked by its effect on a tiny run."""
+--decrease-batch-size-if-needed, --profile; each checked by its effect on a tiny run."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import importlib.metadata
+import json
 import logging
 import re
 from datetime import datetime
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -240,9 +242,13 @@ def _direct_norms(save) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def norms(tmp_path_factory):
-    """A 1-process run of one step logging the norms, and the norms of its saved weights."""
+    """A 1-process run of one step logging the norms (and TensorBoard scalars, not profiled),
+    and the norms of its saved weights."""
     root = tmp_path_factory.mktemp("norms")
-    flags = f"--train-iters 1 --save {root / 'ckpt'} {LOG_NORMS} --log-memory-to-tensorboard"
+    flags = (
+        f"--train-iters 1 --save {root / 'ckpt'} {LOG_NORMS} --log-memory-to-tensorboard "
+        f"--tensorboard-dir {root / 'tb'}"
+    )
     history = train(pretrain_gpt.parse_args(BASE + flags.split()))
     return root, history, _direct_norms(root / "ckpt")
 
@@ -297,3 +303,53 @@ def test_decrease_batch_size_if_needed(caplog):
         train(pretrain_gpt.parse_args(flags + ["--decrease-batch-size-if-needed"]))
     assert "--decrease-batch-size-if-needed: global batch 4 instead of 5" in caplog.text
     assert re.search(r"consumed samples: +8 \| .* \| global batch size: +4 \|", caplog.text)
+
+
+# -- profiling ---------------------------------------------------------------------------------
+
+
+def _traces(board: Path) -> list[Path]:
+    return sorted(board.glob("*.pt.trace.json"))
+
+
+def test_pytorch_profiler_traces_the_profiled_iterations(tmp_path):
+    """Megatron-LM's window: iterations START to END-1 (here 2), after a warm-up iteration (1)
+    that is not in the trace, nor is iteration 3; the step's matrix products are."""
+    board = tmp_path / "tb"
+    flags = "--train-iters 3 --profile --use-pytorch-profiler --profile-step-start 2 "
+    train(
+        pretrain_gpt.parse_args(
+            BASE + (flags + f"--profile-step-end 3 --tensorboard-dir {board}").split()
+        )
+    )
+    (trace,) = _traces(board)
+    names = {str(event.get("name")) for event in json.loads(trace.read_text())["traceEvents"]}
+    assert {name for name in names if name.startswith("ProfilerStep#")} == {"ProfilerStep#2"}
+    assert {"aten::mm", "aten::matmul"} <= names
+
+
+def test_no_trace_without_profile(norms):
+    root, _, _ = norms
+    assert list((root / "tb").glob("events.out.tfevents.*"))
+    assert not _traces(root / "tb")
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            "--profile --use-pytorch-profiler",
+            "--use-pytorch-profiler writes its trace to --tensorboard-dir: give one",
+        ),
+        (
+            "--profile-step-start 3 --profile-step-end 3",
+            "--profile-step-end (3) must be greater than --profile-step-start (3)",
+        ),
+        ("--profile", "--profile without --use-pytorch-profiler uses the CUDA profiler API"),
+        ("--record-memory-history", "--record-memory-history records the CUDA caching allocator"),
+    ],
+)
+def test_profiling_refusals(flags, line):
+    """What a CPU run or the flags themselves cannot honour (the last two on a GPU work)."""
+    argv = BASE + ["--train-iters", "1", "--device", "cpu", *flags.split()]
+    assert refused(argv, base=[]).startswith(line)

@@ -52,6 +52,7 @@ from megatron.apertus.training.fp8_guard import (
 )
 from megatron.apertus.training.objectives import build_objective
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
+from megatron.apertus.training.profiling import StepProfiler
 from megatron.apertus.training.reporter import Reporter
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.skipped_steps import SkippedSteps
@@ -162,6 +163,12 @@ class Trainer:
             dp=self.dp,
         )
         self.skipped = SkippedSteps(t.max_skipped_steps)
+        self.profiler = StepProfiler(
+            cfg.profiling,
+            tensorboard_dir=cfg.logging.tensorboard_dir,
+            log_interval=t.log_interval,
+            first_iteration=self.state.iteration,
+        )
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         metrics = self.reporter.metrics
         self.validator = Validator(
@@ -185,6 +192,7 @@ class Trainer:
         global_batch = get_current_running_global_batch_size()
         batches = self.objective.train_batches(self.state.consumed_samples, global_batch)
         iteration = self.state.iteration + 1
+        self.profiler.before_step(self.state.iteration)
         self.graphs.before_step(iteration)
         with self.reporter.gemm_inputs(iteration) as measured:
             result = train_step(
@@ -201,6 +209,7 @@ class Trainer:
         if not result.skipped:
             self.scheduler.step(increment=global_batch)
         update_num_microbatches(self.state.consumed_samples, consistency_check=False)
+        self.profiler.after_step(iteration)
         return result
 
     def _train_one_step(self) -> bool:
@@ -304,6 +313,7 @@ class Trainer:
         return self.reporter.close(completed=completed)
 
     def shutdown(self) -> None:
+        self.profiler.close()
         self.checkpointer.finish()
         self.gc.close()
         self.objective.close()

@@ -24,6 +24,7 @@ from megatron.apertus.training import runtime
 from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.objectives import describe_output_loss
+from megatron.apertus.training.profiling import start_memory_history
 from megatron.apertus.training.runtime import Runtime, is_reporting_rank
 from megatron.apertus.training.step import wrap_ddp
 
@@ -158,7 +159,9 @@ def describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
 
 def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParallel]:
     """This rank's model chunks as the step trains them: built by the engine the runtime chose,
-    in low precision behind megatron-core's fp32-loss wrapper, each wrapped in DDP."""
+    in low precision behind megatron-core's fp32-loss wrapper, each wrapped in DDP; the
+    memory history of --record-memory-history starts before them."""
+    start_memory_history(cfg.profiling)
     if is_reporting_rank():
         engine = describe_engine(started.transformer_impl, started.engine, cfg.training.precision)
         log.info(f"{engine}; {describe_output_loss(cfg.training, cfg.align)}")
