@@ -132,6 +132,8 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     impl = validate_engine(config.engine, device=device, num_layers=config.model.num_layers)
     check_cuda_graphs(config, device=device, impl=impl, engine=config.engine)
     config.fp8_guard.check_run(
-        save=config.checkpoint.save, fp8_param_gather=config.engine.fp8_param_gather
+        save=config.checkpoint.save,
+        fp8_param_gather=config.engine.fp8_param_gather,
+        saves_left_out=config.checkpoint.saves_left_out(),
     )
     return config
