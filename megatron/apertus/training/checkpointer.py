@@ -6,8 +6,11 @@ A step ends in a save on a ``--save-interval`` boundary, on an ``--exit-interval
 when a signal, a trigger file or ``--exit-duration-in-mins`` asks for one
 (:mod:`megatron.apertus.training.signals`); every rank takes the same decision, from an
 all-reduce of the requests. A ``--load`` that holds no checkpoint yet starts from scratch and
-says so, as Megatron-LM does; one whose checkpoint already ends the run is answered before
-anything is built (:func:`finished_run`).
+says so, as Megatron-LM does (``--exit-on-missing-checkpoint``: refused instead); one whose
+checkpoint already ends the run is answered before anything is built (:func:`finished_run`).
+``--ckpt-step`` picks another iteration than the tracker's. A checkpoint saved with
+``--no-save-optim`` or ``--no-save-rng`` says so in its run record, and a load that would read
+what it lacks is refused naming the flag to add.
 """
 
 from __future__ import annotations

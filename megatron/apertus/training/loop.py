@@ -12,7 +12,8 @@ that changes what ranks do next (skip a step, save, stop) is taken from values a
 Start-up checks what a user can get wrong before anything is allocated
 (:mod:`~megatron.apertus.training.startup`; a --load that is no checkpoint) and raises
 :class:`ConfigError` in one line; a --load that holds no checkpoint yet starts from scratch and
-says so, as Megatron-LM does.
+says so, as Megatron-LM does. Under ``--skip-train`` the trainer builds and loads as usual, then
+only evaluates (:meth:`Trainer.evaluate`): no step, no save, no reporting components.
 """
 
 from __future__ import annotations
