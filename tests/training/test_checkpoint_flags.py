@@ -14,6 +14,7 @@ import pretrain_gpt
 from megatron.apertus import checkpoint
 from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.errors import ConfigError
+from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 from megatron.apertus.training.loop import train
 from tests.conftest import PRETRAIN, SMALL_VOCABULARY, read_json, run_entry, series
@@ -133,6 +134,12 @@ def test_exit_on_missing_checkpoint(tmp_path):
     typo = tmp_path / "typo"
     line = refused(["--load", str(typo), "--exit-on-missing-checkpoint"], base=BASE)
     assert line == f"--exit-on-missing-checkpoint: --load {typo} does not exist"
+
+
+def test_ckpt_step_needs_load():
+    with pytest.raises(ConfigError, match="--ckpt-step picks an iteration of the --load directory"):
+        CheckpointConfig(ckpt_step=2)
+    assert CheckpointConfig(load="ckpt", ckpt_step=2).ckpt_step == 2
 
 
 def test_fp8_guard_that_goes_back_needs_whole_checkpoints():
