@@ -82,6 +82,7 @@ from megatron.apertus.checkpoint_files import (
     iteration_dir,
     latest_iteration,
     manifest_problem,
+    saved_iterations,
     write_manifest,
 )
 from megatron.apertus.cli import die_with_parent, end_with_parent
@@ -134,6 +135,26 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     raise CheckpointMismatch(
         f"{path / TRACKER} names iteration {iteration}, but {resolved} is not a complete "
         f"Apertus checkpoint (no {MODEL_CONFIG})"
+    )
+
+
+def checkpoint_at(path: str | os.PathLike, iteration: int, source: str) -> Path:
+    """The checkpoint of ``iteration`` in save directory ``path``, whichever its tracker names
+    (Megatron-LM's --ckpt-step); refused in one line that ``source`` begins, listing the
+    iterations ``path`` holds."""
+    path = Path(path)
+    found = iteration_dir(path, iteration)
+    if (found / MODEL_CONFIG).is_file():
+        return found
+    if (path / MODEL_CONFIG).is_file():
+        raise CheckpointMismatch(
+            f"{source}: {path} is one checkpoint, not a save directory to pick an iteration "
+            "from: give --load the save directory"
+        )
+    held = ", ".join(str(it) for it in saved_iterations(path))
+    raise CheckpointMismatch(
+        f"{source}: {path} holds no checkpoint of iteration {iteration}; "
+        + (f"it holds iterations {held}" if held else "it holds none")
     )
 
 
@@ -248,6 +269,7 @@ def _training_state_dict(
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
         "layout": _layout(groups),  # RNG states are restored only into the layout that saved them
+        "rng": rng,
         "extra": state.extra,
     }
     return sharded
@@ -319,12 +341,14 @@ def save(
     *,
     optimizer=None,
     scheduler=None,
+    rng: bool = False,
     run_info: dict | None = None,
     options: SaveOptions = SaveOptions(),
     on_published: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save a complete checkpoint (a collective: every rank calls it) and advance the tracker.
 
+    ``optimizer`` and ``scheduler`` are saved when given, every rank's RNG states with ``rng``.
     ``run_info`` (JSON-serialisable) is recorded as ``apertus_run.json``: exports read the
     tokenizer and the training data from it. With ``options.async_queue`` the write happens in
     the background and the checkpoint counts only once published; ``on_published(path)`` runs
@@ -341,7 +365,7 @@ def save(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=optimizer is not None)
+    sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=rng)
     _use_write_results_queue(background=options.async_queue is not None)
     try:
         with checkpoint_writer_errors() as logged:
@@ -507,19 +531,21 @@ def load(
         raise ConfigError(str(err)) from None
     _check_shapes(chunks, directory, model)
     common = dist_checkpointing.load_common_state_dict(str(directory))
-    trained = has_optimizer_states(directory)  # a training checkpoint: it holds RNG states too
+    trained = has_optimizer_states(directory)
     full = optimizer is not None and trained
     if full:
         _check_optimizer_kind(common, optimizer, path)
     # RNG states are per rank; in another layout they have no owner and the run keeps its seeds.
     groups = chunk_groups(chunks[0])
-    same_layout = common.get("training_state", {}).get("layout") == _layout(groups)
+    saved = common.get("training_state", {})
+    same_layout = saved.get("layout") == _layout(groups)
+    # Checkpoints that do not say whether they hold RNG states hold them when trained.
     template = _training_state_dict(
         chunks,
         optimizer if full else None,
         None,
         TrainingState(),
-        rng=rng and trained and same_layout,
+        rng=rng and saved.get("rng", trained) and same_layout,
         loading=True,
     )
     try:
@@ -544,7 +570,6 @@ def load(
         _restore_rng(loaded["rng_state"])
     if full and scheduler is not None and "scheduler" in common:
         _load_schedule(scheduler, common["scheduler"], directory)
-    saved = common.get("training_state", {})
     state = TrainingState(
         iteration=saved.get("iteration", 0),
         consumed_samples=saved.get("consumed_samples", 0),

@@ -57,6 +57,21 @@ def latest_iteration(load_dir: str | os.PathLike) -> int | None:
     return int(text)
 
 
+def saved_iterations(save_dir: str | os.PathLike) -> list[int]:
+    """The iterations of the checkpoints in ``save_dir`` (``iter_*`` directories renamed after
+    their save, holding the model's config; older and newer than the tracker alike), in order."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    return sorted(
+        int(match.group(1))
+        for path in save_dir.iterdir()
+        if (match := _ITERATION_DIR.fullmatch(path.name))
+        and not match.group(2)
+        and (path / MODEL_CONFIG).is_file()
+    )
+
+
 def unfinished_checkpoints(save_dir: str | os.PathLike) -> list[Path]:
     """Checkpoint directories the tracker does not vouch for: ``.tmp`` ones (a save cut short)
     and ``iter_*`` ones newer than the tracker (renamed, but the tracker never advanced)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from megatron.apertus.errors import ConfigError
@@ -24,6 +25,15 @@ class CheckpointConfig:
         "checkpoint (save directory or iter_* directory) to start from", None
     )
     save_interval: int = flag_help("iterations between checkpoints (0: only at the end)", 0)
+    no_save_optim: bool = switch(
+        "save checkpoints without the optimizer state and, as in Megatron-LM, without the "
+        "learning-rate schedule that goes with it; loading one then needs --no-load-optim or "
+        "--finetune"
+    )
+    no_save_rng: bool = switch(
+        "save checkpoints without the RNG states; loading one then needs --no-load-rng or "
+        "--finetune"
+    )
     finetune: bool = switch(
         "load only the weights from --load: the iteration, consumed samples, optimizer, "
         "learning-rate schedule and RNG states start fresh"
@@ -33,11 +43,20 @@ class CheckpointConfig:
         "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
     )
     no_load_rng: bool = switch("keep this run's seeded RNG states instead of the checkpoint's")
+    ckpt_step: Optional[int] = flag_help(
+        "load the checkpoint of this iteration from the --load save directory instead of the "
+        "latest one its tracker names",
+        None,
+    )
     use_checkpoint_args: bool = switch(
         "take the model's shape from the --load checkpoint (each model flag not given on the "
         "command line; the preset is not used) and its tokenizer (--tokenizer-type, and "
         "--tokenizer-model unless given), as Megatron-LM does; a --load without a checkpoint "
         "keeps the command line's"
+    )
+    exit_on_missing_checkpoint: bool = switch(
+        "a --load that holds no checkpoint (a path typo) ends the run, exit 2, instead of "
+        "starting from scratch"
     )
     async_save: bool = switch(
         "write checkpoints in a background process while training goes on (megatron-core's "
@@ -57,16 +76,44 @@ class CheckpointConfig:
         "from the first save instead of computing it again (the state's structure must not change)"
     )
 
+    def __post_init__(self) -> None:
+        if self.ckpt_step is not None and not self.load:
+            raise ConfigError("--ckpt-step picks an iteration of the --load directory: give --load")
+        if self.ckpt_step is not None and self.ckpt_step < 0:
+            raise ConfigError(f"--ckpt-step must be >= 0, got {self.ckpt_step}")
+
     def loads_optimizer(self) -> bool:
         return not (self.finetune or self.no_load_optim)
 
     def loads_rng(self) -> bool:
         return not (self.finetune or self.no_load_rng)
 
+    def saves_left_out(self) -> list[str]:
+        """The flags that leave states out of this run's checkpoints."""
+        return [
+            flag
+            for flag, on in (
+                ("--no-save-optim", self.no_save_optim),
+                ("--no-save-rng", self.no_save_rng),
+            )
+            if on
+        ]
+
     def continuing(self) -> "CheckpointConfig":
         """These flags for a load that continues the run itself (the FP8 guard going back to one
         of its checkpoints): everything restored, whatever the first --load took."""
         return dataclasses.replace(self, finetune=False, no_load_optim=False, no_load_rng=False)
+
+
+def named_checkpoint(load: str, ckpt_step: int | None) -> Path | None:
+    """The checkpoint ``--load`` names: the iteration ``--ckpt-step`` gives (refused, listing
+    the iterations there, when it has none of it), else the latest; None when ``--load`` holds
+    no checkpoint yet."""
+    from megatron.apertus import checkpoint
+
+    if ckpt_step is None:
+        return checkpoint.find_checkpoint(load)
+    return checkpoint.checkpoint_at(load, ckpt_step, f"--ckpt-step {ckpt_step}")
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
@@ -79,10 +126,10 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
         return None
     if not args.load:
         raise ConfigError("--use-checkpoint-args reads the checkpoint --load names: give --load")
-    from megatron.apertus.checkpoint import find_checkpoint, load_model_config
+    from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.checkpoint_files import read_run_info
 
-    found = find_checkpoint(args.load)
+    found = named_checkpoint(args.load, args.ckpt_step)
     if found is None:
         return f"--use-checkpoint-args: no checkpoint at {args.load}, using the command line"
     taken = []

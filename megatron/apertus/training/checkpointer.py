@@ -6,8 +6,11 @@ A step ends in a save on a ``--save-interval`` boundary, on an ``--exit-interval
 when a signal, a trigger file or ``--exit-duration-in-mins`` asks for one
 (:mod:`megatron.apertus.training.signals`); every rank takes the same decision, from an
 all-reduce of the requests. A ``--load`` that holds no checkpoint yet starts from scratch and
-says so, as Megatron-LM does; one whose checkpoint already ends the run is answered before
-anything is built (:func:`finished_run`).
+says so, as Megatron-LM does (``--exit-on-missing-checkpoint``: refused instead); one whose
+checkpoint already ends the run is answered before anything is built (:func:`finished_run`).
+``--ckpt-step`` picks another iteration than the tracker's. A checkpoint saved with
+``--no-save-optim`` or ``--no-save-rng`` says so in its run record, and a load that would read
+what it lacks is refused naming the flag to add.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.optim.builder import OptimizerSettings
-from megatron.apertus.training.checkpoint_config import CheckpointConfig
+from megatron.apertus.training.checkpoint_config import CheckpointConfig, named_checkpoint
 from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.signals import StopRequests
@@ -42,23 +45,37 @@ log = logging.getLogger("apertus")
 # -- finding and resuming ------------------------------------------------------------------------
 
 
-def checked_checkpoint(load: str) -> Path | None:
-    """The checkpoint ``--load`` names, refused naming its first damaged file before any of it
-    is read (see :func:`checkpoint.check_files`)."""
-    found = checkpoint.find_checkpoint(load)
+def checked_checkpoint(config: CheckpointConfig) -> Path | None:
+    """The checkpoint ``--load`` (and ``--ckpt-step``) name, refused naming its first damaged
+    file before any of it is read (see :func:`checkpoint.check_files`)."""
+    found = named_checkpoint(config.load, config.ckpt_step)
     if found is not None:
-        checkpoint.check_files(found, f"--load {load}")
+        checkpoint.check_files(found, f"--load {config.load}")
     return found
 
 
 def find_checkpoint(config: CheckpointConfig) -> Path | None:
-    """The checkpoint --load names, looked up before anything is built."""
+    """The checkpoint --load names, looked up before anything is built; one that lacks states
+    this run would load is refused."""
     if not config.load:
         return None
-    found = checked_checkpoint(config.load)
-    if found is None:
+    found = checked_checkpoint(config)
+    if found is not None:
+        _check_saved_states(found, config)
+    elif config.exit_on_missing_checkpoint:
+        raise ConfigError(
+            f"--exit-on-missing-checkpoint: --load {config.load} {_absence(config.load)}"
+        )
+    else:
         _log_fresh_start(config.load, config.save)
     return found
+
+
+def _absence(source: str) -> str:
+    """Why ``source`` gives no checkpoint."""
+    if not Path(source).exists():
+        return "does not exist"
+    return f"holds no checkpoint (no {checkpoint.TRACKER}, no {checkpoint.MODEL_CONFIG})"
 
 
 def _log_fresh_start(source: str, save: str | None) -> None:
@@ -70,22 +87,46 @@ def _log_fresh_start(source: str, save: str | None) -> None:
     if save and Path(save).resolve() == Path(source).resolve():
         log.info(f"no checkpoint found at {source}: starting from scratch")
         return
-    found = f"holds no checkpoint (no {checkpoint.TRACKER}, no {checkpoint.MODEL_CONFIG})"
-    if not Path(source).exists():
-        found = "does not exist"
-    log.warning(f"--load {source} {found}: starting from scratch")
+    log.warning(f"--load {source} {_absence(source)}: starting from scratch")
+
+
+SAVED_STATES = (
+    (
+        "optimizer",
+        "--no-save-optim",
+        "optimizer or learning-rate schedule state",
+        "--no-load-optim",
+    ),
+    ("rng", "--no-save-rng", "RNG states", "--no-load-rng"),
+)
+"""What a training checkpoint may be saved without: its ``saved`` record's key, the flag that
+leaves it out, what is then missing, and the flag that loads without it."""
+
+
+def _check_saved_states(found: Path, config: CheckpointConfig) -> None:
+    """Refuse, as Megatron-LM does, to load states that the checkpoint was saved without
+    (recorded in its ``apertus_run.json``), naming the flag that does without them; the load
+    would otherwise leave them fresh unasked."""
+    saved = (read_run_info(found) or {}).get("saved", {})
+    wanted = {"optimizer": config.loads_optimizer(), "rng": config.loads_rng()}
+    for state, saved_without, what, loaded_without in SAVED_STATES:
+        if wanted[state] and saved.get(state) is False:
+            raise ConfigError(
+                f"--load {found} was saved with {saved_without} and holds no {what}: add "
+                f"{loaded_without} (or --finetune) to start from it"
+            )
 
 
 def finished_run(cfg: RunConfig) -> str | None:
     """The line saying that the checkpoint --load names already ends this run (it reached
     --train-iters or --train-samples), else None. Read from the checkpoint's run record before
     anything is built, so a job resubmitted after the end exits at once instead of validating
-    and saving the same checkpoint again (--finetune starts a new run: never finished; another
-    model is refused by the load as usual)."""
+    and saving the same checkpoint again (--finetune starts a new run and --skip-train only
+    evaluates: never finished; another model is refused by the load as usual)."""
     ck, t = cfg.checkpoint, cfg.training
-    if not ck.load or ck.finetune:
+    if not ck.load or ck.finetune or t.skip_train:
         return None
-    found = checked_checkpoint(ck.load)
+    found = checked_checkpoint(ck)
     info = read_run_info(found) if found is not None else None
     if not info or not info.get("iteration") or checkpoint.load_model_config(found) != cfg.model:
         return None
@@ -212,6 +253,10 @@ def run_info(cfg: RunConfig, state: TrainingState) -> dict:
         "consumed_tokens": state.consumed_samples * cfg.model.seq_length,
         "seq_length": cfg.model.seq_length,
         "fused_output_loss": cfg.training.fused_output_loss,
+        "saved": {
+            "optimizer": not cfg.checkpoint.no_save_optim,
+            "rng": not cfg.checkpoint.no_save_rng,
+        },
         "command": list(sys.argv),
         "version": _package_version(),
         "git_commit": _source_commit(),
@@ -276,15 +321,18 @@ class Checkpointer:
 
     def save(self, model: list, state: TrainingState, optimizer, scheduler) -> Path:
         """Write the checkpoint of ``state`` (every rank), published now or, in the background,
-        once every rank has written it."""
+        once every rank has written it; without the optimizer and its schedule under
+        --no-save-optim, without RNG states under --no-save-rng."""
+        optimizer_kept = not self.config.no_save_optim
         with synced_parameters(model):
             return checkpoint.save(
                 self.config.save,
                 [ddp.module for ddp in model],
                 self.run.model,
                 state,
-                optimizer=optimizer,
-                scheduler=scheduler,
+                optimizer=optimizer if optimizer_kept else None,
+                scheduler=scheduler if optimizer_kept else None,
+                rng=not self.config.no_save_rng,
                 run_info=run_info(self.run, state),
                 options=self.options,
                 on_published=_log_saved,

@@ -135,6 +135,8 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     check_cuda_graphs(config, device=device, impl=impl, engine=config.engine)
     config.profiling.check(device=device, tensorboard_dir=config.logging.tensorboard_dir)
     config.fp8_guard.check_run(
-        save=config.checkpoint.save, fp8_param_gather=config.engine.fp8_param_gather
+        save=config.checkpoint.save,
+        fp8_param_gather=config.engine.fp8_param_gather,
+        saves_left_out=config.checkpoint.saves_left_out(),
     )
     return config

@@ -158,13 +158,21 @@ class Fp8GuardConfig:
         """Whether an alarm takes layers out of FP8 (the guard on, a switching action)."""
         return self.fp8_guard and self.fp8_guard_action in SWITCHES
 
-    def check_run(self, *, save: str | None, fp8_param_gather: bool) -> None:
-        """What a switching action needs of the rest of the run: checkpoints to go back to, and
-        weights that can leave FP8."""
+    def check_run(
+        self, *, save: str | None, fp8_param_gather: bool, saves_left_out: list[str]
+    ) -> None:
+        """What a switching action needs of the rest of the run: whole checkpoints to go back
+        to (``saves_left_out``: the flags that leave states out of them), and weights that can
+        leave FP8."""
         action = f"--fp8-guard-action {self.fp8_guard_action}"
         if self.switches and not save:
             raise ConfigError(
                 f"{action} goes back to the last checkpoint before the alarm: it needs --save"
+            )
+        if self.switches and saves_left_out:
+            raise ConfigError(
+                f"{action} continues from its own checkpoints as the run itself would: they "
+                f"need every state, drop {' and '.join(saves_left_out)}"
             )
         if self.switches and fp8_param_gather:
             raise ConfigError(

@@ -12,7 +12,8 @@ that changes what ranks do next (skip a step, save, stop) is taken from values a
 Start-up checks what a user can get wrong before anything is allocated
 (:mod:`~megatron.apertus.training.startup`; a --load that is no checkpoint) and raises
 :class:`ConfigError` in one line; a --load that holds no checkpoint yet starts from scratch and
-says so, as Megatron-LM does.
+says so, as Megatron-LM does. Under ``--skip-train`` the trainer builds and loads as usual, then
+only evaluates (:meth:`Trainer.evaluate`): no step, no save, no reporting components.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from megatron.apertus.training.fp8_guard import (
     decided_layers,
     decisions_at,
 )
+from megatron.apertus.training.metrics import Metrics
 from megatron.apertus.training.objectives import build_objective
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
 from megatron.apertus.training.profiling import StepProfiler
@@ -115,7 +117,11 @@ class Trainer:
         )
         self.state = self._resume()
         self.objective.prepare(self.model, state=self.state, resume_from=self.resume_from)
-        self._start_components()
+        t = cfg.training
+        self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
+        self.checkpointer: Checkpointer | None = None
+        if not t.skip_train:
+            self._start_components()
 
     def _apply_guard_decisions(self) -> None:
         """The FP8 guard's decisions that hold for the checkpoint this run continues (none with
@@ -139,8 +145,8 @@ class Trainer:
         )
 
     def _start_components(self) -> None:
-        """Saving (from now on a signal asks for a save), reporting (continued from a resumed
-        checkpoint's metrics), the count of skipped steps, the garbage collector, validation,
+        """What training drives: saving (from now on a signal asks for a save), reporting
+        (continued from a resumed checkpoint's metrics), the count of skipped steps, validation,
         the FP8 guard (its counts continued too) and the capture of CUDA graphs."""
         cfg, t = self.cfg, self.cfg.training
         self.graphs = GraphCapture(
@@ -169,7 +175,6 @@ class Trainer:
             log_interval=t.log_interval,
             first_iteration=self.state.iteration,
         )
-        self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         metrics = self.reporter.metrics
         self.validator = Validator(
             self.objective, self.model, t, metrics=metrics, gc=self.gc, device=self.device
@@ -308,13 +313,33 @@ class Trainer:
             self._save_trained()
         return self._close(completed=True)
 
+    def evaluate(self) -> dict:
+        """--skip-train, Megatron-LM's evaluation-only mode: one validation pass at the loaded
+        state, logged as Megatron-LM logs it; no step, no save, and nothing recorded for the
+        run's metrics (Megatron-LM writes nothing to TensorBoard then). Returns the pass's
+        history."""
+        if is_reporting_rank():
+            log.info("skipping training (--skip-train is on) ...")
+        metrics = Metrics(tensorboard_dir=None, wandb_project=None, wandb_exp_name=None, config={})
+        validator = Validator(
+            self.objective,
+            self.model,
+            self.cfg.training,
+            metrics=metrics,
+            gc=self.gc,
+            device=self.device,
+        )
+        validator.validate(self.state, split="validation set")
+        return {**metrics.history, "completed": True}
+
     def _close(self, *, completed: bool) -> dict:
         self.checkpointer.finish()
         return self.reporter.close(completed=completed)
 
     def shutdown(self) -> None:
-        self.profiler.close()
-        self.checkpointer.finish()
+        if self.checkpointer is not None:  # it trained (not --skip-train)
+            self.profiler.close()
+            self.checkpointer.finish()
         self.gc.close()
         self.objective.close()
         destroy_num_microbatches_calculator()
@@ -337,6 +362,6 @@ def train(cfg: RunConfig) -> dict:
         parallel.shutdown()
         raise
     try:
-        return trainer.run()
+        return trainer.evaluate() if cfg.training.skip_train else trainer.run()
     finally:
         trainer.shutdown()

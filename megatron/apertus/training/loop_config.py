@@ -30,6 +30,10 @@ class TrainingConfig:
     log_interval: int = flag_help("iterations between log lines", 10)
     eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
     eval_iters: int = flag_help("validation batches per validation pass", 4)
+    skip_train: bool = switch(
+        "evaluate only: load --load, run one validation pass at its iteration (logged as "
+        "Megatron-LM's pass after training), and exit without a step or a save"
+    )
     device: str = flag_help("auto, cpu or cuda", "auto", ours=True)
     precision: Optional[str] = flag_help(
         "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)",

@@ -135,8 +135,9 @@ class Objective(ABC):
         return [f"{name}: {value:.6E}" for name, value in quantities.items()]
 
     @abstractmethod
-    def validation_line(self, iteration: int, loss: float, quantities: dict[str, float]) -> str:
-        """The log line of a validation pass's result."""
+    def validation_line(self, at: str, loss: float, quantities: dict[str, float]) -> str:
+        """The log line of a validation pass's result; ``at``: where it ran, as Megatron-LM
+        says it (``iteration 100``, ``iteration 100 on validation set``)."""
 
     def close(self) -> None:
         """Stop what reads ahead (threads); the run is over."""
@@ -265,9 +266,9 @@ class CrossEntropy(Objective):
         """Goldfish's dropped share, the one quantity, as a percentage."""
         return [f"{name}: {100 * value:.2f}%" for name, value in quantities.items()]
 
-    def validation_line(self, iteration: int, loss: float, quantities: dict[str, float]) -> str:
+    def validation_line(self, at: str, loss: float, quantities: dict[str, float]) -> str:
         return (
-            f"validation loss at iteration {iteration} | lm loss value: "
+            f"validation loss at {at} | lm loss value: "
             f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
         )
 
@@ -442,9 +443,9 @@ class Alignment(Objective):
         loss = partial(alignment_loss, self.config, chunk_groups(model).cp)
         return token_forward(batch, model, loss=loss)
 
-    def validation_line(self, iteration: int, loss: float, quantities: dict[str, float]) -> str:
+    def validation_line(self, at: str, loss: float, quantities: dict[str, float]) -> str:
         return (
-            f"validation loss at iteration {iteration} | "
+            f"validation loss at {at} | "
             f"{self.config.align_objective} loss value: {loss:.6E}" + format_quantities(quantities)
         )
 

@@ -60,8 +60,9 @@ class Validator:
         interval = self.training.eval_interval
         return bool(interval and iteration % interval == 0)
 
-    def validate(self, state: TrainingState) -> None:
-        """One pass at ``state``, recorded and logged (between collections under --manual-gc)."""
+    def validate(self, state: TrainingState, *, split: str = "") -> None:
+        """One pass at ``state``, recorded and logged (between collections under --manual-gc);
+        ``split`` names the data in the log line, as Megatron-LM's pass after training does."""
         self.gc.eval_boundary()
         evaluated = self.evaluate(state.iteration)
         self.gc.eval_boundary()
@@ -76,7 +77,8 @@ class Validator:
             samples=state.consumed_samples,
         )
         if is_reporting_rank():
-            log.info(self.objective.validation_line(state.iteration, loss, quantities))
+            at = f"iteration {state.iteration}" + (f" on {split}" if split else "")
+            log.info(self.objective.validation_line(at, loss, quantities))
         self.metrics.flush()
 
     def evaluate(self, iteration: int) -> tuple[float, dict[str, float]] | None:

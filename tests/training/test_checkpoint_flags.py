@@ -1,0 +1,151 @@
+"""Megatron-LM's checkpoint and evaluation flags: --ckpt-step, --no-save-optim, --no-save-rng,
+--exit-on-missing-checkpoint and --skip-train; each checked by its effect on one saved tiny run
+(4 steps, checkpoints and validation at 2 and 4)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint import FileSystemReader
+
+import pretrain_gpt
+from megatron.apertus import checkpoint
+from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.training.checkpoint_config import CheckpointConfig
+from megatron.apertus.training.fp8_guard import Fp8GuardConfig
+from megatron.apertus.training.loop import train
+from tests.conftest import PRETRAIN, SMALL_VOCABULARY, read_json, run_entry, series
+from tests.training.test_first_hour import refused
+
+BASE = (
+    "--model-preset tiny --global-batch-size 4 --micro-batch-size 2 --eval-iters 1 "
+    "--log-interval 1 --lr 3e-3 --seed 5 --train-iters 4 --eval-interval 2"
+).split() + SMALL_VOCABULARY
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The run of 4 steps saving at 2 and 4, and its recorded history."""
+    root = tmp_path_factory.mktemp("ckptflags")
+    log = root / "full.json"
+    run_entry(PRETRAIN, BASE + f"--save-interval 2 --save {root / 'full'} --log-json {log}".split())
+    return root, read_json(log)
+
+
+def _saved_parts(directory) -> set[str]:
+    """The top-level names of what a checkpoint holds: its sharded tensors and objects
+    (``optimizer``, ``rng_state``, the model's) and its common state (``scheduler``)."""
+    sharded = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    return {key.split(".")[0].split("/")[0] for key in sharded} | set(common)
+
+
+def test_ckpt_step_resumes_from_that_iteration_on_the_same_trajectory(saved):
+    """--ckpt-step 2 of a directory whose tracker names 4 continues from 2, bitwise as the run
+    that went on from there."""
+    root, full = saved
+    log = root / "from2.json"
+    proc = run_entry(
+        PRETRAIN, BASE + f"--load {root / 'full'} --ckpt-step 2 --log-json {log}".split()
+    )
+    assert f"resumed from {root / 'full' / 'iter_0000002'} at iteration 2" in proc.stdout
+    assert "iteration        3/       4" in proc.stdout
+    assert "iteration        1/       4" not in proc.stdout
+    # The history up to 2 is the checkpoint's, 3 and 4 are this run's.
+    assert series(read_json(log), "train/loss") == series(full, "train/loss"), "bitwise equal"
+    assert read_json(log)["valid/loss"][-1] == full["valid/loss"][-1]
+
+
+def test_ckpt_step_without_that_checkpoint_is_refused(saved):
+    root, _ = saved
+    line = refused(["--load", str(root / "full"), "--ckpt-step", "3"], base=BASE)
+    assert line == (
+        f"--ckpt-step 3: {root / 'full'} holds no checkpoint of iteration 3; "
+        "it holds iterations 2, 4"
+    )
+
+
+@pytest.mark.parametrize("step", [2, None], ids=["ckpt-step-2", "latest"])
+def test_skip_train_validates_once_as_the_training_run_did(saved, step, caplog):
+    """--skip-train gives the validation loss the training run logged at that iteration, bit
+    for bit, logged as Megatron-LM's pass after training; no step, nothing saved. The latest
+    checkpoint ends the run, which without --skip-train would have nothing to do."""
+    root, full = saved
+    eval_save = root / f"eval-{step}"
+    flags = BASE + ["--load", str(root / "full"), "--skip-train", "--save", str(eval_save)]
+    flags += [] if step is None else ["--ckpt-step", str(step)]
+    with caplog.at_level(logging.INFO, logger="apertus"):
+        history = train(pretrain_gpt.parse_args(flags))
+    iteration = step or 4
+    (expected,) = [value for it, value in full["valid/loss"] if it == iteration]
+    assert history["valid/loss"] == [[iteration, expected]]
+    assert "skipping training (--skip-train is on) ..." in caplog.text
+    assert f"validation loss at iteration {iteration} on validation set | lm loss value: " in (
+        caplog.text
+    )
+    assert "iteration        " not in caplog.text, "no training step"
+    assert not list(eval_save.glob("iter_*")) and not (eval_save / checkpoint.TRACKER).exists()
+
+
+@pytest.fixture(scope="module")
+def lean(saved):
+    """A checkpoint at iteration 2 saved with --no-save-optim --no-save-rng."""
+    root, _ = saved
+    save = root / "lean"
+    run_entry(
+        PRETRAIN,
+        BASE + f"--train-iters 2 --no-save-optim --no-save-rng --save {save}".split(),
+    )
+    return checkpoint.find_checkpoint(save)
+
+
+def test_no_save_optim_and_rng_leave_them_out_and_say_so(saved, lean):
+    root, _ = saved
+    normal = root / "full" / "iter_0000002"
+    assert {"optimizer", "scheduler", "rng_state"} <= _saved_parts(normal)
+    assert not {"optimizer", "scheduler", "rng_state"} & _saved_parts(lean)
+    assert {"decoder", "embedding", "output_layer"} <= _saved_parts(lean)
+    assert not checkpoint.has_optimizer_states(lean)
+    assert read_run_info(lean)["saved"] == {"optimizer": False, "rng": False}
+    assert read_run_info(normal)["saved"] == {"optimizer": True, "rng": True}
+
+
+def test_a_checkpoint_without_optimizer_or_rng_is_refused_unless_asked(lean):
+    """Loading what was not saved is refused naming the flag to add; with both flags the run
+    continues from the checkpoint's iteration."""
+    flags = ["--train-iters", "3", "--load", str(lean)]
+    assert refused(flags, base=BASE) == (
+        f"--load {lean} was saved with --no-save-optim and holds no optimizer or "
+        "learning-rate schedule state: add --no-load-optim (or --finetune) to start from it"
+    )
+    assert refused(flags + ["--no-load-optim"], base=BASE) == (
+        f"--load {lean} was saved with --no-save-rng and holds no RNG states: add "
+        "--no-load-rng (or --finetune) to start from it"
+    )
+    proc = run_entry(PRETRAIN, BASE + flags + ["--no-load-optim", "--no-load-rng"])
+    assert f"resumed from {lean} at iteration 2" in proc.stdout
+    assert "iteration        3/       3" in proc.stdout
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    typo = tmp_path / "typo"
+    line = refused(["--load", str(typo), "--exit-on-missing-checkpoint"], base=BASE)
+    assert line == f"--exit-on-missing-checkpoint: --load {typo} does not exist"
+
+
+def test_ckpt_step_needs_load():
+    with pytest.raises(ConfigError, match="--ckpt-step picks an iteration of the --load directory"):
+        CheckpointConfig(ckpt_step=2)
+    assert CheckpointConfig(load="ckpt", ckpt_step=2).ckpt_step == 2
+
+
+def test_fp8_guard_that_goes_back_needs_whole_checkpoints():
+    guard = Fp8GuardConfig(fp8_guard=True, fp8_guard_action="bf16-layers")
+    guard.check_run(save="ckpt", fp8_param_gather=False, saves_left_out=[])
+    with pytest.raises(ConfigError, match="drop --no-save-optim and --no-save-rng"):
+        guard.check_run(
+            save="ckpt", fp8_param_gather=False, saves_left_out=["--no-save-optim", "--no-save-rng"]
+        )
