@@ -165,7 +165,13 @@ class Trainer:
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         metrics = self.reporter.metrics
         self.validator = Validator(
-            self.objective, self.model, t, metrics=metrics, gc=self.gc, device=self.device
+            self.objective,
+            self.model,
+            t,
+            metrics=metrics,
+            gc=self.gc,
+            device=self.device,
+            perplexity=cfg.logging.log_validation_ppl_to_tensorboard,
         )
         self.fp8_guard = GuardedRun(
             cfg.fp8_guard,
