@@ -1,0 +1,115 @@
+"""Megatron-LM's --mock-data: megatron-core's synthetic MockGPTDataset, built by its dataset
+builder, trains deterministically, resumes bitwise, carries the end-of-document tokens document
+masking needs, and is refused beside any other data in one line."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+import pretrain_gpt
+from megatron.apertus.data.datasets import DatasetConfig, build_datasets
+from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
+from megatron.apertus.training.loop import train
+from tests.conftest import SMALL_TOKENIZER, SMALL_VOCABULARY
+from tests.training.test_first_hour import refused
+
+MOCK = (
+    "--model-preset tiny --mock-data --global-batch-size 4 --micro-batch-size 2 --eval-iters 1 "
+    "--log-interval 1 --lr 3e-3 --seed 5 --train-iters 4"
+).split() + SMALL_VOCABULARY
+
+
+def _losses(history: dict) -> list[list]:
+    return history["train/loss"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The losses of an uninterrupted run of 4 iterations, of the same run stopped after 2 and
+    resumed to 4, and of the uninterrupted run with another seed."""
+    save = tmp_path_factory.mktemp("mock") / "ckpt"
+    whole = train(pretrain_gpt.parse_args(MOCK))
+    train(pretrain_gpt.parse_args(MOCK + ["--exit-interval", "2", "--save", str(save)]))
+    resumed = train(pretrain_gpt.parse_args(MOCK + ["--save", str(save), "--load", str(save)]))
+    other_seed = train(pretrain_gpt.parse_args(MOCK + ["--seed", "6"]))
+    return {
+        name: _losses(h)
+        for name, h in [("whole", whole), ("resumed", resumed), ("seed 6", other_seed)]
+    }
+
+
+def test_mock_data_trains_and_the_seed_decides_the_losses(runs):
+    steps, losses = zip(*runs["whole"])
+    assert steps == (1, 2, 3, 4)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    assert runs["seed 6"] != runs["whole"], "another seed shuffles other samples"
+
+
+def test_mock_data_resumes_bitwise(runs):
+    assert runs["resumed"] == runs["whole"]
+
+
+def test_mock_documents_end_in_eod_so_document_masking_finds_them():
+    """The samples come from megatron-core's MockGPTDataset, shuffled by the seed; its documents
+    end in the tokenizer's end-of-document token, where --reset-attention-mask cuts."""
+    tokenizer = checked_tokenizer("HuggingFaceTokenizer", str(SMALL_TOKENIZER))
+    build = dict(seq_length=64, num_samples=(32, 4, 0))
+    train_part, valid_part, test_part = build_datasets(
+        DatasetConfig(mock_data=True), tokenizer, seed=5, **build
+    )
+    assert isinstance(train_part, MockGPTDataset) and isinstance(valid_part, MockGPTDataset)
+    assert test_part is None
+    tokens = np.stack([train_part[i]["tokens"].numpy() for i in range(32)])
+    # a document counts 1, 2, ..., n-1 then ends in EOD: EOD then 1 is a document boundary
+    ends = (tokens[:, :-1] == tokenizer.eod) & (tokens[:, 1:] == 1)
+    assert ends.any(), "documents end in EOD"
+    again = build_datasets(DatasetConfig(mock_data=True), tokenizer, seed=5, **build)[0]
+    other = build_datasets(DatasetConfig(mock_data=True), tokenizer, seed=6, **build)[0]
+    assert all(np.array_equal(again[i]["tokens"], tokens[i]) for i in range(32))
+    assert not all(np.array_equal(other[i]["tokens"], tokens[i]) for i in range(32))
+
+
+def test_mock_data_trains_with_document_masking(runs):
+    """Other losses than without it: the samples' documents are masked from each other."""
+    history = train(
+        pretrain_gpt.parse_args(
+            MOCK + ["--train-iters", "2", "--reset-position-ids", "--reset-attention-mask"]
+        )
+    )
+    masked = _losses(history)
+    assert all(math.isfinite(loss) for _, loss in masked)
+    assert masked[1][1] != runs["whole"][1][1]
+
+
+@pytest.mark.parametrize(
+    "extra, line",
+    [
+        (
+            ["--data-path", "corpus_text_document"],
+            "--mock-data trains on synthetic data with its own train/valid/test parts: drop "
+            "--data-path",
+        ),
+        (
+            ["--split", "90,10,0", "--sft"],
+            "--mock-data trains on synthetic data with its own train/valid/test parts: drop "
+            "--split and --sft",
+        ),
+        (
+            ["--distill-logits-path", "teacher"],
+            "--mock-data and --distill-logits-path exclude each other: a teacher store holds "
+            "the logits of the samples of the dataset it was made from",
+        ),
+        (
+            ["--align-objective", "dpo"],
+            "--mock-data and --align-objective exclude each other: alignment reads preference "
+            "pairs",
+        ),
+    ],
+    ids=["data-path", "split-sft", "distillation", "alignment"],
+)
+def test_mock_data_beside_other_data_is_refused(extra, line):
+    assert refused(["--mock-data", *extra]) == line
