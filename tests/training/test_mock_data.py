@@ -5,12 +5,16 @@ masking needs, and is refused beside any other data in one line."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from megatron.core.datasets.gpt_dataset import MockGPTDataset
 
 import pretrain_gpt
+from megatron.apertus import checkpoint
+from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.convert.model_card import MOCK_DATA, model_card
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
 from megatron.apertus.training.loop import train
@@ -30,15 +34,19 @@ def _losses(history: dict) -> list[list]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The losses of an uninterrupted run of 4 iterations, of the same run stopped after 2 and
-    resumed to 4, and of the uninterrupted run with another seed."""
+    resumed to 4, and of the uninterrupted run with another seed; the checkpoint's record of
+    its run."""
     save = tmp_path_factory.mktemp("mock") / "ckpt"
     whole = train(pretrain_gpt.parse_args(MOCK))
     train(pretrain_gpt.parse_args(MOCK + ["--exit-interval", "2", "--save", str(save)]))
     resumed = train(pretrain_gpt.parse_args(MOCK + ["--save", str(save), "--load", str(save)]))
     other_seed = train(pretrain_gpt.parse_args(MOCK + ["--seed", "6"]))
     return {
-        name: _losses(h)
-        for name, h in [("whole", whole), ("resumed", resumed), ("seed 6", other_seed)]
+        "whole": _losses(whole),
+        "resumed": _losses(resumed),
+        "seed 6": _losses(other_seed),
+        "run info": read_run_info(checkpoint.find_checkpoint(save)),
+        "model": checkpoint.load_model_config(save),
     }
 
 
@@ -51,6 +59,21 @@ def test_mock_data_trains_and_the_seed_decides_the_losses(runs):
 
 def test_mock_data_resumes_bitwise(runs):
     assert runs["resumed"] == runs["whole"]
+
+
+def test_the_checkpoint_and_its_model_card_name_the_synthetic_data(runs):
+    info = runs["run info"]
+    assert info["mock_data"] is True and info["data_path"] == []
+    card = model_card(
+        name="mock",
+        model=runs["model"],
+        checkpoint=Path("ckpt"),
+        run_info=info,
+        tokenizer="bpe4096",
+        dtype="bfloat16",
+        export_command=None,
+    )
+    assert f"## Training data\n\n{MOCK_DATA}, " in card
 
 
 def test_mock_documents_end_in_eod_so_document_masking_finds_them():
