@@ -1,6 +1,7 @@
 """Megatron-LM's --mock-data: megatron-core's synthetic MockGPTDataset, built by its dataset
 builder, trains deterministically, resumes bitwise, carries the end-of-document tokens document
-masking needs, and is refused beside any other data in one line."""
+masking needs, and is refused beside any other data in one line (by the tools that read a
+run's data too)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from megatron.apertus.convert.model_card import MOCK_DATA, model_card
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
 from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
 from megatron.apertus.training.loop import train
-from tests.conftest import SMALL_TOKENIZER, SMALL_VOCABULARY
+from tests.conftest import REPO, SMALL_TOKENIZER, SMALL_VOCABULARY, run_script
 from tests.training.test_first_hour import refused
 
 MOCK = (
@@ -136,3 +137,26 @@ def test_mock_data_trains_with_document_masking(runs):
 )
 def test_mock_data_beside_other_data_is_refused(extra, line):
     assert refused(["--mock-data", *extra]) == line
+
+
+@pytest.mark.parametrize(
+    "tool, args, line",
+    [
+        (
+            "generate_teacher_logits.py",
+            ["--load", "teacher"],
+            "--mock-data: a teacher store is made for a student that trains on real data",
+        ),
+        (
+            "quantize.py",
+            ["--load", "ckpt", "--save", "out", "--method", "rtn", "--quant-format", "fp8"],
+            "--mock-data: GPTQ calibrates on the samples of the --distill-logits-path store's run",
+        ),
+    ],
+    ids=["teacher-logits", "quantize"],
+)
+def test_the_tools_that_read_run_data_refuse_mock_data(tool, args, line):
+    proc = run_script(REPO / "tools" / tool, [*args, "--mock-data"])
+    errors = [e for e in proc.stderr.splitlines() if ": error: " in e]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-4000:]
+    assert errors[0].startswith(f"{tool}: error: {line}")
