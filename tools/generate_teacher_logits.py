@@ -73,6 +73,11 @@ def parse_args(argv: list[str] | None = None):
     C.add_run_arguments(parser, GROUPS, titles=TITLES)
     add_arguments(parser, LogitsConfig, title="teacher logits")
     args = parser.parse_args(argv)
+    if args.mock_data:
+        parser.error(
+            "--mock-data: a teacher store is made for a student that trains on real data "
+            "(pretrain_gpt.py refuses --mock-data beside --distill-logits-path)"
+        )
     from megatron.apertus.checkpoint import load_model_config  # torch: after argument errors
 
     try:

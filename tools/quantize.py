@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quant_format is None:
         parser.error("--quant-format is required")
+    if args.mock_data:
+        parser.error(
+            "--mock-data: GPTQ calibrates on the samples of the --distill-logits-path store's "
+            "run, which trained on real data"
+        )
     if args.method == "gptq" and args.distill_logits_path is None:
         parser.error("--method gptq needs --distill-logits-path (its samples calibrate)")
     if args.calibration_samples < 1:

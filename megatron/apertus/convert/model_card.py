@@ -21,6 +21,7 @@ DEFAULT_LICENSE = "apache-2.0"
 """The Hub licence id of the published Apertus models; ``export_hf.py --license`` sets another."""
 UNKNOWN = "unknown"
 EMBEDDED_CORPUS = "the embedded corpus (Python's documentation and standard-library docstrings)"
+MOCK_DATA = "megatron-core's synthetic MockGPTDataset (--mock-data)"
 
 
 def _recorded(run_info: dict | None, key: str) -> Any:
@@ -32,6 +33,8 @@ def _count(value: Any) -> str:
 
 
 def _data(run_info: dict | None) -> list[str]:
+    if run_info is not None and run_info.get("mock_data"):
+        return [MOCK_DATA]
     paths = _recorded(run_info, "data_path")
     if paths == UNKNOWN:
         return [UNKNOWN]

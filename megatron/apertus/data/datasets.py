@@ -16,6 +16,13 @@ Without a blend, the datasets are those of the corpus the caller hands in (``def
 :mod:`megatron.apertus.prep.corpus`): preparing a corpus is offline work, which the data that
 training reads does not import.
 
+``--mock-data`` (Megatron-LM's) trains on megatron-core's synthetic ``MockGPTDataset`` instead:
+the builder is given no blend, which makes megatron-core's dataset config a mock one (its own
+train/valid/test split, ``1,1,1``). Its documents are ``1, 2, ..., n-1`` followed by the end of
+document token, with lengths drawn from a fixed seed, so document masking and
+``--eod-mask-loss`` find their boundaries; the samples are shuffled with ``--seed`` and their
+indices cached like a real dataset's.
+
 torch and megatron-core are imported by the functions that use them: :class:`DatasetConfig`
 serves ``--help`` and argument errors, which must not pay for them.
 """
@@ -77,8 +84,13 @@ class DatasetConfig:
         "supervised fine-tuning on chat datasets from "
         "tools/preprocess_chat.py: the loss counts only the assistant's tokens"
     )
+    mock_data: bool = switch(
+        "train and validate on megatron-core's synthetic MockGPTDataset instead of --data-path: "
+        "throughput runs without preprocessed data"
+    )
 
     def __post_init__(self) -> None:
+        self._check_mock_data()
         if self.num_dataset_builder_threads < 1:
             raise ValueError(
                 f"--num-dataset-builder-threads must be >= 1, got {self.num_dataset_builder_threads}"
@@ -105,6 +117,29 @@ class DatasetConfig:
             raise ValueError(
                 "--reset-position-ids and --reset-attention-mask go together: documents are "
                 "packed as separate sequences, so positions restart exactly where attention does"
+            )
+
+    def _check_mock_data(self) -> None:
+        """--mock-data is the data: refuse the flags that name other data or split it."""
+        if not self.mock_data:
+            return
+        given = [
+            flag
+            for flag, value in (
+                ("--data-path", self.data_path),
+                ("--data-args-path", self.data_args_path),
+                ("--train-data-path", self.train_data_path),
+                ("--valid-data-path", self.valid_data_path),
+                ("--test-data-path", self.test_data_path),
+                ("--split", self.split),
+                ("--sft", self.sft),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(
+                f"--mock-data trains on synthetic data with its own train/valid/test parts: "
+                f"drop {' and '.join(given)}"
             )
 
     @property
@@ -249,6 +284,41 @@ def check_split_sizes(
                 )
 
 
+def _blends(
+    config: DatasetConfig, tokenizer: Tokenizer, default_corpus: DefaultCorpus | None
+) -> dict:
+    """The blend arguments of megatron-core's dataset config, their prefixes checked first:
+    one blend per part, or one blend and its split, or none (--mock-data)."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    if config.mock_data:
+        return {}
+    if config.per_split:
+        parts = (config.train_data_path, config.valid_data_path, config.test_data_path)
+        for name, part in zip(SPLIT_NAMES, parts):
+            if part:
+                check_prefixes(f"--{name}-data-path", part, sft=config.sft)
+        return dict(blend_per_split=[get_blend_from_list(p) if p else None for p in parts])
+    data_path = data_path_of(config)
+    if data_path:
+        flag = "--data-args-path" if config.data_args_path else "--data-path"
+        check_prefixes(flag, data_path, sft=config.sft)
+    return dict(
+        blend=get_blend_from_list(resolve_blend(config, tokenizer, default_corpus)),
+        split=config.split or ("969,30,1" if data_path else "90,10,0"),
+    )
+
+
+def _dataset_class(config: DatasetConfig) -> type:
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    from megatron.apertus.data.sft import ChatGPTDataset
+
+    if config.mock_data:
+        return MockGPTDataset
+    return ChatGPTDataset if config.sft else GPTDataset
+
+
 def build_datasets(
     config: DatasetConfig,
     tokenizer: Tokenizer,
@@ -259,35 +329,18 @@ def build_datasets(
     default_corpus: DefaultCorpus | None = None,
 ) -> list[GPTDataset | None]:
     """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0 or
-    when the split gives that part no documents); without a blend, of ``default_corpus``."""
+    when the split gives that part no documents); without a blend, of ``default_corpus``;
+    with --mock-data, megatron-core's synthetic ones."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    from megatron.apertus.data.sft import ChatGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     cache = config.data_cache_path or str(default_cache_dir() / "indices")
-    if config.per_split:
-        parts = (config.train_data_path, config.valid_data_path, config.test_data_path)
-        for name, part in zip(("train", "valid", "test"), parts):
-            if part:
-                check_prefixes(f"--{name}-data-path", part, sft=config.sft)
-        blends = dict(blend_per_split=[get_blend_from_list(p) if p else None for p in parts])
-    else:
-        data_path = data_path_of(config)
-        if data_path:
-            flag = "--data-args-path" if config.data_args_path else "--data-path"
-            check_prefixes(flag, data_path, sft=config.sft)
-        blends = dict(
-            blend=get_blend_from_list(resolve_blend(config, tokenizer, default_corpus)),
-            split=config.split or ("969,30,1" if data_path else "90,10,0"),
-        )
     gpt_config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        **blends,
+        **_blends(config, tokenizer, default_corpus),
         path_to_cache=cache,
         tokenizer=tokenizer,
         reset_position_ids=False,
@@ -299,10 +352,10 @@ def build_datasets(
     )
     if not config.per_split:
         skip_unasked_splits(gpt_config, num_samples)
-        check_split_sizes(gpt_config, seq_length, num_samples)
-    dataset_class = ChatGPTDataset if config.sft else GPTDataset
+        if not config.mock_data:
+            check_split_sizes(gpt_config, seq_length, num_samples)
     builder = BlendedMegatronDatasetBuilder(
-        dataset_class, list(num_samples), lambda: True, gpt_config
+        _dataset_class(config), list(num_samples), lambda: True, gpt_config
     )
     with _index_cache_lock(cache):
         datasets = builder.build()

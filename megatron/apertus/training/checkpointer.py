@@ -248,6 +248,7 @@ def run_info(cfg: RunConfig, state: TrainingState) -> dict:
     return {
         "tokenizer": {"type": data.tokenizer_type, "model": tokenizer_model},
         "data_path": list(dataset.data_path or dataset.train_data_path),
+        "mock_data": dataset.mock_data,
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
         "consumed_tokens": state.consumed_samples * cfg.model.seq_length,

@@ -31,6 +31,7 @@ from megatron.apertus.data.config import DataConfig
 from megatron.apertus.data.datasets import DatasetConfig
 from megatron.apertus.data.goldfish import GoldfishConfig
 from megatron.apertus.distill.config import DistillConfig
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import add_group, build_group
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.model.cuda_graphs import CudaGraphConfig
@@ -125,6 +126,7 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     from megatron.apertus.parallel import resolve_device
 
     config = RunConfig(**groups_from_arguments(args))
+    check_mock_data(config)
     config.align.check_given(given)
     config.communication.check(
         distributed_optimizer=config.optimizer.use_distributed_optimizer,
@@ -140,3 +142,19 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
         saves_left_out=config.checkpoint.saves_left_out(),
     )
     return config
+
+
+def check_mock_data(config: RunConfig) -> None:
+    """Refuse --mock-data beside an objective that reads data of its own."""
+    if not config.dataset.mock_data:
+        return
+    for flag, given, why in (
+        (
+            "--distill-logits-path",
+            config.distill.enabled,
+            "a teacher store holds the logits of the samples of the dataset it was made from",
+        ),
+        ("--align-objective", config.align.enabled, "alignment reads preference pairs"),
+    ):
+        if given:
+            raise ConfigError(f"--mock-data and {flag} exclude each other: {why}")

@@ -10,12 +10,27 @@ from typing import Optional
 
 from megatron.apertus.cli import check_output
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import flag_help, switch
+from megatron.apertus.flags import flag_help, require, switch
 
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
     tensorboard_dir: Optional[str] = flag_help("write TensorBoard scalars here", None)
+    tensorboard_log_interval: int = flag_help(
+        "write the training scalars to TensorBoard and wandb at the iterations that are "
+        "multiples of this (validation scalars at every validation; --log-json keeps every "
+        "iteration)",
+        1,
+    )
+    tensorboard_queue_size: int = flag_help(
+        "events TensorBoard's writer holds before an add writes them to disk (its max_queue; "
+        "every iteration line also writes them)",
+        1000,
+    )
+    log_validation_ppl_to_tensorboard: bool = switch(
+        "also write the validation perplexity, exp(validation loss), as '<loss> validation ppl' "
+        "(and its 'vs samples' twin)"
+    )
     wandb_project: Optional[str] = flag_help(
         "log to this wandb project (WANDB_MODE=offline works)", None
     )
@@ -68,6 +83,11 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         self._check_outputs()
+        for flag, value in (
+            ("--tensorboard-log-interval", self.tensorboard_log_interval),
+            ("--tensorboard-queue-size", self.tensorboard_queue_size),
+        ):
+            require(value >= 1, flag, value, ">= 1")
         if self.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ConfigError(
                 "--wandb-project needs wandb, which is not installed: "

@@ -177,7 +177,13 @@ class Trainer:
         )
         metrics = self.reporter.metrics
         self.validator = Validator(
-            self.objective, self.model, t, metrics=metrics, gc=self.gc, device=self.device
+            self.objective,
+            self.model,
+            t,
+            metrics=metrics,
+            gc=self.gc,
+            device=self.device,
+            perplexity=cfg.logging.log_validation_ppl_to_tensorboard,
         )
         self.fp8_guard = GuardedRun(
             cfg.fp8_guard,

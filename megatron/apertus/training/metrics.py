@@ -98,6 +98,7 @@ class Metrics:
         wandb_project: str | None,
         wandb_exp_name: str | None,
         config: dict,
+        tensorboard_queue_size: int = 1000,
     ) -> None:
         self.history: dict[str, list] = {}
         self.tensorboard = None
@@ -107,7 +108,7 @@ class Metrics:
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(tensorboard_dir)
+            self.tensorboard = SummaryWriter(tensorboard_dir, max_queue=tensorboard_queue_size)
         if wandb_project:
             import wandb  # present: LoggingConfig refuses --wandb-project without it
 
@@ -160,13 +161,17 @@ class Metrics:
         *,
         tag: str | None = None,
         samples: int | None = None,
+        written: bool = True,
     ) -> None:
-        """Record ``name`` (the history's and ``--log-json``'s key); TensorBoard and wandb get it
-        as ``tag`` (default: ``name``), and with ``samples`` TensorBoard also as ``"<tag> vs
-        samples"`` against the consumed samples, as Megatron-LM writes its scalars."""
+        """Record ``name`` (the history's and ``--log-json``'s key); unless not ``written`` (an
+        iteration --tensorboard-log-interval skips), TensorBoard and wandb get it as ``tag``
+        (default: ``name``), and with ``samples`` TensorBoard also as ``"<tag> vs samples"``
+        against the consumed samples, as Megatron-LM writes its scalars."""
         self.history.setdefault(name, []).append([iteration, value])
         if self.json_log is not None:
             self.pending.setdefault(iteration, {})[name] = value
+        if not written:
+            return
         tag = tag or name
         if self.tensorboard is not None:
             self.tensorboard.add_scalar(tag, value, iteration)

@@ -10,6 +10,7 @@ every rank at the same steps; only the reporting rank writes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from dataclasses import asdict
@@ -77,6 +78,7 @@ class Reporter:
             wandb_project=logging_cfg.wandb_project if is_reporting_rank() else None,
             wandb_exp_name=logging_cfg.wandb_exp_name,
             config={k: asdict(v) for k, v in vars(cfg).items()},
+            tensorboard_queue_size=logging_cfg.tensorboard_queue_size,
         )
         if cfg.checkpoint.load and state.iteration > 0:
             metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, state.iteration)
@@ -135,10 +137,15 @@ class Reporter:
             for name, value in measured.items():
                 self.metrics.record(f"intermediate/{name}", iteration, value)
 
+    def _written(self, iteration: int) -> bool:
+        """Whether TensorBoard and wandb get the training scalars of ``iteration``."""
+        return iteration % self.cfg.logging.tensorboard_log_interval == 0
+
     def _record_diagnostics(self, it: int, samples: int) -> float | None:
         """Parameter norms (a collective: every rank computes them) and memory use, as asked
         for; returns the total parameter norm when --log-params-norm asks for it."""
         logging_cfg = self.cfg.logging
+        written = self._written(it)
         total = None
         if logging_cfg.log_params_norm or logging_cfg.log_params_norm_per_param:
             with synced_parameters(self.model):
@@ -147,15 +154,21 @@ class Reporter:
                 )
             if logging_cfg.log_params_norm:
                 self.metrics.record(
-                    "train/params_norm", it, total, tag="params-norm", samples=samples
+                    "train/params_norm",
+                    it,
+                    total,
+                    tag="params-norm",
+                    samples=samples,
+                    written=written,
                 )
             else:
                 total = None
             for name, value in each.items():
-                self.metrics.record(f"params-norm/{name}", it, value)
+                self.metrics.record(f"params-norm/{name}", it, value, written=written)
         if logging_cfg.log_memory_to_tensorboard:
             for name, value in memory_stats(self.device).items():
-                self.metrics.record(name, it, value, tag=MEGATRON_MEMORY_TAGS.get(name))
+                tag = MEGATRON_MEMORY_TAGS.get(name)
+                self.metrics.record(name, it, value, tag=tag, written=written)
         return total
 
     # -- each step -------------------------------------------------------------------------------
@@ -185,28 +198,25 @@ class Reporter:
     def _record_step(
         self, result: StepResult, seconds: float, global_batch: int, state: TrainingState
     ) -> tuple[float, float]:
-        """The step's scalars, each with its "vs samples" twin where Megatron-LM writes one,
-        into the interval of the next line; returns the learning rate and the loss scale."""
-        it, samples = state.iteration, state.consumed_samples
+        """The step's scalars, each with its "vs samples" twin where Megatron-LM writes one
+        (TensorBoard and wandb get them every --tensorboard-log-interval steps), into the
+        interval of the next line; returns the learning rate and the loss scale."""
+        it = state.iteration
+        record = functools.partial(self.metrics.record, iteration=it, written=self._written(it))
+        samples = state.consumed_samples
         if result.loss is not None:
-            self.metrics.record(
-                "train/loss", it, result.loss, tag=self.objective.loss_name, samples=samples
-            )
+            record("train/loss", value=result.loss, tag=self.objective.loss_name, samples=samples)
         if result.grad_norm is not None and math.isfinite(result.grad_norm):
-            self.metrics.record(
-                "train/grad_norm", it, result.grad_norm, tag="grad-norm", samples=samples
-            )
+            record("train/grad_norm", value=result.grad_norm, tag="grad-norm", samples=samples)
         for name, value in result.quantities.items():
-            self.metrics.record(f"train/{metric_name(name)}", it, value)
+            record(f"train/{metric_name(name)}", value=value)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.metrics.record("train/lr", it, lr, tag="learning-rate", samples=samples)
-        self.metrics.record("train/batch_size", it, global_batch, tag="batch-size", samples=samples)
+        record("train/lr", value=lr, tag="learning-rate", samples=samples)
+        record("train/batch_size", value=global_batch, tag="batch-size", samples=samples)
         loss_scale = self.optimizer.get_loss_scale().item()
         if self.cfg.logging.log_loss_scale_to_tensorboard:
-            self.metrics.record(
-                "train/loss_scale", it, loss_scale, tag="loss-scale", samples=samples
-            )
-        self.metrics.record("train/step_seconds", it, seconds, tag="iteration-time")
+            record("train/loss_scale", value=loss_scale, tag="loss-scale", samples=samples)
+        record("train/step_seconds", value=seconds, tag="iteration-time")
         tokens = global_batch * self.cfg.model.seq_length
         self.interval.add(seconds, tokens, loss=result.loss, skipped=result.skipped)
         return lr, loss_scale

@@ -23,7 +23,7 @@ from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.training.diagnostics import ManualGC
 from megatron.apertus.training.loop_config import TrainingConfig
-from megatron.apertus.training.metrics import Metrics
+from megatron.apertus.training.metrics import Metrics, perplexity
 from megatron.apertus.training.objectives import Objective, metric_name
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.signals import past_duration
@@ -50,9 +50,12 @@ class Validator:
         metrics: Metrics,
         gc: ManualGC,
         device: torch.device,
+        perplexity: bool = False,
     ) -> None:
+        """``perplexity``: record exp(loss) beside the loss (--log-validation-ppl-to-tensorboard)."""
         self.objective, self.model, self.training = objective, model, training
         self.metrics, self.gc, self.device = metrics, gc, device
+        self.perplexity = perplexity
         self.groups = chunk_groups(model[0])
 
     def due(self, iteration: int) -> bool:
@@ -69,13 +72,18 @@ class Validator:
         if evaluated is None:
             return
         loss, quantities = evaluated
+        tag = f"{self.objective.valid_loss_name} validation"
         self.metrics.record(
-            "valid/loss",
-            state.iteration,
-            loss,
-            tag=f"{self.objective.valid_loss_name} validation",
-            samples=state.consumed_samples,
+            "valid/loss", state.iteration, loss, tag=tag, samples=state.consumed_samples
         )
+        if self.perplexity:
+            self.metrics.record(
+                "valid/ppl",
+                state.iteration,
+                perplexity(loss),
+                tag=f"{tag} ppl",
+                samples=state.consumed_samples,
+            )
         if is_reporting_rank():
             at = f"iteration {state.iteration}" + (f" on {split}" if split else "")
             log.info(self.objective.validation_line(at, loss, quantities))
