@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 from megatron.core import dist_checkpointing
@@ -45,13 +46,18 @@ def _saved_parts(directory) -> set[str]:
 
 def test_ckpt_step_resumes_from_that_iteration_on_the_same_trajectory(saved):
     """--ckpt-step 2 of a directory whose tracker names 4 continues from 2, bitwise as the run
-    that went on from there."""
+    that went on from there; saving into that directory, it warns that iteration 4 will be
+    replaced."""
     root, full = saved
-    log = root / "from2.json"
-    proc = run_entry(
-        PRETRAIN, BASE + f"--load {root / 'full'} --ckpt-step 2 --log-json {log}".split()
-    )
-    assert f"resumed from {root / 'full' / 'iter_0000002'} at iteration 2" in proc.stdout
+    log, rollback = root / "from2.json", root / "rollback"
+    shutil.copytree(root / "full", rollback)
+    flags = f"--load {rollback} --save {rollback} --ckpt-step 2 --log-json {log}".split()
+    proc = run_entry(PRETRAIN, BASE + flags)
+    assert f"resumed from {rollback / 'iter_0000002'} at iteration 2" in proc.stdout
+    assert (
+        f"--ckpt-step 2: {rollback} also holds iterations 4, which this run's saves replace "
+        "(give another --save to keep them)"
+    ) in proc.stdout
     assert "iteration        3/       4" in proc.stdout
     assert "iteration        1/       4" not in proc.stdout
     # The history up to 2 is the checkpoint's, 3 and 4 are this run's.

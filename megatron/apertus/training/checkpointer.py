@@ -29,7 +29,7 @@ from megatron.core.num_microbatches_calculator import update_num_microbatches
 
 from megatron.apertus import checkpoint
 from megatron.apertus.checkpoint import TrainingState
-from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.checkpoint_files import read_run_info, saved_iterations
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.optim.builder import OptimizerSettings
@@ -62,6 +62,7 @@ def find_checkpoint(config: CheckpointConfig) -> Path | None:
     found = checked_checkpoint(config)
     if found is not None:
         _check_saved_states(found, config)
+        _warn_of_later_checkpoints(config)
     elif config.exit_on_missing_checkpoint:
         raise ConfigError(
             f"--exit-on-missing-checkpoint: --load {config.load} {_absence(config.load)}"
@@ -69,6 +70,24 @@ def find_checkpoint(config: CheckpointConfig) -> Path | None:
     else:
         _log_fresh_start(config.load, config.save)
     return found
+
+
+def _warn_of_later_checkpoints(config: CheckpointConfig) -> None:
+    """--ckpt-step into its own save directory goes back in the run: the later checkpoints there
+    belong to the trajectory it leaves. As in Megatron-LM, this run's saves replace them as it
+    reaches their iterations, and the Slurm launcher removes those newer than the tracker when a
+    job starts; said once, before anything is replaced, so that a user can save elsewhere."""
+    if config.ckpt_step is None or not config.save:
+        return
+    if Path(config.save).resolve() != Path(config.load).resolve():
+        return
+    later = [it for it in saved_iterations(config.save) if it > config.ckpt_step]
+    if later:
+        listed = ", ".join(str(it) for it in later)
+        log.warning(
+            f"--ckpt-step {config.ckpt_step}: {config.save} also holds iterations {listed}, "
+            "which this run's saves replace (give another --save to keep them)"
+        )
 
 
 def _absence(source: str) -> str:
