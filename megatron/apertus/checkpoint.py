@@ -111,7 +111,11 @@ class TrainingState:
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -366,6 +370,11 @@ def save(
         tmp.mkdir(parents=True)
     dist.barrier()
     sharded = _training_state_dict(chunks, optimizer, scheduler, state, rng=rng)
+    needed = _saved_bytes(sharded)
+    if _on_any_rank(_free_bytes(save_dir) < needed):
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_no_room_line(save_dir, final, needed))
     _use_write_results_queue(background=options.async_queue is not None)
     try:
         with checkpoint_writer_errors() as logged:
@@ -381,9 +390,12 @@ def save(
             if run_info is not None:
                 (tmp / RUN_INFO).write_text(json.dumps(run_info, indent=2) + "\n")
     except (Exception, CheckpointException) as err:  # torch's is a BaseException
+        # Measured before anything is removed: torch's zip writer reports a short write as
+        # "unexpected pos", without the errno.
+        full = _out_of_space(err) or _names_no_space(logged) or _free_bytes(save_dir) < needed
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if _out_of_space(err) or _names_no_space(logged):
+        if full:
             raise CheckpointWriteError(_out_of_space_line(save_dir, final, sharded)) from None
         raise
     publish = partial(_publish, Path(save_dir), tmp, final, state.iteration, on_published)
@@ -461,6 +473,38 @@ def _names_no_space(messages: list[str]) -> bool:
     return any(f"[Errno {code}]" in message for message in messages for code in NO_SPACE)
 
 
+def _free_bytes(save_dir: str | os.PathLike) -> int:
+    """Room for this process's files in ``save_dir``, as a user without reserved blocks has it
+    (``statvfs``'s available blocks)."""
+    stats = os.statvfs(save_dir)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (a collective: every rank takes the same decision)."""
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _no_room_line(save_dir: str | os.PathLike, final: Path, needed: int) -> str:
+    """A save refused before it starts: some rank's file system lacks the room for its part."""
+    free = _free_bytes(save_dir)
+    if free >= needed:
+        return (
+            f"{save_dir}: another process's file system has no room for its part of "
+            f"{final.name}; nothing was written: free space or --save elsewhere"
+        )
+    whose = "" if dist.get_world_size() == 1 else " for this process's part"
+    return (
+        f"{save_dir}: no space left on device for {final.name}, which needs about "
+        f"{needed / 1e6:.1f} MB there{whose} and has {free / 1e6:.1f} MB; nothing was written: "
+        "free space or --save elsewhere"
+    )
+
+
 def _saved_bytes(sharded: dict) -> int:
     """What this process writes of ``sharded``: the tensors whose main replica it holds."""
     return sum(
@@ -490,10 +534,21 @@ def _publish(
     """Every rank has written its part: rename the directory, then advance the tracker."""
     dist.barrier()
     if dist.get_rank() == 0:
-        write_manifest(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _atomic_write(save_dir / TRACKER, f"{iteration}\n")
+        try:
+            write_manifest(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _atomic_write(save_dir / TRACKER, f"{iteration}\n")
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            for unpublished in (tmp, final):  # the tracker still names the last checkpoint
+                shutil.rmtree(unpublished, ignore_errors=True)
+            raise CheckpointWriteError(
+                f"{save_dir}: no space left on device for {final.name}'s manifest or the "
+                f"tracker; the unpublished {final.name} was removed: free space or --save "
+                "elsewhere"
+            ) from None
     dist.barrier()
     if on_published is not None:
         on_published(final)

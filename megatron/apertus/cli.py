@@ -172,14 +172,29 @@ def temporary_name(path: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
+def naming_file(path: str | os.PathLike) -> Iterator[None]:
+    """An ``OSError`` raised inside the block that names no file is raised again naming
+    ``path``: a write to a file already open fails on a full disk without a name, and
+    :func:`run` reports only errors that name their file in one line."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None or err.errno is None:
+            raise
+        raise type(err)(err.errno, err.strerror, os.fspath(path)) from None
+
+
+@contextlib.contextmanager
 def atomic_outputs(*paths: str | os.PathLike) -> Iterator[list[str]]:
     """Temporary names for ``paths``; all are renamed to their final names when the block ends
     normally, and removed when it raises (errors, Ctrl-C, SIGTERM through :func:`run`) or a
     rename fails (a final name that is a directory): that error names the final path, which is
-    the user's to fix, not the temporary one."""
+    the user's to fix, not the temporary one. With one path, an unnamed ``OSError`` of the
+    block (a full disk) names it too."""
     temporary = [temporary_name(p) for p in paths]
     try:
-        yield temporary
+        with naming_file(paths[0]) if len(paths) == 1 else contextlib.nullcontext():
+            yield temporary
         for name, path in zip(temporary, paths):
             _rename(name, path)
     except BaseException:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from megatron.apertus.cli import atomic_outputs, naming_file
+
 log = logging.getLogger("apertus")
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "A100": 312.0}
@@ -149,9 +151,8 @@ class Metrics:
 
     def snapshot(self, path: Path) -> None:
         """Write the history next to a checkpoint, atomically."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.history))
-        tmp.replace(path)
+        with atomic_outputs(path) as (temporary,):
+            Path(temporary).write_text(json.dumps(self.history))
 
     def record(
         self,
@@ -183,10 +184,11 @@ class Metrics:
     def flush(self) -> None:
         """Append what was recorded since the last flush to the JSON log, and flush every sink."""
         if self.json_log is not None and self.pending:
-            self.json_log.write(
-                "".join(_json_line(it, self.pending[it]) for it in sorted(self.pending))
-            )
-            self.json_log.flush()
+            with naming_file(self.json_log.name):
+                self.json_log.write(
+                    "".join(_json_line(it, self.pending[it]) for it in sorted(self.pending))
+                )
+                self.json_log.flush()
             self.pending = {}
         if self.tensorboard is not None:
             self.tensorboard.flush()
@@ -244,7 +246,8 @@ def plot_losses(history: dict[str, list], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_outputs(path) as (temporary,):
+        fig.savefig(temporary, dpi=120, format="png")
     plt.close(fig)
 
 
