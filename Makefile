@@ -12,8 +12,11 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 # pytest-xdist workers of make test and make test-fast: a test that starts one process
-# (OMP_NUM_THREADS=1) keeps one core busy, so two workers keep two cores busy.
+# (OMP_NUM_THREADS=1) keeps one core busy, so two workers keep two cores busy. A worker that
+# crashes is not replaced: its test fails and the run ends with the other worker's tests
+# (a replacement reruns the crashed file from its start, crash included, up to 8 times).
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0
 STAMP := $(VENV)/.installed
 KERNEL_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null)
 
@@ -42,7 +45,7 @@ quant-demo: $(STAMP)
 	$(PY) examples/quant_demo.py --demo runs/demo --out runs/quant-demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 # black and isort format the code (settings in pyproject.toml); CI runs format-check before
 # the tests.
@@ -57,7 +60,7 @@ format-check: $(STAMP)
 # The unit tests that start no process (no subprocess, torchrun or Slurm): tests/conftest.py
 # marks the others "process". For daily work; CI runs `make test`.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not gpu and not process" --durations=10
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not gpu and not process" --durations=10
 
 # The second supported line (docs/install.md): Python 3.12 with megatron-core 0.19.x in .venv312
 # (torch from PyPI, its default CUDA build, which runs on CPU), then its smoke tier (tests marked
