@@ -9,6 +9,8 @@ CPU path, so the notices say nothing a user can act on. Only those messages are 
 only from megatron-core; every subpackage imports this file before megatron-core. Likewise
 torch's CUDA build on a machine without a GPU logs "No CUDA runtime is found" when megatron-core
 imports ``torch.utils.cpp_extension``: CPU runs need no CUDA runtime, so that one line is hidden.
+megatron-core 0.19 warns at import that its multimodal ``MimoModelConfig`` is experimental, a
+model this package never builds.
 """
 
 import logging
@@ -21,6 +23,12 @@ warnings.filterwarnings(
     message=r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back",
     category=UserWarning,
     module=r"megatron\.core\.",
+)
+warnings.filterwarnings(
+    "ignore",
+    message=r"MimoModelConfig is experimental",
+    category=UserWarning,
+    module=r"megatron\.core\.models\.mimo\.",
 )
 
 

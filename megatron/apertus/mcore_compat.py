@@ -234,12 +234,15 @@ class _HiddenNotice(logging.Filter):
 RELEASE_NOTICES = {
     "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
     "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+    "megatron.core.transformer.transformer_layer": "Rewrapping ModuleSpec with module",
 }
 """megatron-core 0.19's notices that ask for a migration we document instead, by logger:
 ``GPTModel`` is deprecated in favour of ``HybridModel`` but still maintained (logged for every
 model chunk); megatron-core's own checkpoint writer is deprecated in favour of NVIDIA's
 resiliency extension, which this package does not install, and the notice comes with every
-first save, the synchronous ones included (0.19's synchronous save goes through that writer)."""
+first save, the synchronous ones included (0.19's synchronous save goes through that writer);
+an MLP given as a ``ModuleSpec`` is rewrapped by megatron-core itself into the call it asks
+for (``MLP.as_mlp_submodule``), the same module either way, while 0.16 knows only the spec."""
 
 
 def quiet_release_notices() -> None:
