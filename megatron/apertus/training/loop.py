@@ -145,9 +145,15 @@ class Trainer:
         )
 
     def _start_components(self) -> None:
-        """What training drives: saving (from now on a signal asks for a save), reporting
-        (continued from a resumed checkpoint's metrics), the count of skipped steps, validation,
-        the FP8 guard (its counts continued too) and the capture of CUDA graphs."""
+        """What training drives: the step's own hooks, saving (from now on a signal asks for a
+        save) and what reports on the run."""
+        self._start_step_hooks()
+        self.checkpointer = Checkpointer(self.cfg, self.device)
+        self._start_reporting()
+
+    def _start_step_hooks(self) -> None:
+        """Around each step: the capture of CUDA graphs, the count of skipped steps and the
+        profilers."""
         cfg, t = self.cfg, self.cfg.training
         self.graphs = GraphCapture(
             cfg.cuda_graphs,
@@ -158,7 +164,18 @@ class Trainer:
             start_iteration=self.state.iteration,
             reporting=is_reporting_rank(),
         )
-        self.checkpointer = Checkpointer(cfg, self.device)
+        self.skipped = SkippedSteps(t.max_skipped_steps)
+        self.profiler = StepProfiler(
+            cfg.profiling,
+            tensorboard_dir=cfg.logging.tensorboard_dir,
+            log_interval=t.log_interval,
+            first_iteration=self.state.iteration,
+        )
+
+    def _start_reporting(self) -> None:
+        """Reporting (continued from a resumed checkpoint's metrics), validation and the FP8
+        guard (its counts continued too)."""
+        cfg = self.cfg
         self.reporter = Reporter(
             cfg,
             objective=self.objective,
@@ -168,18 +185,11 @@ class Trainer:
             device=self.device,
             dp=self.dp,
         )
-        self.skipped = SkippedSteps(t.max_skipped_steps)
-        self.profiler = StepProfiler(
-            cfg.profiling,
-            tensorboard_dir=cfg.logging.tensorboard_dir,
-            log_interval=t.log_interval,
-            first_iteration=self.state.iteration,
-        )
         metrics = self.reporter.metrics
         self.validator = Validator(
             self.objective,
             self.model,
-            t,
+            cfg.training,
             metrics=metrics,
             gc=self.gc,
             device=self.device,
