@@ -72,7 +72,8 @@ def divergence_line(
     each differing rank with its first differing parameter."""
     since = "no check before" if matched is None else f"they matched at iteration {matched}"
     parts = [
-        f"rank {rank} in {len(params)} parameters (first: {params[0]})"
+        f"rank {rank} in {', '.join(params[:3])}"
+        + (f" and {len(params) - 3} more" if len(params) > 3 else "")
         for rank, params in sorted(differing.items())
     ]
     return (
