@@ -7,3 +7,10 @@ raises it, so it lives below all of them and importing it pulls in no model, dat
 
 class ConfigError(ValueError):
     """A configuration or input that cannot work; the message names the flag, file or line."""
+
+
+class ReplicasDiverged(ConfigError):
+    """Ranks that must hold identical weights (data-parallel replicas) hold different ones: silent
+    data corruption on some device or link. Not the user's input, but a run that must stop the
+    same way (one line, exit 2) rather than train on; the message names the iterations and
+    ranks."""

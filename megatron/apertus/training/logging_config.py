@@ -55,6 +55,11 @@ class LoggingConfig:
         "log each parameter's L2 norm (params-norm/NAME) to TensorBoard, wandb and --log-json "
         "every --log-interval; Apertus-fork flag"
     )
+    log_num_zeros_in_grad: bool = switch(
+        "count the zero entries of the gradients the optimizer steps with (all ranks' shards, "
+        "after clipping) and log them as 'num zeros' and TensorBoard's num-zeros; an extra pass "
+        "over the gradients each step"
+    )
     log_progress: bool = switch(
         "append Megatron-LM's progress lines (job starts, checkpoints with job and cumulative "
         "TFLOP/s per device, FLOPs and tokens so far) to SAVE/progress.txt"

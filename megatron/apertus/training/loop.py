@@ -55,6 +55,7 @@ from megatron.apertus.training.metrics import Metrics
 from megatron.apertus.training.objectives import build_objective
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
 from megatron.apertus.training.profiling import StepProfiler
+from megatron.apertus.training.replica_check import ReplicaCheck
 from megatron.apertus.training.reporter import Reporter
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.skipped_steps import SkippedSteps
@@ -114,6 +115,7 @@ class Trainer:
             cfg.ademamix,
             cfg.training,
             precision=cfg.training.precision,
+            log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
         )
         self.state = self._resume()
         self.objective.prepare(self.model, state=self.state, resume_from=self.resume_from)
@@ -152,8 +154,8 @@ class Trainer:
         self._start_reporting()
 
     def _start_step_hooks(self) -> None:
-        """Around each step: the capture of CUDA graphs, the count of skipped steps and the
-        profilers."""
+        """Around each step: the capture of CUDA graphs, the count of skipped steps, the
+        profilers and the comparison of the replicas' weights (once now, then at its interval)."""
         cfg, t = self.cfg, self.cfg.training
         self.graphs = GraphCapture(
             cfg.cuda_graphs,
@@ -165,6 +167,9 @@ class Trainer:
             reporting=is_reporting_rank(),
         )
         self.skipped = SkippedSteps(t.max_skipped_steps)
+        interval = t.check_weight_hash_across_dp_replicas_interval
+        self.replicas = ReplicaCheck(interval, self.model, reporting=is_reporting_rank())
+        self.replicas.check(self.state.iteration)
         self.profiler = StepProfiler(
             cfg.profiling,
             tensorboard_dir=cfg.logging.tensorboard_dir,
@@ -231,6 +236,7 @@ class Trainer:
             self.scheduler.step(increment=global_batch)
         update_num_microbatches(self.state.consumed_samples, consistency_check=False)
         self.profiler.after_step(iteration)
+        self.replicas.after_step(iteration)
         return result
 
     def _train_one_step(self) -> bool:

@@ -50,6 +50,12 @@ class TrainingConfig:
         "validation batch, agreed on by all ranks)",
         None,
     )
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = flag_help(
+        "every this many iterations (and once before the first step), hash every rank's "
+        "weights and stop, naming the ranks, when data- and context-parallel replicas differ "
+        "(silent data corruption); default: never",
+        None,
+    )
     max_skipped_steps: int = flag_help(
         "stop after this many consecutive non-finite steps", 5, ours=True
     )
@@ -121,6 +127,10 @@ class TrainingConfig:
             ("--log-interval", self.log_interval),
             ("--train-samples", self.train_samples),
             ("--recompute-num-layers", self.recompute_num_layers),
+            (
+                "--check-weight-hash-across-dp-replicas-interval",
+                self.check_weight_hash_across_dp_replicas_interval,
+            ),
         ):
             require(value is None or value >= 1, flag, value, ">= 1")
         for flag, value in (

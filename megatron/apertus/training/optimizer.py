@@ -21,7 +21,11 @@ from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.step import install_schedule_hooks
 
 
-def megatron_optimizer_config(settings: OptimizerSettings, precision: str) -> OptimizerConfig:
+def megatron_optimizer_config(
+    settings: OptimizerSettings, precision: str, *, log_num_zeros_in_grad: bool = False
+) -> OptimizerConfig:
+    """megatron-core's optimizer config; ``log_num_zeros_in_grad``: each step counts the zeros
+    of the gradients (--log-num-zeros-in-grad)."""
     return OptimizerConfig(
         optimizer=settings.optimizer,
         lr=settings.lr,
@@ -35,6 +39,7 @@ def megatron_optimizer_config(settings: OptimizerSettings, precision: str) -> Op
         fp16=precision == "fp16",
         params_dtype=dtype_from_name(precision),
         use_distributed_optimizer=settings.use_distributed_optimizer,
+        log_num_zeros_in_grad=log_num_zeros_in_grad,
     )
 
 
@@ -46,8 +51,11 @@ def build_optimizer_and_scheduler(
     training: TrainingConfig,
     *,
     precision: str,
+    log_num_zeros_in_grad: bool = False,
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
-    config = megatron_optimizer_config(settings, precision)
+    config = megatron_optimizer_config(
+        settings, precision, log_num_zeros_in_grad=log_num_zeros_in_grad
+    )
     extra = ademamix if settings.optimizer == "ademamix" else None
     optimizer = install_schedule_hooks(model, get_apertus_optimizer(config, model, extra))
     scheduler = build_scheduler(optimizer, schedule, config, **_schedule_run(training))

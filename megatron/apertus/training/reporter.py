@@ -208,6 +208,9 @@ class Reporter:
             record("train/loss", value=result.loss, tag=self.objective.loss_name, samples=samples)
         if result.grad_norm is not None and math.isfinite(result.grad_norm):
             record("train/grad_norm", value=result.grad_norm, tag="grad-norm", samples=samples)
+        if result.num_zeros_in_grad is not None:
+            zeros = result.num_zeros_in_grad
+            record("train/num_zeros_in_grad", value=zeros, tag="num-zeros", samples=samples)
         for name, value in result.quantities.items():
             record(f"train/{metric_name(name)}", value=value)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -249,6 +252,8 @@ class Reporter:
         fields.append(f"loss scale: {loss_scale:.1f}")
         if result.grad_norm is not None:
             fields.append(f"grad norm: {result.grad_norm:.3f}")
+        if result.num_zeros_in_grad is not None:
+            fields.append(f"num zeros: {result.num_zeros_in_grad:.1f}")
         if params_norm is not None:
             fields.append(f"params norm: {params_norm:.3f}")
         return fields + [

@@ -58,6 +58,9 @@ class StepResult:
     num_tokens: int | None
     grad_norm: float | None
     skipped: bool
+    num_zeros_in_grad: int | None = None
+    """Zero entries of the gradients the step applied (--log-num-zeros-in-grad; None without
+    it and on a skipped step), counted over every rank's shard, the same on all ranks."""
     quantities: dict[str, float] = field(default_factory=dict)
     """The objective's own quantities (alignment: reward margin, ...; Goldfish: the share of
     loss positions dropped), means over the global batch; empty on ranks that do not hold the
@@ -298,20 +301,25 @@ def _clip(optimizer: MegatronOptimizer, max_norm: float, total_norm: float) -> N
             clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
 
 
-def optimizer_step(optimizer: MegatronOptimizer, loss_finite: bool) -> tuple[bool, float]:
-    """megatron-core's step, except that a non-finite loss or gradient norm skips the update.
+def optimizer_step(
+    optimizer: MegatronOptimizer, loss_finite: bool
+) -> tuple[bool, float, int | None]:
+    """megatron-core's step, except that a non-finite loss or gradient norm skips the update:
+    (updated, gradient norm, zeros in the gradients when its config counts them).
 
     The gradient norm is all-reduced over the model-parallel group, so every rank takes the
-    same decision. A skipped step leaves weights and optimizer state untouched.
+    same decision. A skipped step leaves weights and optimizer state untouched. The zeros are
+    counted after clipping, where megatron-core's own step counts them.
     """
     found_inf = optimizer.prepare_grads()
     grad_norm = optimizer.get_grad_norm()
     if found_inf or not loss_finite or not math.isfinite(grad_norm):
-        return False, grad_norm
+        return False, grad_norm, None
     clip = optimizer.config.clip_grad
     if clip > 0:
         _clip(optimizer, clip, grad_norm)
-    return optimizer.step_with_ready_grads(), grad_norm
+    zeros = int(optimizer.count_zeros()) if optimizer.config.log_num_zeros_in_grad else None
+    return optimizer.step_with_ready_grads(), grad_norm, zeros
 
 
 def schedule(model: list[torch.nn.Module]) -> Callable[..., list]:
@@ -366,13 +374,21 @@ def train_step(
     losses = run_microbatches(model, data_iterators, shape, forward_only=False, forward=forward)
     groups = chunk_groups(model[0])
     loss = _reduce(losses, "lm loss", groups)
-    updated, grad_norm = optimizer_step(optimizer, _all_finite(loss, model_device(model[0])))
+    finite = _all_finite(loss, model_device(model[0]))
+    updated, grad_norm, zeros = optimizer_step(optimizer, finite)
     if loss is None:
-        return StepResult(loss=None, num_tokens=None, grad_norm=grad_norm, skipped=not updated)
+        return StepResult(
+            loss=None,
+            num_tokens=None,
+            grad_norm=grad_norm,
+            skipped=not updated,
+            num_zeros_in_grad=zeros,
+        )
     return StepResult(
         loss=(loss[0] / loss[1].clamp(min=1)).item(),
         num_tokens=int(loss[1].item()),
         grad_norm=grad_norm,
         skipped=not updated,
+        num_zeros_in_grad=zeros,
         quantities=reduce_quantities(losses, groups),
     )
