@@ -85,7 +85,7 @@ from megatron.apertus.checkpoint_files import (
     saved_iterations,
     write_manifest,
 )
-from megatron.apertus.cli import die_with_parent, end_with_parent
+from megatron.apertus.cli import atomic_outputs, die_with_parent, end_with_parent
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.mcore_compat import (
     async_save_arguments,
@@ -110,13 +110,8 @@ class TrainingState:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+    with atomic_outputs(path) as (temporary,):
+        Path(temporary).write_text(text)
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path | None:

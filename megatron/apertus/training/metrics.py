@@ -144,9 +144,9 @@ class Metrics:
         for name, entries in self.history.items():
             for iteration, value in entries:
                 by_iteration.setdefault(iteration, {})[name] = value
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(_json_line(it, by_iteration[it]) for it in sorted(by_iteration)))
-        tmp.replace(path)
+        with atomic_outputs(path) as (temporary,):
+            lines = (_json_line(it, by_iteration[it]) for it in sorted(by_iteration))
+            Path(temporary).write_text("".join(lines))
         self.json_log = path.open("a")
 
     def snapshot(self, path: Path) -> None:
