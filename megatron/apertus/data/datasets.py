@@ -80,6 +80,11 @@ class DatasetConfig:
         "indices are the same for any number",
         1,
     )
+    mmap_bin_files: bool = flag_help(
+        "read the datasets' .bin files through a memory map; --no-mmap-bin-files reads each "
+        "sample with a file read instead (for file systems where a memory map is slow)",
+        True,
+    )
     sft: bool = switch(
         "supervised fine-tuning on chat datasets from "
         "tools/preprocess_chat.py: the loss counts only the assistant's tokens"
@@ -347,7 +352,7 @@ def build_datasets(
         reset_attention_mask=False,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=False,
-        mmap_bin_files=True,
+        mmap_bin_files=config.mmap_bin_files,
         num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
     if not config.per_split:

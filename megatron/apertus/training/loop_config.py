@@ -62,6 +62,10 @@ class TrainingConfig:
     recompute_granularity: Optional[str] = flag_help(
         "activation recomputation: full or selective", None
     )
+    recompute_activations: bool = switch(
+        "selective recomputation: Megatron-LM's older spelling of --recompute-granularity "
+        "selective"
+    )
     recompute_method: Optional[str] = flag_help("full recomputation: uniform or block", None)
     recompute_num_layers: Optional[int] = flag_help(
         "layers per recomputed group (uniform) or count (block)", None
@@ -95,6 +99,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         self._resolve_precision()
+        self._resolve_recompute_activations()
         self._check_ranges()
         if (self.train_iters is None) == (self.train_samples is None):
             raise ConfigError("give exactly one of --train-iters and --train-samples")
@@ -173,6 +178,18 @@ class TrainingConfig:
                 f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
             )
         object.__setattr__(self, "precision", precision)
+
+    def _resolve_recompute_activations(self) -> None:
+        """--recompute-activations sets the granularity to selective, as in Megatron-LM, which
+        silently replaces a --recompute-granularity full given with it; here that is refused."""
+        if not self.recompute_activations:
+            return
+        if self.recompute_granularity not in (None, "selective"):
+            raise ConfigError(
+                f"--recompute-activations (selective recomputation) contradicts "
+                f"--recompute-granularity {self.recompute_granularity}"
+            )
+        object.__setattr__(self, "recompute_granularity", "selective")
 
     def total_samples(self) -> int:
         """Samples the run consumes (its training dataset's size)."""
