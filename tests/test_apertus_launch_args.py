@@ -419,6 +419,7 @@ BASE = ["--train-iters", "1", "--device", "cpu"]
             "--recompute-activations (selective recomputation) contradicts "
             "--recompute-granularity full",
         ),
+        (["--exit-signal", "SIGSEGV"], "--exit-signal SIGSEGV: choose one of SIGTERM, SIGINT"),
         (["--xielu-bet", "0.5"], "unrecognized arguments: --xielu-bet 0.5"),
     ],
 )
