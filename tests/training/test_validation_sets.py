@@ -1,6 +1,7 @@
 """Megatron-LM's --multiple-validation-sets: each --valid-data-path prefix is validated on its
 own, with Megatron-LM's log line and tags per set, and gives exactly the loss a run validating
-on that prefix alone gives; training is untouched by it. Bad combinations are one line."""
+on that prefix alone gives; training is untouched by it. --full-validation passes over each set
+whole: the same per-token loss whatever the batch sizes. Bad combinations are one line."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megatron.apertus.prep.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.training.loop import train
 from tests.conftest import SMALL_TOKENIZER, SMALL_VOCABULARY
 from tests.test_apertus_launch_args import error_lines
+from tests.training.test_first_hour import refused
 
 RUN = (
     "--model-preset tiny --global-batch-size 4 --micro-batch-size 2 --log-interval 1 "
@@ -112,6 +114,23 @@ def test_unnamed_sets_are_numbered_in_megatron_lms_lines(corpora, caplog):
         assert any(found.startswith(line) for found in lines), lines
 
 
+def test_full_validation_covers_each_set_whole_whatever_the_batch_sizes(corpora, runs):
+    # one pass, at the end, of the starting weights (lr 0): the batch sizes decide only how
+    # the sets are cut into batches, and 4 x 2 and 5 x 1 fill the last batch differently
+    sets = ("--multiple-validation-sets", "--full-validation", "--train-iters", "1", "--lr", "0")
+    passes = []
+    for batch, micro in (("4", "2"), ("5", "1")):
+        sizes = ("--global-batch-size", batch, "--micro-batch-size", micro, "--eval-interval", "0")
+        history = _run(corpora, "prose", "code", flags=sets + sizes)
+        passes.append([history[f"valid/loss-{i}"] for i in (0, 1)])
+    whole, other = passes
+    for (only,), (other_only,) in zip(whole, other):
+        assert only[0] == other_only[0] == 1
+        assert other_only[1] == pytest.approx(only[1], rel=1e-6)  # fp32 sums in another order
+    partial = [runs["both"][f"valid/loss-{name}"][0][1] for name in ("prose", "code")]
+    assert [loss for ((_, loss),) in whole] != pytest.approx(partial, rel=1e-4)
+
+
 @pytest.mark.parametrize(
     "flags, line",
     [
@@ -138,3 +157,19 @@ def test_unnamed_sets_are_numbered_in_megatron_lms_lines(corpora, caplog):
 def test_bad_combinations_are_one_line(flags, line, capsys):
     (refusal,) = error_lines(capsys, ["--train-iters", "1", "--device", "cpu", *flags])
     assert refusal.startswith(line)
+
+
+@pytest.mark.parametrize(
+    "data, line",
+    [
+        (["--mock-data"], "--full-validation: --mock-data is synthetic and has no end to reach"),
+        (
+            ["--train-data-path", "prose", "--valid-data-path", "0.5", "prose", "0.5", "code"],
+            "--full-validation: --valid-data-path is a weighted blend, which megatron-core sizes",
+        ),
+    ],
+    ids=["mock-data", "weighted"],
+)
+def test_full_validation_of_data_without_an_end_is_refused(corpora, data, line):
+    data = [corpora.get(flag, flag) for flag in data]
+    assert refused(["--full-validation", *data], RUN).startswith(line)

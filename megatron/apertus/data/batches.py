@@ -150,12 +150,17 @@ def step_micro_batches(
     dp_rank: int,
     dp_size: int,
     teacher: TeacherSource | None = None,
+    pass_end: int | None = None,
 ) -> list[Batch]:
     """This rank's micro-batches of the global batch that starts at ``consumed_samples``.
 
-    Indices wrap around the dataset (validation passes reuse a short held-out split).
+    Indices wrap around the dataset (validation passes reuse a short held-out split). With
+    ``pass_end`` (a pass over the whole dataset, --full-validation), positions from it on fill
+    the last global batch for its shape only: they read a sample again with its loss mask
+    zeroed, so the pass's per-token loss is the dataset's, whatever the batch sizes.
     """
-    if len(dataset) == 0:
+    length = len(dataset)
+    if length == 0:
         raise ValueError("the dataset holds no samples")
     batches = []
     for ids in micro_batch_positions(
@@ -164,11 +169,20 @@ def step_micro_batches(
         micro_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
-        length=len(dataset),
+        length=length if pass_end is None else pass_end + global_batch_size,
     ):
-        samples = [dataset[i] for i in ids]
+        samples = [_counted_sample(dataset, i, pass_end) for i in ids]
+        ids = [i % length for i in ids]
         batches.append(collate(samples, config, None if teacher is None else teacher(ids, samples)))
     return batches
+
+
+def _counted_sample(dataset, position: int, pass_end: int | None) -> dict:
+    """The sample at ``position`` (wrapped), its loss mask zeroed at or past ``pass_end``."""
+    sample = dataset[position % len(dataset)]
+    if pass_end is None or position < pass_end:
+        return sample
+    return {**sample, "loss_mask": torch.zeros_like(sample["loss_mask"])}
 
 
 def micro_batch_positions(

@@ -228,6 +228,21 @@ def data_path_of(config: DatasetConfig) -> list[str]:
     return list(config.data_path)
 
 
+def check_full_validation(config: DatasetConfig) -> None:
+    """A pass over the whole validation data (--full-validation) needs data with an end and
+    an unweighted validation blend: megatron-core sizes a weighted blend by the samples asked
+    of it, and a whole pass asks for none."""
+    if config.mock_data:
+        raise ConfigError("--full-validation: --mock-data is synthetic and has no end to reach")
+    flag = "--valid-data-path" if config.per_split else "--data-path"
+    blend = config.valid_data_path if config.per_split else data_path_of(config)
+    if blend and _is_number(blend[0]) and len(blend) > 2:
+        raise ConfigError(
+            f"--full-validation: {flag} is a weighted blend, which megatron-core sizes by a "
+            f"sample count; give its prefixes without weights to validate on all of them"
+        )
+
+
 def resolve_blend(
     config: DatasetConfig, tokenizer: Tokenizer, default_corpus: DefaultCorpus | None
 ) -> list[str]:
@@ -298,7 +313,7 @@ def skip_unasked_splits(config: GPTDatasetConfig, num_samples: tuple[int, int, i
     the split matrix leaves the other parts' document ranges exactly as ``--split`` puts them.
     """
     for i, asked in enumerate(num_samples):
-        if not asked:
+        if asked == 0:
             config.split_matrix[i] = None
 
 
@@ -316,8 +331,9 @@ def check_split_sizes(
     weights = weights or [1.0] * len(prefixes)
     total = sum(weights)
     for i, (name, asked) in enumerate(zip(SPLIT_NAMES, num_samples)):
-        if not asked or config.split_matrix[i] is None:
+        if asked == 0 or config.split_matrix[i] is None:
             continue
+        asked = asked or 1  # None: one epoch, which needs at least one sample
         for prefix, weight in zip(prefixes, weights):
             if is_object_storage_path(prefix):
                 continue
@@ -381,11 +397,12 @@ def build_datasets(
     *,
     seq_length: int,
     seed: int,
-    num_samples: tuple[int, int, int],
+    num_samples: tuple[int, int | None, int],
     default_corpus: DefaultCorpus | None = None,
 ) -> list[GPTDataset | None]:
     """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0 or
-    when the split gives that part no documents); without a blend, of ``default_corpus``;
+    when the split gives that part no documents; a count of None: one epoch of the part);
+    without a blend, of ``default_corpus``;
     with --mock-data, megatron-core's synthetic ones. With --multiple-validation-sets the
     validation part is a list: megatron-core's dataset of each --valid-data-path prefix."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -393,6 +410,8 @@ def build_datasets(
     )
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
+    if num_samples[1] is None:
+        check_full_validation(config)
     cache = config.data_cache_path or str(default_cache_dir() / "indices")
     gpt_config = GPTDatasetConfig(
         random_seed=seed,
@@ -417,7 +436,7 @@ def build_datasets(
     )
     with _index_cache_lock(cache):
         datasets = builder.build()
-    built = [d if n > 0 else None for d, n in zip(datasets, num_samples)]
+    built = [d if n is None or n > 0 else None for d, n in zip(datasets, num_samples)]
     if config.multiple_validation_sets and built[1] is not None and not isinstance(built[1], list):
         built[1] = [built[1]]  # megatron-core builds a single prefix as one dataset
     return built

@@ -34,6 +34,10 @@ class TrainingConfig:
     log_interval: int = flag_help("iterations between log lines", 10)
     eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
     eval_iters: int = flag_help("validation batches per validation pass", 4)
+    full_validation: bool = switch(
+        "each validation pass covers the whole validation data once (one epoch of the "
+        "validation split or --valid-data-path), instead of --eval-iters global batches"
+    )
     skip_train: bool = switch(
         "evaluate only: load --load, run one validation pass at its iteration (logged as "
         "Megatron-LM's pass after training), and exit without a step or a save"
@@ -217,12 +221,15 @@ class TrainingConfig:
             return self.train_samples
         return self.train_iters * self.global_batch_size
 
-    def dataset_sizes(self) -> tuple[int, int, int]:
-        """Samples of the train/valid/test datasets: the run and every validation pass.
+    def dataset_sizes(self) -> tuple[int, int | None, int]:
+        """Samples of the train/valid/test datasets: the run and every validation pass (None
+        under --full-validation: one epoch of the validation data).
 
         The training dataset's sample order depends on its size, so everything that must see
         the student's order (teacher logits) builds its datasets from this.
         """
+        if self.full_validation:
+            return (self.total_samples(), None, 0)
         validations = (self.total_samples() // self.global_batch_size) // max(
             self.eval_interval, 1
         ) + 2

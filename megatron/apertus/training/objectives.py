@@ -125,6 +125,11 @@ class Objective(ABC):
         """This rank's micro-batches of the pass's batch that starts at ``consumed`` in
         validation set ``valid_set`` (an index of :attr:`valid_sets`)."""
 
+    def whole_valid_set(self, valid_set: int = 0) -> int | None:
+        """The samples of validation set ``valid_set`` when a pass covers all of them
+        (--full-validation); None: a pass reads --eval-iters global batches."""
+        return None
+
     @abstractmethod
     def train_forward(self, batch: Batch, model: GPTModel):
         """The :data:`~megatron.apertus.training.step.ForwardPass` of a training micro-batch."""
@@ -165,12 +170,14 @@ class TokenData:
         dp_rank: int,
         num_workers: int,
         valid_suffixes: tuple[str, ...] = ("",),
+        full_validation: bool = False,
     ) -> None:
         """``datasets``: the training dataset and the validation one, or a list of them (one
-        per validation set, named by ``valid_suffixes``); either may be None."""
+        per validation set, named by ``valid_suffixes``); either may be None.
+        ``full_validation``: a validation pass reads each set whole, once."""
         self.train, valid = datasets
         self.valid_sets = valid if isinstance(valid, list) else [] if valid is None else [valid]
-        self.valid_suffixes = valid_suffixes
+        self.valid_suffixes, self.full_validation = valid_suffixes, full_validation
         self.batch, self.micro_batch_size, self.seq_length = batch, micro_batch_size, seq_length
         self.dp, self.dp_rank = dp, dp_rank
         self.reader = None  # --train-iters 0: no training data
@@ -207,6 +214,9 @@ class TokenData:
         self.reader.prefetch(consumed + global_batch, global_batch)
         return batches
 
+    def whole_valid_set(self, valid_set: int = 0) -> int | None:
+        return len(self.valid_sets[valid_set]) if self.full_validation else None
+
     def valid_batches(self, consumed: int, global_batch: int, valid_set: int = 0) -> list[Batch]:
         return step_micro_batches(
             self.valid_sets[valid_set],
@@ -216,6 +226,7 @@ class TokenData:
             micro_batch_size=self.micro_batch_size,
             dp_rank=self.dp_rank,
             dp_size=self.dp,
+            pass_end=self.whole_valid_set(valid_set),
         )
 
 
@@ -240,6 +251,7 @@ def token_data(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: int) -
         dp_rank=dp_rank,
         num_workers=cfg.data.num_workers,
         valid_suffixes=cfg.dataset.validation_set_suffixes(),
+        full_validation=cfg.training.full_validation,
     )
 
 
@@ -262,6 +274,9 @@ class CrossEntropy(Objective):
 
     def valid_batches(self, consumed: int, global_batch: int, valid_set: int = 0) -> list[Batch]:
         return self.data.valid_batches(consumed, global_batch, valid_set)
+
+    def whole_valid_set(self, valid_set: int = 0) -> int | None:
+        return self.data.whole_valid_set(valid_set)
 
     def train_forward(self, batch: Batch, model: GPTModel):
         output, loss_mask = language_model_output(model, batch)
@@ -477,10 +492,15 @@ def build_objective(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: i
             "--align-objective and --distill-logits-path are two objectives: give one of them"
         )
     if cfg.align.enabled:
-        if cfg.dataset.multiple_validation_sets:
-            raise ConfigError(
-                "--multiple-validation-sets: alignment validates on its one --valid-data-path"
-            )
+        for flag, given in (
+            ("--multiple-validation-sets", cfg.dataset.multiple_validation_sets),
+            ("--full-validation", cfg.training.full_validation),
+        ):
+            if given:
+                raise ConfigError(
+                    f"{flag}: alignment validates on --eval-iters batches of its one "
+                    f"--valid-data-path"
+                )
         return Alignment(
             cfg.align,
             cfg.dataset,

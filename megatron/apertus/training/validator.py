@@ -110,7 +110,8 @@ class Validator:
         """Mean validation loss per token of set ``valid_set`` and the means of the objective's
         own quantities (last pipeline stage; elsewhere None, as without validation data or when
         time ran out)."""
-        if self.training.eval_iters == 0 or self.objective.valid_data is None:
+        passes = self.training.eval_iters or self.training.full_validation
+        if not passes or self.objective.valid_data is None:
             return None
         with self._evaluating():
             reported, timed_out = self._run_batches(valid_set)
@@ -143,11 +144,14 @@ class Validator:
 
     def _run_batches(self, valid_set: int) -> tuple[list[dict], bool]:
         """The reported losses of up to --eval-iters global batches of validation set
-        ``valid_set``, and whether the pass stopped early at --exit-duration-in-mins."""
+        ``valid_set`` (--full-validation: as many as hold the whole set), and whether the pass
+        stopped early at --exit-duration-in-mins."""
         reported = []
         global_batch = get_current_running_global_batch_size()
+        whole = self.objective.whole_valid_set(valid_set)
+        batches_in_pass = self.training.eval_iters if whole is None else -(-whole // global_batch)
         with torch.no_grad(), synced_parameters(self.model):
-            for i in range(self.training.eval_iters):
+            for i in range(batches_in_pass):
                 batches = self.objective.valid_batches(i * global_batch, global_batch, valid_set)
                 reported += run_microbatches(
                     self.model,
