@@ -394,12 +394,8 @@ BASE = ["--train-iters", "1", "--device", "cpu"]
         ),
         (
             [
-                "--non-persistent-ckpt-type",
-                "global",
-                "--save",
-                "ck",
-                "--non-persistent-global-" "ckpt-dir",
-                "ck",
+                *("--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "1"),
+                *("--save", "ck", "--non-persistent-global-ckpt-dir", "ck"),
             ],
             "--non-persistent-global-ckpt-dir ck is --save: each keeps its own tracker there",
         ),

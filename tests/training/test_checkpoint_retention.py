@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from megatron.apertus import checkpoint
-from megatron.apertus.checkpoint_files import NON_PERSISTENT_DIR
+from megatron.apertus.checkpoint_files import (
+    MODEL_CONFIG,
+    NON_PERSISTENT_DIR,
+    TRACKER,
+    remove_checkpoint,
+    saved_iterations,
+    unfinished_checkpoints,
+)
+from megatron.apertus.training.checkpoint_retention import Retention
 from tests.conftest import PRETRAIN, SMALL_VOCABULARY, read_json, run_entry, series
 from tests.training.test_resume import _start, _wait_for_line, final_weights
 
@@ -139,3 +147,39 @@ def test_a_newer_persistent_checkpoint_wins(killed, resumed):
     assert checkpoint.latest_iteration(killed.save / NON_PERSISTENT_DIR) == 5
     proc = run_entry(PRETRAIN, BASE + killed.flags + ["--load", str(killed.save), "--skip-train"])
     assert f"resumed from {killed.save / 'iter_0000006'} at iteration 6" in proc.stdout
+
+
+def _fake_checkpoint(save: Path, iteration: int) -> Path:
+    """An ``iter_*`` directory as a published save leaves it, as far as listings look."""
+    path = save / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    (path / MODEL_CONFIG).write_text("{}")
+    return path
+
+
+def test_a_removal_cut_short_is_no_checkpoint_and_goes_with_the_next(tmp_path):
+    """A job killed while deleting leaves ``iter_*.removing``: no listing (loads, the Slurm
+    launcher) takes it for a checkpoint, and the next removal deletes it."""
+    save = tmp_path / "save"
+    _fake_checkpoint(save, 1)
+    _fake_checkpoint(save, 3)
+    (save / TRACKER).write_text("3\n")
+    leftover = _fake_checkpoint(save, 2).rename(save / "iter_0000002.removing")
+    assert saved_iterations(save) == [1, 3] and unfinished_checkpoints(save) == []
+    remove_checkpoint(save / "iter_0000001")
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000003", TRACKER]
+    assert not leftover.exists()
+
+
+def test_retention_leaves_the_tracked_checkpoint_and_symbolic_links(tmp_path):
+    """Removals skip what the tracker names (here: a tracker moved back, as --ckpt-step and a
+    later save can) and symbolic links, as Megatron-LM skips them."""
+    save = tmp_path / "save"
+    for iteration in (1, 2):
+        _fake_checkpoint(save, iteration)
+    (save / "iter_0000003").symlink_to(_fake_checkpoint(tmp_path / "elsewhere", 3))
+    (save / TRACKER).write_text("2\n")
+    retention = Retention(save, retain_interval=None, latest_only=True)
+    retention.published(_fake_checkpoint(save, 4))
+    retention.finish()
+    assert saved_iterations(save) == [2, 3, 4]

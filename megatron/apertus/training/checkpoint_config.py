@@ -145,7 +145,7 @@ class CheckpointConfig:
 
     def non_persistent_save_dir(self) -> Path | None:
         """Where non-persistent checkpoints are saved (None: not saved)."""
-        if self.non_persistent_ckpt_type is None or not self.save:
+        if self.non_persistent_save_interval is None or not self.save:
             return None
         return non_persistent_dir(self.save, self.non_persistent_global_ckpt_dir)
 

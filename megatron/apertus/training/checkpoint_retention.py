@@ -11,9 +11,10 @@ Invariants: only published checkpoints are removed (a save in flight, even a bac
 a ``.tmp`` directory nobody lists); the checkpoint the tracker names is never removed (the
 tracker is read again just before); a symbolic link is left alone, as Megatron-LM does; each
 removal renames the directory first (:func:`checkpoint_files.remove_checkpoint`), so a removal
-cut short never looks like a checkpoint. Rank 0 removes, in a background thread (deleting a
-large checkpoint takes a while), which the next removal and the end of the run wait for; the
-other ranks never read what is removed, so they do not wait.
+cut short never looks like a checkpoint. Rank 0, which publishes, removes, in a background
+thread (deleting a large checkpoint takes a while), which the next removal and the end of the
+run wait for; the other ranks never read what is removed, so they do not wait. A removal that
+fails (permissions) is a warning: the run goes on with one checkpoint too many.
 """
 
 from __future__ import annotations
@@ -34,17 +35,15 @@ log = logging.getLogger("apertus")
 
 
 class Retention:
-    """The removals after each save into one directory (every rank keeps the count; rank 0,
-    ``removes``, deletes)."""
+    """The removals after each save into one directory (rank 0 only)."""
 
     def __init__(
-        self, save_dir: str | Path, *, retain_interval: int | None, latest_only: bool, removes: bool
+        self, save_dir: str | Path, *, retain_interval: int | None, latest_only: bool
     ) -> None:
         self.save_dir = Path(save_dir)
         self.retain_interval = retain_interval
         self.latest_only = latest_only
-        self.removes = removes
-        self.previous = latest_iteration(self.save_dir)
+        self.previous = _tracked(self.save_dir)
         """What the tracker named before the last publication (Megatron-LM reads it there)."""
         self._worker: threading.Thread | None = None
 
@@ -53,7 +52,7 @@ class Retention:
         iteration = checkpoint_iteration(path)
         doomed = self._replaced(iteration)
         self.previous = iteration
-        if doomed and self.removes:
+        if doomed:
             self.finish()
             self._worker = threading.Thread(target=self._remove, args=(doomed,), daemon=True)
             self._worker.start()
@@ -68,12 +67,16 @@ class Retention:
         return [previous]
 
     def _remove(self, iterations: list[int]) -> None:
-        tracked = latest_iteration(self.save_dir)
+        tracked = _tracked(self.save_dir)
         for iteration in iterations:
             path = iteration_dir(self.save_dir, iteration)
             if iteration == tracked or path.is_symlink() or not path.is_dir():
                 continue
-            remove_checkpoint(path)
+            try:
+                remove_checkpoint(path)
+            except OSError as err:
+                log.warning(f"could not remove checkpoint {path}: {err}")
+                continue
             log.info(f"removed checkpoint {path}")
 
     def finish(self) -> None:
@@ -81,3 +84,12 @@ class Retention:
         if self._worker is not None:
             self._worker.join()
             self._worker = None
+
+
+def _tracked(save_dir: Path) -> int | None:
+    """The iteration the tracker names; None without one, or with one that is not a number
+    (the first save replaces it)."""
+    try:
+        return latest_iteration(save_dir)
+    except ValueError:
+        return None

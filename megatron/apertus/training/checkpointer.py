@@ -8,9 +8,13 @@ when a signal, a trigger file or ``--exit-duration-in-mins`` asks for one
 all-reduce of the requests. A ``--load`` that holds no checkpoint yet starts from scratch and
 says so, as Megatron-LM does (``--exit-on-missing-checkpoint``: refused instead); one whose
 checkpoint already ends the run is answered before anything is built (:func:`finished_run`).
-``--ckpt-step`` picks another iteration than the tracker's. A checkpoint saved with
-``--no-save-optim`` or ``--no-save-rng`` says so in its run record, and a load that would read
-what it lacks is refused naming the flag to add.
+``--ckpt-step`` picks another iteration than the tracker's. Under
+``--non-persistent-save-interval`` the other steps of that interval save non-persistent
+checkpoints into their own directory, and a ``--load`` with ``--non-persistent-ckpt-type
+global`` resumes the newer of the two kinds (:func:`checkpoint_config.named_checkpoint`); what
+each save replaces is removed by :mod:`~megatron.apertus.training.checkpoint_retention`. A
+checkpoint saved with ``--no-save-optim`` or ``--no-save-rng`` says so in its run record, and a
+load that would read what it lacks is refused naming the flag to add.
 """
 
 from __future__ import annotations
@@ -325,12 +329,11 @@ class Checkpointer:
     def _retention(
         save_dir: str | Path | None, interval: int | None, latest_only: bool = False
     ) -> Retention | None:
-        if not save_dir:
+        """What removes the checkpoints a save into ``save_dir`` replaces: on rank 0, which
+        publishes them; None elsewhere or without the directory."""
+        if not save_dir or dist.get_rank() != 0:
             return None
-        removes = dist.get_rank() == 0  # the rank that publishes
-        return Retention(
-            save_dir, retain_interval=interval, latest_only=latest_only, removes=removes
-        )
+        return Retention(save_dir, retain_interval=interval, latest_only=latest_only)
 
     @property
     def saves(self) -> bool:
@@ -407,7 +410,8 @@ class Checkpointer:
                 retention.finish()
 
 
-def _published(retention: Retention, path: Path) -> None:
+def _published(retention: Retention | None, path: Path) -> None:
     if is_reporting_rank():
         log.info(f"saved checkpoint {path}")
-    retention.published(path)
+    if retention is not None:
+        retention.published(path)
