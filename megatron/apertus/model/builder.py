@@ -78,8 +78,6 @@ def transformer_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
-        # TE's fused RoPE kernel (sbhd and thd); the local path keeps the unfused reference.
-        apply_rope_fusion=transformer_impl == "transformer_engine",
         gradient_accumulation_fusion=False,
         # Losses are token sums divided by the global batch's token count (set before DDP is
         # built: DDP then skips its own 1/DP gradient scaling).
