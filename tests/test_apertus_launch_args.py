@@ -368,6 +368,37 @@ BASE = ["--train-iters", "1", "--device", "cpu"]
         (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not implemented yet"),
         (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist is implemented"),
         (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: only single is implemented"),
+        (["--dist-ckpt-format", "zarr"], "--dist-ckpt-format zarr: only torch_dist is implemented"),
+        (["--save-retain-interval", "0"], "--save-retain-interval must be > 0, got 0"),
+        (
+            ["--save-interval", "2", "--save-retain-interval", "3"],
+            "--save-retain-interval 3 must be a multiple of --save-interval 2",
+        ),
+        (
+            ["--non-persistent-ckpt-type", "local"],
+            "--non-persistent-ckpt-type local: each rank's part on node-local storage is saved "
+            "by NVIDIA's resiliency extension (nvidia_resiliency_ext), which this code does not "
+            "use: use global",
+        ),
+        (
+            ["--non-persistent-ckpt-type", "in_memory"],
+            "--non-persistent-ckpt-type in_memory: Megatron-LM itself has not implemented it",
+        ),
+        (
+            ["--non-persistent-save-interval", "2"],
+            "--non-persistent-save-interval needs --non-persistent-ckpt-type global",
+        ),
+        (
+            ["--non-persistent-save-interval", "-1", "--non-persistent-ckpt-type", "global"],
+            "--non-persistent-save-interval must be > 0, got -1",
+        ),
+        (
+            [
+                *("--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "1"),
+                *("--save", "ck", "--non-persistent-global-ckpt-dir", "ck"),
+            ],
+            "--non-persistent-global-ckpt-dir ck is --save: each keeps its own tracker there",
+        ),
         (
             ["--dist-ckpt-strictness", "log_all"],
             "--dist-ckpt-strictness log_all: loads always fail on "
@@ -451,6 +482,10 @@ def test_restated_architecture_changes_nothing():
         "single",
         "--ckpt-format",
         "torch_dist",
+        "--use-dist-ckpt",
+        "--dist-ckpt-format",
+        "torch_dist",
+        "--auto-detect-ckpt-format",
         "--dist-ckpt-strictness",
         "assume_ok_unexpected",
         "--no-check-for-nan-in-loss-and-grad",

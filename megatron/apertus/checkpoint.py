@@ -174,21 +174,22 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return resolved
 
 
-def check_save_dir(save_dir: str | os.PathLike) -> None:
-    """Create ``save_dir`` and write a file there, so that a directory this rank cannot write
-    fails at start-up rather than at the first save, with the steps before it lost."""
+def check_save_dir(save_dir: str | os.PathLike, flag: str = "--save") -> None:
+    """Create ``save_dir`` (given as ``flag``) and write a file there, so that a directory this
+    rank cannot write fails at start-up rather than at the first save, with the steps before it
+    lost."""
     path = Path(save_dir)
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocker == path:
-        raise ConfigError(f"--save {path} is a file, not a directory")
+        raise ConfigError(f"{flag} {path} is a file, not a directory")
     if blocker is not None:
-        raise ConfigError(f"--save {path}: {blocker} is a file, not a directory")
+        raise ConfigError(f"{flag} {path}: {blocker} is a file, not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as err:
-        raise ConfigError(f"--save {path}: cannot write there ({err.strerror})") from None
+        raise ConfigError(f"{flag} {path}: cannot write there ({err.strerror})") from None
 
 
 def load_model_config(path: str | os.PathLike) -> ApertusConfig:

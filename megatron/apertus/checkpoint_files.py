@@ -10,6 +10,9 @@ Launchers (``launch/slurm.py``, whose batch step may run on a host Python withou
                                               data, tokens seen, command); training saves only
     SAVE/iter_0000100/apertus_manifest.json   every file of the checkpoint with its size (and a
                                               checksum of the small ones), written last
+    SAVE/iter_0000050.removing/               a checkpoint being removed (renamed first, so that
+                                              nothing takes what is left of it for a checkpoint)
+    SAVE/non_persistent/                      the non-persistent checkpoints, laid out alike
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -32,11 +36,33 @@ the shards are only measured: hashing gigabytes at every save would cost minutes
 METRICS_FILE = "metrics.json"
 """The recorded history, kept in the save directory beside the checkpoints, so a resumed run
 continues its curves and an export reports the final losses."""
+NON_PERSISTENT_DIR = "non_persistent"
+"""Megatron-LM's folder of the non-persistent checkpoints inside --save (and --load), where
+--non-persistent-global-ckpt-dir does not name another."""
+REMOVING = ".removing"
+"""Suffix of a checkpoint directory being removed; no reader takes it for a checkpoint."""
 _ITERATION_DIR = re.compile(r"iter_(\d{7})(\.tmp)?")
 
 
 def iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def non_persistent_dir(parent: str | os.PathLike, explicit: str | None) -> Path:
+    """The non-persistent checkpoints of a run saving to (or loading from) ``parent``."""
+    return Path(explicit) if explicit else Path(parent) / NON_PERSISTENT_DIR
+
+
+def remove_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    """Remove a checkpoint directory: renamed at once, then deleted, so that a removal cut short
+    (a job killed) leaves a ``.removing`` directory that no load, tracker or launcher takes for
+    a checkpoint; such leftovers in the same save directory go with it."""
+    checkpoint_dir = Path(checkpoint_dir)
+    doomed = checkpoint_dir.with_name(checkpoint_dir.name + REMOVING)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(checkpoint_dir, doomed)
+    for leftover in [doomed, *checkpoint_dir.parent.glob(f"iter_*{REMOVING}")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def checkpoint_iteration(checkpoint_dir: str | os.PathLike) -> int:

@@ -154,8 +154,10 @@ def test_job_shape_from_sbatch_lines_and_overrides():
         resources(["--nodes=2-4"])
 
 
-def _save_dir(tmp_path: Path, tracker: int | None, dirs: list[str]) -> Path:
-    save = tmp_path / "checkpoints"
+def _save_dir(
+    tmp_path: Path, tracker: int | None, dirs: list[str], name: str = "checkpoints"
+) -> Path:
+    save = tmp_path / name
     for name in dirs:
         (save / name).mkdir(parents=True)
     if tracker is not None:
@@ -180,6 +182,37 @@ def test_unfinished_checkpoints_are_the_tmp_ones_and_those_newer_than_the_tracke
         TRACKER,
         "unrelated",
     ]
+
+
+def test_non_persistent_checkpoints_count_as_progress_and_are_kept(tmp_path):
+    """Under --non-persistent-ckpt-type global a restart resumes the newest of both trackers,
+    so that is the run's progress; the start of a job removes what each tracker does not vouch
+    for in its own directory and leaves the other's checkpoints alone. Without the flag the
+    non-persistent folder is none of the launcher's business."""
+    save = _save_dir(tmp_path, 4, ["iter_0000004", "iter_0000005"])
+    frequent = _save_dir(
+        save, 6, ["iter_0000006", "iter_0000007.tmp", "iter_0000008"], name="non_persistent"
+    )
+    command = ["pretrain_gpt.py", "--save", str(save), "--train-iters", "10"]
+    plain = slurm.Run(run_dir=tmp_path, command=command)
+    assert plain.latest() == 4 and plain.non_persistent_dir is None
+    run = slurm.Run(run_dir=tmp_path, command=command + ["--non-persistent-ckpt-type", "global"])
+    assert run.non_persistent_dir == frequent and run.latest() == 6
+    assert slurm._prepare(run) is None
+    assert sorted(p.name for p in save.iterdir()) == sorted(
+        ["iter_0000004", "non_persistent", TRACKER]
+    )
+    assert sorted(p.name for p in frequent.iterdir()) == ["iter_0000006", TRACKER]
+    assert slurm.flag_value(run.training_command(), "--load") == str(save)
+    elsewhere = tmp_path / "elsewhere"
+    moved = slurm.Run(
+        run_dir=tmp_path,
+        command=run.command + ["--non-persistent-global-ckpt-dir", str(elsewhere)],
+    )
+    assert moved.non_persistent_dir == elsewhere and moved.latest() == 4
+    assert "already finished (iteration 6)" in slurm._prepare(
+        slurm.Run(run_dir=tmp_path, command=run.command + ["--train-iters", "6"])
+    )
 
 
 def test_batch_step_skips_finished_runs_and_honours_the_exit_trigger(tmp_path):

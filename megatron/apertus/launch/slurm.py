@@ -3,7 +3,8 @@
 A job runs in three places, one function each:
 
 * ``batch`` (the job's batch step, on its first node): skips a run that is finished or asked to
-  stop, removes unfinished checkpoints (``.tmp`` or newer than the tracker), writes a snapshot
+  stop, removes unfinished checkpoints (``.tmp`` or newer than the tracker of their directory:
+  --save, and the non-persistent one, whose checkpoints are kept), writes a snapshot
   of the job (command, Slurm record, environment, git commit), starts one task per GPU with
   ``srun``, and when the run is not finished resubmits the same script with
   ``--dependency=singleton`` and the same job name, up to ``APERTUS_MAX_RESUBMISSIONS`` times.
@@ -20,7 +21,9 @@ step keeps waiting for them. SIGTERM (``scancel``, the time limit) means stop: t
 waits for the tasks (which save) and does not resubmit.
 
 Resubmission needs progress: a job that leaves no newer checkpoint is not resubmitted, so a run
-that fails at start-up does not loop. A run is finished when its tracker reaches ``--train-iters``
+that fails at start-up does not loop. Progress is the newest checkpoint either tracker names
+(--save's, and under ``--non-persistent-ckpt-type global`` the non-persistent one's, which a
+restart resumes when it is newer). A run is finished when it reaches ``--train-iters``
 (or ``APERTUS_TARGET_ITERATION``, which ``submit`` sets for sample-based runs).
 """
 
@@ -39,7 +42,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron.apertus.checkpoint_files import latest_iteration, unfinished_checkpoints
+from megatron.apertus.checkpoint_files import (
+    latest_iteration,
+    non_persistent_dir,
+    unfinished_checkpoints,
+)
 
 NETWORK_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective ends the job instead of hanging
@@ -111,8 +118,26 @@ class Run:
         )
         return int(value) if value else None
 
+    @property
+    def non_persistent_dir(self) -> Path | None:
+        """Where the run keeps Megatron-LM's global non-persistent checkpoints, if it does (a
+        resumed run loads them from there too: its ``--load`` is ``--save``)."""
+        if self.save_dir is None:
+            return None
+        if flag_value(self.command, "--non-persistent-ckpt-type") != "global":
+            return None
+        explicit = flag_value(self.command, "--non-persistent-global-ckpt-dir")
+        return non_persistent_dir(self.save_dir, explicit)
+
+    def checkpoint_dirs(self) -> list[Path]:
+        """The directories of the run's checkpoints, each with its own tracker."""
+        return [d for d in (self.save_dir, self.non_persistent_dir) if d is not None]
+
     def latest(self) -> int | None:
-        return latest_iteration(self.save_dir) if self.save_dir else None
+        """The iteration a restart resumes from: the newest the trackers name (a non-persistent
+        checkpoint newer than the persistent one is resumed, as ``--load`` does)."""
+        found = [latest_iteration(d) for d in self.checkpoint_dirs()]
+        return max((it for it in found if it is not None), default=None)
 
     def finished(self) -> bool:
         latest, target = self.latest(), self.target_iteration
@@ -400,9 +425,11 @@ def _prepare(run: Run) -> str | None:
         return f"{run.trigger_dir / 'exit'} exists: not starting (remove it to continue the run)"
     if run.finished():
         return f"the run is already finished (iteration {run.latest()})"
-    for path in unfinished_checkpoints(run.save_dir):
-        log(f"removing unfinished checkpoint {path} (tracker: iteration {run.latest()})")
-        shutil.rmtree(path)
+    for directory in run.checkpoint_dirs():  # each against its own tracker
+        for path in unfinished_checkpoints(directory):
+            tracked = latest_iteration(directory)
+            log(f"removing unfinished checkpoint {path} (tracker: iteration {tracked})")
+            shutil.rmtree(path)
     run.trigger_dir.mkdir(parents=True, exist_ok=True)  # where users touch save / exit
     return None
 

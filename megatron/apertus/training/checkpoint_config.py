@@ -12,10 +12,18 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
+from megatron.apertus.checkpoint_files import latest_iteration, non_persistent_dir
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import flag_help, switch
+from megatron.apertus.flags import flag_help, require, switch
+
+NON_PERSISTENT_REFUSALS = {
+    "local": "each rank's part on node-local storage is saved by NVIDIA's resiliency extension "
+    "(nvidia_resiliency_ext), which this code does not use: use global",
+    "in_memory": "Megatron-LM itself has not implemented it: use global",
+}
+"""Why each Megatron-LM type of non-persistent checkpoint other than ``global`` is refused."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -25,6 +33,28 @@ class CheckpointConfig:
         "checkpoint (save directory or iter_* directory) to start from", None
     )
     save_interval: int = flag_help("iterations between checkpoints (0: only at the end)", 0)
+    save_retain_interval: Optional[int] = flag_help(
+        "keep the checkpoints of multiples of this iteration and the latest: after each save, "
+        "the checkpoint the tracker named before it is removed unless its iteration is such a "
+        "multiple (a multiple of --save-interval)",
+        None,
+    )
+    non_persistent_save_interval: Optional[int] = flag_help(
+        "iterations between non-persistent checkpoints, of which only the latest is kept (a "
+        "--save-interval step saves a persistent one instead); needs --non-persistent-ckpt-type",
+        None,
+    )
+    non_persistent_ckpt_type: Optional[Literal["global", "local", "in_memory"]] = flag_help(
+        "global: non-persistent checkpoints are whole checkpoints in "
+        "--non-persistent-global-ckpt-dir, and --load resumes the newest of them and the "
+        "persistent one (local and in_memory are refused)",
+        None,
+    )
+    non_persistent_global_ckpt_dir: Optional[str] = flag_help(
+        "directory of the global non-persistent checkpoints (default: non_persistent inside "
+        "--save when saving, inside --load when loading)",
+        None,
+    )
     no_save_optim: bool = switch(
         "save checkpoints without the optimizer state and, as in Megatron-LM, without the "
         "learning-rate schedule that goes with it; loading one then needs --no-load-optim or "
@@ -81,6 +111,49 @@ class CheckpointConfig:
             raise ConfigError("--ckpt-step picks an iteration of the --load directory: give --load")
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ConfigError(f"--ckpt-step must be >= 0, got {self.ckpt_step}")
+        self._check_retention()
+        self._check_non_persistent()
+
+    def _check_retention(self) -> None:
+        """Megatron-LM's rules: a positive interval, a multiple of --save-interval's."""
+        retain = self.save_retain_interval
+        if retain is None:
+            return
+        require(retain > 0, "--save-retain-interval", retain, "> 0")
+        if self.save_interval and retain % self.save_interval:
+            raise ConfigError(
+                f"--save-retain-interval {retain} must be a multiple of --save-interval "
+                f"{self.save_interval}"
+            )
+
+    def _check_non_persistent(self) -> None:
+        kind, interval = self.non_persistent_ckpt_type, self.non_persistent_save_interval
+        if kind in NON_PERSISTENT_REFUSALS:
+            raise ConfigError(f"--non-persistent-ckpt-type {kind}: {NON_PERSISTENT_REFUSALS[kind]}")
+        if interval is not None:
+            require(interval > 0, "--non-persistent-save-interval", interval, "> 0")
+            if kind is None:
+                raise ConfigError(
+                    "--non-persistent-save-interval needs --non-persistent-ckpt-type global"
+                )
+        save = self.non_persistent_save_dir()
+        if save is not None and self.save and Path(save).resolve() == Path(self.save).resolve():
+            raise ConfigError(
+                f"--non-persistent-global-ckpt-dir {save} is --save: each keeps its own tracker "
+                "there; give another directory"
+            )
+
+    def non_persistent_save_dir(self) -> Path | None:
+        """Where non-persistent checkpoints are saved (None: not saved)."""
+        if self.non_persistent_save_interval is None or not self.save:
+            return None
+        return non_persistent_dir(self.save, self.non_persistent_global_ckpt_dir)
+
+    def non_persistent_load_dir(self) -> Path | None:
+        """Where --load looks for non-persistent checkpoints too (None: it does not)."""
+        if self.non_persistent_ckpt_type is None or not self.load:
+            return None
+        return non_persistent_dir(self.load, self.non_persistent_global_ckpt_dir)
 
     def loads_optimizer(self) -> bool:
         return not (self.finetune or self.no_load_optim)
@@ -105,15 +178,26 @@ class CheckpointConfig:
         return dataclasses.replace(self, finetune=False, no_load_optim=False, no_load_rng=False)
 
 
-def named_checkpoint(load: str, ckpt_step: int | None) -> Path | None:
+def named_checkpoint(
+    load: str, ckpt_step: int | None, non_persistent: Path | None = None
+) -> Path | None:
     """The checkpoint ``--load`` names: the iteration ``--ckpt-step`` gives (refused, listing
     the iterations there, when it has none of it), else the latest; None when ``--load`` holds
-    no checkpoint yet."""
+    no checkpoint yet. Given the ``non_persistent`` directory, its latest checkpoint is taken
+    instead when its iteration is at least the tracker's in ``--load`` (Megatron-LM's rule);
+    --ckpt-step picks from ``--load`` alone."""
     from megatron.apertus import checkpoint
 
-    if ckpt_step is None:
-        return checkpoint.find_checkpoint(load)
-    return checkpoint.checkpoint_at(load, ckpt_step, f"--ckpt-step {ckpt_step}")
+    if ckpt_step is not None:
+        return checkpoint.checkpoint_at(load, ckpt_step, f"--ckpt-step {ckpt_step}")
+    found = checkpoint.find_checkpoint(load)
+    frequent = None if non_persistent is None else checkpoint.find_checkpoint(non_persistent)
+    if frequent is None:
+        return found
+    persistent = latest_iteration(load)
+    if persistent is not None and persistent > (latest_iteration(non_persistent) or 0):
+        return found
+    return frequent
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
@@ -129,7 +213,9 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.checkpoint_files import read_run_info
 
-    found = named_checkpoint(args.load, args.ckpt_step)
+    kind, directory = args.non_persistent_ckpt_type, args.non_persistent_global_ckpt_dir
+    frequent = non_persistent_dir(args.load, directory) if kind == "global" else None
+    found = named_checkpoint(args.load, args.ckpt_step, frequent)
     if found is None:
         return f"--use-checkpoint-args: no checkpoint at {args.load}, using the command line"
     taken = []

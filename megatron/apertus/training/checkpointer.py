@@ -8,9 +8,13 @@ when a signal, a trigger file or ``--exit-duration-in-mins`` asks for one
 all-reduce of the requests. A ``--load`` that holds no checkpoint yet starts from scratch and
 says so, as Megatron-LM does (``--exit-on-missing-checkpoint``: refused instead); one whose
 checkpoint already ends the run is answered before anything is built (:func:`finished_run`).
-``--ckpt-step`` picks another iteration than the tracker's. A checkpoint saved with
-``--no-save-optim`` or ``--no-save-rng`` says so in its run record, and a load that would read
-what it lacks is refused naming the flag to add.
+``--ckpt-step`` picks another iteration than the tracker's. Under
+``--non-persistent-save-interval`` the other steps of that interval save non-persistent
+checkpoints into their own directory, and a ``--load`` with ``--non-persistent-ckpt-type
+global`` resumes the newer of the two kinds (:func:`checkpoint_config.named_checkpoint`); what
+each save replaces is removed by :mod:`~megatron.apertus.training.checkpoint_retention`. A
+checkpoint saved with ``--no-save-optim`` or ``--no-save-rng`` says so in its run record, and a
+load that would read what it lacks is refused naming the flag to add.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import logging
 import subprocess
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.num_microbatches_calculator import update_num_microbatches
 
@@ -34,6 +40,7 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.optim.builder import OptimizerSettings
 from megatron.apertus.training.checkpoint_config import CheckpointConfig, named_checkpoint
+from megatron.apertus.training.checkpoint_retention import Retention
 from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.signals import StopRequests
@@ -48,7 +55,7 @@ log = logging.getLogger("apertus")
 def checked_checkpoint(config: CheckpointConfig) -> Path | None:
     """The checkpoint ``--load`` (and ``--ckpt-step``) name, refused naming its first damaged
     file before any of it is read (see :func:`checkpoint.check_files`)."""
-    found = named_checkpoint(config.load, config.ckpt_step)
+    found = named_checkpoint(config.load, config.ckpt_step, config.non_persistent_load_dir())
     if found is not None:
         checkpoint.check_files(found, f"--load {config.load}")
     return found
@@ -292,6 +299,8 @@ class AfterStep:
 
     save: bool
     exit: bool
+    persistent: bool = True
+    """Whether the save goes to --save (else: a non-persistent one)."""
 
 
 class Checkpointer:
@@ -313,6 +322,19 @@ class Checkpointer:
             fully_parallel=self.config.ckpt_fully_parallel_save,
             cache_distribution=self.config.ckpt_assume_constant_structure,
         )
+        self.retention = self._retention(self.config.save, self.config.save_retain_interval)
+        self.frequent_dir = self.config.non_persistent_save_dir()
+        self.frequent = self._retention(self.frequent_dir, None, latest_only=True)
+
+    @staticmethod
+    def _retention(
+        save_dir: str | Path | None, interval: int | None, latest_only: bool = False
+    ) -> Retention | None:
+        """What removes the checkpoints a save into ``save_dir`` replaces: on rank 0, which
+        publishes them; None elsewhere or without the directory."""
+        if not save_dir or dist.get_rank() != 0:
+            return None
+        return Retention(save_dir, retain_interval=interval, latest_only=latest_only)
 
     @property
     def saves(self) -> bool:
@@ -329,25 +351,39 @@ class Checkpointer:
         interval = self.config.save_interval
         return bool(interval and iteration % interval == 0)
 
+    def non_persistent_saves(self, iteration: int) -> bool:
+        """Whether --non-persistent-save-interval saves after ``iteration``."""
+        interval = self.config.non_persistent_save_interval
+        return bool(self.frequent_dir and interval and iteration % interval == 0)
+
     def after_step(self, iteration: int) -> AfterStep:
         """Publish the background saves that are done, then agree with every rank on a save
-        and an exit: requests (signals, trigger files, the duration) and the intervals."""
+        and an exit: requests (signals, trigger files, the duration) and the intervals. As in
+        Megatron-LM, a step that --save-interval or a request saves saves a persistent
+        checkpoint, and only another step of the non-persistent interval a non-persistent one."""
         if self.in_background:
             checkpoint.finalize_background_saves(self.options, blocking=False)
         requests = self.requests.poll(self.device)
         exit_now = requests.exit or bool(self.exit_interval and iteration % self.exit_interval == 0)
+        persistent = requests.save or exit_now or self.interval_saves(iteration)
         return AfterStep(
-            save=requests.save or exit_now or self.interval_saves(iteration), exit=exit_now
+            save=persistent or self.non_persistent_saves(iteration),
+            exit=exit_now,
+            persistent=persistent,
         )
 
-    def save(self, model: list, state: TrainingState, optimizer, scheduler) -> Path:
-        """Write the checkpoint of ``state`` (every rank), published now or, in the background,
-        once every rank has written it; without the optimizer and its schedule under
-        --no-save-optim, without RNG states under --no-save-rng."""
+    def save(
+        self, model: list, state: TrainingState, optimizer, scheduler, *, persistent: bool = True
+    ) -> Path:
+        """Write the checkpoint of ``state`` (every rank) to --save or, not ``persistent``, to
+        the non-persistent directory; published now or, in the background, once every rank has
+        written it, and then what it replaces is removed; without the optimizer and its schedule
+        under --no-save-optim, without RNG states under --no-save-rng."""
         optimizer_kept = not self.config.no_save_optim
+        retention = self.retention if persistent else self.frequent
         with synced_parameters(model):
             return checkpoint.save(
-                self.config.save,
+                self.config.save if persistent else self.frequent_dir,
                 [ddp.module for ddp in model],
                 self.run.model,
                 state,
@@ -356,7 +392,7 @@ class Checkpointer:
                 rng=not self.config.no_save_rng,
                 run_info=run_info(self.run, state),
                 options=self.options,
-                on_published=_log_saved,
+                on_published=partial(_published, retention),
             )
 
     def last_saved(self) -> Path | None:
@@ -366,11 +402,17 @@ class Checkpointer:
         return checkpoint.find_checkpoint(self.config.save) if self.saves else None
 
     def finish(self) -> None:
-        """Wait until every background save is written and published (all ranks)."""
+        """Wait until every background save is written and published (all ranks), and what
+        they replace removed (rank 0)."""
         if self.in_background:
             checkpoint.finalize_background_saves(self.options, blocking=True)
+        for retention in (self.retention, self.frequent):
+            if retention is not None:
+                retention.finish()
 
 
-def _log_saved(path: Path) -> None:
+def _published(retention: Retention | None, path: Path) -> None:
     if is_reporting_rank():
         log.info(f"saved checkpoint {path}")
+    if retention is not None:
+        retention.published(path)

@@ -254,7 +254,7 @@ class Trainer:
             self.validator.validate(self.state)
         after = self.checkpointer.after_step(self.state.iteration)
         if after.save:
-            self._save_trained()
+            self._save_trained(persistent=after.persistent)
         return after.exit
 
     def _went_back(self, result: StepResult) -> bool:
@@ -298,21 +298,24 @@ class Trainer:
 
     # -- saving ----------------------------------------------------------------------------------
 
-    def save(self) -> None:
-        """A checkpoint of the current state, when the run has a --save directory."""
+    def save(self, *, persistent: bool = True) -> None:
+        """A checkpoint of the current state (``persistent``: in --save, else a non-persistent
+        one), when the run has a --save directory."""
         if not self.checkpointer.saves:
             return
         self.fp8_guard.save_into(self.state.extra)
-        path = self.checkpointer.save(self.model, self.state, self.optimizer, self.scheduler)
+        path = self.checkpointer.save(
+            self.model, self.state, self.optimizer, self.scheduler, persistent=persistent
+        )
         self.gc.boundary()
         self.reporter.saved(path, self.state, background=self.checkpointer.in_background)
 
-    def _save_trained(self) -> None:
+    def _save_trained(self, *, persistent: bool = True) -> None:
         """:meth:`save`, unless no step of this job trained: then stop, saving nothing."""
         nothing = self.skipped.nothing_trained(self.state.iteration)
         if nothing is not None:
             raise TrainingStopped(nothing)
-        self.save()
+        self.save(persistent=persistent)
 
     # -- the loop ----------------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@ this code always does, refused where they ask for something it does not implemen
 
 Megatron-LM launch scripts (the Apertus 8B and 70B ones among them) carry two kinds of such
 flags: restatements of the architecture (``--xielu``, ``--normalization RMSNorm``) and choices
-that name our only behaviour (``--ckpt-format torch_dist``, ``--dataloader-type single``). They
-are accepted, so such scripts run unmodified; any other value (``--normalization LayerNorm``,
+that name our only behaviour (``--ckpt-format torch_dist``, ``--use-dist-ckpt``,
+``--dataloader-type single``). They are accepted, so such scripts run unmodified; any other value (``--normalization LayerNorm``,
 ``--swiglu``, dropout) is refused, all of them at once, one line each naming the flag, so a
 script learns in one try what to drop.
 
@@ -225,6 +225,27 @@ FLAGS: tuple[MegatronFlag, ...] = (
         "only torch_dist is implemented",
         takes=str,
         accepts=("torch_dist",),
+    ),
+    MegatronFlag(
+        "--use-dist-ckpt",
+        "checkpoints are megatron-core's distributed (torch_dist) ones (always; deprecated "
+        "in Megatron-LM, where --ckpt-format decides)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--dist-ckpt-format",
+        "megatron-core torch_dist checkpoints (always; deprecated in Megatron-LM, where "
+        "--ckpt-format decides)",
+        "only torch_dist is implemented",
+        takes=str,
+        accepts=("torch_dist",),
+    ),
+    MegatronFlag(
+        "--auto-detect-ckpt-format",
+        "a --load checkpoint is always checked before it is read: this code's torch_dist "
+        "checkpoints load, any other (Megatron-LM's legacy torch format among them) is refused "
+        "in one line",
+        accepts=SWITCH,
     ),
     MegatronFlag(
         "--dist-ckpt-strictness",

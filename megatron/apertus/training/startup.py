@@ -32,10 +32,14 @@ log = logging.getLogger("apertus")
 
 
 def check_before_start(cfg: RunConfig) -> None:
-    """What the flags get wrong, refused before any process group exists: a --save that cannot
-    be written (or a --log-progress without one)."""
+    """What the flags get wrong, refused before any process group exists: a --save (or
+    non-persistent checkpoint directory) that cannot be written, or a --log-progress without
+    --save."""
     if cfg.checkpoint.save:
         checkpoint.check_save_dir(cfg.checkpoint.save)
+        frequent = cfg.checkpoint.non_persistent_save_dir()
+        if frequent is not None and cfg.checkpoint.non_persistent_global_ckpt_dir:
+            checkpoint.check_save_dir(frequent, "--non-persistent-global-ckpt-dir")
     elif cfg.logging.log_progress:
         raise ConfigError(
             "--log-progress writes progress.txt beside the checkpoints: it needs --save"
