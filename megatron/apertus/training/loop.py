@@ -239,9 +239,27 @@ class Trainer:
         self.replicas.after_step(iteration)
         return result
 
+    def skip_iteration(self) -> None:
+        """An iteration of --iterations-to-skip, as Megatron-LM runs it: its global batch is read
+        and counted as consumed, the iteration counts; no forward, backward or update, the
+        schedule does not advance, and nothing is logged, validated or saved for it."""
+        global_batch = get_current_running_global_batch_size()
+        self.objective.train_batches(self.state.consumed_samples, global_batch)
+        self.state.iteration += 1
+        self.state.consumed_samples += global_batch
+        update_num_microbatches(self.state.consumed_samples, consistency_check=False)
+        if is_reporting_rank():
+            log.info(
+                f"iteration {self.state.iteration}: skipped (--iterations-to-skip), its "
+                f"{global_batch} samples consumed untrained"
+            )
+
     def _train_one_step(self) -> bool:
         """A step and what follows it (report, stop checks, validation, saving); whether the
         run exits now."""
+        if self.state.iteration + 1 in self.cfg.training.iterations_to_skip:
+            self.skip_iteration()
+            return False
         global_batch = get_current_running_global_batch_size()
         start = time.perf_counter()
         result = self.step()
