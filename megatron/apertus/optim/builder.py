@@ -48,7 +48,9 @@ class OptimizerSettings:
     lr: float = flag_help("peak learning rate", 1e-3)
     min_lr: float = flag_help("learning rate at the end of the decay", 0.0)
     weight_decay: float = flag_help(
-        "decoupled weight decay (never on norms, biases, xIELU alphas)", 0.1
+        "decoupled weight decay, throughout with --weight-decay-incr-style constant (never on "
+        "norms, biases, xIELU alphas)",
+        0.1,
     )
     adam_beta1: float = flag_help("first-moment decay", 0.9)
     adam_beta2: float = flag_help("second-moment decay", 0.95)
