@@ -19,7 +19,7 @@ import pretrain_gpt
 from megatron.apertus import checkpoint
 from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.training.loop import Trainer, train
-from tests.conftest import SMALL_VOCABULARY, after_backward, read_json, series
+from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_entry, series
 from tests.training.test_first_hour import refused
 from tests.training.test_resume import final_weights
 
@@ -234,3 +234,17 @@ def test_skipping_resumes_bitwise(tmp_path, exit_at):
 )
 def test_violations_are_refused_in_one_line(flags, line):
     assert line in refused(flags)
+
+
+@pytest.mark.slow
+def test_decoupled_lr_resumes_bitwise_with_the_distributed_optimizer(tmp_path):
+    """The same on 2 data-parallel ranks with AdEMAMix's distributed optimizer, whose param
+    groups are sharded and matched by the same key on load."""
+    flags = BASE + DECOUPLED + RISING_WD + ["--train-iters", "4", "--micro-batch-size", "1"]
+    flags += ["--optimizer", "ademamix", "--use-distributed-optimizer"]
+    run_entry(PRETRAIN, flags + ["--save", str(tmp_path / "whole")], nproc=2)
+    cut = flags + ["--save", str(tmp_path / "cut"), "--load", str(tmp_path / "cut")]
+    run_entry(PRETRAIN, cut + ["--exit-interval", "2"], nproc=2)
+    run_entry(PRETRAIN, cut, nproc=2)
+    whole, resumed = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
