@@ -10,6 +10,7 @@ the schedule at sample 4(n-1).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator
 
 import pytest
@@ -170,12 +171,13 @@ def _skipping(extra: list[str], iters: int = 5) -> tuple[dict, dict[int, list[to
     return history, seen
 
 
-def test_a_skipped_iteration_consumes_its_batch_and_leaves_weights_and_schedule(tmp_path):
+def test_a_skipped_iteration_consumes_its_batch_and_leaves_weights_and_schedule(caplog):
     """--iterations-to-skip 3, Megatron-LM's meaning: iteration 3 trains nothing (iteration 4
     starts from the weights iteration 3 would have), its global batch is consumed (iteration 4
     trains on batch 4, not batch 3) and the lr schedule does not advance (iteration 4 runs at the
-    lr an unskipped run has at iteration 3)."""
-    skipped, seen = _skipping(["--iterations-to-skip", "3"])
+    lr an unskipped run has at iteration 3); the iteration line counts the skipped samples."""
+    with caplog.at_level(logging.INFO, logger="apertus"):
+        skipped, seen = _skipping(["--iterations-to-skip", "3"])
     plain, plain_seen = _skipping([])
     assert series(skipped, "train/loss")[0] == [1, 2, 4, 5]
     assert all(torch.equal(a, b) for a, b in zip(seen[3], plain_seen[3]))  # before step 4 / 3
@@ -184,6 +186,12 @@ def test_a_skipped_iteration_consumes_its_batch_and_leaves_weights_and_schedule(
     assert losses[2] == plain_losses[2] and losses[4] != plain_losses[3]
     lrs, plain_lrs = (dict(zip(*series(h, "train/lr"))) for h in (skipped, plain))
     assert lrs[4] == plain_lrs[3] and lrs[5] == plain_lrs[4]
+    assert series(skipped, "train/skipped_samples") == ([4, 5], [4.0, 4.0])
+    assert "train/skipped_samples" not in plain
+    lines = [r.getMessage() for r in caplog.records if r.name == "apertus"]
+    assert "iteration 3: skipped (--iterations-to-skip), its 4 samples consumed untrained" in lines
+    (fourth,) = [line for line in lines if line.startswith("iteration        4/")]
+    assert "| consumed samples:           16 | skipped samples:            4 |" in fourth
 
 
 @pytest.mark.parametrize("exit_at", [2, 4])
@@ -207,7 +215,7 @@ def test_skipping_resumes_bitwise(tmp_path, exit_at):
     ]
     train(pretrain_gpt.parse_args(resumed + ["--exit-interval", str(exit_at)]))
     train(pretrain_gpt.parse_args(resumed))
-    for name in ("train/loss", "train/lr"):
+    for name in ("train/loss", "train/lr", "train/skipped_samples"):
         assert series(read_json(tmp_path / "c.json"), name) == series(
             read_json(tmp_path / "w.json"), name
         )
