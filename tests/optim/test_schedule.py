@@ -1,5 +1,6 @@
-"""The WSD schedule (megatron-core's scheduler as configured by ScheduleConfig): values at the key
-steps of each cooldown shape, iteration/sample equivalence, a batch-size ramp-up, and resume.
+"""The schedule (megatron-core's scheduler as configured by ScheduleConfig): WSD values at the key
+steps of each cooldown shape, iteration/sample equivalence, a batch-size ramp-up, resume, the
+weight decay's rise (--weight-decay-incr-style) and --lr-warmup-fraction.
 
 The run: global batch 4, 100 iterations (400 samples), warmup 10 iterations (40 samples),
 cooldown the last 20 iterations (80 samples, from sample 320). Values are exact formulas.
@@ -165,3 +166,113 @@ def test_lengths_must_fit_the_run():
         _scheduler(dict(lr_warmup_iters=ITERS))
     with pytest.raises(ValueError, match="exceed the schedule"):
         _scheduler(dict(ITER_SCHEDULE, lr_wsd_decay_iters=95))
+
+
+WD_RISE = {
+    "linear": lambda r: r,
+    "cosine": lambda r: 0.5 * (math.cos(math.pi * (1 - r)) + 1),
+}
+"""Megatron-LM's --weight-decay-incr-style: the share of the rise done at run fraction r."""
+
+
+@pytest.mark.parametrize("style", sorted(WD_RISE))
+def test_weight_decay_rises_over_the_run_not_the_lr_decay(style):
+    """From --start-weight-decay to --end-weight-decay over the run's 400 samples, although the
+    lr decays over 50 iterations; groups without decay stay at 0."""
+    schedule = dict(
+        lr_decay_style="linear",
+        lr_decay_iters=50,
+        weight_decay_incr_style=style,
+        start_weight_decay=0.02,
+        end_weight_decay=0.3,
+    )
+    for samples in (0, 40, 100, 200, 300, 399, 400, 480):
+        scheduler = _scheduler(schedule)
+        _lr_at(scheduler, samples)
+        expected = 0.02 + 0.28 * WD_RISE[style](min(samples, 400) / 400)
+        decayed, undecayed = (g["weight_decay"] for g in scheduler.optimizer.param_groups)
+        assert decayed == pytest.approx(expected, rel=1e-12) and undecayed == 0.0
+
+
+def test_constant_weight_decay_is_weight_decay():
+    scheduler = _scheduler(dict(ITER_SCHEDULE, weight_decay_incr_style="constant"))
+    assert (scheduler.start_wd, scheduler.end_wd, scheduler.wd_incr_style) == (WD, WD, "constant")
+    _lr_at(scheduler, 200)
+    assert scheduler.optimizer.param_groups[0]["weight_decay"] == WD
+
+
+@pytest.mark.parametrize(
+    "fraction, warmup",
+    [(0.1, dict(lr_warmup_iters=10)), (0.25, dict(lr_warmup_samples=100)), (0.0, {})],
+)
+def test_warmup_fraction_is_the_same_schedule_as_its_length(fraction, warmup):
+    """--lr-warmup-fraction F warms up over F of the schedule's 400 samples: the same lr at
+    every step as the equivalent --lr-warmup-iters/-samples (0: no warmup)."""
+    base = dict(lr_decay_style="cosine")
+    by_fraction = _scheduler(dict(base, lr_warmup_fraction=fraction))
+    by_length = _scheduler(dict(base, **warmup))
+    assert by_fraction.lr_warmup_steps == by_length.lr_warmup_steps
+    for _ in range(ITERS + 2):
+        assert _lr_at(by_fraction, GBS) == _lr_at(by_length, GBS)
+
+
+def test_warmup_fraction_is_of_the_lr_decay_length():
+    """Megatron-LM: the fraction of --lr-decay-iters (here 50 iterations, 200 samples), not of
+    the run; sample-based runs likewise."""
+    by_iters = _scheduler(dict(lr_decay_iters=50, lr_warmup_fraction=0.2))
+    by_samples = _scheduler(
+        dict(lr_decay_samples=200, lr_warmup_fraction=0.2), train_samples=ITERS * GBS
+    )
+    assert by_iters.lr_warmup_steps == by_samples.lr_warmup_steps == pytest.approx(40)
+    assert _lr_at(by_iters, 20) == pytest.approx(MAX_LR / 2)
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        (
+            dict(lr_warmup_fraction=0.1, lr_warmup_iters=2),
+            "--lr-warmup-fraction or --lr-warmup-iters",
+        ),
+        (
+            dict(lr_warmup_fraction=0.1, lr_warmup_samples=8),
+            "--lr-warmup-fraction or --lr-warmup-samples",
+        ),
+        (dict(lr_warmup_fraction=1.0), r"--lr-warmup-fraction must be in \[0, 1\)"),
+        (dict(start_weight_decay=0.1), "--start-weight-decay needs --weight-decay-incr-style"),
+        (dict(end_weight_decay=0.1), "--end-weight-decay needs --weight-decay-incr-style"),
+        (
+            dict(weight_decay_incr_style="linear", start_weight_decay=0.1),
+            "linear needs --start-weight-decay and --end-weight-decay",
+        ),
+        (
+            dict(weight_decay_incr_style="cosine", start_weight_decay=0.2, end_weight_decay=0.1),
+            "--end-weight-decay must be >= --start-weight-decay 0.2",
+        ),
+        (
+            dict(weight_decay_incr_style="linear", start_weight_decay=-0.1, end_weight_decay=0.1),
+            "--start-weight-decay must be >= 0",
+        ),
+    ],
+)
+def test_invalid_warmup_and_weight_decay_settings_are_refused(schedule, message):
+    with pytest.raises(ValueError, match=message):
+        ScheduleConfig(**schedule)
+
+
+def test_weight_decay_schedule_resumes_and_a_changed_one_is_refused():
+    """The rise continues from the checkpoint's step; another end is refused unless
+    overridden; a constant weight decay resumes whatever length it was saved with."""
+    rising = dict(weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.4)
+    original = _scheduler(rising)
+    _lr_at(original, 100)
+    resumed = _scheduler(rising)
+    resumed.load_state_dict(original.state_dict())
+    assert resumed.optimizer.param_groups[0]["weight_decay"] == pytest.approx(0.1)
+    with pytest.raises(AssertionError, match="end weight decay"):
+        _scheduler(dict(rising, end_weight_decay=0.5)).load_state_dict(original.state_dict())
+    constant = _scheduler({})
+    state = {**constant.state_dict(), "wd_incr_steps": 123}
+    again = _scheduler({})
+    again.load_state_dict(state)
+    assert again.wd_incr_steps == ITERS * GBS

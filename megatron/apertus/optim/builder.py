@@ -12,6 +12,13 @@ In both cases each group's ``weight_decay`` is set to ``weight_decay * wd_mult``
 megatron-core leaves that to the first step of ``OptimizerParamScheduler``, so without a scheduler
 its Adam decays norms too.
 
+``--decoupled-lr`` (Megatron-LM's): the parameters megatron-core marks
+``is_embedding_or_output_parameter`` (the input embedding on the first pipeline stage, the output
+layer on the last) form a param group of their own whose ``max_lr``/``min_lr`` the scheduler
+follows instead of ``--lr``/``--min-lr``; megatron-core's ``get_standard_config_overrides`` makes
+that group for Adam and for AdEMAMix alike. The group is then marked ``is_decoupled_lr``
+(:func:`_mark_decoupled_groups`).
+
 megatron-core and torch are imported by the functions that build: :class:`OptimizerSettings`
 and :class:`AdEMAMixSettings` serve ``--help``, which must not pay for them.
 """
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, require
@@ -41,12 +48,21 @@ class OptimizerSettings:
     lr: float = flag_help("peak learning rate", 1e-3)
     min_lr: float = flag_help("learning rate at the end of the decay", 0.0)
     weight_decay: float = flag_help(
-        "decoupled weight decay (never on norms, biases, xIELU alphas)", 0.1
+        "decoupled weight decay, throughout with --weight-decay-incr-style constant (never on "
+        "norms, biases, xIELU alphas)",
+        0.1,
     )
     adam_beta1: float = flag_help("first-moment decay", 0.9)
     adam_beta2: float = flag_help("second-moment decay", 0.95)
     adam_eps: float = flag_help("denominator epsilon", 1e-8)
     clip_grad: float = flag_help("global gradient-norm clip (0: off)", 1.0)
+    decoupled_lr: Optional[float] = flag_help(
+        "peak learning rate of the input embedding and the output layer (default: --lr)", None
+    )
+    decoupled_min_lr: Optional[float] = flag_help(
+        "with --decoupled-lr: their learning rate at the end of the decay (default: --min-lr)",
+        None,
+    )
     use_distributed_optimizer: bool = flag_help(
         "shard optimizer state over data-parallel ranks", False
     )
@@ -61,6 +77,7 @@ class OptimizerSettings:
             ("--clip-grad", self.clip_grad),
         ):
             require(math.isfinite(value) and value >= 0, flag, value, "a finite number >= 0")
+        self._check_decoupled()
         for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             require(0 <= value < 1, flag, value, "in [0, 1)")
         require(
@@ -69,6 +86,21 @@ class OptimizerSettings:
             self.adam_eps,
             "a finite number > 0",
         )
+
+    def _check_decoupled(self) -> None:
+        """The decoupled rates are learning rates like --lr and --min-lr; a minimum without
+        --decoupled-lr would change nothing (megatron-core ignores it), so it is refused."""
+        lr, min_lr = self.decoupled_lr, self.decoupled_min_lr
+        if lr is None:
+            if min_lr is not None:
+                raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
+            return
+        for flag, value in (("--decoupled-lr", lr), ("--decoupled-min-lr", min_lr)):
+            require(value is None or (math.isfinite(value) and value >= 0), flag, value, ">= 0")
+        floor, named = (
+            (self.min_lr, "--min-lr") if min_lr is None else (min_lr, "--decoupled-min-lr")
+        )
+        require(lr >= floor, "--decoupled-lr", lr, f">= {named} {floor}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -121,7 +153,22 @@ def get_apertus_optimizer(
         )
     for group in optimizer.param_groups:
         group["weight_decay"] = config.weight_decay * group["wd_mult"]
+    _mark_decoupled_groups(optimizer)
     return optimizer
+
+
+def _mark_decoupled_groups(optimizer: MegatronOptimizer) -> None:
+    """Set ``is_decoupled_lr`` on the groups of ``--decoupled-lr`` (those whose lr is not the
+    default schedule's: megatron-core's ``default_config`` False).
+
+    megatron-core 0.16.1 makes these groups but leaves ``is_decoupled_lr`` False, and a
+    checkpoint load matches param groups by (``wd_mult``, ``lr_mult``, ``is_expert_parallel``,
+    ``is_decoupled_lr``) only: the decoupled group and the main decayed group then share a key,
+    and on load one group's settings (``max_lr``, ``min_lr``) overwrite the other's, so a resumed
+    run would train the body at the decoupled rate. Later megatron-core releases add the
+    overrides to that key."""
+    for group in optimizer.param_groups:
+        group["is_decoupled_lr"] = not group["default_config"]
 
 
 def _model_groups(model_chunks: list) -> ProcessGroupCollection:

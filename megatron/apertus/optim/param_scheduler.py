@@ -1,7 +1,8 @@
 """megatron-core's ``OptimizerParamScheduler`` built from a :class:`ScheduleConfig`
 (:func:`build_scheduler`), as :class:`ParamScheduler`, whose state dict also holds the WSD
 cooldown length and shape (megatron-core's omits them, so a resumed run would take them from the
-flags silently, whatever ``use_checkpoint_opt_param_scheduler`` says).
+flags silently, whatever ``use_checkpoint_opt_param_scheduler`` says), and which does not refuse
+a resume over the length of a constant weight decay, a length that changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class ParamScheduler(OptimizerParamScheduler):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.wd_incr_style == state_dict.get("wd_incr_style") == "constant":
+            state_dict = {**state_dict, "wd_incr_steps": self.wd_incr_steps}
         # Before the parent's load: it sets the lr of the restored step with these values.
         if "wsd_decay_steps" in state_dict:
             self.wsd_decay_steps = self._check_and_set(
@@ -48,7 +51,8 @@ def build_scheduler(
     train_samples: int | None = None,
 ) -> ParamScheduler:
     """The scheduler for ``optimizer``, which it immediately gives the step-0 lr and weight decay
-    (``weight_decay * wd_mult`` per group; constant over the run)."""
+    (the scheduled weight decay times ``wd_mult`` per group; ``optimizer_config.weight_decay``
+    is the constant style's)."""
     if optimizer_config.min_lr is None:
         raise ValueError(
             "set OptimizerConfig.min_lr: megatron-core copies it into every param group"
@@ -56,6 +60,7 @@ def build_scheduler(
     steps = schedule.in_samples(
         global_batch_size=global_batch_size, train_iters=train_iters, train_samples=train_samples
     )
+    start_wd, end_wd = schedule.weight_decay_range(optimizer_config.weight_decay)
     return ParamScheduler(
         optimizer,
         init_lr=schedule.lr_warmup_init,
@@ -64,10 +69,10 @@ def build_scheduler(
         lr_warmup_steps=steps.warmup,
         lr_decay_steps=steps.decay,
         lr_decay_style=schedule.lr_decay_style,
-        start_wd=optimizer_config.weight_decay,
-        end_wd=optimizer_config.weight_decay,
-        wd_incr_steps=steps.decay,
-        wd_incr_style="constant",
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=steps.wd_incr,
+        wd_incr_style=schedule.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=schedule.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=schedule.override_opt_param_scheduler,
         wsd_decay_steps=steps.wsd_decay,

@@ -13,6 +13,11 @@ What this module adds: :class:`ScheduleConfig` (Megatron's flag names, validated
 Apertus fork spells it), without megatron-core, so that ``--help`` need not import it. The
 scheduler built from it is in :mod:`megatron.apertus.optim.param_scheduler`.
 
+The weight decay follows megatron-core's schedule too (Megatron-LM's ``--weight-decay-incr-style``):
+constant at ``--weight-decay``, or from ``--start-weight-decay`` up to ``--end-weight-decay``
+over the whole run (not ``lr_decay_*``: Megatron-LM's ``wd_incr_steps`` is the run's length),
+linearly or along half a cosine; each param group applies it times its ``wd_mult``.
+
 Resume semantics are megatron-core's: the step count always comes from the checkpoint; with
 ``override_opt_param_scheduler`` every other value comes from the new config; with
 ``use_checkpoint_opt_param_scheduler`` from the checkpoint; with neither they must agree.
@@ -20,10 +25,11 @@ Resume semantics are megatron-core's: the step count always comes from the check
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
-from megatron.apertus.flags import flag_help
+from megatron.apertus.flags import flag_help, require
 
 WSD_DECAY_STYLES = {
     "1-sqrt": "minus_sqrt",
@@ -41,9 +47,12 @@ DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 class ScheduleSteps:
     """A schedule's lengths in samples, as megatron-core's scheduler takes them."""
 
-    warmup: int
+    warmup: float
+    """A whole number unless given as a fraction of ``decay`` (Megatron-LM's, unrounded)."""
     decay: int
     wsd_decay: int
+    wd_incr: int
+    """The weight decay's schedule: the run."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -62,6 +71,11 @@ class ScheduleConfig:
     )
     lr_warmup_iters: int = flag_help("iterations of linear warmup", 0)
     lr_warmup_samples: int = flag_help("samples of linear warmup (instead of iterations)", 0)
+    lr_warmup_fraction: Optional[float] = flag_help(
+        "warmup as a fraction of the schedule's length (--lr-decay-iters/-samples, default the "
+        "run), instead of --lr-warmup-iters/-samples",
+        None,
+    )
     lr_warmup_init: float = flag_help("learning rate at the start of the warmup", 0.0)
     lr_decay_iters: Optional[int] = flag_help(
         "iterations of the whole schedule (default: the run)", None
@@ -74,6 +88,17 @@ class ScheduleConfig:
     )
     lr_wsd_decay_samples: Optional[int] = flag_help(
         "WSD: samples of the cooldown (instead of iterations)", None
+    )
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = flag_help(
+        "weight decay over the run: constant (--weight-decay) or rising from "
+        "--start-weight-decay to --end-weight-decay, linear or cosine",
+        "constant",
+    )
+    start_weight_decay: Optional[float] = flag_help(
+        "weight decay at the start (linear, cosine; constant: --weight-decay)", None
+    )
+    end_weight_decay: Optional[float] = flag_help(
+        "weight decay at the end of the run (linear, cosine; constant: --weight-decay)", None
     )
     override_opt_param_scheduler: bool = flag_help(
         "on resume take the schedule from this config, not the checkpoint (keeps the step count)",
@@ -112,6 +137,50 @@ class ScheduleConfig:
                 "give --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, "
                 "not both"
             )
+        self._check_warmup_fraction()
+        self._check_weight_decay()
+
+    def _check_warmup_fraction(self) -> None:
+        """Megatron-LM's rule: a fraction, or a warmup in iterations or samples, not both."""
+        fraction = self.lr_warmup_fraction
+        if fraction is None:
+            return
+        if self.lr_warmup_iters or self.lr_warmup_samples:
+            given = "iters" if self.lr_warmup_iters else "samples"
+            raise ValueError(f"give --lr-warmup-fraction or --lr-warmup-{given}, not both")
+        require(0 <= fraction < 1, "--lr-warmup-fraction", fraction, "in [0, 1)")
+
+    def _check_weight_decay(self) -> None:
+        """Megatron-LM's rules: a constant weight decay is --weight-decay alone, a rising one
+        needs both ends; megatron-core's: the ends are >= 0 and it never falls."""
+        start, end = self.start_weight_decay, self.end_weight_decay
+        if self.weight_decay_incr_style == "constant":
+            for flag, value in (("--start-weight-decay", start), ("--end-weight-decay", end)):
+                if value is not None:
+                    raise ValueError(
+                        f"{flag} needs --weight-decay-incr-style linear or cosine (constant: "
+                        "--weight-decay)"
+                    )
+            return
+        if start is None or end is None:
+            raise ValueError(
+                f"--weight-decay-incr-style {self.weight_decay_incr_style} needs "
+                "--start-weight-decay and --end-weight-decay"
+            )
+        require(math.isfinite(start) and start >= 0, "--start-weight-decay", start, ">= 0")
+        require(
+            math.isfinite(end) and end >= start,
+            "--end-weight-decay",
+            end,
+            f">= --start-weight-decay {start} (the weight decay only rises)",
+        )
+
+    def weight_decay_range(self, weight_decay: float) -> tuple[float, float]:
+        """The weight decay at the start and at the end of the run; ``weight_decay``:
+        ``--weight-decay``, the constant style's."""
+        if self.weight_decay_incr_style == "constant":
+            return weight_decay, weight_decay
+        return self.start_weight_decay, self.end_weight_decay
 
     def in_samples(
         self,
@@ -130,10 +199,12 @@ class ScheduleConfig:
         def samples(iters: int | None, count: int | None) -> int:
             return count if count else (iters or 0) * global_batch_size
 
+        decay = samples(self.lr_decay_iters, self.lr_decay_samples) or total
         steps = ScheduleSteps(
-            warmup=samples(self.lr_warmup_iters, self.lr_warmup_samples),
-            decay=samples(self.lr_decay_iters, self.lr_decay_samples) or total,
+            warmup=self._warmup(decay, samples(self.lr_warmup_iters, self.lr_warmup_samples)),
+            decay=decay,
             wsd_decay=samples(self.lr_wsd_decay_iters, self.lr_wsd_decay_samples),
+            wd_incr=total,
         )
         if steps.warmup >= steps.decay:
             raise ValueError(
@@ -148,8 +219,17 @@ class ScheduleConfig:
             )
         return steps
 
-    def _given(self, what: str, samples: int) -> str:
+    def _warmup(self, decay: int, given: int) -> float:
+        """The warmup in samples: ``lr_warmup_fraction`` of ``decay`` (Megatron-LM's product,
+        not rounded), else ``given``."""
+        if self.lr_warmup_fraction is None:
+            return given
+        return self.lr_warmup_fraction * decay
+
+    def _given(self, what: str, samples: float) -> str:
         """A length as its flag gave it, e.g. ``--lr-warmup-iters 10 (40 samples)``."""
+        if what == "warmup" and self.lr_warmup_fraction is not None:
+            return f"--lr-warmup-fraction {self.lr_warmup_fraction} ({samples:g} samples)"
         iters = getattr(self, f"lr_{what}_iters")
         if iters:
             return f"--lr-{_dash(what)}-iters {iters} ({samples} samples)"

@@ -56,7 +56,7 @@ from megatron.apertus.training.objectives import build_objective
 from megatron.apertus.training.optimizer import build_optimizer_and_scheduler
 from megatron.apertus.training.profiling import StepProfiler
 from megatron.apertus.training.replica_check import ReplicaCheck
-from megatron.apertus.training.reporter import Reporter
+from megatron.apertus.training.reporter import SKIPPED_SAMPLES, Reporter
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.skipped_steps import SkippedSteps
 from megatron.apertus.training.startup import (
@@ -239,9 +239,30 @@ class Trainer:
         self.replicas.after_step(iteration)
         return result
 
+    def skip_iteration(self) -> None:
+        """An iteration of --iterations-to-skip, as Megatron-LM runs it: its global batch is read
+        and counted as consumed (and as skipped, for the iteration line), the iteration counts;
+        no forward, backward or update, the schedule does not advance, and nothing is logged,
+        validated or saved for it."""
+        global_batch = get_current_running_global_batch_size()
+        self.objective.train_batches(self.state.consumed_samples, global_batch)
+        self.state.iteration += 1
+        self.state.consumed_samples += global_batch
+        extra = self.state.extra
+        extra[SKIPPED_SAMPLES] = extra.get(SKIPPED_SAMPLES, 0) + global_batch
+        update_num_microbatches(self.state.consumed_samples, consistency_check=False)
+        if is_reporting_rank():
+            log.info(
+                f"iteration {self.state.iteration}: skipped (--iterations-to-skip), its "
+                f"{global_batch} samples consumed untrained"
+            )
+
     def _train_one_step(self) -> bool:
         """A step and what follows it (report, stop checks, validation, saving); whether the
         run exits now."""
+        if self.state.iteration + 1 in self.cfg.training.iterations_to_skip:
+            self.skip_iteration()
+            return False
         global_batch = get_current_running_global_batch_size()
         start = time.perf_counter()
         result = self.step()

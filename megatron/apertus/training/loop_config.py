@@ -71,6 +71,12 @@ class TrainingConfig:
         "(silent data corruption); default: never",
         None,
     )
+    iterations_to_skip: list[int] = flag_help(
+        "iterations (1-based) not trained, e.g. around a loss spike: each one's global batch is "
+        "read and counted as consumed, but no forward, backward or update runs and the "
+        "learning-rate schedule does not advance (nor logging, validation, saving)",
+        default_factory=list,
+    )
     max_skipped_steps: int = flag_help(
         "stop after this many consecutive non-finite steps", 5, ours=True
     )
@@ -135,6 +141,10 @@ class TrainingConfig:
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ConfigError(
                 f"--exit-duration-in-mins must be > 0, got {self.exit_duration_in_mins}"
+            )
+        for iteration in self.iterations_to_skip:
+            require(
+                iteration >= 1, "--iterations-to-skip", iteration, ">= 1 (iterations count from 1)"
             )
         if self.manual_gc_interval < 0:
             raise ConfigError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")

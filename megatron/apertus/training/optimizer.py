@@ -30,6 +30,8 @@ def megatron_optimizer_config(
         optimizer=settings.optimizer,
         lr=settings.lr,
         min_lr=settings.min_lr,
+        decoupled_lr=settings.decoupled_lr,
+        decoupled_min_lr=settings.decoupled_min_lr,
         weight_decay=settings.weight_decay,
         adam_beta1=settings.adam_beta1,
         adam_beta2=settings.adam_beta2,

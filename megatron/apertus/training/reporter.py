@@ -38,6 +38,9 @@ from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.step import StepResult, synced_parameters
 
 log = logging.getLogger("apertus")
+SKIPPED_SAMPLES = "skipped_train_samples"
+"""``TrainingState.extra`` key: the samples of the run's --iterations-to-skip so far
+(Megatron-LM's ``skipped_train_samples``, kept across resumes as it keeps it)."""
 MEGATRON_MEMORY_TAGS = {
     "memory/allocated_bytes": "mem-allocated-bytes",
     "memory/max_allocated_bytes": "mem-max-allocated-bytes",
@@ -220,6 +223,9 @@ class Reporter:
         if self.cfg.logging.log_loss_scale_to_tensorboard:
             record("train/loss_scale", value=loss_scale, tag="loss-scale", samples=samples)
         record("train/step_seconds", value=seconds, tag="iteration-time")
+        if state.extra.get(SKIPPED_SAMPLES):
+            skipped = state.extra[SKIPPED_SAMPLES]
+            record("train/skipped_samples", value=skipped, tag="skipped-train-samples")
         tokens = global_batch * self.cfg.model.seq_length
         self.interval.add(seconds, tokens, loss=result.loss, skipped=result.skipped)
         return lr, loss_scale
@@ -227,10 +233,13 @@ class Reporter:
     def _iteration_fields(
         self, summary: IntervalSummary, state: TrainingState, lr: float, batch: int, tflops: float
     ) -> list[str]:
-        """Megatron-LM's iteration line up to its loss: its fields, names and order."""
+        """Megatron-LM's iteration line up to its loss: its fields, names and order (skipped
+        samples once --iterations-to-skip skipped some)."""
+        skipped = state.extra.get(SKIPPED_SAMPLES, 0)
         return [
             f"iteration {state.iteration:8d}/{self.total_iterations:8d}",
             f"consumed samples: {state.consumed_samples:12d}",
+            *([f"skipped samples: {skipped:12d}"] if skipped else []),
             f"elapsed time per iteration (ms): {summary.ms_per_iteration:.1f}",
             f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}",
             f"learning rate: {lr:.6E}",
