@@ -21,9 +21,15 @@ import torch
 
 from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.checkpoint_files import METRICS_FILE
+from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.training.config import RunConfig
-from megatron.apertus.training.diagnostics import memory_stats, params_norms, peak_memory_gib
+from megatron.apertus.training.diagnostics import (
+    memory_line,
+    memory_stats,
+    params_norms,
+    peak_memory_gib,
+)
 from megatron.apertus.training.fp8_guard import gemm_statistics
 from megatron.apertus.training.gemm_metrics import GemmInputMonitor
 from megatron.apertus.training.metrics import (
@@ -36,6 +42,7 @@ from megatron.apertus.training.objectives import Objective, metric_name
 from megatron.apertus.training.progress import ProgressLog
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.step import StepResult, synced_parameters
+from megatron.apertus.training.step_timers import StepTimers
 
 log = logging.getLogger("apertus")
 MEGATRON_MEMORY_TAGS = {
@@ -59,9 +66,10 @@ class Reporter:
         state: TrainingState,
         device: torch.device,
         dp: int,
+        timers: StepTimers,
     ) -> None:
         self.cfg, self.objective, self.model, self.optimizer = cfg, objective, model, optimizer
-        self.device = device
+        self.device, self.timers = device, timers
         self.metrics = self._metrics(state)
         self.total_iterations = cfg.training.total_iterations(dp)
         self.interval = LogInterval()
@@ -194,6 +202,19 @@ class Reporter:
             fields += self._loss_fields(result, summary, loss_scale, params_norm)
             fields += self._our_fields(result, tflops, summary)
             log.info("".join(f"{field} | " for field in fields).rstrip())
+        self._after_line(it, summary.steps, reset=regular)
+
+    def _after_line(self, iteration: int, steps: int, *, reset: bool) -> None:
+        """What follows the iteration line, in Megatron-LM's order: the memory line at
+        --log-memory-interval (each rank of the first data-parallel replica), then the step
+        timers (a collective: every rank gathers the times)."""
+        interval = self.cfg.logging.log_memory_interval
+        if interval and iteration % interval == 0 and chunk_groups(self.model[0]).dp.rank() == 0:
+            rank = torch.distributed.get_rank()
+            log.info(f"[Rank {rank}] (after {iteration} iterations) {memory_line(self.device)}")
+        timers = self.timers.report(iteration, steps, reset=reset, metrics=self.metrics)
+        if timers is not None and is_reporting_rank():
+            log.info(timers)
 
     def _record_step(
         self, result: StepResult, seconds: float, global_batch: int, state: TrainingState
@@ -216,6 +237,9 @@ class Reporter:
         lr = self.optimizer.param_groups[0]["lr"]
         record("train/lr", value=lr, tag="learning-rate", samples=samples)
         record("train/batch_size", value=global_batch, tag="batch-size", samples=samples)
+        if self.cfg.logging.log_world_size_to_tensorboard:
+            world = torch.distributed.get_world_size()
+            record("train/world_size", value=world, tag="world-size", samples=samples)
         loss_scale = self.optimizer.get_loss_scale().item()
         if self.cfg.logging.log_loss_scale_to_tensorboard:
             record("train/loss_scale", value=loss_scale, tag="loss-scale", samples=samples)
