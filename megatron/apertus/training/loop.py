@@ -5,7 +5,8 @@ targets, forward pass, loss: :mod:`~megatron.apertus.training.objectives`), the
 :class:`~megatron.apertus.training.checkpointer.Checkpointer` (saves, and when to save and
 exit), the :class:`~megatron.apertus.training.reporter.Reporter` (metrics, the iteration line,
 diagnostics), the :class:`~megatron.apertus.training.validator.Validator`, the count of
-:class:`~megatron.apertus.training.skipped_steps.SkippedSteps` and the FP8 guard. Every decision
+:class:`~megatron.apertus.training.skipped_steps.SkippedSteps`, the phase timers
+(:class:`~megatron.apertus.training.step_timers.StepTimers`) and the FP8 guard. Every decision
 that changes what ranks do next (skip a step, save, stop) is taken from values all ranks share
 (all-reduced flags, the replicated grad norm), so ranks never diverge.
 

@@ -1,10 +1,11 @@
 """What a run says about itself: each step's scalars (Megatron-LM's TensorBoard and wandb tags,
-the history and ``--log-json``), Megatron-LM's iteration line every ``--log-interval`` steps, the
-diagnostics asked for (parameter norms, memory, GEMM-input statistics), the loss plot, the
-metrics kept beside each checkpoint and Megatron-LM's progress file.
+the history and ``--log-json``), Megatron-LM's iteration line every ``--log-interval`` steps and
+the memory and step-timer lines after it, the diagnostics asked for (parameter norms, memory,
+GEMM-input statistics), the loss plot, the metrics kept beside each checkpoint and Megatron-LM's
+progress file.
 
-Collectives among these (parameter norms, the GEMM statistics of every pipeline stage) run on
-every rank at the same steps; only the reporting rank writes.
+Collectives among these (parameter norms, the GEMM statistics of every pipeline stage, the
+timers' gathering) run on every rank at the same steps; only the reporting rank writes.
 """
 
 from __future__ import annotations
