@@ -197,6 +197,7 @@ class Reporter:
         summary = self.interval.take(torch.distributed.get_world_size(), reset=regular)
         tflops = summary.tokens_per_second * flops_per_token(self.cfg.model) / 1e12
         self.metrics.record("train/throughput", it, tflops, tag="throughput")
+        self.timers.write(it, summary.steps, self.metrics)
         self.metrics.flush()  # on disk before the line says so
         if is_reporting_rank():
             fields = self._iteration_fields(summary, state, lr, global_batch, tflops)
@@ -213,7 +214,7 @@ class Reporter:
         if interval and iteration % interval == 0 and chunk_groups(self.model[0]).dp.rank() == 0:
             rank = torch.distributed.get_rank()
             log.info(f"[Rank {rank}] (after {iteration} iterations) {memory_line(self.device)}")
-        timers = self.timers.report(iteration, steps, reset=reset, metrics=self.metrics)
+        timers = self.timers.lines(steps, reset=reset)
         if timers is not None and is_reporting_rank():
             log.info(timers)
 

@@ -101,17 +101,22 @@ class StepTimers:
         """:func:`timed` with the model's config (phases outside megatron-core's)."""
         return timed(self.model_config, name, level)
 
-    def report(self, iteration: int, steps: int, *, reset: bool, metrics: Metrics) -> str | None:
+    def write(self, iteration: int, steps: int, metrics: Metrics) -> None:
+        """With --log-timers-to-tensorboard, at an iteration line, on every rank (it gathers
+        all ranks' times): the slowest rank's seconds per iteration over the ``steps`` since
+        the last line, to TensorBoard and wandb as ``<name>-time`` (each rank its own writers:
+        the reporting rank's). The times are kept for :meth:`lines`."""
+        if self.timers is None or not self.config.log_timers_to_tensorboard:
+            return
+        wandb = core_timers.wandb if metrics.wandb is not None else None
+        for writer in (metrics.tensorboard, wandb):
+            self.timers.write(self.names, writer, iteration, normalizer=steps, reset=False)
+
+    def lines(self, steps: int, *, reset: bool) -> str | None:
         """At an iteration line, on every rank (it gathers all ranks' times): Megatron-LM's
-        timer lines for the reporting rank to print (None at level 0, or when no timer ran),
-        after writing the slowest rank's times to TensorBoard and wandb (each rank its own
-        writers: the reporting rank's) when --log-timers-to-tensorboard asks.
-        ``steps``: the steps since the last line; ``reset`` starts the next interval (not at
-        the extra line of a job's first iteration, as Megatron-LM)."""
+        timer lines, milliseconds per iteration over the ``steps`` since the last line, for
+        the reporting rank to print (None at level 0, or when no timer ran). ``reset`` starts
+        the next interval (not at the extra line of a job's first iteration, as Megatron-LM)."""
         if self.timers is None:
             return None
-        if self.config.log_timers_to_tensorboard:
-            wandb = core_timers.wandb if metrics.wandb is not None else None
-            for writer in (metrics.tensorboard, wandb):
-                self.timers.write(self.names, writer, iteration, normalizer=steps, reset=False)
         return self.timers.get_all_timers_string(self.names, normalizer=steps, reset=reset)
