@@ -65,16 +65,22 @@ LEVEL_2 = (
 """Megatron-LM's level-2 names (logged with level 1's), in its order."""
 
 
-@contextlib.contextmanager
-def timed(config, name: str, level: int) -> Iterator[None]:
+UNTIMED = contextlib.nullcontext()
+"""What :func:`timed` returns without timers: reusable, and cheaper than a generator."""
+
+
+def timed(config, name: str, level: int) -> contextlib.AbstractContextManager:
     """Time phase ``name`` with the timers of ``config`` (a megatron-core model or optimizer
     config) as megatron-core times its own: a level-1 timer starts with a barrier unless the
     config's ``barrier_with_L1_time`` is off. Without timers (level 0) nothing happens."""
-    timers = config.timers
-    if timers is None:
-        yield
-        return
-    timer = timers(name, log_level=level)
+    if config.timers is None:
+        return UNTIMED
+    return _timing(config, name, level)
+
+
+@contextlib.contextmanager
+def _timing(config, name: str, level: int) -> Iterator[None]:
+    timer = config.timers(name, log_level=level)
     timer.start(barrier=level == 1 and config.barrier_with_L1_time)
     yield
     timer.stop()
