@@ -219,12 +219,14 @@ def token_forward(batch: Batch, model: GPTModel, loss: LossFunction = token_loss
 def forward_step(
     forward: ForwardPass,
     cp_group: torch.distributed.ProcessGroup,
+    config: TransformerConfig,
     data_iterator: Iterator[Batch],
     model: GPTModel,
 ):
-    """megatron-core forward step (``forward`` and the context-parallel group bound first): the
-    objective's forward pass over this context-parallel rank's share of the next micro-batch."""
-    with timed(get_model_config(model), "batch-generator", 2):
+    """megatron-core forward step (``forward``, the context-parallel group and the model's
+    config, whose timers time the micro-batch's reading, bound first): the objective's forward
+    pass over this context-parallel rank's share of the next micro-batch."""
+    with timed(config, "batch-generator", 2):
         batch = shard_batch(next(data_iterator), cp_group.rank(), cp_group.size())
     return forward(batch, model)
 
@@ -358,7 +360,9 @@ def run_microbatches(
 ) -> list[dict]:
     """megatron-core's schedule over one global batch; the reported losses (last stage only)."""
     return schedule(model)(
-        forward_step_func=partial(forward_step, forward, chunk_groups(model[0]).cp),
+        forward_step_func=partial(
+            forward_step, forward, chunk_groups(model[0]).cp, get_model_config(model[0])
+        ),
         data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
         model=model,
         num_microbatches=shape.num_microbatches,
