@@ -1,6 +1,6 @@
 """Megatron-LM's step timers on tiny runs of the real command line: --timing-log-level picks the
 phases (level 0 none, and no timer or barrier at all), --timing-log-option how the ranks' times
-are printed (min and max across two real gloo processes), --log-timers-to-tensorboard writes the
+are printed (min and max across two pipeline stages in real gloo processes), --log-timers-to-tensorboard writes the
 slowest rank's times, --no-barrier-with-level-1-timing drops the timers' barriers; with them
 --log-memory-interval, --log-world-size-to-tensorboard, --logging-level and
 --empty-unused-memory-level."""
@@ -152,18 +152,19 @@ def test_world_size_and_memory_lines(runs):
     assert not [m for m in runs["level0"]["messages"] if "memory (MB)" in m]
 
 
-def test_two_ranks_print_min_and_max_across_ranks(tmp_path):
-    """A data-parallel run of two gloo processes: one block per line, from the reporting rank,
-    each phase's fastest and slowest rank."""
-    flags = ["--timing-log-level", "1", "--micro-batch-size", "1", "--train-iters", "2"]
+def test_two_pipeline_stages_print_min_and_max_across_ranks():
+    """Two gloo processes, one pipeline stage each: one block per line, from the reporting
+    rank, each phase's fastest and slowest rank, the stages' sends and receives among them."""
+    flags = ["--timing-log-level", "2", "--pipeline-model-parallel-size", "2"]
+    flags += ["--micro-batch-size", "1", "--train-iters", "2"]
     output = run_entry(PRETRAIN, BASE + flags, nproc=2).stdout
     blocks = output.split("(min, max) time across ranks (ms):")[1:]
     assert len(blocks) == 2, output[-3000:]
-    pairs = [TIMES["minmax"].findall(block) for block in blocks]
-    assert all(
-        {"forward-backward", "all-grads-sync", "optimizer"} <= {n for n, *_ in p} for p in pairs
-    )
-    times = [(float(low), float(high)) for p in pairs for _, low, high in p]
+    for block in blocks:
+        names = {name for name, *_ in TIMES["minmax"].findall(block)}
+        assert {"forward-backward", "all-grads-sync", "optimizer", "batch-generator"} <= names
+        assert {"forward-recv", "backward-send"} <= names, "the pipeline's messages"
+    times = [(float(low), float(high)) for _, low, high in TIMES["minmax"].findall(output)]
     assert all(0 <= low <= high for low, high in times)
     assert any(low < high for low, high in times), "two ranks, not one rank twice"
 
