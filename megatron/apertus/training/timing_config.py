@@ -41,7 +41,7 @@ class TimingConfig:
         "minmax",
     )
     log_timers_to_tensorboard: bool = switch(
-        "also write each timer's slowest-rank time per iteration (ms) to TensorBoard and wandb "
+        "also write each timer's slowest-rank seconds per iteration to TensorBoard and wandb "
         "as '<name>-time' at every --log-interval line"
     )
     barrier_with_level_1_timing: bool = flag_help(
