@@ -21,6 +21,7 @@ Megatron-LM.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
 import megatron.core.timers as core_timers
@@ -86,6 +87,18 @@ def _timing(config, name: str, level: int) -> Iterator[None]:
     timer.stop()
 
 
+@contextlib.contextmanager
+def _gathering() -> Iterator[None]:
+    """Around megatron-core's gathering of the ranks' times: it calls
+    ``all_gather_into_tensor``, which recent torch says is deprecated, a notice on every rank's
+    console that no user of these flags can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning
+        )
+        yield
+
+
 def _optimizer_configs(optimizer: MegatronOptimizer) -> list:
     return [part.config for part in getattr(optimizer, "chained_optimizers", [optimizer])]
 
@@ -116,7 +129,8 @@ class StepTimers:
             return
         wandb = core_timers.wandb if metrics.wandb is not None else None
         for writer in (metrics.tensorboard, wandb):
-            self.timers.write(self.names, writer, iteration, normalizer=steps, reset=False)
+            with _gathering():
+                self.timers.write(self.names, writer, iteration, normalizer=steps, reset=False)
 
     def lines(self, steps: int, *, reset: bool) -> str | None:
         """At an iteration line, on every rank (it gathers all ranks' times): Megatron-LM's
@@ -125,4 +139,5 @@ class StepTimers:
         the next interval (not at the extra line of a job's first iteration, as Megatron-LM)."""
         if self.timers is None:
             return None
-        return self.timers.get_all_timers_string(self.names, normalizer=steps, reset=reset)
+        with _gathering():
+            return self.timers.get_all_timers_string(self.names, normalizer=steps, reset=reset)
