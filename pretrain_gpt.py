@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.apertus.training.loop import TrainingStopped, train
     from megatron.apertus.training.run_log import configure_logging
 
-    configure_logging(config.checkpoint.save)
+    configure_logging(config.checkpoint.save, config.logging.logging_level)
     try:
         train(config)
     except LogitStoreError as err:

@@ -1,7 +1,7 @@
 """Megatron-LM's TensorBoard flags, read back from the event files of tiny runs:
 --tensorboard-log-interval thins the training scalars (not validation's, not --log-json's),
 --log-validation-ppl-to-tensorboard writes exp(validation loss), --tensorboard-queue-size
-sizes the writer's queue; --log-timers-to-tensorboard is refused."""
+sizes the writer's queue (--log-timers-to-tensorboard: tests/training/test_step_timers.py)."""
 
 from __future__ import annotations
 
@@ -85,10 +85,3 @@ def test_queue_size_is_the_writers(tmp_path):
 def test_a_count_below_one_is_refused(flag):
     assert refused([flag, "0"]) == f"{flag} must be >= 1, got 0"
 
-
-def test_log_timers_to_tensorboard_is_refused_naming_what_is_written_instead():
-    assert refused(["--log-timers-to-tensorboard"]) == (
-        "--log-timers-to-tensorboard: this trainer keeps no timers of Megatron-LM's step phases "
-        "(forward-backward, optimizer, ...); the whole step's time is always written as "
-        "iteration-time"
-    )

@@ -46,6 +46,7 @@ from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 from megatron.apertus.training.logging_config import LoggingConfig
 from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.profiling_config import ProfilingConfig
+from megatron.apertus.training.timing_config import TimingConfig
 
 
 def group(title: str, *, prefix: str = "") -> Any:
@@ -72,6 +73,7 @@ class RunConfig:
     dataset: DatasetConfig = group("datasets")
     goldfish: GoldfishConfig = group("goldfish loss", prefix="goldfish_")
     logging: LoggingConfig = group("logging")
+    timing: TimingConfig = group("timers")
     profiling: ProfilingConfig = group("profiling")
     fp8_guard: Fp8GuardConfig = group("FP8 guard")
     distill: DistillConfig = group("distillation (sparse top-k teacher logits)")
@@ -136,6 +138,7 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     impl = validate_engine(config.engine, device=device, num_layers=config.model.num_layers)
     check_cuda_graphs(config, device=device, impl=impl, engine=config.engine)
     config.profiling.check(device=device, tensorboard_dir=config.logging.tensorboard_dir)
+    config.logging.check_memory_interval(config.training.log_interval)
     config.fp8_guard.check_run(
         save=config.checkpoint.save,
         fp8_param_gather=config.engine.fp8_param_gather,

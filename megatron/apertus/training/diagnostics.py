@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import re
+import resource
 
 import psutil
 import torch
@@ -92,6 +93,27 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             "memory/reserved_bytes": torch.cuda.memory_reserved(device),
         }
     return {"memory/rss_bytes": psutil.Process().memory_info().rss}
+
+
+def memory_line(device: torch.device) -> str:
+    """Megatron-LM's memory report (``report_memory``), in MB: on a GPU the allocator's
+    allocated, max allocated, reserved and max reserved memory; on a CPU, which has no such
+    allocator, the process's resident memory and its peak."""
+    if device.type == "cuda":
+        fields = {
+            "allocated": torch.cuda.memory_allocated(device),
+            "max allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+            "max reserved": torch.cuda.max_memory_reserved(device),
+        }
+    else:
+        resident = psutil.Process().memory_info().rss
+        # The kernel's peak (KiB on Linux) is updated lazily: it may lag the current size.
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident)
+        fields = {"resident": resident, "max resident": peak}
+    return "memory (MB)" + "".join(
+        f" | {name}: {value / 2**20:.2f}" for name, value in fields.items()
+    )
 
 
 def peak_memory_gib(device: torch.device) -> float:

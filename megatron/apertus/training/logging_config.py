@@ -75,6 +75,24 @@ class LoggingConfig:
         "log memory use every --log-interval: on a GPU the allocator's allocated, max-allocated "
         "and reserved bytes, on a CPU the process's resident memory"
     )
+    log_memory_interval: Optional[int] = flag_help(
+        "every this many iterations (a multiple of --log-interval) each rank of the first "
+        "data-parallel replica prints Megatron-LM's memory line: on a GPU the allocator's "
+        "allocated, max allocated, reserved and max reserved MB, on a CPU the process's "
+        "resident and peak resident MB",
+        None,
+    )
+    log_world_size_to_tensorboard: bool = switch(
+        "write the number of processes as TensorBoard's and wandb's world-size (and its 'vs "
+        "samples' twin) with the other training scalars"
+    )
+    logging_level: Optional[int] = flag_help(
+        "level of Python's root logger (10 DEBUG, 20 INFO, 30 WARNING, ...; default INFO): "
+        "the console and SAVE/debug.log keep records at or above it. Our lines, the iteration "
+        "line among them, are INFO records, so a level above 20 hides them too (Megatron-LM "
+        "prints its iteration line outside logging); MEGATRON_LOGGING_LEVEL is not read",
+        None,
+    )
     log_intermediate_metrics: Optional[list[str]] = flag_help(
         "statistics of every transformer GEMM's input, per layer, among mean, rms, kurtosis, "
         "underflow, overflow (FP8 e4m3 cast); Apertus-fork flag, docs/gpu.md",
@@ -88,11 +106,14 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         self._check_outputs()
-        for flag, value in (
-            ("--tensorboard-log-interval", self.tensorboard_log_interval),
-            ("--tensorboard-queue-size", self.tensorboard_queue_size),
+        for flag, value, least in (
+            ("--tensorboard-log-interval", self.tensorboard_log_interval, 1),
+            ("--tensorboard-queue-size", self.tensorboard_queue_size, 1),
+            ("--log-memory-interval", self.log_memory_interval, 1),
+            ("--logging-level", self.logging_level, 0),
         ):
-            require(value >= 1, flag, value, ">= 1")
+            if value is not None:
+                require(value >= least, flag, value, f">= {least}")
         if self.wandb_project and importlib.util.find_spec("wandb") is None:
             raise ConfigError(
                 "--wandb-project needs wandb, which is not installed: "
@@ -109,6 +130,15 @@ class LoggingConfig:
         interval = self.log_intermediate_metrics_interval
         if interval is not None and interval < 1:
             raise ConfigError(f"--log-intermediate-metrics-interval must be >= 1, got {interval}")
+
+    def check_memory_interval(self, log_interval: int) -> None:
+        """The memory line comes with an iteration line, as in Megatron-LM."""
+        interval = self.log_memory_interval
+        if interval is not None and interval % log_interval:
+            raise ConfigError(
+                f"--log-memory-interval must be a multiple of --log-interval ({log_interval}), "
+                f"got {interval}"
+            )
 
     def _check_outputs(self) -> None:
         """Outputs refused when the flags are read, not when the run first writes them after

@@ -5,7 +5,8 @@ targets, forward pass, loss: :mod:`~megatron.apertus.training.objectives`), the
 :class:`~megatron.apertus.training.checkpointer.Checkpointer` (saves, and when to save and
 exit), the :class:`~megatron.apertus.training.reporter.Reporter` (metrics, the iteration line,
 diagnostics), the :class:`~megatron.apertus.training.validator.Validator`, the count of
-:class:`~megatron.apertus.training.skipped_steps.SkippedSteps` and the FP8 guard. Every decision
+:class:`~megatron.apertus.training.skipped_steps.SkippedSteps`, the phase timers
+(:class:`~megatron.apertus.training.step_timers.StepTimers`) and the FP8 guard. Every decision
 that changes what ranks do next (skip a step, save, stop) is taken from values all ranks share
 (all-reduced flags, the replicated grad norm), so ranks never diverge.
 
@@ -67,6 +68,7 @@ from megatron.apertus.training.startup import (
     with_bf16_layers,
 )
 from megatron.apertus.training.step import StepResult, chunk_iterators, train_step
+from megatron.apertus.training.step_timers import StepTimers
 from megatron.apertus.training.validator import Validator
 
 log = logging.getLogger("apertus")
@@ -155,7 +157,8 @@ class Trainer:
 
     def _start_step_hooks(self) -> None:
         """Around each step: the capture of CUDA graphs, the count of skipped steps, the
-        profilers and the comparison of the replicas' weights (once now, then at its interval)."""
+        profilers, the phase timers and the comparison of the replicas' weights (once now, then
+        at its interval)."""
         cfg, t = self.cfg, self.cfg.training
         self.graphs = GraphCapture(
             cfg.cuda_graphs,
@@ -176,6 +179,7 @@ class Trainer:
             log_interval=t.log_interval,
             first_iteration=self.state.iteration,
         )
+        self.timers = StepTimers(cfg.timing, self.model, self.optimizer)
 
     def _start_reporting(self) -> None:
         """Reporting (continued from a resumed checkpoint's metrics), validation and the FP8
@@ -189,6 +193,7 @@ class Trainer:
             state=self.state,
             device=self.device,
             dp=self.dp,
+            timers=self.timers,
         )
         metrics = self.reporter.metrics
         self.validator = Validator(
@@ -216,7 +221,8 @@ class Trainer:
     def step(self) -> StepResult:
         """One optimizer step on the objective's next global batch; the state advances."""
         global_batch = get_current_running_global_batch_size()
-        batches = self.objective.train_batches(self.state.consumed_samples, global_batch)
+        with self.timers.phase("batch-generator", 2):
+            batches = self.objective.train_batches(self.state.consumed_samples, global_batch)
         iteration = self.state.iteration + 1
         self.profiler.before_step(self.state.iteration)
         self.graphs.before_step(iteration)
@@ -227,6 +233,7 @@ class Trainer:
                 chunk_iterators(self.model, batches),
                 self.objective.shape(get_num_microbatches()),
                 self.objective.train_forward,
+                empty_unused_memory_level=self.cfg.training.empty_unused_memory_level,
             )
         self.gemm_inputs = measured
         self.graphs.after_step()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, require, switch
@@ -104,6 +104,13 @@ class TrainingConfig:
         "with --manual-gc: also collect right before and after each validation pass "
         "(--no-manual-gc-eval: not there)",
         True,
+    )
+    empty_unused_memory_level: Literal[0, 1, 2] = flag_help(
+        "return the CUDA caching allocator's unused blocks to the device (torch.cuda.empty_cache"
+        "): 1 before each optimizer step and after each validation batch, 2 also after each "
+        "optimizer step; less fragmentation, slower steps. GPU only: on a CPU there is no cache "
+        "and it does nothing",
+        0,
     )
     decrease_batch_size_if_needed: bool = switch(
         "a --global-batch-size that does not split into --micro-batch-size x data-parallel size "

@@ -264,11 +264,6 @@ FLAGS: tuple[MegatronFlag, ...] = (
         "device (Megatron-LM's 'throughput per GPU'), and MFU on GPUs of known peak",
         accepts=SWITCH,
     ),
-    MegatronFlag(
-        "--log-timers-to-tensorboard",
-        refusal="this trainer keeps no timers of Megatron-LM's step phases (forward-backward, "
-        "optimizer, ...); the whole step's time is always written as iteration-time",
-    ),
 )
 
 

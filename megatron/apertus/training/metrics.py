@@ -33,6 +33,8 @@ def device_peak_tflops() -> float | None:
 class IntervalSummary:
     """What one iteration line reports of the steps since the previous one."""
 
+    steps: int
+    """Steps since the previous line (reset or not)."""
     ms_per_iteration: float
     tokens_per_second: float
     """Per device."""
@@ -71,6 +73,7 @@ class LogInterval:
         through the extra line of a job's first iteration)."""
         seconds = max(self.seconds, 1e-9)
         summary = IntervalSummary(
+            steps=self.steps,
             ms_per_iteration=1000 * seconds / max(self.steps, 1),
             tokens_per_second=self.tokens / seconds / world_size,
             loss=self.loss_sum / self.advanced if self.advanced else None,

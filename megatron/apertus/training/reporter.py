@@ -1,10 +1,11 @@
 """What a run says about itself: each step's scalars (Megatron-LM's TensorBoard and wandb tags,
-the history and ``--log-json``), Megatron-LM's iteration line every ``--log-interval`` steps, the
-diagnostics asked for (parameter norms, memory, GEMM-input statistics), the loss plot, the
-metrics kept beside each checkpoint and Megatron-LM's progress file.
+the history and ``--log-json``), Megatron-LM's iteration line every ``--log-interval`` steps and
+the memory and step-timer lines after it, the diagnostics asked for (parameter norms, memory,
+GEMM-input statistics), the loss plot, the metrics kept beside each checkpoint and Megatron-LM's
+progress file.
 
-Collectives among these (parameter norms, the GEMM statistics of every pipeline stage) run on
-every rank at the same steps; only the reporting rank writes.
+Collectives among these (parameter norms, the GEMM statistics of every pipeline stage, the
+timers' gathering) run on every rank at the same steps; only the reporting rank writes.
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ import torch
 
 from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.checkpoint_files import METRICS_FILE
+from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.training.config import RunConfig
-from megatron.apertus.training.diagnostics import memory_stats, params_norms, peak_memory_gib
+from megatron.apertus.training.diagnostics import (
+    memory_line,
+    memory_stats,
+    params_norms,
+    peak_memory_gib,
+)
 from megatron.apertus.training.fp8_guard import gemm_statistics
 from megatron.apertus.training.gemm_metrics import GemmInputMonitor
 from megatron.apertus.training.metrics import (
@@ -36,6 +43,7 @@ from megatron.apertus.training.objectives import Objective, metric_name
 from megatron.apertus.training.progress import ProgressLog
 from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.step import StepResult, synced_parameters
+from megatron.apertus.training.step_timers import StepTimers
 
 log = logging.getLogger("apertus")
 SKIPPED_SAMPLES = "skipped_train_samples"
@@ -62,9 +70,10 @@ class Reporter:
         state: TrainingState,
         device: torch.device,
         dp: int,
+        timers: StepTimers,
     ) -> None:
         self.cfg, self.objective, self.model, self.optimizer = cfg, objective, model, optimizer
-        self.device = device
+        self.device, self.timers = device, timers
         self.metrics = self._metrics(state)
         self.total_iterations = cfg.training.total_iterations(dp)
         self.interval = LogInterval()
@@ -191,12 +200,26 @@ class Reporter:
         summary = self.interval.take(torch.distributed.get_world_size(), reset=regular)
         tflops = summary.tokens_per_second * flops_per_token(self.cfg.model) / 1e12
         self.metrics.record("train/throughput", it, tflops, tag="throughput")
+        self.timers.write(it, summary.steps, self.metrics)
         self.metrics.flush()  # on disk before the line says so
         if is_reporting_rank():
             fields = self._iteration_fields(summary, state, lr, global_batch, tflops)
             fields += self._loss_fields(result, summary, loss_scale, params_norm)
             fields += self._our_fields(result, tflops, summary)
             log.info("".join(f"{field} | " for field in fields).rstrip())
+        self._after_line(it, summary.steps, reset=regular)
+
+    def _after_line(self, iteration: int, steps: int, *, reset: bool) -> None:
+        """What follows the iteration line, in Megatron-LM's order: the memory line at
+        --log-memory-interval (each rank of the first data-parallel replica), then the step
+        timers (a collective: every rank gathers the times)."""
+        interval = self.cfg.logging.log_memory_interval
+        if interval and iteration % interval == 0 and chunk_groups(self.model[0]).dp.rank() == 0:
+            rank = torch.distributed.get_rank()
+            log.info(f"[Rank {rank}] (after {iteration} iterations) {memory_line(self.device)}")
+        timers = self.timers.lines(steps, reset=reset)
+        if timers is not None and is_reporting_rank():
+            log.info(timers)
 
     def _record_step(
         self, result: StepResult, seconds: float, global_batch: int, state: TrainingState
@@ -219,6 +242,9 @@ class Reporter:
         lr = self.optimizer.param_groups[0]["lr"]
         record("train/lr", value=lr, tag="learning-rate", samples=samples)
         record("train/batch_size", value=global_batch, tag="batch-size", samples=samples)
+        if self.cfg.logging.log_world_size_to_tensorboard:
+            world = torch.distributed.get_world_size()
+            record("train/world_size", value=world, tag="world-size", samples=samples)
         loss_scale = self.optimizer.get_loss_scale().item()
         if self.cfg.logging.log_loss_scale_to_tensorboard:
             record("train/loss_scale", value=loss_scale, tag="loss-scale", samples=samples)

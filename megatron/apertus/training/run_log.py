@@ -27,12 +27,13 @@ class _OursOrWarnings(logging.Filter):
         return ours or record.levelno >= logging.WARNING
 
 
-def configure_logging(save_dir: str | None) -> None:
-    """Console and debug-log handlers on the root logger (in an entry point). A run started
-    again in the same interpreter replaces the handlers of the one before, whose console and
-    --save may be gone."""
+def configure_logging(save_dir: str | None, level: int | None = None) -> None:
+    """Console and debug-log handlers on the root logger (in an entry point), which keeps
+    records at ``level`` and up (--logging-level; default INFO). A run started again in the
+    same interpreter replaces the handlers of the one before, whose console and --save may be
+    gone."""
     root = logging.getLogger()
-    root.setLevel(logging.INFO)
+    root.setLevel(logging.INFO if level is None else level)
     for earlier in [h for h in root.handlers if getattr(h, OURS, False)]:
         root.removeHandler(earlier)
         earlier.close()

@@ -38,6 +38,7 @@ from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
 from megatron.apertus.data.context_parallel import shard_batch
 from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.engine import fuse_te_wgrad_accumulation
+from megatron.apertus.training.step_timers import timed
 
 log = logging.getLogger("apertus")
 
@@ -218,12 +219,15 @@ def token_forward(batch: Batch, model: GPTModel, loss: LossFunction = token_loss
 def forward_step(
     forward: ForwardPass,
     cp_group: torch.distributed.ProcessGroup,
+    config: TransformerConfig,
     data_iterator: Iterator[Batch],
     model: GPTModel,
 ):
-    """megatron-core forward step (``forward`` and the context-parallel group bound first): the
-    objective's forward pass over this context-parallel rank's share of the next micro-batch."""
-    batch = shard_batch(next(data_iterator), cp_group.rank(), cp_group.size())
+    """megatron-core forward step (``forward``, the context-parallel group and the model's
+    config, whose timers time the micro-batch's reading, bound first): the objective's forward
+    pass over this context-parallel rank's share of the next micro-batch."""
+    with timed(config, "batch-generator", 2):
+        batch = shard_batch(next(data_iterator), cp_group.rank(), cp_group.size())
     return forward(batch, model)
 
 
@@ -301,6 +305,14 @@ def _clip(optimizer: MegatronOptimizer, max_norm: float, total_norm: float) -> N
             clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
 
 
+def empty_unused_memory(level: int, *, at_least: int) -> None:
+    """--empty-unused-memory-level: the CUDA caching allocator's unused blocks go back to the
+    device when ``level`` is at least ``at_least`` (less fragmentation for other allocations,
+    at the price of allocating anew). A CPU has no such cache: nothing happens."""
+    if level >= at_least and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def optimizer_step(
     optimizer: MegatronOptimizer, loss_finite: bool
 ) -> tuple[bool, float, int | None]:
@@ -311,14 +323,17 @@ def optimizer_step(
     same decision. A skipped step leaves weights and optimizer state untouched. The zeros are
     counted after clipping, where megatron-core's own step counts them.
     """
+    config = optimizer.config
     found_inf = optimizer.prepare_grads()
-    grad_norm = optimizer.get_grad_norm()
-    if found_inf or not loss_finite or not math.isfinite(grad_norm):
+    with timed(config, "optimizer-clip-main-grad", 1):
+        grad_norm = optimizer.get_grad_norm()
+        finite = not found_inf and loss_finite and math.isfinite(grad_norm)
+        if finite and config.clip_grad > 0:
+            _clip(optimizer, config.clip_grad, grad_norm)
+    if not finite:
         return False, grad_norm, None
-    clip = optimizer.config.clip_grad
-    if clip > 0:
-        _clip(optimizer, clip, grad_norm)
-    zeros = int(optimizer.count_zeros()) if optimizer.config.log_num_zeros_in_grad else None
+    with timed(config, "optimizer-count-zeros", 1):
+        zeros = int(optimizer.count_zeros()) if config.log_num_zeros_in_grad else None
     return optimizer.step_with_ready_grads(), grad_norm, zeros
 
 
@@ -345,7 +360,9 @@ def run_microbatches(
 ) -> list[dict]:
     """megatron-core's schedule over one global batch; the reported losses (last stage only)."""
     return schedule(model)(
-        forward_step_func=partial(forward_step, forward, chunk_groups(model[0]).cp),
+        forward_step_func=partial(
+            forward_step, forward, chunk_groups(model[0]).cp, get_model_config(model[0])
+        ),
         data_iterator=data_iterators[0] if len(model) == 1 else data_iterators,
         model=model,
         num_microbatches=shape.num_microbatches,
@@ -361,12 +378,15 @@ def train_step(
     data_iterators: list[Iterator[Batch]],
     shape: StepShape,
     forward: ForwardPass = token_forward,
+    *,
+    empty_unused_memory_level: int = 0,
 ) -> StepResult:
     """Forward and backward over ``num_microbatches``, then one optimizer step.
 
     ``data_iterators`` holds one iterator per model chunk (interleaved pipeline schedules run
     the chunks' micro-batches in their own orders), each over the same samples; ``forward`` is
-    the objective's forward pass over each micro-batch.
+    the objective's forward pass over each micro-batch. ``empty_unused_memory_level``:
+    Megatron-LM's, the CUDA allocator's cache emptied before the update (1) and after it (2).
     """
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -375,7 +395,10 @@ def train_step(
     groups = chunk_groups(model[0])
     loss = _reduce(losses, "lm loss", groups)
     finite = _all_finite(loss, model_device(model[0]))
-    updated, grad_norm, zeros = optimizer_step(optimizer, finite)
+    empty_unused_memory(empty_unused_memory_level, at_least=1)
+    with timed(optimizer.config, "optimizer", 1):
+        updated, grad_norm, zeros = optimizer_step(optimizer, finite)
+    empty_unused_memory(empty_unused_memory_level, at_least=2)
     if loss is None:
         return StepResult(
             loss=None,

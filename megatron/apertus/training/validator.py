@@ -29,6 +29,7 @@ from megatron.apertus.training.runtime import is_reporting_rank
 from megatron.apertus.training.signals import past_duration
 from megatron.apertus.training.step import (
     chunk_iterators,
+    empty_unused_memory,
     reduce_quantities,
     run_microbatches,
     synced_parameters,
@@ -160,6 +161,7 @@ class Validator:
                     forward_only=True,
                     forward=self.objective.valid_forward,
                 )
+                empty_unused_memory(self.training.empty_unused_memory_level, at_least=1)
                 if past_duration(self.training.exit_duration_in_mins, self.device):
                     return reported, True
         return reported, False
