@@ -36,14 +36,15 @@ COMMON = [
     *("--goldfish-loss", "--goldfish-k", "3", "--goldfish-h", "4", "--eod-mask-loss"),
     *SMALL_VOCABULARY,
 ]
-DP2 = ["--micro-batch-size", "1"]
-"""Two processes: 2 data-parallel ranks x 2 micro-batches of one sample."""
-CP2 = [
-    *("--micro-batch-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "p2p"),
-    *("--reset-attention-mask", "--reset-position-ids"),
-]
-"""Two processes: one data-parallel rank, 2 micro-batches of 2 packed samples, each shared out
-over 2 context-parallel ranks, whose shares hold different numbers of loss tokens."""
+PACKED = ["--reset-attention-mask", "--reset-position-ids"]
+LAYOUTS = {
+    "dp2": ([], ["--micro-batch-size", "1"]),
+    "cp2": (PACKED, ["--micro-batch-size", "2", "--context-parallel-size", "2"]),
+}
+"""Each layout's data flags (the reference's too) and its two processes: 2 data-parallel ranks
+x 2 micro-batches of one sample; one data-parallel rank with 2 micro-batches of 2 packed samples,
+each shared out over 2 context-parallel ranks whose shares hold different numbers of loss
+tokens."""
 RTOL = 2e-6
 GRAD_TOL = 2e-6
 """Largest first-step gradient difference relative to the largest magnitude of the
@@ -83,26 +84,36 @@ def _losses(history: dict) -> list[float]:
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
-    """One process, the global batch as one micro-batch."""
-    return _run(tmp_path_factory.mktemp("per_token"), "whole", ["--micro-batch-size", "4"], 1)
+    """``whole(data)``: one process's run of the data flags ``data``, the global batch as one
+    micro-batch, run once per module."""
+    root, runs = tmp_path_factory.mktemp("per_token"), {}
+
+    def run(data: list[str]) -> dict:
+        key = " ".join(data)
+        if key not in runs:
+            runs[key] = _run(root, f"whole{len(runs)}", data + ["--micro-batch-size", "4"], 1)
+        return runs[key]
+
+    return run
 
 
-@pytest.mark.parametrize(
-    "layout", [pytest.param(DP2, id="dp2"), pytest.param(CP2, id="cp2", marks=pytest.mark.slow)]
-)
-def test_per_token_loss_is_the_whole_batch_sum_over_its_tokens(whole, tmp_path, layout):
-    per_token = _run(tmp_path, "per-token", layout + PER_TOKEN, 2)
-    default = _run(tmp_path, "default", layout, 2)
-    (reference,) = whole["grads"]
-    errors = _gradient_errors(per_token, whole)
-    for name, error in errors.items():
-        assert error < (GRAD_TOL if reference[name].numel() > 1 else SCALAR_GRAD_TOL), (name, error)
-    expected = _losses(whole)
+@pytest.mark.parametrize("name", [pytest.param("dp2"), pytest.param("cp2", marks=pytest.mark.slow)])
+def test_per_token_loss_is_the_whole_batch_sum_over_its_tokens(whole, tmp_path, name):
+    data, layout = LAYOUTS[name]
+    expected_run = whole(data)
+    per_token = _run(tmp_path, "per-token", data + layout + PER_TOKEN, 2)
+    default = _run(tmp_path, "default", data + layout, 2)
+    (reference,) = expected_run["grads"]
+    errors = _gradient_errors(per_token, expected_run)
+    for param, error in errors.items():
+        tolerance = GRAD_TOL if reference[param].numel() > 1 else SCALAR_GRAD_TOL
+        assert error < tolerance, (param, error)
+    expected = _losses(expected_run)
     np.testing.assert_allclose(_losses(per_token), expected, rtol=RTOL, atol=0)
     # The control: the logged first loss is the same sum over the same count, the step is not.
     first, second = _losses(default)
     np.testing.assert_allclose(first, expected[0], rtol=RTOL, atol=0)
     assert abs(second - expected[1]) > 100 * RTOL * expected[1]
-    missed = _gradient_errors(default, whole)
-    matrices = [name for name in missed if reference[name].numel() > 1]
-    assert min(missed[name] for name in matrices) > 100 * GRAD_TOL, missed
+    missed = _gradient_errors(default, expected_run)
+    matrices = [param for param in missed if reference[param].numel() > 1]
+    assert min(missed[param] for param in matrices) > 100 * GRAD_TOL, missed
