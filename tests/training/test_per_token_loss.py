@@ -14,6 +14,11 @@ taken by tests/parallel/grad_worker.py:
   the micro-batches' means): the same first loss (the logged loss is the global batch's sum over
   its count either way) but other gradients and so another second loss.
 
+In one process, megatron-core's schedule, DDP and gradient finalisation over micro-batches with
+2, 9 and 16 loss tokens give, in both modes, the gradient of the loss each mode documents,
+computed by plain autograd on a copy of the model: the micro-batches' means averaged (default),
+their sums over the total count (per token).
+
 Tolerances as tests/parallel/test_context_parallel.py: splitting the batch changes the order of
 fp32 sums only; the control misses by the imbalance of the token counts (percents).
 """
@@ -23,8 +28,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-from tests.conftest import PRETRAIN, REPO, SMALL_VOCABULARY, read_json, run_entry, series
+from megatron.apertus.data.batches import Batch
+from megatron.apertus.training.step import StepShape, run_microbatches, wrap_ddp
+from tests.conftest import REPO, SMALL_VOCABULARY, read_json, run_entry, series
 
 GRAD_WORKER = REPO / "tests" / "parallel" / "grad_worker.py"
 PER_TOKEN = ["--calculate-per-token-loss"]
@@ -117,3 +125,57 @@ def test_per_token_loss_is_the_whole_batch_sum_over_its_tokens(whole, tmp_path, 
     missed = _gradient_errors(default, expected_run)
     matrices = [param for param in missed if reference[param].numel() > 1]
     assert min(missed[param] for param in matrices) > 100 * GRAD_TOL, missed
+
+
+MASKED = (2, 9, 16)
+"""Loss tokens of each micro-batch of the in-process step (of 16 positions)."""
+
+
+def _micro_batches(vocab: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(3)
+    batches = []
+    for kept in MASKED:
+        tokens = torch.randint(0, vocab, (1, 17), generator=generator)
+        mask = torch.zeros(1, 16)
+        mask[0, torch.randperm(16, generator=generator)[:kept]] = 1
+        positions = torch.arange(16)[None]
+        batches.append(Batch(tokens[:, :-1], tokens[:, 1:], mask, positions))
+    return batches
+
+
+def _documented_gradients(plain: torch.nn.Module, batches: list[Batch], per_token: bool) -> list:
+    """Plain autograd's gradients of the loss the mode documents (the fused loss's gradients
+    are computed in its forward pass: one forward pass per backward)."""
+    sums = torch.stack(
+        [
+            plain(b.tokens, b.position_ids, None, labels=b.labels, loss_mask=b.loss_mask)
+            for b in batches
+        ]
+    )
+    counts = torch.tensor(MASKED, dtype=sums.dtype)
+    loss = sums.sum() / counts.sum() if per_token else (sums / counts).mean()
+    return torch.autograd.grad(loss, list(plain.parameters()))
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["default", "per-token"])
+def test_schedule_gradient_is_the_documented_loss(tiny_cpu, per_token):
+    chunk = tiny_cpu.build(fused_loss=True, calculate_per_token_loss=per_token)
+    plain = tiny_cpu.build(fused_loss=True)
+    plain.load_state_dict(chunk.state_dict())
+    (model,) = wrap_ddp([chunk], chunk.config, use_distributed_optimizer=False)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    batches = _micro_batches(tiny_cpu.model.vocab_size)
+    shape = StepShape(num_microbatches=len(batches), seq_length=16, micro_batch_size=1)
+    reported = run_microbatches([model], [iter(batches)], shape, forward_only=False)
+    assert [int(entry["lm loss"][1]) for entry in reported] == list(MASKED)
+    misses = []
+    for (name, param), want, other in zip(
+        model.module.named_parameters(),
+        _documented_gradients(plain, batches, per_token),
+        _documented_gradients(plain, batches, not per_token),
+    ):
+        scale = want.abs().max().item()
+        error = (param.main_grad - want).abs().max().item() / scale
+        assert error < (GRAD_TOL if want.numel() > 1 else SCALAR_GRAD_TOL), (name, error)
+        misses.append((param.main_grad - other).abs().max().item() / scale)
+    assert max(misses) > 100 * GRAD_TOL  # the other mode's loss: the comparison tells them apart
