@@ -121,7 +121,8 @@ def test_per_token_loss_is_the_whole_batch_sum_over_its_tokens(whole, tmp_path, 
     # The control: the logged first loss is the same sum over the same count, the step is not.
     first, second = _losses(default)
     np.testing.assert_allclose(first, expected[0], rtol=RTOL, atol=0)
-    assert abs(second - expected[1]) > 100 * RTOL * expected[1]
+    # One step of lr 3e-3 apart: 2e-5 (Python 3.12's corpus) to 4e-4 relative, measured.
+    assert abs(second - expected[1]) > 5 * RTOL * expected[1]
     missed = _gradient_errors(default, expected_run)
     matrices = [param for param in missed if reference[param].numel() > 1]
     assert min(missed[param] for param in matrices) > 100 * GRAD_TOL, missed
