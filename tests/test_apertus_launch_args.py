@@ -401,6 +401,26 @@ BASE = ["--train-iters", "1", "--device", "cpu"]
             ],
             "give --num-layers-per-virtual-pipeline-stage or --virtual-pipeline-model-parallel-size",
         ),
+        (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary embeddings are not"),
+        (["--apply-layernorm-1p"], "--apply-layernorm-1p: the RMSNorm weights are the scale"),
+        (["--add-qkv-bias"], "--add-qkv-bias: the linear layers have no biases"),
+        (["--squared-relu"], "--squared-relu: the Apertus MLP is xIELU; squared ReLU is not"),
+        (["--use-flash-attn"], "--use-flash-attn: Megatron-LM's deprecated spelling; give "),
+        (
+            ["--apply-query-key-layer-scaling"],
+            "--apply-query-key-layer-scaling: fp16 query-key layer scaling is not implemented",
+        ),
+        (
+            ["--kv-channels", "32"],
+            "--kv-channels 32: the head dimension is --hidden-size / --num-attention-heads (16) "
+            "here; other head dimensions are not implemented",
+        ),
+        (
+            ["--recompute-activations", "--recompute-granularity", "full"],
+            "--recompute-activations (selective recomputation) contradicts "
+            "--recompute-granularity full",
+        ),
+        (["--exit-signal", "SIGSEGV"], "--exit-signal SIGSEGV: choose one of SIGTERM, SIGINT"),
         (["--xielu-bet", "0.5"], "unrecognized arguments: --xielu-bet 0.5"),
     ],
 )
@@ -438,8 +458,30 @@ def test_restated_architecture_changes_nothing():
         "--log-throughput",
         "--cross-entropy-loss-fusion",
         "--use-rope-scaling",
+        # the llama example scripts of Megatron-LM carry these
+        "--use-mcore-models",
+        "--use-rotary-position-embeddings",
+        "--no-position-embedding",
+        "--rotary-percent",
+        "1.0",
+        "--kv-channels",
+        "16",
+        "--no-masked-softmax-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-bias-swiglu-fusion",
+        "--no-bias-gelu-fusion",
+        "--no-persist-layer-norm",
+        "--attention-softmax-in-fp32",
+        "--no-create-attention-mask-in-dataloader",
     ]
     assert pretrain_gpt.parse_args(BASE + restated) == pretrain_gpt.parse_args(BASE)
+
+
+def test_recompute_activations_is_selective_recomputation():
+    spelled = pretrain_gpt.parse_args(BASE + ["--recompute-activations"]).training
+    named = pretrain_gpt.parse_args(BASE + ["--recompute-granularity", "selective"]).training
+    assert spelled.recompute_overrides() == named.recompute_overrides()
+    assert spelled.recompute_overrides()["recompute_granularity"] == "selective"
 
 
 def test_no_log_loss_scale_to_tensorboard_switches_the_loss_scale_off():

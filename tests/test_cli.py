@@ -257,12 +257,18 @@ def test_a_stopped_training_run_says_so_in_one_line(tmp_path, signum, line):
     assert stderr.strip().splitlines()[-1] == line
 
 
-def test_ctrl_c_with_the_exit_signal_handler_saves_and_exits_zero(tmp_path):
+@pytest.mark.parametrize(
+    "flags, signum",
+    [([], signal.SIGINT), (["--exit-signal", "SIGUSR1"], signal.SIGUSR1)],
+    ids=["ctrl-c", "exit-signal"],
+)
+def test_a_handled_signal_saves_and_exits_zero(tmp_path, flags, signum):
     from megatron.apertus import checkpoint
 
-    proc = start_training(["--exit-signal-handler"], tmp_path / "save")
-    proc.send_signal(signal.SIGINT)
+    proc = start_training(["--exit-signal-handler", *flags], tmp_path / "save")
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
-    assert "exit requested by signal SIGINT: saving a checkpoint and stopping" in stdout + stderr
+    name = signal.Signals(signum).name
+    assert f"exit requested by signal {name}: saving a checkpoint and stopping" in stdout + stderr
     assert checkpoint.latest_iteration(tmp_path / "save") >= 1

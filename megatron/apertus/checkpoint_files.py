@@ -98,9 +98,10 @@ def read_run_info(checkpoint_dir: str | os.PathLike) -> dict | None:
 
 
 def final_losses(checkpoint_dir: str | os.PathLike) -> dict[str, tuple[int, float]]:
-    """The last training and validation loss recorded up to the checkpoint ``iter_*`` as
-    ``{"train/loss": (iteration, value), ...}``, from the save directory's history (empty
-    when there is none: conversion tools record no losses)."""
+    """The last training and validation loss (of each validation set: ``valid/loss-NAME``)
+    recorded up to the checkpoint ``iter_*`` as ``{"train/loss": (iteration, value), ...}``,
+    from the save directory's history (empty when there is none: conversion tools record no
+    losses)."""
     checkpoint_dir = Path(checkpoint_dir)
     match = _ITERATION_DIR.fullmatch(checkpoint_dir.name)
     history_path = checkpoint_dir.parent / METRICS_FILE
@@ -109,7 +110,8 @@ def final_losses(checkpoint_dir: str | os.PathLike) -> dict[str, tuple[int, floa
     history = json.loads(history_path.read_text())
     upto = int(match.group(1))
     found = {}
-    for name in ("train/loss", "valid/loss"):
+    names = ["train/loss"] + sorted(name for name in history if name.startswith("valid/loss"))
+    for name in names:
         entries = [(int(it), float(v)) for it, v in history.get(name, []) if it <= upto]
         if entries:
             found[name] = entries[-1]

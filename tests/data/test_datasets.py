@@ -157,6 +157,29 @@ def test_dataset_builder_threads_build_the_same_indices(corpora):
         np.testing.assert_array_equal(one, four)
 
 
+def test_no_mmap_bin_files_reads_the_same_samples_with_file_reads(corpora):
+    root, (first, second), tokenizer = corpora
+
+    def samples(mmap: bool) -> tuple[set[str], list[np.ndarray]]:
+        config = DatasetConfig(
+            data_path=["0.3", first, "0.7", second],
+            split="90,10,0",
+            data_cache_path=str(root / "cache-mmap"),
+            mmap_bin_files=mmap,
+        )
+        train, _, _ = build_datasets(
+            config, tokenizer, seq_length=40, seed=9, num_samples=(60, 10, 0)
+        )
+        readers = {type(part.dataset.bin_reader).__name__ for part in train.datasets}
+        return readers, [train[i]["tokens"].numpy() for i in range(len(train))]
+
+    (mapped_readers, mapped), (read_readers, read) = samples(True), samples(False)
+    assert mapped_readers == {"_MMapBinReader"} and read_readers == {"_FileBinReader"}
+    assert len(mapped) == len(read) == 60
+    for one, other in zip(mapped, read):
+        np.testing.assert_array_equal(one, other)
+
+
 def test_weighted_blend_with_an_empty_test_split_builds(corpora):
     """Megatron's default split on 40 documents leaves the test part empty; it is asked for no
     samples and must not be built (megatron-core counted epochs of zero tokens forever)."""

@@ -293,6 +293,15 @@ def test_gradient_accumulation_fusion_trains_as_the_add_does(tmp_path):
 
 
 @needs_te
+def test_unfused_rope_trains_as_the_fused_kernel_does(tmp_path):
+    flags = ["--transformer-impl", "transformer_engine", "--deterministic-mode"]
+    fused = pretrain(tmp_path, "rope-fused", *flags)
+    unfused = pretrain(tmp_path, "rope-unfused", *flags, "--no-rope-fusion")
+    assert fused[-1] < fused[0] - 1.0
+    assert fused == pytest.approx(unfused, rel=1e-3), (fused, unfused)
+
+
+@needs_te
 def test_fp8_trains_is_deterministic_and_resumes_exactly(tmp_path):
     first = pretrain(tmp_path, "fp8-a", *FP8, "--deterministic-mode")
     again = pretrain(tmp_path, "fp8-b", *FP8, "--deterministic-mode")

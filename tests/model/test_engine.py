@@ -15,6 +15,7 @@ from megatron.apertus.model.engine import (
     deterministic_core_attention,
     resolve_transformer_impl,
     select_te_attention_backend,
+    transformer_config_fields,
     validate_engine,
 )
 from pretrain_gpt import parse_args
@@ -128,6 +129,19 @@ def test_deterministic_core_attention_leaves_other_choices_alone(engine, impl):
         engine, impl, packed_documents=True, capability=lambda: HOPPER
     )
     assert chosen == engine
+
+
+@pytest.mark.parametrize(
+    "flags, impl, fused",
+    [
+        ([], "transformer_engine", True),
+        (["--no-rope-fusion"], "transformer_engine", False),
+        ([], "local", False),  # megatron-core's unfused RoPE is the local implementation's only one
+    ],
+)
+def test_rope_fusion_is_transformer_engines_kernel_unless_switched_off(flags, impl, fused):
+    engine = parse_args(["--train-iters", "1", "--device", "cpu", *flags]).engine
+    assert transformer_config_fields(engine, impl)["apply_rope_fusion"] is fused
 
 
 SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")

@@ -40,9 +40,12 @@ class PreferenceDataset:
 
     Item ``i`` is example ``i``: ``tokens``/``labels``/``loss_mask`` of shape [g, seq_length]
     (g completions: 2 for DPO, chosen first; 1 for QRPO) and, for QRPO, ``quantile`` [1].
+    ``mmap``: the files are read through a memory map (``--no-mmap-bin-files``: file reads).
     """
 
-    def __init__(self, prefix: str, objective: str, seq_length: int, pad: int) -> None:
+    def __init__(
+        self, prefix: str, objective: str, seq_length: int, pad: int, mmap: bool = True
+    ) -> None:
         self.prefix, self.objective, self.seq_length, self.pad = prefix, objective, seq_length, pad
         self.group = SEQUENCES[objective]
         for path in (prefix, loss_mask_prefix(prefix)) + (
@@ -55,9 +58,11 @@ class PreferenceDataset:
                         "datasets written by tools/preprocess_preferences.py --objective "
                         f"{objective}"
                     )
-        self.tokens = IndexedDataset(prefix)
-        self.mask = IndexedDataset(loss_mask_prefix(prefix))
-        self.quantile = IndexedDataset(quantile_prefix(prefix)) if objective == "qrpo" else None
+        self.tokens = IndexedDataset(prefix, mmap=mmap)
+        self.mask = IndexedDataset(loss_mask_prefix(prefix), mmap=mmap)
+        self.quantile = (
+            IndexedDataset(quantile_prefix(prefix), mmap=mmap) if objective == "qrpo" else None
+        )
         if self.quantile is not None and (self.quantile.sequence_lengths != 2).any():
             raise ConfigError(
                 f"{quantile_prefix(prefix)}: one value per example, not the "

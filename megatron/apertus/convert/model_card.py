@@ -45,6 +45,17 @@ def _command(argv: Sequence[str] | None) -> str:
     return UNKNOWN if not argv else f"```bash\n{shlex.join(argv)}\n```"
 
 
+def _validation_rows(losses: dict[str, tuple[int, float]]) -> list[tuple[str, str]]:
+    """The final validation loss, or one per validation set (``valid/loss-NAME``)."""
+    sets = sorted(name for name in losses if name.startswith("valid/loss-"))
+    if not sets:
+        return [("final validation loss", _loss(losses, "valid/loss"))]
+    return [
+        (f"final validation loss ({name.removeprefix('valid/loss-')})", _loss(losses, name))
+        for name in sets
+    ]
+
+
 def _loss(losses: dict[str, tuple[int, float]], name: str) -> str:
     if name not in losses:
         return UNKNOWN
@@ -69,7 +80,8 @@ def model_card(
     license: str = DEFAULT_LICENSE,
 ) -> str:
     """README.md for the export directory ``name`` of ``checkpoint``; ``losses`` holds the last
-    ``train/loss`` and ``valid/loss`` up to the checkpoint as (iteration, value)."""
+    ``train/loss`` and ``valid/loss`` (or ``valid/loss-NAME`` per validation set) up to the
+    checkpoint as (iteration, value)."""
     losses = losses or {}
     version = _recorded(run_info, "version")
     commit = _recorded(run_info, "git_commit")
@@ -81,7 +93,7 @@ def model_card(
             ("sequence length", _count(_recorded(run_info, "seq_length"))),
             ("data (`--data-path`)", "<br>".join(_data(run_info))),
             ("final training loss", _loss(losses, "train/loss")),
-            ("final validation loss", _loss(losses, "valid/loss")),
+            *_validation_rows(losses),
             ("tokenizer", tokenizer),
             ("megatron-apertus", f"{version} (git commit {commit})"),
         ]

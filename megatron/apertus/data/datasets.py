@@ -80,6 +80,20 @@ class DatasetConfig:
         "indices are the same for any number",
         1,
     )
+    multiple_validation_sets: bool = switch(
+        "validate on each --valid-data-path prefix on its own (prefixes without weights), with "
+        "a loss per set"
+    )
+    validation_set_names: list[str] = flag_help(
+        "with --multiple-validation-sets: one name per --valid-data-path prefix, used in the "
+        "log lines and TensorBoard tags instead of 0, 1, ...",
+        default_factory=list,
+    )
+    mmap_bin_files: bool = flag_help(
+        "read the datasets' .bin files through a memory map; --no-mmap-bin-files reads each "
+        "sample with a file read instead (for file systems where a memory map is slow)",
+        True,
+    )
     sft: bool = switch(
         "supervised fine-tuning on chat datasets from "
         "tools/preprocess_chat.py: the loss counts only the assistant's tokens"
@@ -91,6 +105,7 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         self._check_mock_data()
+        self._check_validation_sets()
         if self.num_dataset_builder_threads < 1:
             raise ValueError(
                 f"--num-dataset-builder-threads must be >= 1, got {self.num_dataset_builder_threads}"
@@ -119,6 +134,30 @@ class DatasetConfig:
                 "packed as separate sequences, so positions restart exactly where attention does"
             )
 
+    def _check_validation_sets(self) -> None:
+        """Megatron-LM's rules: the sets are the prefixes of --valid-data-path, unweighted, and
+        names, if given, name each of them."""
+        if self.validation_set_names and not self.multiple_validation_sets:
+            raise ConfigError("--validation-set-names needs --multiple-validation-sets")
+        if not self.multiple_validation_sets:
+            return
+        if not self.valid_data_path:
+            raise ConfigError(
+                "--multiple-validation-sets needs --valid-data-path PREFIX [PREFIX ...] (with "
+                "--train-data-path): each prefix is a validation set"
+            )
+        if _is_number(self.valid_data_path[0]):
+            raise ConfigError(
+                "--multiple-validation-sets: --valid-data-path takes prefixes without weights "
+                "(each set is validated on its own)"
+            )
+        names, sets = self.validation_set_names, len(self.valid_data_path)
+        if names and len(names) != sets:
+            raise ConfigError(
+                f"--validation-set-names: {len(names)} names for the {sets} validation sets of "
+                f"--valid-data-path"
+            )
+
     def _check_mock_data(self) -> None:
         """--mock-data is the data: refuse the flags that name other data or split it."""
         if not self.mock_data:
@@ -145,6 +184,23 @@ class DatasetConfig:
     @property
     def per_split(self) -> bool:
         return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
+
+    def validation_set_suffixes(self) -> tuple[str, ...]:
+        """What follows ``validation`` in the log line and TensorBoard tag of each validation
+        set, as Megatron-LM writes it: ``-NAME`` or ``-INDEX`` per set, one empty suffix
+        without --multiple-validation-sets."""
+        if not self.multiple_validation_sets:
+            return ("",)
+        names = self.validation_set_names or [str(i) for i in range(len(self.valid_data_path))]
+        return tuple(f"-{name}" for name in names)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class DefaultCorpus(Protocol):
@@ -330,7 +386,8 @@ def build_datasets(
 ) -> list[GPTDataset | None]:
     """[train, valid, test] datasets of at least ``num_samples`` samples each (None when 0 or
     when the split gives that part no documents); without a blend, of ``default_corpus``;
-    with --mock-data, megatron-core's synthetic ones."""
+    with --mock-data, megatron-core's synthetic ones. With --multiple-validation-sets the
+    validation part is a list: megatron-core's dataset of each --valid-data-path prefix."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -347,7 +404,8 @@ def build_datasets(
         reset_attention_mask=False,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=False,
-        mmap_bin_files=True,
+        mmap_bin_files=config.mmap_bin_files,
+        multiple_validation_sets=config.multiple_validation_sets,
         num_dataset_builder_threads=config.num_dataset_builder_threads,
     )
     if not config.per_split:
@@ -359,4 +417,7 @@ def build_datasets(
     )
     with _index_cache_lock(cache):
         datasets = builder.build()
-    return [d if n > 0 else None for d, n in zip(datasets, num_samples)]
+    built = [d if n > 0 else None for d, n in zip(datasets, num_samples)]
+    if config.multiple_validation_sets and built[1] is not None and not isinstance(built[1], list):
+        built[1] = [built[1]]  # megatron-core builds a single prefix as one dataset
+    return built

@@ -80,8 +80,6 @@ def transformer_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
-        # TE's fused RoPE kernel (sbhd and thd); the local path keeps the unfused reference.
-        apply_rope_fusion=transformer_impl == "transformer_engine",
         gradient_accumulation_fusion=False,
         # gloo matches point-to-point messages between two ranks in posting order; with PP=2 and
         # virtual stages the batched path posts activations and gradients to the same peer in

@@ -130,6 +130,12 @@ class ApertusConfig:
             "--tensor-model-parallel-size (Megatron-LM's rule; with --vocab-size: checked to be "
             "one)",
         )
+        model.add_argument(
+            "--kv-channels",
+            type=int,
+            help="the head dimension: accepted when it is --hidden-size / --num-attention-heads "
+            "(the only one implemented), refused otherwise",
+        )
 
     @classmethod
     def from_flags(
@@ -143,6 +149,12 @@ class ApertusConfig:
         vocabulary instead of loading a tokenizer.
         """
         model = from_arguments(cls, args, base=preset(args.model_preset))
+        if args.kv_channels not in (None, model.kv_channels):
+            raise ConfigError(
+                f"--kv-channels {args.kv_channels}: the head dimension is --hidden-size / "
+                f"--num-attention-heads ({model.kv_channels}) here; other head dimensions are "
+                f"not implemented"
+            )
         divisor = args.make_vocab_size_divisible_by
         if divisor is None:
             return model

@@ -95,6 +95,12 @@ class EngineConfig:
     deterministic_mode: bool = flag_help(
         "bitwise-reproducible GPU runs: deterministic kernels only (slower; docs/gpu.md)", False
     )
+    rope_fusion: bool = flag_help(
+        "Transformer Engine's fused rotary-embedding kernel (sbhd and THD); --no-rope-fusion "
+        "applies RoPE with megatron-core's unfused PyTorch code (the local implementation "
+        "always does)",
+        True,
+    )
     gradient_accumulation_fusion: bool = flag_help(
         "Transformer Engine's weight-gradient GEMMs accumulate straight into the fp32 main_grad "
         "(no bf16 gradient, no separate add per micro-batch); --no-gradient-accumulation-fusion "
@@ -298,6 +304,7 @@ def transformer_config_fields(engine: EngineConfig, impl: str) -> dict:
         "transformer_impl": impl,
         "deterministic_mode": engine.deterministic_mode,
         "attention_backend": AttnBackend[engine.attention_backend],
+        "apply_rope_fusion": impl == "transformer_engine" and engine.rope_fusion,
     }
     if engine.fp8:
         fields.update(

@@ -91,9 +91,10 @@ class AlignRun:
             )
         valid = _single_prefix("--valid-data-path", dataset.valid_data_path)
         objective = config.align_objective
-        self.parts = {"train": PreferenceDataset(train, objective, seq_length, pad)}
+        mmap = dataset.mmap_bin_files
+        self.parts = {"train": PreferenceDataset(train, objective, seq_length, pad, mmap)}
         if valid is not None:
-            self.parts["valid"] = PreferenceDataset(valid, objective, seq_length, pad)
+            self.parts["valid"] = PreferenceDataset(valid, objective, seq_length, pad, mmap)
         for data in self.parts.values():
             _check_ref_rewards(config, data)
             if data.ref_logps is None and not config.ref_logps_path:

@@ -306,6 +306,7 @@ class Checkpointer:
             handle_signals=t.exit_signal_handler,
             trigger_path=t.trigger_path,
             exit_duration_in_mins=t.exit_duration_in_mins,
+            exit_signal=t.exit_signal,
         )
         self.options = checkpoint.SaveOptions(
             async_queue=AsyncCallsQueue() if self.config.async_save else None,

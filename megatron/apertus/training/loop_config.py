@@ -15,6 +15,10 @@ from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, require, switch
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
+"""What ``--exit-signal`` may name: signals sent to ask a job to stop (by Slurm, a terminal or
+the batch system's CPU-time limit). Named, not numbered, so that parsing needs no ``signal``
+table of the platform."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -42,7 +46,14 @@ class TrainingConfig:
     )
     bf16: bool = switch("Megatron-LM's --precision bf16")
     fp16: bool = switch("Megatron-LM's --precision fp16")
-    exit_signal_handler: bool = flag_help("on SIGUSR2/SIGTERM save a checkpoint and exit 0", False)
+    exit_signal_handler: bool = flag_help(
+        "on SIGUSR2, SIGTERM, Ctrl-C or --exit-signal save a checkpoint and exit 0", False
+    )
+    exit_signal: str = flag_help(
+        "with --exit-signal-handler: one more signal that saves and exits, by name (SIGUSR1 for "
+        "a Slurm --signal=USR1@N; SIGTERM, SIGUSR2 and SIGINT always do)",
+        "SIGTERM",
+    )
     trigger_path: Optional[str] = flag_help("directory watched for 'save' and 'exit' files", None)
     exit_interval: int = flag_help("save and stop after this many iterations (0: never)", 0)
     exit_duration_in_mins: Optional[float] = flag_help(
@@ -61,6 +72,10 @@ class TrainingConfig:
     )
     recompute_granularity: Optional[str] = flag_help(
         "activation recomputation: full or selective", None
+    )
+    recompute_activations: bool = switch(
+        "selective recomputation: Megatron-LM's older spelling of --recompute-granularity "
+        "selective"
     )
     recompute_method: Optional[str] = flag_help("full recomputation: uniform or block", None)
     recompute_num_layers: Optional[int] = flag_help(
@@ -100,7 +115,9 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         self._resolve_precision()
+        self._resolve_recompute_activations()
         self._check_ranges()
+        self._check_exit_signal()
         if (self.train_iters is None) == (self.train_samples is None):
             raise ConfigError("give exactly one of --train-iters and --train-samples")
         if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
@@ -178,6 +195,26 @@ class TrainingConfig:
                 f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"
             )
         object.__setattr__(self, "precision", precision)
+
+    def _check_exit_signal(self) -> None:
+        """A signal a process can catch and that the system sends only on request: the fault
+        signals (SIGSEGV, SIGBUS, ...) and SIGCHLD would fire for other reasons."""
+        if self.exit_signal not in EXIT_SIGNALS:
+            raise ConfigError(
+                f"--exit-signal {self.exit_signal}: choose one of {', '.join(EXIT_SIGNALS)}"
+            )
+
+    def _resolve_recompute_activations(self) -> None:
+        """--recompute-activations sets the granularity to selective, as in Megatron-LM, which
+        silently replaces a --recompute-granularity full given with it; here that is refused."""
+        if not self.recompute_activations:
+            return
+        if self.recompute_granularity not in (None, "selective"):
+            raise ConfigError(
+                f"--recompute-activations (selective recomputation) contradicts "
+                f"--recompute-granularity {self.recompute_granularity}"
+            )
+        object.__setattr__(self, "recompute_granularity", "selective")
 
     def total_samples(self) -> int:
         """Samples the run consumes (its training dataset's size)."""

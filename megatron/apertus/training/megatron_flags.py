@@ -102,12 +102,76 @@ FLAGS: tuple[MegatronFlag, ...] = (
         "--disable-bias-linear", "the linear layers have no biases (always)", accepts=SWITCH
     ),
     MegatronFlag(
+        "--use-mcore-models", "the model is megatron-core's GPTModel (always)", accepts=SWITCH
+    ),
+    MegatronFlag(
+        "--use-rotary-position-embeddings",
+        "rotary position embeddings (always; Megatron-LM's older spelling of "
+        "--position-embedding-type rope)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--no-position-embedding",
+        "no learned absolute position embedding (always: positions are rotary)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--rotary-percent",
+        "rotary embeddings turn the whole head dimension",
+        "partial rotary embeddings are not implemented",
+        takes=float,
+        accepts=(1.0,),
+    ),
+    MegatronFlag(
+        "--apply-layernorm-1p",
+        refusal="the RMSNorm weights are the scale itself; zero-centred (1 + weight) norms are "
+        "not implemented",
+    ),
+    MegatronFlag("--add-qkv-bias", refusal="the linear layers have no biases"),
+    *(
+        MegatronFlag(flag, refusal=f"the Apertus MLP is xIELU; {name} is not implemented")
+        for flag, name in (
+            ("--openai-gelu", "GeLU"),
+            ("--squared-relu", "squared ReLU"),
+            ("--quick-geglu", "quick GeGLU"),
+        )
+    ),
+    MegatronFlag(
         "--qknorm-impl",
         "picks the QK RMSNorm's kernels in Megatron-LM; here "
         "--transformer-impl does (the same RMSNorm)",
         takes=str,
         accepts=("apex", "torch", "te"),
         choices=("apex", "torch", "te"),
+    ),
+    # -- fusions: megatron-core's own kernels, which this model does not use --------------------
+    *(
+        MegatronFlag(flag, f"{what} (always)", accepts=SWITCH)
+        for flag, what in (
+            (
+                "--no-masked-softmax-fusion",
+                "megatron-core's fused masked softmax is off; the attention backend computes "
+                "its own softmax",
+            ),
+            ("--no-bias-dropout-fusion", "no bias-dropout-add fusion: no biases, no dropout"),
+            ("--no-bias-swiglu-fusion", "no bias-SwiGLU fusion: the MLP is xIELU, without biases"),
+            ("--no-bias-gelu-fusion", "no bias-GeLU fusion: the MLP is xIELU, without biases"),
+            ("--no-persist-layer-norm", "no persistent LayerNorm kernel: the norms are RMSNorm"),
+        )
+    ),
+    MegatronFlag(
+        "--attention-softmax-in-fp32",
+        "the attention softmax is computed in fp32 (always)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--apply-query-key-layer-scaling",
+        refusal="fp16 query-key layer scaling is not implemented (the QK RMSNorm bounds the "
+        "attention logits)",
+    ),
+    MegatronFlag(
+        "--use-flash-attn",
+        refusal="Megatron-LM's deprecated spelling; give --attention-backend flash",
     ),
     # -- precision, regularisation, data order --------------------------------------------------
     MegatronFlag(
@@ -137,6 +201,12 @@ FLAGS: tuple[MegatronFlag, ...] = (
         "changes nothing: every step checks its loss and gradient norm, a non-finite "
         "step is skipped (weights untouched) and --max-skipped-steps of them in a row "
         "stop the run (Megatron-LM without the check would apply the update)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--no-create-attention-mask-in-dataloader",
+        "the data loader never builds attention masks (always): the attention is causal, and "
+        "packed documents travel as sequence boundaries",
         accepts=SWITCH,
     ),
     MegatronFlag(

@@ -229,14 +229,16 @@ def read_history(path: str | Path) -> dict[str, list]:
 
 
 def plot_losses(history: dict[str, list], path: Path) -> None:
-    """PNG of the training loss and the validation loss against iterations."""
+    """PNG of the training loss and the validation loss (of each validation set) against
+    iterations."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, style in (("train/loss", "-"), ("valid/loss", "o-")):
+    validation = sorted(name for name in history if name.startswith("valid/loss"))
+    for name, style in [("train/loss", "-")] + [(name, "o-") for name in validation]:
         if name in history:
             steps, values = zip(*history[name])
             ax.plot(steps, values, style, label=name.replace("/", " "), markersize=4)

@@ -104,6 +104,9 @@ class Objective(ABC):
     train_data: object | None
     valid_data: object | None
     """The validation data; None: the run has no validation."""
+    valid_sets: tuple[str, ...] = ("",)
+    """What follows ``validation`` in each validation set's log line and tags (Megatron-LM's
+    ``-NAME``, --multiple-validation-sets); one empty suffix: one set."""
 
     def prepare(self, model: list, *, state: TrainingState, resume_from: Path | None) -> None:
         """Make the targets ready for the step at ``state`` (``model`` holds the weights the run
@@ -118,8 +121,9 @@ class Objective(ABC):
         """This rank's training micro-batches of the step that starts at sample ``consumed``."""
 
     @abstractmethod
-    def valid_batches(self, consumed: int, global_batch: int) -> list[Batch]:
-        """This rank's validation micro-batches of the pass's batch that starts at ``consumed``."""
+    def valid_batches(self, consumed: int, global_batch: int, valid_set: int = 0) -> list[Batch]:
+        """This rank's micro-batches of the pass's batch that starts at ``consumed`` in
+        validation set ``valid_set`` (an index of :attr:`valid_sets`)."""
 
     @abstractmethod
     def train_forward(self, batch: Batch, model: GPTModel):
@@ -135,9 +139,12 @@ class Objective(ABC):
         return [f"{name}: {value:.6E}" for name, value in quantities.items()]
 
     @abstractmethod
-    def validation_line(self, at: str, loss: float, quantities: dict[str, float]) -> str:
+    def validation_line(
+        self, at: str, loss: float, quantities: dict[str, float], suffix: str = ""
+    ) -> str:
         """The log line of a validation pass's result; ``at``: where it ran, as Megatron-LM
-        says it (``iteration 100``, ``iteration 100 on validation set``)."""
+        says it (``iteration 100``, ``iteration 100 on validation set``); ``suffix``: the
+        validation set's (:attr:`valid_sets`)."""
 
     def close(self) -> None:
         """Stop what reads ahead (threads); the run is over."""
@@ -157,8 +164,13 @@ class TokenData:
         dp: int,
         dp_rank: int,
         num_workers: int,
+        valid_suffixes: tuple[str, ...] = ("",),
     ) -> None:
-        self.train, self.valid = datasets
+        """``datasets``: the training dataset and the validation one, or a list of them (one
+        per validation set, named by ``valid_suffixes``); either may be None."""
+        self.train, valid = datasets
+        self.valid_sets = valid if isinstance(valid, list) else [] if valid is None else [valid]
+        self.valid_suffixes = valid_suffixes
         self.batch, self.micro_batch_size, self.seq_length = batch, micro_batch_size, seq_length
         self.dp, self.dp_rank = dp, dp_rank
         self.reader = None  # --train-iters 0: no training data
@@ -195,9 +207,9 @@ class TokenData:
         self.reader.prefetch(consumed + global_batch, global_batch)
         return batches
 
-    def valid_batches(self, consumed: int, global_batch: int) -> list[Batch]:
+    def valid_batches(self, consumed: int, global_batch: int, valid_set: int = 0) -> list[Batch]:
         return step_micro_batches(
-            self.valid,
+            self.valid_sets[valid_set],
             self.batch,
             consumed_samples=consumed,
             global_batch_size=global_batch,
@@ -227,6 +239,7 @@ def token_data(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: int) -
         dp=dp,
         dp_rank=dp_rank,
         num_workers=cfg.data.num_workers,
+        valid_suffixes=cfg.dataset.validation_set_suffixes(),
     )
 
 
@@ -238,7 +251,8 @@ class CrossEntropy(Objective):
 
     def __init__(self, data: TokenData) -> None:
         self.data = data
-        self.train_data, self.valid_data = data.train, data.valid
+        self.train_data, self.valid_data = data.train, data.valid_sets or None
+        self.valid_sets = data.valid_suffixes
 
     def shape(self, num_microbatches: int) -> StepShape:
         return self.data.shape(num_microbatches)
@@ -246,8 +260,8 @@ class CrossEntropy(Objective):
     def train_batches(self, consumed: int, global_batch: int) -> list[Batch]:
         return self.data.train_batches(consumed, global_batch)
 
-    def valid_batches(self, consumed: int, global_batch: int) -> list[Batch]:
-        return self.data.valid_batches(consumed, global_batch)
+    def valid_batches(self, consumed: int, global_batch: int, valid_set: int = 0) -> list[Batch]:
+        return self.data.valid_batches(consumed, global_batch, valid_set)
 
     def train_forward(self, batch: Batch, model: GPTModel):
         output, loss_mask = language_model_output(model, batch)
@@ -266,9 +280,11 @@ class CrossEntropy(Objective):
         """Goldfish's dropped share, the one quantity, as a percentage."""
         return [f"{name}: {100 * value:.2f}%" for name, value in quantities.items()]
 
-    def validation_line(self, at: str, loss: float, quantities: dict[str, float]) -> str:
+    def validation_line(
+        self, at: str, loss: float, quantities: dict[str, float], suffix: str = ""
+    ) -> str:
         return (
-            f"validation loss at {at} | lm loss value: "
+            f"validation{suffix} loss at {at} | lm loss value: "
             f"{loss:.6E} | lm loss PPL: {perplexity(loss):.6E} |"
         )
 
@@ -443,7 +459,7 @@ class Alignment(Objective):
             "train", consumed, global_batch, self.micro_batch_size, self.dp, self.dp_rank
         )
 
-    def valid_batches(self, consumed: int, global_batch: int) -> list[Batch]:
+    def valid_batches(self, consumed: int, global_batch: int, valid_set: int = 0) -> list[Batch]:
         return self.run.micro_batches(
             "valid", consumed, global_batch, self.micro_batch_size, self.dp, self.dp_rank
         )
@@ -454,9 +470,11 @@ class Alignment(Objective):
         loss = partial(alignment_loss, self.config, chunk_groups(model).cp)
         return token_forward(batch, model, loss=loss)
 
-    def validation_line(self, at: str, loss: float, quantities: dict[str, float]) -> str:
+    def validation_line(
+        self, at: str, loss: float, quantities: dict[str, float], suffix: str = ""
+    ) -> str:
         return (
-            f"validation loss at {at} | "
+            f"validation{suffix} loss at {at} | "
             f"{self.config.align_objective} loss value: {loss:.6E}" + format_quantities(quantities)
         )
 
@@ -471,6 +489,10 @@ def build_objective(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: i
         )
     if cfg.align.enabled:
         _check_alignment(cfg.training)
+        if cfg.dataset.multiple_validation_sets:
+            raise ConfigError(
+                "--multiple-validation-sets: alignment validates on its one --valid-data-path"
+            )
         return Alignment(
             cfg.align,
             cfg.dataset,

@@ -1,7 +1,7 @@
 """Requests to save or stop, from signals and trigger files, agreed on by every rank.
 
 * ``--exit-signal-handler``: SIGUSR2 (what Slurm's ``--signal=SIGUSR2@N`` sends before the time
-  limit), SIGTERM and Ctrl-C (SIGINT) set a flag; at the end of the current step the run saves
+  limit), SIGTERM, Ctrl-C (SIGINT) and the signal ``--exit-signal`` names set a flag; at the end of the current step the run saves
   and exits 0. A second Ctrl-C stops at once, without saving. Without the flag, Ctrl-C and
   SIGTERM stop the run at once with one line (``cli.run``), exit code 130 or 143.
 * ``--trigger-path DIR``: a file ``DIR/save`` asks for a checkpoint (the file is removed once
@@ -58,12 +58,14 @@ class StopRequests:
         handle_signals: bool,
         trigger_path: str | None,
         exit_duration_in_mins: float | None = None,
+        exit_signal: str = "SIGTERM",
     ) -> None:
         self.trigger = Path(trigger_path) if trigger_path else None
         self.exit_duration_in_mins = exit_duration_in_mins
         self.signalled: int | None = None
         if handle_signals:
-            for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+            handled = {signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.Signals[exit_signal]}
+            for sig in sorted(handled):
                 # A job started with Ctrl-C ignored (nohup, `cmd &`) keeps ignoring it.
                 if signal.getsignal(sig) != signal.SIG_IGN:
                     signal.signal(sig, self._on_signal)

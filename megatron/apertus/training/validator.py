@@ -64,21 +64,37 @@ class Validator:
         return bool(interval and iteration % interval == 0)
 
     def validate(self, state: TrainingState, *, split: str = "") -> None:
-        """One pass at ``state``, recorded and logged (between collections under --manual-gc);
-        ``split`` names the data in the log line, as Megatron-LM's pass after training does."""
+        """One pass over each validation set at ``state``, recorded and logged (between
+        collections under --manual-gc); ``split`` names the data in the log line, as
+        Megatron-LM's pass after training does. Once --exit-duration-in-mins is reached, no
+        further set is validated."""
         self.gc.eval_boundary()
-        evaluated = self.evaluate(state.iteration)
+        for valid_set, suffix in enumerate(self.objective.valid_sets):
+            if valid_set and past_duration(self.training.exit_duration_in_mins, self.device):
+                break
+            evaluated = self.evaluate(state.iteration, valid_set, suffix)
+            if evaluated is not None:
+                self._report(state, split, suffix, *evaluated)
         self.gc.eval_boundary()
-        if evaluated is None:
-            return
-        loss, quantities = evaluated
-        tag = f"{self.objective.valid_loss_name} validation"
+        self.metrics.flush()
+
+    def _report(
+        self,
+        state: TrainingState,
+        split: str,
+        suffix: str,
+        loss: float,
+        quantities: dict[str, float],
+    ) -> None:
+        """Record and log one validation set's result; ``suffix`` is the set's
+        (``-NAME`` under --multiple-validation-sets, else empty)."""
+        tag = f"{self.objective.valid_loss_name} validation{suffix}"
         self.metrics.record(
-            "valid/loss", state.iteration, loss, tag=tag, samples=state.consumed_samples
+            f"valid/loss{suffix}", state.iteration, loss, tag=tag, samples=state.consumed_samples
         )
         if self.perplexity:
             self.metrics.record(
-                "valid/ppl",
+                f"valid/ppl{suffix}",
                 state.iteration,
                 perplexity(loss),
                 tag=f"{tag} ppl",
@@ -86,16 +102,18 @@ class Validator:
             )
         if is_reporting_rank():
             at = f"iteration {state.iteration}" + (f" on {split}" if split else "")
-            log.info(self.objective.validation_line(at, loss, quantities))
-        self.metrics.flush()
+            log.info(self.objective.validation_line(at, loss, quantities, suffix))
 
-    def evaluate(self, iteration: int) -> tuple[float, dict[str, float]] | None:
-        """Mean validation loss per token and the means of the objective's own quantities (last
-        pipeline stage; elsewhere None, as without validation data or when time ran out)."""
+    def evaluate(
+        self, iteration: int, valid_set: int = 0, suffix: str = ""
+    ) -> tuple[float, dict[str, float]] | None:
+        """Mean validation loss per token of set ``valid_set`` and the means of the objective's
+        own quantities (last pipeline stage; elsewhere None, as without validation data or when
+        time ran out)."""
         if self.training.eval_iters == 0 or self.objective.valid_data is None:
             return None
         with self._evaluating():
-            reported, timed_out = self._run_batches()
+            reported, timed_out = self._run_batches(valid_set)
         if timed_out:  # as Megatron-LM: no partial result; the loop saves and exits next
             if is_reporting_rank():
                 log.info("--exit-duration-in-mins reached during validation: stopping it")
@@ -106,7 +124,7 @@ class Validator:
         torch.distributed.all_reduce(total, group=self.groups.dp_cp)
         quantities = reduce_quantities(reported, self.groups)
         for name, value in quantities.items():
-            self.metrics.record(f"valid/{metric_name(name)}", iteration, value)
+            self.metrics.record(f"valid/{metric_name(name)}{suffix}", iteration, value)
         return (total[0] / total[1]).item(), quantities
 
     @contextlib.contextmanager
@@ -123,14 +141,14 @@ class Validator:
         for chunk in self.model:
             chunk.train()
 
-    def _run_batches(self) -> tuple[list[dict], bool]:
-        """The reported losses of up to --eval-iters global batches, and whether the pass
-        stopped early at --exit-duration-in-mins."""
+    def _run_batches(self, valid_set: int) -> tuple[list[dict], bool]:
+        """The reported losses of up to --eval-iters global batches of validation set
+        ``valid_set``, and whether the pass stopped early at --exit-duration-in-mins."""
         reported = []
         global_batch = get_current_running_global_batch_size()
         with torch.no_grad(), synced_parameters(self.model):
             for i in range(self.training.eval_iters):
-                batches = self.objective.valid_batches(i * global_batch, global_batch)
+                batches = self.objective.valid_batches(i * global_batch, global_batch, valid_set)
                 reported += run_microbatches(
                     self.model,
                     chunk_iterators(self.model, batches),
