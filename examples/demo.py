@@ -179,8 +179,11 @@ def data_args(out: Path, train: str, valid: str, iters: int) -> list[str]:
 
 
 def recipe_args(iters: int, lr: float) -> list[str]:
-    """The Apertus recipe: AdEMAMix, WSD with a 1-sqrt cooldown, Goldfish loss."""
+    """The Apertus recipe: AdEMAMix, WSD with a 1-sqrt cooldown, Goldfish loss; the loss over
+    the global batch's tokens, since packed documents and Goldfish leave its micro-batches with
+    different token counts."""
     return [
+        "--calculate-per-token-loss",
         "--optimizer",
         "ademamix",
         "--lr",

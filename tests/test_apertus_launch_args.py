@@ -336,6 +336,7 @@ def test_our_slurm_launcher_runs_what_the_apertus_script_runs(script, tmp_path, 
         cfg.dataset.reset_position_ids,
         cfg.dataset.reset_attention_mask,
         cfg.dataset.eod_mask_loss,
+        cfg.training.calculate_per_token_loss,  # not given: Megatron-LM's per-micro-batch mean
     )
     assert pick(ours) == pick(theirs)
 

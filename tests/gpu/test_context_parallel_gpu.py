@@ -43,6 +43,9 @@ COMMON = [
     "--device",
     "cuda",
     "--deterministic-mode",
+    # Packed documents are padded per context-parallel share: the shares' loss-token counts
+    # differ, and only the global batch's count is the one-GPU run's.
+    "--calculate-per-token-loss",
 ]
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 TE = ["--transformer-impl", "transformer_engine"]

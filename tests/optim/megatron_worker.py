@@ -42,7 +42,10 @@ def build(distributed_optimizer: bool):
 
     model_config = preset("tiny", vocab_size=VOCAB)
     parallel.set_seed(SEED)
-    chunks = build_model(model_config, ParallelConfig(), use_cpu_initialization=True)
+    # The step below divides the loss by the global batch's size itself: DDP must only sum.
+    chunks = build_model(
+        model_config, ParallelConfig(), use_cpu_initialization=True, calculate_per_token_loss=True
+    )
     model = wrap_ddp(chunks, chunks[0].config, use_distributed_optimizer=distributed_optimizer)
     config = OptimizerConfig(
         optimizer="ademamix", use_distributed_optimizer=distributed_optimizer, **OPTIMIZER

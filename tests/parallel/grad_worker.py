@@ -6,8 +6,8 @@
 Each rank writes ``GRADS_PREFIX.rank<R>.pt``, a dict of
 
 * ``grads``: ``{parameter name: gradient}`` as the optimizer receives it after the first backward
-  pass (DDP's ``main_grad``, reduced over the data- and context-parallel ranks and divided by the
-  step's token count), before the step updates the weights: this rank's shard of a weight split
+  pass (DDP's ``main_grad``, reduced over the data- and context-parallel ranks and normalised as
+  the run's flags say), before the step updates the weights: this rank's shard of a weight split
   over the tensor-parallel ranks;
 * ``splits``: ``{parameter name: (partition_dim, partition_stride)}`` for those split weights,
   megatron-core's own attributes of the parameter (set where ``tensor_model_parallel`` is);

@@ -78,6 +78,10 @@ COMMON = [
     "64",
     "--device",
     "cpu",
+    # Context-parallel shares of packed or masked micro-batches hold different numbers of loss
+    # tokens: without it each rank's share is averaged over its own count (Megatron-LM's
+    # default), which no one-process run computes (tests/training/test_per_token_loss.py).
+    "--calculate-per-token-loss",
     *SMALL_VOCABULARY,
 ]
 STEPS = 3

@@ -26,6 +26,11 @@ ALIGN = ["--no-fused-output-loss", "--align-objective", "dpo", "--train-data-pat
             ["--no-fused-output-loss", "--distill-logits-path", "store"],
             "--distill-logits-path needs the fused output-layer loss",
         ),
+        (
+            [*ALIGN, "--calculate-per-token-loss"],
+            "--calculate-per-token-loss cannot run with --align-objective: the preference loss "
+            "is one value per example",
+        ),
     ],
 )
 def test_objectives_refuse_what_they_cannot_serve_before_reading_data(flags, refusal):

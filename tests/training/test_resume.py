@@ -1,5 +1,6 @@
 """Checkpoints: exact resume (1 process, TP=2, PP=2, PP=2 with virtual stages, background saves,
-DP=2 fully parallel loads), other layouts, signals, interrupted saves."""
+DP=2 fully parallel loads, DP=2 with --calculate-per-token-loss), other layouts, signals,
+interrupted saves."""
 
 from __future__ import annotations
 
@@ -134,6 +135,8 @@ def interrupted_run(root: Path, name: str, extra: list[str], nproc: int) -> tupl
         pytest.param(
             "async-save", ["--async-save", "--save-interval", "1"], 1, marks=pytest.mark.smoke
         ),
+        # The loss divided by the global batch's loss tokens (Goldfish: they vary by step).
+        pytest.param("dp2-per-token", ["--calculate-per-token-loss"], 2, marks=pytest.mark.slow),
         (
             "dp2-async-fully-parallel",
             [

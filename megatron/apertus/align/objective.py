@@ -5,15 +5,18 @@ then rejected), each its own causal sequence padded to ``seq_length``; the model
 per-token losses (``-log p`` of each label) and :func:`alignment_loss` sums them over each
 row's loss mask into the sequence log-probability. The reference log-probabilities (and QRPO's
 quantiles) travel with the rows in a :class:`PreferenceBatch`. The loss returned to the schedule is the
-sum over the micro-batch's examples with the example count, so megatron-core's per-token
-normalisation (here: per example) averages over the global batch whatever the micro-batching
-and data parallelism.
+mean over the micro-batch's examples, in megatron-core's two-value form (loss, reported), which
+its schedule averages over the micro-batches and DDP over the data-parallel ranks: every
+micro-batch holds the same number of examples, so that is the global batch's mean whatever the
+micro-batching and data parallelism. The loss is one value per example, not per token, so
+``--calculate-per-token-loss`` (a count of tokens) is refused with it.
 
 Under context parallelism each rank holds a share of every row's tokens: the sums over a row
 (log-probability, completion length) are summed over the CP group before the loss, which every
 CP rank then computes whole; the gradient flows back to each rank's own tokens unchanged, so the
-ranks' gradients add up to the one-process gradient (as the tokens' losses do for cross-entropy),
-and CP rank 0 alone counts the examples and reports the quantities.
+ranks' gradients add up to the one-process gradient (the two-value form is multiplied by the CP
+size by megatron-core, undoing DDP's division by the data- and context-parallel size), and CP
+rank 0 alone counts the examples and reports the quantities.
 
 Besides the loss, each micro-batch reports the objective's own quantities as (sum, count)
 pairs under :data:`QUANTITY_PREFIX`, which the training loop averages over the global batch:
@@ -111,9 +114,9 @@ def alignment_loss(
     loss_mask: torch.Tensor,
     output: torch.Tensor,
 ):
-    """(loss sum, examples, reported) of one micro-batch whose tokens are shared out over
-    ``cp_group`` (the first two arguments bound first); ``reported`` holds the objective's
-    quantities (:data:`QUANTITIES`) as sums over the examples with their count."""
+    """(mean loss over the examples, reported) of one micro-batch whose tokens are shared out
+    over ``cp_group`` (the first two arguments bound first); ``reported`` holds the loss and the
+    objective's quantities (:data:`QUANTITIES`) as sums over the examples with their count."""
     logps = over_context_parallel_ranks(sequence_logps(output, loss_mask), cp_group)
     ref = batch.ref_logps.to(logps.device)
     quantiles, ref_counts = batch.quantiles, batch.ref_counts
@@ -134,7 +137,7 @@ def alignment_loss(
     }
     for name, values in quantities.items():
         reported[QUANTITY_PREFIX + name] = torch.stack([values.sum().float() * counted, count])
-    return losses.sum().float(), count.to(torch.int), reported
+    return losses.mean().float(), reported
 
 
 def collate(samples: list[dict], ref_logps: torch.Tensor) -> PreferenceBatch:

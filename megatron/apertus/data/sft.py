@@ -8,9 +8,9 @@ of the label at position ``i`` counts iff the mask of token ``i + 1`` is set. Bo
 through the one sample-assembly path of ``GPTDataset``: the low-level dataset returns each
 token with its mask bit in bit 32 of an int64 (token ids are below 2**31), and the sample is
 split back into the two. Attention and positions restart at every ``</s>`` exactly as in
-pretraining (``--reset-attention-mask --reset-position-ids``); the loss is normalised by the
-number of assistant tokens in the global batch (the masked per-token loss of
-:mod:`megatron.apertus.training.step`).
+pretraining (``--reset-attention-mask --reset-position-ids``); the loss is the masked per-token
+loss of :mod:`megatron.apertus.training.step`, normalised by the number of assistant tokens in
+the global batch under ``--calculate-per-token-loss``.
 """
 
 from __future__ import annotations

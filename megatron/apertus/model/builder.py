@@ -42,7 +42,9 @@ def transformer_config(
     by ``transformer_impl`` in the precision ``engine`` asks for (FP8, deterministic kernels),
     captured in CUDA graphs as ``graphs`` says (default: none).
 
-    ``overrides`` carries training-side fields (recomputation, overlap flags, ...).
+    ``overrides`` carries training-side fields (recomputation, overlap flags, the loss's
+    normalisation ``calculate_per_token_loss``, which DDP reads when it is built: with it DDP
+    leaves out its 1/DP gradient scaling and the schedule scales by the global batch's tokens).
     ``use_te_activation_func=True`` is megatron-core's switch for "build the MLP activation from
     the spec's ``activation_func`` slot"; despite its name it needs no Transformer Engine here.
     """
@@ -79,9 +81,6 @@ def transformer_config(
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
-        # Losses are token sums divided by the global batch's token count (set before DDP is
-        # built: DDP then skips its own 1/DP gradient scaling).
-        calculate_per_token_loss=True,
         # gloo matches point-to-point messages between two ranks in posting order; with PP=2 and
         # virtual stages the batched path posts activations and gradients to the same peer in
         # orders that cross over. The unbatched path separates the directions by group.

@@ -117,6 +117,11 @@ class TrainingConfig:
         "runs as the largest multiple of that below it (megatron-core's calculator) instead of "
         "being refused"
     )
+    calculate_per_token_loss: bool = switch(
+        "divide the loss and its gradients by the loss tokens of the whole global batch (all "
+        "micro-batches and data-parallel ranks) instead of averaging each micro-batch's mean "
+        "over the micro-batches and data-parallel ranks; refused with --align-objective"
+    )
     xielu_impl: str = flag_help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
     fused_output_loss: bool = flag_help(
         "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist); "

@@ -353,6 +353,17 @@ def _check_distillation(training: TrainingConfig) -> None:
         )
 
 
+def _check_alignment(training: TrainingConfig) -> None:
+    """The preference loss is one value per example: a count of tokens does not normalise it."""
+    if training.calculate_per_token_loss:
+        raise ConfigError(
+            "--calculate-per-token-loss cannot run with --align-objective: the preference loss "
+            "is one value per example, not a sum over tokens (every micro-batch holds the same "
+            "number of examples, so the default already gives the global batch's mean); drop "
+            "the flag"
+        )
+
+
 class Distillation(CrossEntropy):
     """Cross-entropy plus the KL to a teacher's stored top-k (``--distill-logits-path``), fused
     into the output layer's loss; validation measures the student's plain cross-entropy."""
@@ -492,6 +503,7 @@ def build_objective(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: i
             "--align-objective and --distill-logits-path are two objectives: give one of them"
         )
     if cfg.align.enabled:
+        _check_alignment(cfg.training)
         for flag, given in (
             ("--multiple-validation-sets", cfg.dataset.multiple_validation_sets),
             ("--full-validation", cfg.training.full_validation),

@@ -180,6 +180,7 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
         transformer_impl=started.transformer_impl,
         engine=started.engine,
         graphs=cfg.cuda_graphs,
+        calculate_per_token_loss=cfg.training.calculate_per_token_loss,
         **cfg.training.recompute_overrides(),
         **cfg.communication.transformer_overrides(
             virtual_pipeline=cfg.parallel.virtual_pipeline_model_parallel_size is not None

@@ -1,10 +1,17 @@
 """One optimizer step on megatron-core: DDP-wrapped chunks, its optimizer and schedules.
 
-The loss is summed over tokens and divided by the number of loss tokens of the *whole*
-global batch (``calculate_per_token_loss``), so micro-batching, data parallelism and
-masked positions all give the same gradient as one big batch would. Context-parallel ranks each
-compute the loss sum of their share of the tokens (:func:`shard_batch`); the sums and counts are
-reduced over the data- and context-parallel group, as megatron-core reduces the gradients.
+A micro-batch's loss goes to megatron-core's schedule as its sum over the loss tokens with
+their count. By default (Megatron-LM's) the schedule divides it by that count and by the number
+of micro-batches and DDP divides the gradients by the data- and context-parallel size: the step
+optimises the mean of the micro-batches' means, which weighs a token of a micro-batch with few
+loss tokens (SFT masks, Goldfish, ``--eod-mask-loss``) more than one of a full micro-batch.
+``--calculate-per-token-loss`` (``TransformerConfig.calculate_per_token_loss``, read by DDP when
+it is built) leaves the sums as they are and megatron-core divides the gradients by the loss
+tokens of the *whole* global batch, so micro-batching, data parallelism and masked positions
+all give the gradient one big batch would. Context-parallel ranks each compute the loss sum of
+their share of the tokens (:func:`shard_batch`). Either way the logged loss is the global
+batch's sum over its count: the sums and counts are reduced over the data- and
+context-parallel group, as megatron-core reduces the gradients.
 
 The process groups are the ones the model chunks were built with (:func:`chunk_groups`), so
 a step communicates over exactly the groups its model does.
@@ -121,10 +128,6 @@ def install_schedule_hooks(
     config = model[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    if not config.calculate_per_token_loss:
-        raise ValueError(
-            "the Apertus loss is per token: build TransformerConfig with calculate_per_token_loss"
-        )
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     ddp_config = model[0].ddp_config
@@ -160,8 +163,10 @@ LossFunction = Callable[
     [Batch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]
 ]
 """``f(batch, loss_mask, output) -> (loss, count, reported)``: an objective's reduction of one
-micro-batch's model output. The schedule divides the summed loss by the summed count of the
-global batch; ``reported`` holds the ``lm loss`` (sum, count) pair, and entries named
+micro-batch's model output. The schedule divides the summed loss by the micro-batch's count
+(default) or the summed count of the global batch (``calculate_per_token_loss``); an objective
+whose loss is no sum over tokens returns megatron-core's two-value form ``(mean, reported)``
+instead (alignment). ``reported`` holds the ``lm loss`` (sum, count) pair, and entries named
 ``QUANTITY_PREFIX + name`` (sum, count) the step averages over the global batch and logs as the
 objective's own quantities."""
 
