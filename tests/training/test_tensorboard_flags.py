@@ -84,4 +84,3 @@ def test_queue_size_is_the_writers(tmp_path):
 @pytest.mark.parametrize("flag", ["--tensorboard-log-interval", "--tensorboard-queue-size"])
 def test_a_count_below_one_is_refused(flag):
     assert refused([flag, "0"]) == f"{flag} must be >= 1, got 0"
-
