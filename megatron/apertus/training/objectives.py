@@ -104,7 +104,7 @@ class Objective(ABC):
     train_data: object | None
     valid_data: object | None
     """The validation data; None: the run has no validation."""
-    valid_sets: tuple[str, ...] = ("",)
+    valid_suffixes: tuple[str, ...] = ("",)
     """What follows ``validation`` in each validation set's log line and tags (Megatron-LM's
     ``-NAME``, --multiple-validation-sets); one empty suffix: one set."""
 
@@ -123,7 +123,7 @@ class Objective(ABC):
     @abstractmethod
     def valid_batches(self, consumed: int, global_batch: int, valid_set: int = 0) -> list[Batch]:
         """This rank's micro-batches of the pass's batch that starts at ``consumed`` in
-        validation set ``valid_set`` (an index of :attr:`valid_sets`)."""
+        validation set ``valid_set`` (an index of :attr:`valid_suffixes`)."""
 
     def whole_valid_set(self, valid_set: int = 0) -> int | None:
         """The samples of validation set ``valid_set`` when a pass covers all of them
@@ -149,7 +149,7 @@ class Objective(ABC):
     ) -> str:
         """The log line of a validation pass's result; ``at``: where it ran, as Megatron-LM
         says it (``iteration 100``, ``iteration 100 on validation set``); ``suffix``: the
-        validation set's (:attr:`valid_sets`)."""
+        validation set's (:attr:`valid_suffixes`)."""
 
     def close(self) -> None:
         """Stop what reads ahead (threads); the run is over."""
@@ -264,7 +264,7 @@ class CrossEntropy(Objective):
     def __init__(self, data: TokenData) -> None:
         self.data = data
         self.train_data, self.valid_data = data.train, data.valid_sets or None
-        self.valid_sets = data.valid_suffixes
+        self.valid_suffixes = data.valid_suffixes
 
     def shape(self, num_microbatches: int) -> StepShape:
         return self.data.shape(num_microbatches)
@@ -353,8 +353,18 @@ def _check_distillation(training: TrainingConfig) -> None:
         )
 
 
-def _check_alignment(training: TrainingConfig) -> None:
-    """The preference loss is one value per example: a count of tokens does not normalise it."""
+def _check_alignment(training: TrainingConfig, dataset: DatasetConfig) -> None:
+    """The preference loss is one value per example: a count of tokens does not normalise it;
+    and alignment validates on --eval-iters batches of its one --valid-data-path."""
+    for flag, given in (
+        ("--multiple-validation-sets", dataset.multiple_validation_sets),
+        ("--full-validation", training.full_validation),
+    ):
+        if given:
+            raise ConfigError(
+                f"{flag}: alignment validates on --eval-iters batches of its one "
+                f"--valid-data-path"
+            )
     if training.calculate_per_token_loss:
         raise ConfigError(
             "--calculate-per-token-loss cannot run with --align-objective: the preference loss "
@@ -503,16 +513,7 @@ def build_objective(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: i
             "--align-objective and --distill-logits-path are two objectives: give one of them"
         )
     if cfg.align.enabled:
-        _check_alignment(cfg.training)
-        for flag, given in (
-            ("--multiple-validation-sets", cfg.dataset.multiple_validation_sets),
-            ("--full-validation", cfg.training.full_validation),
-        ):
-            if given:
-                raise ConfigError(
-                    f"{flag}: alignment validates on --eval-iters batches of its one "
-                    f"--valid-data-path"
-                )
+        _check_alignment(cfg.training, cfg.dataset)
         return Alignment(
             cfg.align,
             cfg.dataset,

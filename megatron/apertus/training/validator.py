@@ -70,7 +70,7 @@ class Validator:
         Megatron-LM's pass after training does. Once --exit-duration-in-mins is reached, no
         further set is validated."""
         self.gc.eval_boundary()
-        for valid_set, suffix in enumerate(self.objective.valid_sets):
+        for valid_set, suffix in enumerate(self.objective.valid_suffixes):
             if valid_set and past_duration(self.training.exit_duration_in_mins, self.device):
                 break
             evaluated = self.evaluate(state.iteration, valid_set, suffix)
