@@ -178,6 +178,7 @@ def test_a_skipped_iteration_consumes_its_batch_and_leaves_weights_and_schedule(
     lr an unskipped run has at iteration 3); the iteration line counts the skipped samples."""
     with caplog.at_level(logging.INFO, logger="apertus"):
         skipped, seen = _skipping(["--iterations-to-skip", "3"])
+    lines = [r.getMessage() for r in caplog.records if r.name == "apertus"]  # this run's only
     plain, plain_seen = _skipping([])
     assert series(skipped, "train/loss")[0] == [1, 2, 4, 5]
     assert all(torch.equal(a, b) for a, b in zip(seen[3], plain_seen[3]))  # before step 4 / 3
@@ -188,7 +189,6 @@ def test_a_skipped_iteration_consumes_its_batch_and_leaves_weights_and_schedule(
     assert lrs[4] == plain_lrs[3] and lrs[5] == plain_lrs[4]
     assert series(skipped, "train/skipped_samples") == ([4, 5], [4.0, 4.0])
     assert "train/skipped_samples" not in plain
-    lines = [r.getMessage() for r in caplog.records if r.name == "apertus"]
     assert "iteration 3: skipped (--iterations-to-skip), its 4 samples consumed untrained" in lines
     (fourth,) = [line for line in lines if line.startswith("iteration        4/")]
     assert "| consumed samples:           16 | skipped samples:            4 |" in fourth
