@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -330,6 +331,21 @@ def _module_scratch_removed(request, tmp_path_factory) -> Iterator[None]:
     for path in set(base.iterdir()) - before:
         if path.name != SHARED:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """An entry point run in this process (``pretrain_gpt.main``) sets the root logger's level
+    and puts a console handler on the ``sys.stdout`` pytest captured for that test: both are
+    put back when the test ends, so what a later test logs, and at which level, never depends
+    on which tests ran before it in the same worker."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    for added in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(added)
+        added.close()
+    root.setLevel(level)
 
 
 def pytest_configure(config) -> None:
