@@ -130,3 +130,20 @@ def test_graphs_are_captured_and_train_as_eager_runs_do(case):
     assert graphed["losses"] == pytest.approx(eager["losses"], rel=BF16_RTOL)
     assert graphed["valid"] == pytest.approx(eager["valid"], rel=BF16_RTOL)
     assert graphed["losses"][-1] < graphed["losses"][0]  # it trained
+
+
+def test_graphs_are_captured_when_the_capture_iteration_is_skipped():
+    """--iterations-to-skip at the iteration the capture comes before (warm-up 1: iteration 2):
+    the graphs are still captured, as in Megatron-LM, and the later steps replay them."""
+    graphs = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-warmup-steps", "1"]
+    proc = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *BASE, *TE, *graphs, "--iterations-to-skip", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "iteration 2: skipped (--iterations-to-skip)" in proc.stdout
+    assert "CUDA graphs (transformer_engine): " in proc.stdout

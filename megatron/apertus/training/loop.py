@@ -250,7 +250,9 @@ class Trainer:
         """An iteration of --iterations-to-skip, as Megatron-LM runs it: its global batch is read
         and counted as consumed (and as skipped, for the iteration line), the iteration counts;
         no forward, backward or update, the schedule does not advance, and nothing is logged,
-        validated or saved for it."""
+        validated or saved for it. CUDA graphs due before it are captured before it, as in
+        Megatron-LM, so that skipping that iteration never leaves the run without them."""
+        self.graphs.before_step(self.state.iteration + 1)
         global_batch = get_current_running_global_batch_size()
         self.objective.train_batches(self.state.consumed_samples, global_batch)
         self.state.iteration += 1
