@@ -199,7 +199,7 @@ def test_a_spike_switches_the_layers_above_their_bounds_else_every_layer(tmp_pat
 def test_layers_in_bf16_raise_no_gemm_alarm_and_a_commit_is_kept(tmp_path):
     run = guarded("bf16-layers", tmp_path, fp8_guard_kurtosis=60.0, fp8_guard_intervals=1)
     switch = run.after_step(4, step(), {"layer002/fc2/kurtosis": 181.0})
-    taken = run.commit(switch, resumed_from=2)
+    taken = run.commit(switch, tmp_path / "iter_0000002")
     assert taken.resumed_from == 2 and run.bf16_layers == {2}
     assert run.after_step(6, step(), {"layer002/fc2/kurtosis": 190.0}) is None
     assert run.guard.state()["decisions"] == [taken.record()]
