@@ -6,6 +6,7 @@ Layout of a save directory::
     SAVE/iter_0000100/                        dist_checkpointing files
     SAVE/iter_0000100/apertus_model.json      ApertusConfig of the model (JSON, no pickle)
     SAVE/iter_0000100/apertus_run.json        the run's record (training saves; see RUN_INFO)
+    SAVE/iter_0000100/metrics.json            the run's history up to it (training saves)
 
 What a training checkpoint holds: the model, the optimizer (its states sharded as the model is;
 with the distributed optimizer in megatron-core's ``fully_reshardable`` form, so TP/PP/DP may
