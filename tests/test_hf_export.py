@@ -28,7 +28,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus import checkpoint
-from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.checkpoint_files import final_losses, read_run_info
 from megatron.apertus.convert.hf_tokenizer import (
     TokenizerSource,
     tokenizer_source,
@@ -96,12 +96,21 @@ class Exported:
     tokenizer: Tokenizer
 
 
+FREQUENT = "frequent"
+"""The training run's --non-persistent-global-ckpt-dir, beside its --save: non-persistent
+checkpoints with no history of the run next to them."""
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Exported:
-    """Train, then export with the umask of a cautious user (077) and no --tokenizer."""
+    """Train (non-persistent checkpoints at every step in a directory of its own, the persistent
+    one at the end), then export the persistent one with the umask of a cautious user (077) and
+    no --tokenizer."""
     root = tmp_path_factory.mktemp("export")
     ckpt, hf_dir = root / "ckpt", root / "hf"
-    succeeded(run_script(REPO / "pretrain_gpt.py", *TRAIN, "--save", str(ckpt)))
+    non_persistent = ["--non-persistent-ckpt-type", "global", "--non-persistent-save-interval"]
+    non_persistent += ["1", "--non-persistent-global-ckpt-dir", str(root / FREQUENT)]
+    succeeded(run_script(REPO / "pretrain_gpt.py", *TRAIN, *non_persistent, "--save", str(ckpt)))
     succeeded(run_script(EXPORT, "--load", str(ckpt), "--output", str(hf_dir), umask=0o077))
     return Exported(root, checkpoint.resolve_checkpoint(ckpt), hf_dir, build_tokenizer())
 
@@ -111,7 +120,8 @@ def test_export_is_complete_and_world_readable(exported):
     assert stat.S_IMODE(exported.hf_dir.stat().st_mode) == 0o755
     for path in exported.hf_dir.iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path.name
-    assert sorted(p.name for p in exported.root.iterdir()) == ["ckpt", "hf"]  # no temporary left
+    left = sorted(p.name for p in exported.root.iterdir())
+    assert left == ["ckpt", FREQUENT, "hf"]  # no temporary
 
 
 def test_the_docs_list_exactly_the_exported_files():
@@ -180,6 +190,19 @@ def test_generation_config_and_model_card(exported):
     assert f"| final validation loss | {valid:.4f} (iteration {valid_at}) |" in card
     minimum = f"transformers >= {MIN_TRANSFORMERS}"
     assert minimum in card and minimum in (REPO / "docs" / "hf_interop.md").read_text()
+
+
+def test_final_losses_of_a_non_persistent_checkpoint(exported):
+    """A non-persistent checkpoint in a directory of its own, where no history of the run lies
+    beside it (the model card's losses): those up to it, from the history it holds. Its step,
+    the last, is also the persistent checkpoint's, which the validation at the end precedes."""
+    frequent = checkpoint.resolve_checkpoint(exported.root / FREQUENT)
+    assert frequent.name == exported.checkpoint.name == "iter_0000002"
+    assert not (frequent.parent / "metrics.json").exists()
+    history = json.loads((exported.root / "ckpt" / "metrics.json").read_text())
+    train, valid = (tuple(history[name][-1]) for name in ("train/loss", "valid/loss"))
+    assert final_losses(frequent) == {"train/loss": train}
+    assert final_losses(exported.checkpoint) == {"train/loss": train, "valid/loss": valid}
 
 
 def test_checkpoint_without_run_record_needs_tokenizer(exported, tmp_path):

@@ -6,6 +6,7 @@ Layout of a save directory::
     SAVE/iter_0000100/                        dist_checkpointing files
     SAVE/iter_0000100/apertus_model.json      ApertusConfig of the model (JSON, no pickle)
     SAVE/iter_0000100/apertus_run.json        the run's record (training saves; see RUN_INFO)
+    SAVE/iter_0000100/metrics.json            the run's history up to it (training saves)
 
 What a training checkpoint holds: the model, the optimizer (its states sharded as the model is;
 with the distributed optimizer in megatron-core's ``fully_reshardable`` form, so TP/PP/DP may
@@ -344,15 +345,19 @@ def save(
     rng: bool = False,
     run_info: dict | None = None,
     options: SaveOptions = SaveOptions(),
+    add_files: Callable[[Path], None] | None = None,
     on_published: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save a complete checkpoint (a collective: every rank calls it) and advance the tracker.
 
     ``optimizer`` and ``scheduler`` are saved when given, every rank's RNG states with ``rng``.
     ``run_info`` (JSON-serialisable) is recorded as ``apertus_run.json``: exports read the
-    tokenizer and the training data from it. With ``options.async_queue`` the write happens in
-    the background and the checkpoint counts only once published; ``on_published(path)`` runs
-    on every rank then (at once for a synchronous save)."""
+    tokenizer and the training data from it. ``add_files(directory)`` runs on every rank once
+    its part is written (or handed to the background), to write files of its own into the
+    unpublished directory: they are published with the checkpoint, never without it. With
+    ``options.async_queue`` the write happens in the background and the checkpoint counts only
+    once published; ``on_published(path)`` runs on every rank then (at once for a synchronous
+    save)."""
     if options.async_queue is not None:
         # The previous save is published before this one clears unpublished directories.
         finalize_background_saves(options, blocking=True)
@@ -385,6 +390,8 @@ def save(
             (tmp / MODEL_CONFIG).write_text(model.to_json())
             if run_info is not None:
                 (tmp / RUN_INFO).write_text(json.dumps(run_info, indent=2) + "\n")
+        if add_files is not None:
+            add_files(tmp)
     except (Exception, CheckpointException) as err:  # torch's is a BaseException
         # Measured before anything is removed: torch's zip writer reports a short write as
         # "unexpected pos", without the errno.

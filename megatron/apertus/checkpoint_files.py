@@ -10,6 +10,9 @@ Launchers (``launch/slurm.py``, whose batch step may run on a host Python withou
                                               data, tokens seen, command); training saves only
     SAVE/iter_0000100/apertus_manifest.json   every file of the checkpoint with its size (and a
                                               checksum of the small ones), written last
+    SAVE/iter_0000100/metrics.json            the run's history up to the checkpoint, published
+                                              with it; training saves only
+    SAVE/metrics.json                         the run's history, rewritten after each save
     SAVE/iter_0000050.removing/               a checkpoint being removed (renamed first, so that
                                               nothing takes what is left of it for a checkpoint)
     SAVE/non_persistent/                      the non-persistent checkpoints, laid out alike
@@ -34,8 +37,9 @@ HASHED_UP_TO = 1 << 20
 """Files up to this size (our JSON files, megatron-core's metadata and common state) are hashed;
 the shards are only measured: hashing gigabytes at every save would cost minutes."""
 METRICS_FILE = "metrics.json"
-"""The recorded history, kept in the save directory beside the checkpoints, so a resumed run
-continues its curves and an export reports the final losses."""
+"""The recorded history, kept inside each checkpoint (what a resumed run continues and an export
+reports: written before the checkpoint is published, so the two never disagree, whenever a job
+is killed) and in the save directory (the whole run's, for people and plots)."""
 NON_PERSISTENT_DIR = "non_persistent"
 """Megatron-LM's folder of the non-persistent checkpoints inside --save (and --load), where
 --non-persistent-global-ckpt-dir does not name another."""
@@ -123,15 +127,32 @@ def read_run_info(checkpoint_dir: str | os.PathLike) -> dict | None:
     return json.loads(path.read_text())
 
 
+def history_file(
+    checkpoint_dir: str | os.PathLike, save_dir: str | os.PathLike | None = None
+) -> Path | None:
+    """The history that goes with the checkpoint ``checkpoint_dir`` (an ``iter_*`` directory):
+    the one saved inside it; for checkpoints saved before they held one, the save directory's:
+    beside it, ``save_dir``'s when given (the --load a non-persistent checkpoint was found
+    through), or the one of the --save holding the default non-persistent directory. None when
+    there is none (conversion tools record no history)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    parent = checkpoint_dir.parent
+    candidates = [checkpoint_dir, parent]
+    if save_dir is not None:
+        candidates.append(Path(save_dir))
+    if parent.name == NON_PERSISTENT_DIR:
+        candidates.append(parent.parent)
+    return next((c / METRICS_FILE for c in candidates if (c / METRICS_FILE).is_file()), None)
+
+
 def final_losses(checkpoint_dir: str | os.PathLike) -> dict[str, tuple[int, float]]:
     """The last training and validation loss (of each validation set: ``valid/loss-NAME``)
     recorded up to the checkpoint ``iter_*`` as ``{"train/loss": (iteration, value), ...}``,
-    from the save directory's history (empty when there is none: conversion tools record no
-    losses)."""
+    from its history (:func:`history_file`; empty when there is none)."""
     checkpoint_dir = Path(checkpoint_dir)
     match = _ITERATION_DIR.fullmatch(checkpoint_dir.name)
-    history_path = checkpoint_dir.parent / METRICS_FILE
-    if match is None or not history_path.is_file():
+    history_path = history_file(checkpoint_dir)
+    if match is None or history_path is None:
         return {}
     history = json.loads(history_path.read_text())
     upto = int(match.group(1))

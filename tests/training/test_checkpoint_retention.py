@@ -1,11 +1,11 @@
 """Megatron-LM's --save-retain-interval and global non-persistent checkpoints, checked by their
 effect on tiny runs (6 steps) through the command line: which iterations remain on disk, which
-checkpoint --load resumes, and that a run killed after a non-persistent save continues from it
-bit for bit."""
+checkpoint --load resumes, and that a run killed just after a non-persistent save is published
+continues from it bit for bit, its history included."""
 
 from __future__ import annotations
 
-import signal
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import torch
 
 from megatron.apertus import checkpoint
 from megatron.apertus.checkpoint_files import (
+    METRICS_FILE,
     MODEL_CONFIG,
     NON_PERSISTENT_DIR,
     TRACKER,
@@ -23,7 +24,7 @@ from megatron.apertus.checkpoint_files import (
 )
 from megatron.apertus.training.checkpoint_retention import Retention
 from tests.conftest import PRETRAIN, SMALL_VOCABULARY, read_json, run_entry, series
-from tests.training.test_resume import _start, _wait_for_line, final_weights
+from tests.training.test_resume import final_weights, killed_after_publishing, same_history
 
 ITERS = 6
 BASE = (
@@ -74,6 +75,8 @@ class Killed:
     save: Path
     flags: list[str]
     """The run's flags (non-persistent saves every step, persistent every 2)."""
+    history_at_kill: dict
+    """``SAVE/metrics.json`` as the kill left it."""
     without_type: str
     """What a --skip-train --load of the killed run's directory without
     --non-persistent-ckpt-type printed, before anything resumed from it."""
@@ -82,22 +85,16 @@ class Killed:
 @pytest.fixture(scope="module")
 def killed(retained) -> Killed:
     """A run saving persistently every 2 steps and non-persistently every step, killed (-9)
-    once its non-persistent checkpoint of iteration 3 is saved."""
+    just after its non-persistent checkpoint of iteration 3 is published: before the history
+    beside the checkpoints is written again."""
     root, _, _ = retained
     save = root / "killed"
     flags = NON_PERSISTENT + ["--non-persistent-save-interval", "1"]
     flags += ["--save", str(save), "--save-interval", "2"]
-    proc = _start(BASE + flags)
-    lines: list[str] = []
-    try:
-        _wait_for_line(
-            proc, f"saved checkpoint {save / NON_PERSISTENT_DIR / 'iter_0000003'}", lines
-        )
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    killed_after_publishing(save / NON_PERSISTENT_DIR / "iter_0000003", BASE + flags)
+    history = json.loads((save / METRICS_FILE).read_text())
     control = run_entry(PRETRAIN, BASE + ["--load", str(save), "--skip-train"])
-    return Killed(save, flags, control.stdout)
+    return Killed(save, flags, history, control.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -125,20 +122,28 @@ def test_killed_run_resumes_its_newest_non_persistent_checkpoint_bitwise(retaine
     at, stdout, log = resumed
     save = root / "killed"
     frequent = save / NON_PERSISTENT_DIR
-    assert 3 <= at < ITERS
-    assert f"resumed from {frequent / f'iter_{at:07d}'} at iteration {at}" in stdout
-    # The kill may land before the run's history was written beside the checkpoint: compare
-    # the steps after the resume.
-    after = dict(zip(*series(read_json(log), "train/loss")))
-    reference = dict(zip(ref_steps, ref_losses))
-    assert {s: after[s] for s in range(at + 1, ITERS + 1)} == {
-        s: reference[s] for s in range(at + 1, ITERS + 1)
-    }, "bitwise equal after the resume"
+    assert at == 3
+    assert f"resumed from {frequent / 'iter_0000003'} at iteration 3" in stdout
+    assert series(read_json(log), "train/loss") == (ref_steps, ref_losses), "bitwise equal"
     weights, expected = final_weights(save), final_weights(root / "retained")
     assert weights.keys() == expected.keys()
     assert all(torch.equal(value, expected[key]) for key, value in weights.items())
     assert _left_on_disk(save) == ["iter_0000002", "iter_0000004", "iter_0000006"]
     assert _left_on_disk(frequent) == ["iter_0000005"]
+
+
+def test_a_kill_just_after_publishing_loses_no_history(retained, killed, resumed):
+    """Killed between the publication of iteration 3 and the history's write beside the
+    checkpoints, which then stopped at step 2: the history published inside the checkpoint
+    holds step 3, and the resumed run's history equals the uninterrupted run's, step 3
+    included (--log-json started over from it, and metrics.json)."""
+    root, _, _ = retained
+    assert [it for it, _ in killed.history_at_kill["train/loss"]] == [1, 2], "the kill's moment"
+    _, _, log = resumed
+    expected = json.loads((root / "retained" / METRICS_FILE).read_text())
+    assert [it for it, _ in expected["train/loss"]] == list(range(1, ITERS + 1))
+    assert same_history(json.loads((killed.save / METRICS_FILE).read_text()), expected)
+    assert same_history(read_json(log), read_json(root / "retained.json"))
 
 
 def test_a_newer_persistent_checkpoint_wins(killed, resumed):

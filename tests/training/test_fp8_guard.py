@@ -15,6 +15,7 @@ from megatron.core import dist_checkpointing
 
 import pretrain_gpt
 from megatron.apertus import checkpoint
+from megatron.apertus.checkpoint_files import NON_PERSISTENT_DIR
 from megatron.apertus.training import step as step_module
 from megatron.apertus.training.fp8_guard import (
     DECISIONS_FILE,
@@ -199,7 +200,7 @@ def test_a_spike_switches_the_layers_above_their_bounds_else_every_layer(tmp_pat
 def test_layers_in_bf16_raise_no_gemm_alarm_and_a_commit_is_kept(tmp_path):
     run = guarded("bf16-layers", tmp_path, fp8_guard_kurtosis=60.0, fp8_guard_intervals=1)
     switch = run.after_step(4, step(), {"layer002/fc2/kurtosis": 181.0})
-    taken = run.commit(switch, resumed_from=2)
+    taken = run.commit(switch, tmp_path / "iter_0000002")
     assert taken.resumed_from == 2 and run.bf16_layers == {2}
     assert run.after_step(6, step(), {"layer002/fc2/kurtosis": 190.0}) is None
     assert run.guard.state()["decisions"] == [taken.record()]
@@ -452,6 +453,34 @@ def test_bf16_layers_goes_back_to_the_checkpoint_before_the_alarm_and_keeps_the_
     reference = from_checkpoint(save, 2, ["--bf16-layers", "2"])
     assert list(reference) == [3, 4, 5, 6]
     assert train_losses(history, after=2) == reference
+
+
+def test_bf16_layers_goes_back_to_a_newer_non_persistent_checkpoint(tmp_path, caplog):
+    """Persistent checkpoints every 2 steps and a non-persistent one at step 3: the alarm at step
+    4 goes back to that one, the newer of the two kinds (as a --load of --save takes it), so
+    only step 4 is trained twice, and the run from there trains exactly as one started from
+    that checkpoint with --bf16-layers 2. The decision is also written beside it, where a job
+    requeued onto it finds it."""
+    save = tmp_path / "ckpt"
+    frequent = save / NON_PERSISTENT_DIR
+    flags = switching("bf16-layers", save)
+    flags += ["--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "3"]
+    passes = []
+    with caplog.at_level(logging.INFO, logger="apertus"), outlier_after(2):
+        with after_backward(lambda n, model: passes.append(n)):
+            history = train(pretrain_gpt.parse_args(flags))
+    assert history["completed"]
+    lines = guard_lines(caplog)
+    assert lines[1].endswith("layer 2 continue in bf16 from the checkpoint of iteration 3")
+    assert f"resumed from {frequent / 'iter_0000003'} at iteration 3" in caplog.text
+    assert len(passes) == 7, "steps 1 to 6 and step 4 again"
+    (decision,) = json.loads((save / DECISIONS_FILE).read_text())
+    assert decision["resumed_from"] == 3
+    assert decisions_at(frequent / "iter_0000003") == [decision]
+
+    reference = from_checkpoint(frequent, 3, ["--bf16-layers", "2"])
+    assert list(reference) == [4, 5, 6]
+    assert train_losses(history, after=3) == reference
 
 
 def test_bf16_decision_outlives_a_job_that_ends_before_its_next_save(tmp_path, caplog):

@@ -4,6 +4,7 @@ interrupted saves."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from megatron.apertus import checkpoint
+from megatron.apertus.checkpoint_files import METRICS_FILE
 from tests.conftest import (
     PRETRAIN,
     REPO,
@@ -26,6 +28,7 @@ from tests.conftest import (
     run_entry,
     series,
 )
+from tests.training import die_after_publishing
 from tests.training.test_first_hour import refused
 
 ITERS = 6
@@ -234,6 +237,53 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, lines: list[str]) -> Non
         if needle in line:
             return
     raise AssertionError(f"process ended before printing {needle!r}:\n{''.join(lines[-30:])}")
+
+
+TIMED = ("train/step_seconds", "train/throughput")
+"""Recorded series whose values are clock readings: only their iterations repeat between runs."""
+
+
+def same_history(history: dict, expected: dict) -> bool:
+    """Whether two runs' ``metrics.json`` record the same: every series at the same iterations,
+    with the same values except clock readings."""
+
+    def comparable(recorded: dict) -> dict:
+        return {
+            name: [it for it, _ in entries] if name in TIMED else entries
+            for name, entries in recorded.items()
+        }
+
+    return comparable(history) == comparable(expected)
+
+
+def killed_after_publishing(checkpoint_dir: Path, args: list[str]) -> str:
+    """Run pretrain_gpt.py with ``args`` until ``checkpoint_dir`` is published, then SIGKILL
+    (:mod:`tests.training.die_after_publishing`); its output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = die_after_publishing.command(checkpoint_dir, PRETRAIN, args)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:]
+    assert f"saved checkpoint {checkpoint_dir}" in proc.stdout
+    return proc.stdout
+
+
+def test_a_kill_just_after_a_save_is_published_loses_no_history(uninterrupted):
+    """SIGKILL right after the checkpoint of step 5, the run's first, is published, before the
+    run writes its history beside the checkpoints: the restart continues the history published
+    inside the checkpoint, and ends with the uninterrupted run's losses and metrics.json."""
+    root, (ref_steps, ref_losses), _ = uninterrupted
+    save, log = root / "killed-after-publishing", root / "killed-after-publishing.json"
+    flags = COMMON + ["--save", str(save), "--save-interval", "5"]
+    killed_after_publishing(save / "iter_0000005", flags)
+    assert checkpoint.latest_iteration(save) == 5
+    assert not (save / METRICS_FILE).exists(), "killed before the history beside it was written"
+    run_entry(PRETRAIN, flags + ["--load", str(save), "--log-json", str(log)])
+    assert series(read_json(log), "train/loss") == (ref_steps, ref_losses)
+    history = json.loads((save / METRICS_FILE).read_text())
+    assert same_history(history, json.loads((root / "full" / METRICS_FILE).read_text()))
 
 
 @pytest.mark.parametrize(

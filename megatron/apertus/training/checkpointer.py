@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,11 @@ from megatron.core.num_microbatches_calculator import update_num_microbatches
 
 from megatron.apertus import checkpoint
 from megatron.apertus.checkpoint import TrainingState
-from megatron.apertus.checkpoint_files import read_run_info, saved_iterations
+from megatron.apertus.checkpoint_files import (
+    non_persistent_dir,
+    read_run_info,
+    saved_iterations,
+)
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.optim.builder import OptimizerSettings
@@ -373,12 +378,20 @@ class Checkpointer:
         )
 
     def save(
-        self, model: list, state: TrainingState, optimizer, scheduler, *, persistent: bool = True
+        self,
+        model: list,
+        state: TrainingState,
+        optimizer,
+        scheduler,
+        *,
+        persistent: bool = True,
+        history: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write the checkpoint of ``state`` (every rank) to --save or, not ``persistent``, to
-        the non-persistent directory; published now or, in the background, once every rank has
-        written it, and then what it replaces is removed; without the optimizer and its schedule
-        under --no-save-optim, without RNG states under --no-save-rng."""
+        the non-persistent directory, with the run's history (``history(directory)`` writes it
+        into the unpublished checkpoint); published now or, in the background, once every rank
+        has written it, and then what it replaces is removed; without the optimizer and its
+        schedule under --no-save-optim, without RNG states under --no-save-rng."""
         optimizer_kept = not self.config.no_save_optim
         retention = self.retention if persistent else self.frequent
         with synced_parameters(model):
@@ -392,14 +405,23 @@ class Checkpointer:
                 rng=not self.config.no_save_rng,
                 run_info=run_info(self.run, state),
                 options=self.options,
+                add_files=history,
                 on_published=partial(_published, retention),
             )
 
     def last_saved(self) -> Path | None:
-        """The newest checkpoint in --save, once every background save is published (all
-        ranks); None without --save or before its first checkpoint."""
+        """The run's newest checkpoint, once every background save is published (all ranks):
+        in --save or, under --non-persistent-ckpt-type global, in the non-persistent directory,
+        the newer of the two as a --load of --save takes it (Megatron-LM's rule); None without
+        --save or before the first checkpoint."""
         self.finish()
-        return checkpoint.find_checkpoint(self.config.save) if self.saves else None
+        if not self.saves:
+            return None
+        config = self.config
+        frequent = None
+        if config.non_persistent_ckpt_type is not None:
+            frequent = non_persistent_dir(config.save, config.non_persistent_global_ckpt_dir)
+        return named_checkpoint(config.save, None, frequent)
 
     def finish(self) -> None:
         """Wait until every background save is written and published (all ranks), and what

@@ -20,10 +20,11 @@ alarms, records them, and says when the run must stop or switch layers out of FP
 
 A switch (``bf16-layers``, ``bf16``) is carried out in the running job: the layers leave FP8
 (:mod:`megatron.apertus.model.precision`) and the trainer goes back to the last checkpoint saved
-before the alarm. The decision is written at once to the save directory
-(:data:`DECISIONS_FILE`), then into every later checkpoint: a job that dies before its next save
-is requeued onto that same checkpoint (the newest one) with the same layers out of FP8
-(:func:`decisions_at`).
+before the alarm, persistent or not (the newer of the two kinds, as a --load takes it). The
+decision is written at once to the save directory (:data:`DECISIONS_FILE`; also beside a
+non-persistent checkpoint gone back to), then into every later checkpoint: a job that dies
+before its next save is requeued onto that same checkpoint (the newest one) with the same layers
+out of FP8 (:func:`decisions_at`).
 
 This module imports neither torch nor megatron-core at module level: its configuration is
 part of the command line, which must parse without them.
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
+from megatron.apertus.checkpoint_files import checkpoint_iteration
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help
 
@@ -53,7 +55,8 @@ SWITCHES = ("bf16-layers", "bf16")
 CHECKPOINT_KEY = "fp8_guard"
 """The guard's entry in a checkpoint's extra training state."""
 DECISIONS_FILE = "fp8_guard_decisions.json"
-"""Beside the checkpoints in ``--save``: every switch decision, written when it is taken."""
+"""Beside the checkpoints in ``--save``: every switch decision, written when it is taken (and
+beside the non-persistent checkpoint it goes back to, when it goes back to one)."""
 GEMM_STATISTICS = ("kurtosis", "underflow", "overflow")
 """The GEMM-input statistics the guard reads; it turns on those the run does not log."""
 
@@ -425,7 +428,7 @@ class Switch:
         )
 
 
-def write_decision(save_dir: str, switch: Switch) -> None:
+def write_decision(save_dir: str | Path, switch: Switch) -> None:
     """Append ``switch`` to ``save_dir``'s :data:`DECISIONS_FILE` (atomically; one writer)."""
     path = Path(save_dir) / DECISIONS_FILE
     decisions = read_decisions(Path(save_dir)) + [switch.record()]
@@ -442,9 +445,9 @@ def read_decisions(save_dir: Path) -> list[dict]:
 
 def decisions_at(checkpoint_dir: Path | None) -> list[dict]:
     """The decisions that hold for a run continuing from ``checkpoint_dir`` (an ``iter_*``
-    directory): those its guard state carries, and those its save directory's
-    :data:`DECISIONS_FILE` names it for (taken after it was saved; a job that ended before its
-    next save left them nowhere else)."""
+    directory, persistent or not): those its guard state carries, and those the
+    :data:`DECISIONS_FILE` of its directory names it for (taken after it was saved; a job that
+    ended before its next save left them nowhere else)."""
     if checkpoint_dir is None:
         return []
     from megatron.core import dist_checkpointing
@@ -558,13 +561,15 @@ class GuardedRun:
             return None
         return Switch(self.cfg.fp8_guard_action, tuple(sorted(layers)), iteration, why)
 
-    def commit(self, switch: Switch, resumed_from: int) -> Switch:
-        """Take ``switch`` (every rank), going back to the checkpoint of iteration
-        ``resumed_from``: its layers count as bf16 from now on, it is said in the log and the
-        metrics, written to --save's :data:`DECISIONS_FILE` (by global rank 0) and kept in the
-        guard's state for every later checkpoint."""
+    def commit(self, switch: Switch, checkpoint_dir: Path) -> Switch:
+        """Take ``switch`` (every rank), going back to the checkpoint ``checkpoint_dir``: its
+        layers count as bf16 from now on, it is said in the log and the metrics, written (by
+        global rank 0) to --save's :data:`DECISIONS_FILE` and, for a non-persistent checkpoint,
+        to the one beside it (where :func:`decisions_at` looks when a job is requeued onto it),
+        and kept in the guard's state for every later checkpoint."""
         import torch
 
+        resumed_from = checkpoint_iteration(checkpoint_dir)
         switch = Switch(**{**asdict(switch), "resumed_from": resumed_from})
         self.guard.decisions.append(switch.record())
         self.guard.exempt_layers(switch.layers)
@@ -575,7 +580,8 @@ class GuardedRun:
             self.metrics.record(f"{name}/resumed_from", switch.iteration, resumed_from)
             self.metrics.flush()
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            write_decision(self.save_dir, switch)
+            for directory in dict.fromkeys([Path(self.save_dir), checkpoint_dir.parent]):
+                write_decision(directory, switch)
         return switch
 
     def resumed(self, state: dict | None) -> None:

@@ -32,7 +32,6 @@ from megatron.core.num_microbatches_calculator import (
 
 from megatron.apertus import parallel
 from megatron.apertus.checkpoint import TrainingState, trusting_fp8_state
-from megatron.apertus.checkpoint_files import checkpoint_iteration
 from megatron.apertus.model.precision import set_bf16_layers
 from megatron.apertus.training import runtime
 from megatron.apertus.training.checkpoint_config import CheckpointConfig
@@ -191,6 +190,7 @@ class Trainer:
             model=self.model,
             optimizer=self.optimizer,
             state=self.state,
+            resumed_from=self.resume_from,
             device=self.device,
             dp=self.dp,
             timers=self.timers,
@@ -301,15 +301,15 @@ class Trainer:
         return False
 
     def _continue_in_bf16(self, switch: Switch) -> None:
-        """Carry out ``switch`` in this job: its layers leave FP8 and the run continues from the
-        newest checkpoint in --save (every background save published first: the last saved
-        before the alarm), as a job started from it with those layers in --bf16-layers would:
-        weights, optimizer, schedule, RNG states, data position and the guard's counts are the
-        checkpoint's. Without a checkpoint to go back to, the run stops."""
+        """Carry out ``switch`` in this job: its layers leave FP8 and the run continues from its
+        newest checkpoint, persistent or not (every background save published first: the last
+        saved before the alarm), as a job started from it with those layers in --bf16-layers
+        would: weights, optimizer, schedule, RNG states, data position and the guard's counts
+        are the checkpoint's. Without a checkpoint to go back to, the run stops."""
         found = self.checkpointer.last_saved()
         if found is None:
             raise TrainingStopped(switch.no_checkpoint_line(self.cfg.checkpoint.save))
-        self.fp8_guard.commit(switch, resumed_from=checkpoint_iteration(found))
+        self.fp8_guard.commit(switch, found)
         set_bf16_layers(self.model, self.fp8_guard.bf16_layers)
         self.objective.close()
         self.resume_from = found
@@ -335,7 +335,12 @@ class Trainer:
             return
         self.fp8_guard.save_into(self.state.extra)
         path = self.checkpointer.save(
-            self.model, self.state, self.optimizer, self.scheduler, persistent=persistent
+            self.model,
+            self.state,
+            self.optimizer,
+            self.scheduler,
+            persistent=persistent,
+            history=self.reporter.write_history,
         )
         self.gc.boundary()
         self.reporter.saved(path, self.state, background=self.checkpointer.in_background)

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from megatron.apertus.checkpoint import TrainingState
-from megatron.apertus.checkpoint_files import METRICS_FILE
+from megatron.apertus.checkpoint_files import METRICS_FILE, history_file
 from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.flops import flops_per_token
 from megatron.apertus.training.config import RunConfig
@@ -68,22 +68,24 @@ class Reporter:
         model: list,
         optimizer,
         state: TrainingState,
+        resumed_from: Path | None,
         device: torch.device,
         dp: int,
         timers: StepTimers,
     ) -> None:
+        """``resumed_from``: the checkpoint ``state`` comes from (None: a fresh start)."""
         self.cfg, self.objective, self.model, self.optimizer = cfg, objective, model, optimizer
         self.device, self.timers = device, timers
-        self.metrics = self._metrics(state)
+        self.metrics = self._metrics(state, resumed_from)
         self.total_iterations = cfg.training.total_iterations(dp)
         self.interval = LogInterval()
         self.logged_once = False
         self.gemm_monitor = self._gemm_monitor()
         self.progress = self._progress_log(state)
 
-    def _metrics(self, state: TrainingState) -> Metrics:
-        """TensorBoard and wandb on the reporting rank, the history continued from a resumed
-        checkpoint's, and the JSON log started from it."""
+    def _metrics(self, state: TrainingState, resumed_from: Path | None) -> Metrics:
+        """TensorBoard and wandb on the reporting rank, the history continued from the one the
+        resumed checkpoint holds (:func:`history_file`), and the JSON log started from it."""
         cfg, logging_cfg = self.cfg, self.cfg.logging
         metrics = Metrics(
             tensorboard_dir=logging_cfg.tensorboard_dir if is_reporting_rank() else None,
@@ -92,8 +94,10 @@ class Reporter:
             config={k: asdict(v) for k, v in vars(cfg).items()},
             tensorboard_queue_size=logging_cfg.tensorboard_queue_size,
         )
-        if cfg.checkpoint.load and state.iteration > 0:
-            metrics.restore(Path(cfg.checkpoint.load) / METRICS_FILE, state.iteration)
+        if resumed_from is not None and state.iteration > 0:
+            history = history_file(resumed_from, cfg.checkpoint.load)
+            if history is not None:
+                metrics.restore(history, state.iteration)
         if logging_cfg.log_json and is_reporting_rank():
             metrics.open_json_log(logging_cfg.log_json)
         return metrics
@@ -314,6 +318,12 @@ class Reporter:
         if plot is None and self.cfg.checkpoint.save:
             plot = str(Path(self.cfg.checkpoint.save) / "loss.png")
         return plot
+
+    def write_history(self, directory: Path) -> None:
+        """The history so far into ``directory``, a checkpoint being saved (every rank calls
+        it; the reporting rank, which holds the history, writes)."""
+        if is_reporting_rank():
+            self.metrics.snapshot(directory / METRICS_FILE)
 
     def saved(self, path: Path, state: TrainingState, *, background: bool) -> None:
         """After a save of ``state``: the history beside the checkpoints, the plot redrawn, all
