@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -10,6 +11,7 @@ import torch
 
 import pretrain_gpt
 from megatron.apertus import checkpoint
+from megatron.apertus.checkpoint_files import final_losses
 from megatron.apertus.training.loop import TrainingStopped, train
 from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_entry, series
 
@@ -137,3 +139,20 @@ def test_trigger_files_save_and_exit(tmp_path):
     assert "exit requested by trigger file" in proc.stdout
     assert checkpoint.latest_iteration(tmp_path / "ckpt") == 1
     assert not (triggers / "save").exists(), "an honoured save request is removed"
+
+
+def test_the_last_checkpoint_holds_the_final_validation(tmp_path):
+    """The run's last step falls on --save-interval: its validation pass comes before that save,
+    so the checkpoint's own history, the save directory's and an export's model card
+    (``final_losses``) all hold the final validation loss, the one the run returns."""
+    save = tmp_path / "save"
+    history = train(
+        pretrain_gpt.parse_args(
+            BASE + ["--train-iters", "2", "--save-interval", "2", "--save", str(save)]
+        )
+    )
+    final = series(history, "valid/loss")
+    assert final[0] == [2]
+    for recorded in (save / "iter_0000002" / "metrics.json", save / "metrics.json"):
+        assert series(json.loads(recorded.read_text()), "valid/loss") == final
+    assert final_losses(save / "iter_0000002")["valid/loss"] == (2, final[1][0])

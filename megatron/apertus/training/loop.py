@@ -205,6 +205,8 @@ class Trainer:
             device=self.device,
             perplexity=cfg.logging.log_validation_ppl_to_tensorboard,
         )
+        self.validated_at: int | None = None
+        """The iteration the last validation pass was at."""
         self.fp8_guard = GuardedRun(
             cfg.fp8_guard,
             reporting=is_reporting_rank(),
@@ -280,12 +282,16 @@ class Trainer:
             return False
         self._stop_if_unhealthy(result)
         self.gc.step(self.state.iteration)
-        if self.validator.due(self.state.iteration):
-            self.validator.validate(self.state)
+        if self.validator.due(self.state.iteration) or self._finished():
+            self._validate()  # the last step's before its save: the checkpoint's history has it
         after = self.checkpointer.after_step(self.state.iteration)
         if after.save:
             self._save_trained(persistent=after.persistent)
         return after.exit
+
+    def _validate(self) -> None:
+        self.validator.validate(self.state)
+        self.validated_at = self.state.iteration
 
     def _went_back(self, result: StepResult) -> bool:
         """Let the FP8 guard judge the step: save and stop when it says so; when it switches
@@ -363,12 +369,12 @@ class Trainer:
     def run(self) -> dict:
         """Train to the end (or an exit request); returns the recorded history."""
         if self.state.iteration == 0 and self.validator.due(0):
-            self.validator.validate(self.state)
+            self._validate()
         while not self._finished():
             if self._train_one_step():
                 return self._close(completed=False)
-        if not self.validator.due(self.state.iteration):
-            self.validator.validate(self.state)
+        if self.validated_at != self.state.iteration:  # the last iteration was skipped
+            self._validate()
         if not self.checkpointer.interval_saves(self.state.iteration):
             self._save_trained()
         return self._close(completed=True)
