@@ -125,7 +125,7 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     ``given``: the destinations the command line set
     (:func:`~megatron.apertus.flags.given_destinations`), for the flags that must not appear
     without another even at their default values."""
-    from megatron.apertus.parallel import resolve_device
+    from megatron.apertus.parallel import check_launch, resolve_device
 
     config = RunConfig(**groups_from_arguments(args))
     check_mock_data(config)
@@ -135,6 +135,7 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
         virtual_pipeline=config.parallel.virtual_pipeline_model_parallel_size is not None,
     )
     device = resolve_device(config.training.device)
+    check_launch(config.parallel, device)
     impl = validate_engine(config.engine, device=device, num_layers=config.model.num_layers)
     check_cuda_graphs(config, device=device, impl=impl, engine=config.engine)
     config.profiling.check(device=device, tensorboard_dir=config.logging.tensorboard_dir)

@@ -257,6 +257,14 @@ FLAGS: tuple[MegatronFlag, ...] = (
         accepts=("assume_ok_unexpected", "raise_unexpected"),
         choices=STRICTNESS,
     ),
+    # -- the command line itself ---------------------------------------------------------------
+    MegatronFlag(
+        "--yaml-cfg",
+        refusal="Megatron-LM's experimental YAML file (a nested schema of its own that replaces "
+        "the whole command line) is not implemented; give the flags on the command line, a long "
+        "blend in --data-args-path",
+        takes=str,
+    ),
     # -- logging -------------------------------------------------------------------------------
     MegatronFlag(
         "--log-throughput",
