@@ -148,6 +148,10 @@ class ApertusConfig:
         A parser without the tokenizer flags (the launch planner's) checks the preset's
         vocabulary instead of loading a tokenizer.
         """
+        if args.vocab_size is None and getattr(args, "tokenizer_type", None) == "NullTokenizer":
+            raise ConfigError(
+                "--tokenizer-type NullTokenizer needs --vocab-size: its ids are 0 to --vocab-size - 1"
+            )
         model = from_arguments(cls, args, base=preset(args.model_preset))
         if args.kv_channels not in (None, model.kv_channels):
             raise ConfigError(

@@ -33,7 +33,7 @@ from megatron.apertus.model.engine import (
     validate_engine,
 )
 from megatron.apertus.prep.corpus import embedded_corpus_prefix
-from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer, null_tokenizer
 from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.run_log import warn_if_slow_precision
 
@@ -120,7 +120,12 @@ def is_reporting_rank() -> bool:
 
 
 def tokenizer(data: DataConfig, model: ApertusConfig) -> Tokenizer:
-    """The run's tokenizer, refused when its ids do not fit the model's vocabulary."""
+    """The run's tokenizer, refused when its ids do not fit the model's vocabulary; a
+    ``NullTokenizer``'s ids are the model's vocabulary."""
+    if data.tokenizer_type == "NullTokenizer":
+        return null_tokenizer(
+            model.vocab_size, data.null_tokenizer_eod_id, data.null_tokenizer_pad_id
+        )
     built = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
     if built.vocab_size > model.vocab_size:
         raise ConfigError(
