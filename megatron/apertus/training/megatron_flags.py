@@ -12,7 +12,8 @@ Nothing here changes a run. Megatron-LM flags that do change one are fields of t
 (``--bf16``, ``--use-rope-scaling``, ``--make-vocab-size-divisible-by``,
 ``--num-layers-per-virtual-pipeline-stage``, ``--distributed-timeout-minutes``, ``--finetune``,
 ``--manual-gc``, ``--log-params-norm``, ``--overlap-grad-reduce``, ``--async-save``,
-``--num-workers``, ``--log-progress`` ...).
+``--num-workers``, ``--log-progress``, ``--loss-scale``, ``--use-cpu-initialization``,
+``--data-parallel-random-init``, ``--distributed-backend``, ``--local-rank`` ...).
 """
 
 from __future__ import annotations
