@@ -462,6 +462,7 @@ BASE = ["--train-iters", "1", "--device", "cpu"]
         (["--fp32-residual-connection"], "--fp32-residual-connection: the residual stream"),
         (["--vocab-file", "vocab.json"], "--vocab-file vocab.json: GPT-2 BPE vocabulary files"),
         (["--tp-comm-overlap"], "--tp-comm-overlap: Transformer Engine's userbuffer overlap"),
+        (["--window-size", "4096,0"], "--window-size 4096,0: every layer attends to the whole"),
     ],
 )
 def test_what_we_do_not_implement_is_refused_naming_the_flag(flags, line, capsys):
@@ -532,6 +533,7 @@ def test_restated_architecture_changes_nothing():
         "te",
         "--vocab-extra-ids",
         "0",
+        "--trust-remote-code",
     ]
     assert pretrain_gpt.parse_args(BASE + restated) == pretrain_gpt.parse_args(BASE)
 
@@ -574,6 +576,13 @@ def test_megatron_spellings_of_our_switches():
         BASE + ["--no-fused-output-loss", "--cross-entropy-loss-fusion"]
     )
     assert fused.training.fused_output_loss
+    default = pretrain_gpt.parse_args(BASE)
+    assert default.training.manual_gc_eval and default.logging.log_loss_scale_to_tensorboard
+    disabled = pretrain_gpt.parse_args(
+        BASE + ["--disable-manual-gc-eval", "--disable-log-loss-scale-to-tensorboard"]
+    )
+    assert not disabled.training.manual_gc_eval
+    assert not disabled.logging.log_loss_scale_to_tensorboard
 
 
 @pytest.mark.parametrize(

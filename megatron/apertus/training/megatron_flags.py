@@ -192,6 +192,18 @@ FLAGS: tuple[MegatronFlag, ...] = (
         accepts=("vanilla",),
         choices=("vanilla", "off-by-one", "learnable"),
     ),
+    MegatronFlag(
+        "--embedding-init-method-std",
+        refusal="the embeddings initialise normal(0, --init-method-std) like every weight; a "
+        "separate standard deviation is " + NOT_YET,
+        takes=float,
+    ),
+    MegatronFlag(
+        "--window-size",
+        refusal="every layer attends to the whole causal context; sliding-window attention is "
+        "not implemented",
+        takes=str,
+    ),
     *(
         MegatronFlag(
             flag,
@@ -349,6 +361,17 @@ FLAGS: tuple[MegatronFlag, ...] = (
             takes=str,
         )
         for flag in ("--vocab-file", "--merge-file")
+    ),
+    MegatronFlag(
+        "--trust-remote-code",
+        "changes nothing: no tokenizer code runs here (HuggingFaceTokenizer reads "
+        "tokenizer.json with the tokenizers library)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--tokenizer-hf-no-use-fast",
+        refusal="HuggingFaceTokenizer is the fast tokenizer of a tokenizer.json; slow Python "
+        "tokenizers are not implemented",
     ),
     MegatronFlag(
         "--vocab-extra-ids",
