@@ -453,6 +453,16 @@ BASE = ["--train-iters", "1", "--device", "cpu"]
         ),
         (["--exit-signal", "SIGSEGV"], "--exit-signal SIGSEGV: choose one of SIGTERM, SIGINT"),
         (["--xielu-bet", "0.5"], "unrecognized arguments: --xielu-bet 0.5"),
+        (["--rope-type", "yarn"], "--rope-type yarn: YaRN is not implemented"),
+        (["--batch-size", "4"], "--batch-size 4: Megatron-LM's removed spelling; give "),
+        (["--checkpoint-activations"], "--checkpoint-activations: Megatron-LM's removed spelling"),
+        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16: lower-precision optimizer state"),
+        (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16: gradients reduce in fp32 (always)"),
+        (["--decoder-last-pipeline-num-layers", "1"], "--decoder-last-pipeline-num-layers 1: "),
+        (["--fp32-residual-connection"], "--fp32-residual-connection: the residual stream"),
+        (["--vocab-file", "vocab.json"], "--vocab-file vocab.json: GPT-2 BPE vocabulary files"),
+        (["--tp-comm-overlap"], "--tp-comm-overlap: Transformer Engine's userbuffer overlap"),
+        (["--window-size", "4096,0"], "--window-size 4096,0: every layer attends to the whole"),
     ],
 )
 def test_what_we_do_not_implement_is_refused_naming_the_flag(flags, line, capsys):
@@ -508,6 +518,22 @@ def test_restated_architecture_changes_nothing():
         "--no-persist-layer-norm",
         "--attention-softmax-in-fp32",
         "--no-create-attention-mask-in-dataloader",
+        "--rope-type",
+        "rope",
+        "--softmax-type",
+        "vanilla",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--main-params-dtype",
+        "fp32",
+        "--exp-avg-dtype",
+        "fp32",
+        "--exp-avg-sq-dtype",
+        "fp32",
+        "--cross-entropy-fusion-impl",
+        "te",
+        "--vocab-extra-ids",
+        "0",
+        "--trust-remote-code",
     ]
     assert pretrain_gpt.parse_args(BASE + restated) == pretrain_gpt.parse_args(BASE)
 
@@ -550,6 +576,13 @@ def test_megatron_spellings_of_our_switches():
         BASE + ["--no-fused-output-loss", "--cross-entropy-loss-fusion"]
     )
     assert fused.training.fused_output_loss
+    default = pretrain_gpt.parse_args(BASE)
+    assert default.training.manual_gc_eval and default.logging.log_loss_scale_to_tensorboard
+    disabled = pretrain_gpt.parse_args(
+        BASE + ["--disable-manual-gc-eval", "--disable-log-loss-scale-to-tensorboard"]
+    )
+    assert not disabled.training.manual_gc_eval
+    assert not disabled.logging.log_loss_scale_to_tensorboard
 
 
 @pytest.mark.parametrize(
@@ -576,6 +609,12 @@ def test_vocabulary_padding(tp, flags, vocab, tokenizer_dir):
         BASE + tokenizer + flags + ["--tensor-model-parallel-size", str(tp)]
     )
     assert cfg.model.vocab_size == vocab
+
+
+def test_virtual_stages_per_pipeline_rank_is_megatron_lms_spelling():
+    flags = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+    cfg = pretrain_gpt.parse_args(BASE + flags)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
 
 
 @pytest.mark.parametrize("per_stage, stages", [(1, 2), (2, None)])

@@ -39,10 +39,17 @@ ALIASES = {
     "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"],
     "rope_scaling": ["--use-rope-scaling"],
     "fused_output_loss": ["--cross-entropy-loss-fusion"],
+    "virtual_pipeline_model_parallel_size": ["--num-virtual-stages-per-pipeline-rank"],
 }
 """Megatron-LM's own spellings, kept beside the generated flag names. A boolean's alias only
 switches on, as Megatron-LM's does (``--cross-entropy-loss-fusion``: a fused cross-entropy, here
 the fused output layer + loss)."""
+
+NEGATIONS = {
+    "manual_gc_eval": ["--disable-manual-gc-eval"],
+    "log_loss_scale_to_tensorboard": ["--disable-log-loss-scale-to-tensorboard"],
+}
+"""Megatron-LM's other spelling of a ``--no-`` flag: it switches the (default on) field off."""
 
 ADDITION_MARK = " [megatron-apertus addition]"
 """Ends the help of a flag neither Megatron-LM nor the Apertus fork has (``"ours"`` fields)."""
@@ -153,14 +160,16 @@ def add_arguments(
         elif kind is bool:
             action = "store_true" if f.metadata.get("switch") else argparse.BooleanOptionalAction
             group.add_argument(_flag(name), action=action, **kwargs)
-            for alias in ALIASES.get(name, []):
+            spellings = [(alias, True, "") for alias in ALIASES.get(name, [])]
+            spellings += [(alias, False, "no-") for alias in NEGATIONS.get(name, [])]
+            for alias, value, negated in spellings:
                 group.add_argument(
                     alias,
                     dest=name,
                     action="store_const",
-                    const=True,
+                    const=value,
                     default=argparse.SUPPRESS,
-                    help=f"Megatron-LM's spelling of {_flag(name)}",
+                    help=f"Megatron-LM's spelling of --{negated}{name.replace('_', '-')}",
                 )
         elif typing.get_origin(kind) is list:
             flags = [_flag(name), *ALIASES.get(name, [])]

@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron.apertus import cpu_compat
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ParallelConfig, validate_layout
 
 
@@ -45,8 +46,43 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(device: str, timeout_minutes: int | None = None) -> None:
-    """Start torch.distributed from the environment, or as a world of one when none is set.
+def check_launch(layout: ParallelConfig, device: str) -> None:
+    """Refuse ``--distributed-backend`` and ``--local-rank`` values this process cannot start
+    with: NCCL without CUDA, gloo for a GPU run (megatron-core's gradient reduce-scatter has no
+    gloo implementation for CUDA tensors), a local rank that contradicts the launcher's
+    ``LOCAL_RANK``."""
+    backend = layout.distributed_backend
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError(
+            "--distributed-backend nccl needs CUDA, and this run is on the CPU: give gloo, or "
+            "drop the flag (the CPU's default is gloo)"
+        )
+    if backend == "gloo" and device == "cuda":
+        raise ConfigError(
+            "--distributed-backend gloo on a GPU is not implemented: megatron-core's collectives "
+            "on CUDA tensors (the gradient reduce-scatter) need nccl; give nccl or --device cpu"
+        )
+    launched = os.environ.get("LOCAL_RANK")
+    if layout.local_rank is not None and launched not in (None, str(layout.local_rank)):
+        raise ConfigError(
+            f"--local-rank {layout.local_rank} contradicts the launcher's LOCAL_RANK={launched}"
+        )
+
+
+def local_rank(layout: ParallelConfig) -> int:
+    """This process's rank on its node: ``--local-rank``, else the launcher's ``LOCAL_RANK``,
+    else 0."""
+    if layout.local_rank is not None:
+        return layout.local_rank
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def init_distributed(
+    device: str, timeout_minutes: int | None = None, *, local_rank: int = 0
+) -> None:
+    """Start torch.distributed from the environment, or as a world of one when none is set:
+    NCCL on CUDA device ``local_rank``, gloo on the CPU (:func:`check_launch` refused any other
+    ``--distributed-backend``).
 
     A world of one gets its own free port and leaves ``os.environ`` alone, so subprocesses
     started later (tests, tools) do not inherit a rendezvous that is not theirs.
@@ -55,7 +91,7 @@ def init_distributed(device: str, timeout_minutes: int | None = None) -> None:
     if dist.is_initialized():
         return
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
     if "WORLD_SIZE" in os.environ:
@@ -87,17 +123,21 @@ def initialize(
     seed: int,
     model=None,
     te_rng_tracker: bool = False,
+    data_parallel_random_init: bool = False,
 ) -> int:
     """Set up everything a training or conversion process needs; returns the data-parallel size
     (context-parallel ranks share their data and are not counted in it).
-    ``te_rng_tracker``: see :func:`set_seed` (CUDA graphs).
+    ``te_rng_tracker``: see :func:`set_seed` (CUDA graphs). ``data_parallel_random_init``: each
+    data-parallel rank seeds with ``seed`` + 10 x its rank (Megatron-LM's offset; the caller
+    copies data-parallel rank 0's weights to the others once the model is built).
 
     ``model`` (an :class:`ApertusConfig`) is checked against the layout before any group exists.
     """
     if device == "cpu":
         cpu_compat.enable()
     timeout = parallel.distributed_timeout_minutes
-    init_distributed(device, timeout)
+    check_launch(parallel, device)
+    init_distributed(device, timeout, local_rank=local_rank(parallel))
     if model is not None:
         validate_layout(model, parallel, dist.get_world_size())
     parallel_state.initialize_model_parallel(
@@ -108,6 +148,8 @@ def initialize(
         hierarchical_context_parallel_sizes=parallel.hierarchical_context_parallel_sizes,
         **({} if timeout is None else {"distributed_timeout_minutes": timeout}),
     )
+    if data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
     set_seed(seed, te_rng_tracker=te_rng_tracker)
     return parallel_state.get_data_parallel_world_size()
 

@@ -95,6 +95,11 @@ def tokenizer_source(
             f"unknown; pass --tokenizer ({TOKENIZER_FLAG_HELP})"
         )
     recorded = run_info["tokenizer"]
+    if recorded["type"] == "NullTokenizer":
+        raise ConversionError(
+            f"the run that saved {checkpoint} trained with --tokenizer-type NullTokenizer (ids, "
+            f"no vocabulary), which a Hugging Face model cannot carry; pass --tokenizer"
+        )
     model = recorded.get("model")
     if model is not None and not Path(model).exists():
         raise ConversionError(

@@ -21,6 +21,12 @@ class DataConfig(TokenizerConfig):
     goldfish_loss: bool = flag_help(
         "drop a deterministic 1/k of label positions from the loss", False
     )
+    null_tokenizer_eod_id: int | None = flag_help(
+        "--tokenizer-type NullTokenizer: the end-of-document id (default: --vocab-size - 1)", None
+    )
+    null_tokenizer_pad_id: int = flag_help(
+        "--tokenizer-type NullTokenizer: the padding id (-1: none)", -1
+    )
     num_workers: int = flag_help(
         "data loader worker processes that read and collate the next step's micro-batches while "
         "this one computes (0: read in the training process; Megatron-LM's default is 2); the "
@@ -31,6 +37,13 @@ class DataConfig(TokenizerConfig):
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.tokenizer_type == "NullTokenizer":
+            return  # ids only: training checks them against --vocab-size
+        if self.null_tokenizer_eod_id is not None or self.null_tokenizer_pad_id != -1:
+            raise ConfigError(
+                "--null-tokenizer-eod-id and --null-tokenizer-pad-id are the ids of "
+                f"--tokenizer-type NullTokenizer; {self.tokenizer_type} has its own"
+            )
         if self.tokenizer_model is not None or self.tokenizer_type != "TekkenTokenizer":
             # Read now, not at the first batch: --dry-run and the tools refuse a wrong file too.
             checked_tokenizer(self.tokenizer_type, self.tokenizer_model)

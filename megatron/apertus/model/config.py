@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import ADDITION_MARK, add_arguments, flag_help, from_arguments
@@ -148,6 +148,10 @@ class ApertusConfig:
         A parser without the tokenizer flags (the launch planner's) checks the preset's
         vocabulary instead of loading a tokenizer.
         """
+        if args.vocab_size is None and getattr(args, "tokenizer_type", None) == "NullTokenizer":
+            raise ConfigError(
+                "--tokenizer-type NullTokenizer needs --vocab-size: its ids are 0 to --vocab-size - 1"
+            )
         model = from_arguments(cls, args, base=preset(args.model_preset))
         if args.kv_channels not in (None, model.kv_channels):
             raise ConfigError(
@@ -178,7 +182,8 @@ CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """How the model is split: tensor, pipeline (optionally interleaved) and data parallel, and
-    how long the collectives between those processes may wait."""
+    how its processes talk: the backend, each one's local device, how long a collective may
+    wait."""
 
     tensor_model_parallel_size: int = 1
     """Processes that split each layer's weights (tensor parallelism)."""
@@ -208,6 +213,16 @@ class ParallelConfig:
     distributed_timeout_minutes: int | None = flag_help(
         "timeout of collectives on every process group (default: torch's for the "
         "default group, megatron-core's 30 minutes for its groups)",
+        None,
+    )
+    distributed_backend: Literal["nccl", "gloo"] | None = flag_help(
+        "torch.distributed backend: nccl (CUDA only) or gloo; default: nccl on a GPU (Megatron-LM's "
+        "default), gloo on the CPU",
+        None,
+    )
+    local_rank: int | None = flag_help(
+        "this process's rank on its node, as torch.distributed.launch passes it: the CUDA device "
+        "it uses (default: $LOCAL_RANK, else 0; refused when it contradicts $LOCAL_RANK)",
         None,
     )
 
@@ -247,6 +262,8 @@ class ParallelConfig:
         timeout = self.distributed_timeout_minutes
         if timeout is not None and timeout < 1:
             raise ConfigError(f"--distributed-timeout-minutes must be >= 1, got {timeout}")
+        if self.local_rank is not None and self.local_rank < 0:
+            raise ConfigError(f"--local-rank must be >= 0, got {self.local_rank}")
 
     @property
     def cp_comm_types(self) -> list[str]:

@@ -66,6 +66,19 @@ class OptimizerSettings:
     use_distributed_optimizer: bool = flag_help(
         "shard optimizer state over data-parallel ranks", False
     )
+    loss_scale: Optional[float] = flag_help(
+        "static loss scale of --fp16 and --bf16 runs (a power of 2 helps fp16 converge); "
+        "default: dynamic scaling under --fp16, none under --bf16",
+        None,
+    )
+    initial_loss_scale: float = flag_help("--fp16's dynamic loss scale to start from", 2.0**32)
+    min_loss_scale: float = flag_help("--fp16's dynamic loss scale never drops below this", 1.0)
+    loss_scale_window: float = flag_help(
+        "--fp16's dynamic loss scale doubles after this many steps without an overflow", 1000
+    )
+    hysteresis: int = flag_help(
+        "--fp16's dynamic loss scale halves after this many overflowing steps", 2
+    )
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "ademamix"):
@@ -78,6 +91,7 @@ class OptimizerSettings:
         ):
             require(math.isfinite(value) and value >= 0, flag, value, "a finite number >= 0")
         self._check_decoupled()
+        self._check_loss_scale()
         for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             require(0 <= value < 1, flag, value, "in [0, 1)")
         require(
@@ -85,6 +99,24 @@ class OptimizerSettings:
             "--adam-eps",
             self.adam_eps,
             "a finite number > 0",
+        )
+
+    def _check_loss_scale(self) -> None:
+        """Scales are positive finite numbers (megatron-core divides the gradients by them)."""
+        for flag, value in (
+            ("--loss-scale", self.loss_scale),
+            ("--initial-loss-scale", self.initial_loss_scale),
+            ("--min-loss-scale", self.min_loss_scale),
+            ("--loss-scale-window", self.loss_scale_window),
+        ):
+            ok = value is None or (math.isfinite(value) and value > 0)
+            require(ok, flag, value, "a finite number > 0")
+        require(self.hysteresis >= 1, "--hysteresis", self.hysteresis, ">= 1")
+        require(
+            self.min_loss_scale <= self.initial_loss_scale,
+            "--min-loss-scale",
+            self.min_loss_scale,
+            f"<= --initial-loss-scale {self.initial_loss_scale}",
         )
 
     def _check_decoupled(self) -> None:

@@ -12,14 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-TokenizerType = Literal["TekkenTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"]
+TokenizerType = Literal[
+    "TekkenTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer"
+]
 """The tokenizer families of :mod:`megatron.apertus.tokenizer.tokenizers`; the flag takes no
-other value."""
+other value. ``NullTokenizer`` (Megatron-LM's) has ids and no vocabulary: training on
+``--mock-data`` only; the tools that read or write text refuse it."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class TokenizerConfig:
     tokenizer_type: TokenizerType = "TekkenTokenizer"
-    """the tokenizer's family"""
+    """the tokenizer's family (NullTokenizer: --vocab-size synthetic ids, the last one the end of
+    document, no text; for --mock-data runs)"""
     tokenizer_model: Optional[str] = None
     """tokenizer file or directory (TekkenTokenizer: default the one bundled with mistral-common)"""

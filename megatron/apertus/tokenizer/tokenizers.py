@@ -1,6 +1,6 @@
 """Tokenizers with the ids training needs: ``bos`` (begin of document), ``eod``, ``pad``.
 
-Three families, one interface (:class:`Tokenizer`):
+Four families, one interface (:class:`Tokenizer`):
 
 * ``TekkenTokenizer``: Mistral's tekken JSON (the Apertus family, 131072 tokens). The default
   is the ``tekken_240718.json`` that ships inside the ``mistral-common`` wheel, so demos and
@@ -8,6 +8,11 @@ Three families, one interface (:class:`Tokenizer`):
 * ``HuggingFaceTokenizer``: a ``tokenizer.json``, a directory holding one, or a hub name
   (``org/name``) found in the local Hugging Face cache.
 * ``SentencePieceTokenizer``: a ``.model`` file.
+* ``NullTokenizer`` (Megatron-LM's, for ``--mock-data`` and benchmark runs): ids ``0 ..
+  vocab_size - 1`` with no vocabulary behind them, the end of document the last id unless given,
+  no padding id (-1) unless given, as megatron-core 0.19's (0.16's had one id more, the end of
+  document after ``vocab_size``). Only training builds it (:func:`null_tokenizer`): what reads
+  or writes text refuses it in one line (:data:`NO_VOCABULARY`).
 
 Raw text is always tokenized as text: a literal ``</s>`` in a web page stays the characters
 ``<``, ``/``, ``s``, ``>`` and never becomes the end-of-document id (Megatron's upstream tool
@@ -80,6 +85,68 @@ class Tokenizer(ABC):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.decode(ids)
+
+
+NO_VOCABULARY = (
+    "--tokenizer-type NullTokenizer has ids but no vocabulary (Megatron-LM's tokenizer for "
+    "--mock-data runs): {what} needs a real tokenizer"
+)
+"""The refusal of whatever needs text from a :class:`NullTokenizer`; ``{what}``: what needs it."""
+
+
+class NullTokenizer(Tokenizer):
+    """Megatron-LM's synthetic tokenizer: ``vocab_size`` ids, no text. The end of document is
+    ``eod`` (default: the last id), ``pad`` -1 means none (megatron-core's datasets then mask
+    nothing as padding); there is no begin-of-document id."""
+
+    def __init__(self, vocab_size: int, eod: int | None = None, pad: int = -1) -> None:
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1 if eod is None else eod
+        self.pad = pad
+
+    @property
+    def bos(self) -> int:
+        raise ConfigError(NO_VOCABULARY.format(what="a begin-of-document token"))
+
+    def encode(self, text: str) -> list[int]:
+        raise ConfigError(NO_VOCABULARY.format(what="tokenizing text"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise ConfigError(NO_VOCABULARY.format(what="decoding ids"))
+
+    def special_piece(self, token_id: int) -> str:
+        raise ConfigError(NO_VOCABULARY.format(what="naming a token"))
+
+    def special_ids(self) -> list[int]:
+        return sorted({self.eod, self.pad} - {-1})
+
+    @property
+    def unique_identifiers(self) -> dict:
+        """The ids are all there is of this tokenizer: they key megatron-core's sample indices."""
+        return {
+            "class": type(self).__name__,
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+            "pad": self.pad,
+        }
+
+
+def null_tokenizer(vocab_size: int, eod: int | None = None, pad: int = -1) -> NullTokenizer:
+    """:class:`NullTokenizer` of ``vocab_size`` ids, its ``eod`` and ``pad`` checked
+    (``--null-tokenizer-eod-id``, ``--null-tokenizer-pad-id``): the end of document is an id of
+    the vocabulary, the padding id one too or -1 (none)."""
+    tokenizer = NullTokenizer(vocab_size, eod, pad)
+    if not 0 <= tokenizer.eod < vocab_size:
+        raise ConfigError(
+            f"--null-tokenizer-eod-id must be an id of the vocabulary (0 to {vocab_size - 1}, "
+            f"--vocab-size {vocab_size}), got {tokenizer.eod}"
+        )
+    if not -1 <= pad < vocab_size:
+        raise ConfigError(
+            f"--null-tokenizer-pad-id must be -1 (no padding) or an id of the vocabulary (0 to "
+            f"{vocab_size - 1}), got {pad}"
+        )
+    return tokenizer
 
 
 def cached_hub_snapshot(name: str) -> Path:
@@ -225,9 +292,12 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def build_tokenizer(tokenizer_type: str = "TekkenTokenizer", model: str | None = None) -> Tokenizer:
-    """A tokenizer by Megatron-style type name; ``model`` defaults to the bundled tekken."""
+    """A tokenizer by Megatron-style type name; ``model`` defaults to the bundled tekken.
+    ``NullTokenizer`` has no file to read: training builds it with :func:`null_tokenizer`."""
     if tokenizer_type == "TekkenTokenizer":
         return TekkenTokenizer(model or bundled_tekken_path())
+    if tokenizer_type == "NullTokenizer":
+        raise ConfigError(NO_VOCABULARY.format(what="reading or writing text"))
     if model is None:
         raise ValueError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
     if tokenizer_type == "HuggingFaceTokenizer":
@@ -249,6 +319,8 @@ def checked_tokenizer(tokenizer_type: str, model: str | None) -> Tokenizer:
             f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "
             f"{', '.join(TOKENIZER_TYPES)}"
         )
+    if tokenizer_type == "NullTokenizer":
+        raise ConfigError(NO_VOCABULARY.format(what="reading or writing text"))
     if model is None and tokenizer_type != "TekkenTokenizer":
         raise ConfigError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
     path = Path(model) if model is not None else None

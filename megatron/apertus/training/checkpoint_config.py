@@ -204,7 +204,8 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     """``--use-checkpoint-args``: fill ``args`` from the --load checkpoint as Megatron-LM's
     ``load_args_from_checkpoint`` does: every model flag left unset from ``apertus_model.json``,
     the tokenizer type (it has a default, which Megatron-LM overwrites too) and, unless given,
-    the tokenizer model from ``apertus_run.json``. Returns the line to log, None when the flag
+    the tokenizer model (a NullTokenizer's end-of-document and padding ids) from
+    ``apertus_run.json``. Returns the line to log, None when the flag
     is off."""
     if not args.use_checkpoint_args:
         return None
@@ -230,4 +231,11 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     if tokenizer.get("model") and args.tokenizer_model is None:
         args.tokenizer_model = tokenizer["model"]
         taken.append("tokenizer_model")
+    for name, key, unset in (
+        ("null_tokenizer_eod_id", "eod", None),
+        ("null_tokenizer_pad_id", "pad", -1),
+    ):
+        if tokenizer.get(key, unset) != unset and getattr(args, name) == unset:
+            setattr(args, name, tokenizer[key])
+            taken.append(name)
     return f"--use-checkpoint-args: {', '.join(taken) or 'nothing'} from {found}"

@@ -276,8 +276,11 @@ def run_info(cfg: RunConfig, state: TrainingState) -> dict:
     tokenizer_model = data.tokenizer_model
     if tokenizer_model is not None and Path(tokenizer_model).exists():
         tokenizer_model = str(Path(tokenizer_model).resolve())
+    tokenizer = {"type": data.tokenizer_type, "model": tokenizer_model}
+    if data.tokenizer_type == "NullTokenizer":  # ids only: they are its identity
+        tokenizer |= {"eod": data.null_tokenizer_eod_id, "pad": data.null_tokenizer_pad_id}
     return {
-        "tokenizer": {"type": data.tokenizer_type, "model": tokenizer_model},
+        "tokenizer": tokenizer,
         "data_path": list(dataset.data_path or dataset.train_data_path),
         "mock_data": dataset.mock_data,
         "iteration": state.iteration,

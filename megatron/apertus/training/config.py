@@ -125,16 +125,18 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     ``given``: the destinations the command line set
     (:func:`~megatron.apertus.flags.given_destinations`), for the flags that must not appear
     without another even at their default values."""
-    from megatron.apertus.parallel import resolve_device
+    from megatron.apertus.parallel import check_launch, resolve_device
 
     config = RunConfig(**groups_from_arguments(args))
     check_mock_data(config)
+    check_null_tokenizer(config)
     config.align.check_given(given)
     config.communication.check(
         distributed_optimizer=config.optimizer.use_distributed_optimizer,
         virtual_pipeline=config.parallel.virtual_pipeline_model_parallel_size is not None,
     )
     device = resolve_device(config.training.device)
+    check_launch(config.parallel, device)
     impl = validate_engine(config.engine, device=device, num_layers=config.model.num_layers)
     check_cuda_graphs(config, device=device, impl=impl, engine=config.engine)
     config.profiling.check(device=device, tensorboard_dir=config.logging.tensorboard_dir)
@@ -161,3 +163,19 @@ def check_mock_data(config: RunConfig) -> None:
     ):
         if given:
             raise ConfigError(f"--mock-data and {flag} exclude each other: {why}")
+
+
+def check_null_tokenizer(config: RunConfig) -> None:
+    """Megatron-LM's NullTokenizer trains on --mock-data only (it has no vocabulary to read a
+    corpus with), its end-of-document and padding ids inside the model's vocabulary."""
+    data = config.data
+    if data.tokenizer_type != "NullTokenizer":
+        return
+    if not config.dataset.mock_data:
+        raise ConfigError(
+            "--tokenizer-type NullTokenizer has ids but no vocabulary to read a corpus with: "
+            "it trains on --mock-data only"
+        )
+    from megatron.apertus.tokenizer.tokenizers import null_tokenizer
+
+    null_tokenizer(config.model.vocab_size, data.null_tokenizer_eod_id, data.null_tokenizer_pad_id)

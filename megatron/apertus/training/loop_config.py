@@ -31,6 +31,18 @@ class TrainingConfig:
     train_iters: Optional[int] = flag_help("optimizer steps to run (or give --train-samples)", None)
     train_samples: Optional[int] = flag_help("samples to train on (instead of --train-iters)", None)
     seed: int = flag_help("seed of initialisation and data order", 1234)
+    use_cpu_initialization: bool = switch(
+        "initialise the weights on the CPU, then move them to the GPU: each weight matrix is "
+        "drawn whole by the CPU generator and cut into its tensor-parallel shards, so the initial "
+        "model is the same for any --tensor-model-parallel-size (slower start for large models); "
+        "a CPU run always initialises so"
+    )
+    data_parallel_random_init: bool = switch(
+        "initialise each data-parallel rank from its own seed (--seed + 10 x its rank), then copy "
+        "rank 0's weights to the others before the first step, as Megatron-LM does: replicas "
+        "start equal, on the weights of a run without the flag, and only the ranks' random "
+        "streams stay apart (this model has no dropout to draw from them)"
+    )
     log_interval: int = flag_help("iterations between log lines", 10)
     eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
     eval_iters: int = flag_help("validation batches per validation pass", 4)

@@ -12,7 +12,8 @@ Nothing here changes a run. Megatron-LM flags that do change one are fields of t
 (``--bf16``, ``--use-rope-scaling``, ``--make-vocab-size-divisible-by``,
 ``--num-layers-per-virtual-pipeline-stage``, ``--distributed-timeout-minutes``, ``--finetune``,
 ``--manual-gc``, ``--log-params-norm``, ``--overlap-grad-reduce``, ``--async-save``,
-``--num-workers``, ``--log-progress`` ...).
+``--num-workers``, ``--log-progress``, ``--loss-scale``, ``--use-cpu-initialization``,
+``--data-parallel-random-init``, ``--distributed-backend``, ``--local-rank`` ...).
 """
 
 from __future__ import annotations
@@ -144,6 +145,80 @@ FLAGS: tuple[MegatronFlag, ...] = (
         accepts=("apex", "torch", "te"),
         choices=("apex", "torch", "te"),
     ),
+    MegatronFlag(
+        "--apply-residual-connection-post-layernorm",
+        refusal="the Apertus blocks are pre-norm (the residual bypasses the norm); BERT's "
+        "post-norm residual is not implemented",
+    ),
+    MegatronFlag(
+        "--fp32-residual-connection",
+        refusal="the residual stream is in the parameters' dtype; an fp32 residual is not "
+        "implemented",
+    ),
+    MegatronFlag(
+        "--init-method-xavier-uniform",
+        refusal="weights are initialised normal(0, --init-method-std); Xavier initialisation "
+        "is not implemented",
+    ),
+    MegatronFlag(
+        "--qk-l2-norm",
+        refusal="queries and keys are RMS-normalised with learned scales (--qk-layernorm); "
+        "Llama 4's L2 norm is not implemented",
+    ),
+    MegatronFlag(
+        "--rope-type",
+        "rotary position embeddings (always; the scaling is llama3's, --use-rope-scaling)",
+        "YaRN is not implemented",
+        takes=str,
+        accepts=("rope",),
+        choices=("rope", "yarn"),
+    ),
+    MegatronFlag(
+        "--rotary-interleaved",
+        refusal="rotary embeddings turn the two halves of each head (Llama's layout); "
+        "interleaved pairs are not implemented",
+    ),
+    MegatronFlag(
+        "--rotary-seq-len-interpolation-factor",
+        refusal="linear position interpolation is not implemented; the RoPE scaling is "
+        "llama3's (--use-rope-scaling, --rope-scaling-factor)",
+        takes=int,
+    ),
+    MegatronFlag(
+        "--softmax-type",
+        "the attention softmax is the standard one (always)",
+        "off-by-one and learnable softmax are not implemented",
+        takes=str,
+        accepts=("vanilla",),
+        choices=("vanilla", "off-by-one", "learnable"),
+    ),
+    MegatronFlag(
+        "--embedding-init-method-std",
+        refusal="the embeddings initialise normal(0, --init-method-std) like every weight; a "
+        "separate standard deviation is " + NOT_YET,
+        takes=float,
+    ),
+    MegatronFlag(
+        "--window-size",
+        refusal="every layer attends to the whole causal context; sliding-window attention is "
+        "not implemented",
+        takes=str,
+    ),
+    *(
+        MegatronFlag(
+            flag,
+            refusal="uneven pipeline stages are not implemented: every stage holds --num-layers "
+            "/ --pipeline-model-parallel-size layers",
+            takes=takes,
+        )
+        for flag, takes in (
+            ("--decoder-first-pipeline-num-layers", int),
+            ("--decoder-last-pipeline-num-layers", int),
+            ("--pipeline-model-parallel-layout", str),
+            ("--account-for-embedding-in-pipeline-split", None),
+            ("--account-for-loss-in-pipeline-split", None),
+        )
+    ),
     # -- fusions: megatron-core's own kernels, which this model does not use --------------------
     *(
         MegatronFlag(flag, f"{what} (always)", accepts=SWITCH)
@@ -183,6 +258,52 @@ FLAGS: tuple[MegatronFlag, ...] = (
         choices=("fp32", "bf16"),
     ),
     MegatronFlag(
+        "--accumulate-allreduce-grads-in-fp32",
+        "gradients accumulate and reduce in fp32 (always)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--grad-reduce-in-bf16",
+        refusal="gradients reduce in fp32 (always); a bf16 reduction is " + NOT_YET,
+    ),
+    MegatronFlag(
+        "--use-precision-aware-optimizer",
+        refusal="the optimizer keeps fp32 main parameters and moments; Transformer Engine's "
+        "precision-aware optimizer is " + NOT_YET,
+    ),
+    *(
+        MegatronFlag(
+            flag,
+            f"the optimizer keeps its {what} in fp32 (always)",
+            "lower-precision optimizer state (--use-precision-aware-optimizer) is " + NOT_YET,
+            takes=str,
+            accepts=("fp32",),
+            choices=choices,
+        )
+        for flag, what, choices in (
+            ("--main-params-dtype", "main parameters", ("fp32", "fp16")),
+            ("--exp-avg-dtype", "first moments", ("fp32", "fp16", "bf16", "fp8")),
+            ("--exp-avg-sq-dtype", "second moments", ("fp32", "fp16", "bf16", "fp8")),
+        )
+    ),
+    MegatronFlag(
+        "--fp16-lm-cross-entropy",
+        refusal="the output layer's loss is computed in fp32 (always)",
+    ),
+    MegatronFlag(
+        "--cross-entropy-fusion-impl",
+        "picks the fused cross-entropy's kernels in Megatron-LM; here the fused output layer "
+        "and loss (--cross-entropy-loss-fusion) has its own",
+        takes=str,
+        accepts=("native", "te"),
+        choices=("native", "te"),
+    ),
+    MegatronFlag(
+        "--tp-comm-overlap",
+        refusal="Transformer Engine's userbuffer overlap of tensor-parallel communication is "
+        + NOT_YET,
+    ),
+    MegatronFlag(
         "--attention-dropout",
         "no attention dropout (always)",
         "dropout is " + NOT_YET,
@@ -217,6 +338,47 @@ FLAGS: tuple[MegatronFlag, ...] = (
         takes=str,
         accepts=("single",),
         choices=("single", "cyclic", "external"),
+    ),
+    # -- spellings Megatron-LM removed, and tokenizer files --------------------------------------
+    MegatronFlag(
+        "--batch-size", refusal="Megatron-LM's removed spelling; give --micro-batch-size", takes=int
+    ),
+    MegatronFlag(
+        "--model-parallel-size",
+        refusal="Megatron-LM's removed spelling; give --tensor-model-parallel-size",
+        takes=int,
+    ),
+    MegatronFlag(
+        "--checkpoint-activations",
+        refusal="Megatron-LM's removed spelling; give --recompute-activations, or "
+        "--recompute-granularity and --recompute-method",
+    ),
+    *(
+        MegatronFlag(
+            flag,
+            refusal="GPT-2 BPE vocabulary files are not read here; give the tokenizer's "
+            "tokenizer.json with --tokenizer-type HuggingFaceTokenizer --tokenizer-model",
+            takes=str,
+        )
+        for flag in ("--vocab-file", "--merge-file")
+    ),
+    MegatronFlag(
+        "--trust-remote-code",
+        "changes nothing: no tokenizer code runs here (HuggingFaceTokenizer reads "
+        "tokenizer.json with the tokenizers library)",
+        accepts=SWITCH,
+    ),
+    MegatronFlag(
+        "--tokenizer-hf-no-use-fast",
+        refusal="HuggingFaceTokenizer is the fast tokenizer of a tokenizer.json; slow Python "
+        "tokenizers are not implemented",
+    ),
+    MegatronFlag(
+        "--vocab-extra-ids",
+        "no extra vocabulary ids (T5's span-masking sentinels)",
+        "extra vocabulary ids (T5's span masking) are not implemented",
+        takes=int,
+        accepts=(0,),
     ),
     # -- checkpoints ---------------------------------------------------------------------------
     MegatronFlag(
@@ -256,6 +418,14 @@ FLAGS: tuple[MegatronFlag, ...] = (
         takes=str,
         accepts=("assume_ok_unexpected", "raise_unexpected"),
         choices=STRICTNESS,
+    ),
+    # -- the command line itself ---------------------------------------------------------------
+    MegatronFlag(
+        "--yaml-cfg",
+        refusal="Megatron-LM's experimental YAML file (a nested schema of its own that replaces "
+        "the whole command line) is not implemented; give the flags on the command line, a long "
+        "blend in --data-args-path",
+        takes=str,
     ),
     # -- logging -------------------------------------------------------------------------------
     MegatronFlag(

@@ -42,6 +42,11 @@ def megatron_optimizer_config(
         params_dtype=dtype_from_name(precision),
         use_distributed_optimizer=settings.use_distributed_optimizer,
         log_num_zeros_in_grad=log_num_zeros_in_grad,
+        loss_scale=settings.loss_scale,
+        initial_loss_scale=settings.initial_loss_scale,
+        min_loss_scale=settings.min_loss_scale,
+        loss_scale_window=settings.loss_scale_window,
+        hysteresis=settings.hysteresis,
     )
 
 

@@ -33,7 +33,7 @@ from megatron.apertus.model.engine import (
     validate_engine,
 )
 from megatron.apertus.prep.corpus import embedded_corpus_prefix
-from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer, null_tokenizer
 from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.run_log import warn_if_slow_precision
 
@@ -86,7 +86,12 @@ def start(
         )
         _apply_engine(engine, transformer_impl)
     dp = parallel.initialize(
-        layout, device=device_name, seed=training.seed, model=model, te_rng_tracker=te_rng_tracker
+        layout,
+        device=device_name,
+        seed=training.seed,
+        model=model,
+        te_rng_tracker=te_rng_tracker,
+        data_parallel_random_init=training.data_parallel_random_init,
     )
     warn_if_slow_precision(training.precision, device_name)
     return Runtime(
@@ -115,7 +120,12 @@ def is_reporting_rank() -> bool:
 
 
 def tokenizer(data: DataConfig, model: ApertusConfig) -> Tokenizer:
-    """The run's tokenizer, refused when its ids do not fit the model's vocabulary."""
+    """The run's tokenizer, refused when its ids do not fit the model's vocabulary; a
+    ``NullTokenizer``'s ids are the model's vocabulary."""
+    if data.tokenizer_type == "NullTokenizer":
+        return null_tokenizer(
+            model.vocab_size, data.null_tokenizer_eod_id, data.null_tokenizer_pad_id
+        )
     built = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
     if built.vocab_size > model.vocab_size:
         raise ConfigError(
@@ -152,7 +162,7 @@ def model_chunks(
     **options,
 ) -> list:
     """This rank's model chunks in the run's precision, initialised on the CPU when the run is
-    there; ``options`` go to :func:`megatron.apertus.model.builder.build_model` (the output
+    there or ``--use-cpu-initialization`` asks (then moved to the GPU); ``options`` go to :func:`megatron.apertus.model.builder.build_model` (the output
     layer, quantization, recomputation, the engine).
 
     ``packed_documents`` under context parallelism pads each document to a multiple of 2 x CP
@@ -162,12 +172,15 @@ def model_chunks(
     varying = packed_documents and layout.context_parallel_size > 1
     if varying and layout.pipeline_model_parallel_size > 1:
         options.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-    return build_model(
+    chunks = build_model(
         model,
         layout,
         xielu_impl=training.xielu_impl,
         params_dtype=dtype_from_name(training.precision),
-        use_cpu_initialization=runtime.device_name == "cpu",
+        use_cpu_initialization=runtime.device_name == "cpu" or training.use_cpu_initialization,
         pg_collection=runtime.groups,
         **options,
     )
+    if runtime.device_name == "cuda" and training.use_cpu_initialization:
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+    return chunks

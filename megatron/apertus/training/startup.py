@@ -163,7 +163,8 @@ def describe_engine(impl: str, engine: EngineConfig, params: str) -> str:
 
 def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParallel]:
     """This rank's model chunks as the step trains them: built by the engine the runtime chose,
-    in low precision behind megatron-core's fp32-loss wrapper, each wrapped in DDP; the
+    in low precision behind megatron-core's fp32-loss wrapper, each wrapped in DDP (with
+    --data-parallel-random-init, data-parallel rank 0's weights copied to the others); the
     memory history of --record-memory-history starts before them."""
     start_memory_history(cfg.profiling)
     if is_reporting_rank():
@@ -190,7 +191,7 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
     if tconfig.bf16 or tconfig.fp16:
         # Low-precision compute, fp32 loss: megatron-core's standard wrapper.
         chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
-    return wrap_ddp(
+    wrapped = wrap_ddp(
         chunks,
         tconfig,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
@@ -200,3 +201,8 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
         bucket_size=cfg.communication.ddp_bucket_size,
         gradient_accumulation_fusion=cfg.engine.gradient_accumulation_fusion,
     )
+    if cfg.training.data_parallel_random_init:
+        # Megatron-LM's way back to equal replicas: data-parallel rank 0's weights everywhere.
+        for chunk in wrapped:
+            chunk.broadcast_params()
+    return wrapped
