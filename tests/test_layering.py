@@ -51,7 +51,9 @@ LAYERS: tuple[frozenset[str], ...] = (
     # What training consumes; ``parallel`` (process groups and seeds) needs the model's layout
     # checks and ``cpu_compat``, and only training, the runners and tools call it.
     frozenset({"checkpoint", "data", "distill", "optim", "parallel"}),
-    frozenset({"align"}),  # alignment objectives; reference log-probs live in distill's store
+    # alignment objectives (reference log-probs live in distill's store); text generation from
+    # a checkpoint (its tool is the entry point)
+    frozenset({"align", "inference"}),
     # Offline preparation writes the formats that data and align read, so it sits above them and
     # they never import it; the tools call it, training only to tokenize the embedded corpus.
     frozenset({"prep"}),

@@ -40,6 +40,8 @@ ALIASES = {
     "rope_scaling": ["--use-rope-scaling"],
     "fused_output_loss": ["--cross-entropy-loss-fusion"],
     "virtual_pipeline_model_parallel_size": ["--num-virtual-stages-per-pipeline-rank"],
+    "top_k": ["--top_k"],
+    "top_p": ["--top_p"],
 }
 """Megatron-LM's own spellings, kept beside the generated flag names. A boolean's alias only
 switches on, as Megatron-LM's does (``--cross-entropy-loss-fusion``: a fused cross-entropy, here

@@ -86,6 +86,13 @@ def _hierarchical_groups(pg_collection, cp_group) -> tuple:
     return a2a, ring
 
 
+def _end_aligned_causal(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """SDPA's boolean mask (True: may attend) letting query ``i`` of the last ``queries`` of
+    ``keys`` tokens see keys ``0 .. keys - queries + i``."""
+    allowed = torch.ones(queries, keys, dtype=torch.bool, device=device)
+    return allowed.tril(diagonal=keys - queries)
+
+
 class SDPAttention(MegatronModule):
     """megatron-core ``core_attention`` slot filled by PyTorch SDPA."""
 
@@ -118,7 +125,14 @@ class SDPAttention(MegatronModule):
         )
 
     def _sdpa(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """q [b, heads, s, d], k/v [b, groups, s, d] -> [b, heads, s, d]."""
+        """q [b, heads, s_q, d], k/v [b, groups, s_k, d] -> [b, heads, s_q, d].
+
+        Without a mask attention is causal, aligned to the end: under megatron-core's KV cache
+        (inference) the queries are the last ``s_q`` of ``s_k`` tokens, and SDPA's own
+        ``is_causal`` would align them to the start instead (a decoded token would see only
+        the first key)."""
+        if mask is None and q.shape[2] != k.shape[2]:
+            mask = _end_aligned_causal(q.shape[2], k.shape[2], q.device)
         return F.scaled_dot_product_attention(
             q,
             k,

@@ -1,0 +1,295 @@
+"""Text from a checkpoint: prompts in, JSON lines out, decoded over megatron-core's KV cache.
+
+The model is loaded as the Hugging Face export and the teacher-logit runner load it: built
+with :func:`megatron.apertus.model.builder.build_model` and filled by
+:func:`megatron.apertus.checkpoint.load_model`, which reshards a checkpoint of any TP/PP
+layout into the one process's TP=1/PP=1 model (CPU or one GPU, the checkpoint's fp32 or 16-bit
+weights as built).
+
+What megatron-core provides and what is ours: its ``GPTInferenceWrapper`` prepares the inputs
+(positions, the window of each step), runs the forward and advances its
+``StaticInferenceContext``, the KV cache each attention layer fills; the prompt goes through
+the model once (prefill), then one token per step (decode). megatron-core's engines and its
+``TextGenerationController`` need CUDA in megatron-core 0.16 (the controller builds its
+sampling generator and timing events on the current CUDA device; the dynamic engine also
+needs CUDA graphs and unified memory), so the loop and the sampling are here, with the
+controller's sampling rules (:mod:`megatron.apertus.inference.config`) and a CPU generator:
+draws do not depend on the device.
+
+Invariants: prompts are decoded one at a time (batch 1), so a prompt's output does not depend
+on the others' lengths (no padding); every prompt starts with ``<s>``, as every training
+document did and as the export's tokenizer encodes; generation stops after the end-of-document
+token (kept in ``generated_tokens``, left out of ``generated_text``) or after
+``--num-tokens-to-generate`` tokens; tokens are drawn among the tokenizer's ids only (not the
+padding rows of a padded vocabulary). Greedy decoding equals transformers' greedy ``generate``
+on the export, token for token (tests/inference/test_generate_text.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, TextIO
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+    GPTInferenceWrapper,
+)
+from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+    InferenceWrapperConfig,
+)
+
+from megatron.apertus import parallel
+from megatron.apertus.checkpoint import (
+    CheckpointMismatch,
+    checkpoint_at,
+    load_model,
+    load_model_config,
+    resolve_checkpoint,
+)
+from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.cli import atomic_outputs
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.inference.config import Prompt, SamplingConfig
+from megatron.apertus.model.builder import build_model, chunk_groups
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, checked_tokenizer
+
+EOS, LENGTH = "eos", "length"
+"""``finish_reason`` of an output line: the end-of-document token came, or the token budget
+ran out."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_tokens: list[int]
+    generated_tokens: list[int]
+    finish_reason: str
+
+
+@dataclass(kw_only=True, frozen=True)
+class GenerateConfig:
+    checkpoint: Path
+    """The resolved ``iter_*`` directory."""
+    model: ApertusConfig
+    tokenizer: Tokenizer
+    sampling: SamplingConfig
+    prompts: list[Prompt]
+    output: str | None
+    """The JSONL file to write (None: standard output)."""
+    device: str
+    """``cpu`` or ``cuda``."""
+
+
+def generation_config(
+    load: str,
+    ckpt_step: int | None,
+    *,
+    tokenizer: tuple[str | None, str | None],
+    device: str,
+    sampling: SamplingConfig,
+    prompts: list[Prompt],
+    output: str | None,
+) -> GenerateConfig:
+    """The config of ``--load`` (``--ckpt-step``: that iteration of it); the tokenizer
+    (type, model) given, else the one the checkpoint's training run recorded."""
+    try:
+        if ckpt_step is None:
+            found = resolve_checkpoint(load)
+        else:
+            found = checkpoint_at(load, ckpt_step, f"--ckpt-step {ckpt_step}")
+    except CheckpointMismatch as err:
+        raise ConfigError(f"--load {err}") from None
+    model = load_model_config(found)
+    try:
+        device = parallel.resolve_device(device)
+    except RuntimeError as err:
+        raise ConfigError(str(err)) from None
+    return GenerateConfig(
+        checkpoint=found,
+        model=model,
+        tokenizer=_tokenizer(found, model, *tokenizer),
+        sampling=sampling,
+        prompts=prompts,
+        output=output,
+        device=device,
+    )
+
+
+def _tokenizer(
+    checkpoint: Path, model: ApertusConfig, kind: str | None, path: str | None
+) -> Tokenizer:
+    recorded = (read_run_info(checkpoint) or {}).get("tokenizer") or {}
+    if kind is None:  # the run's tokenizer, unless another file of its type is given
+        kind, path = recorded.get("type"), path or recorded.get("model")
+    if kind is None:
+        raise ConfigError(
+            f"{checkpoint} records no training run (no apertus_run.json), so its tokenizer is "
+            "unknown; pass --tokenizer-type (and --tokenizer-model)"
+        )
+    tokenizer = checked_tokenizer(kind, path)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than the model's "
+            f"({model.vocab_size}): pass the tokenizer the checkpoint was trained with"
+        )
+    return tokenizer
+
+
+@contextlib.contextmanager
+def loaded_model(checkpoint: Path, model: ApertusConfig, device: str) -> Iterator[torch.nn.Module]:
+    """The checkpoint's model in one process (TP=1/PP=1, any saved layout resharded into it),
+    in eval mode; the process groups are torn down on exit."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ConfigError("text generation runs in one process; do not start it with torchrun")
+    layout = ParallelConfig()
+    parallel.initialize(layout, device=device, seed=0, model=model)
+    try:
+        (chunk,) = build_model(
+            model,
+            layout,
+            use_cpu_initialization=device == "cpu",
+            perform_initialization=False,  # every weight is loaded
+        )
+        load_model(checkpoint, [chunk])
+        yield chunk.eval()
+    finally:
+        parallel.shutdown()
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    """The token after ``logits`` [vocabulary]: the argmax when greedy, else a draw from the
+    tempered distribution cut to its top-k or top-p (megatron-core's rules); the draw is made
+    on the CPU with ``generator``."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    scaled = logits.detach().float().cpu() / sampling.temperature
+    if sampling.top_k > 1:
+        kth = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    elif sampling.top_p > 0:
+        scaled = _top_p_cut(scaled, sampling.top_p)
+    return int(torch.multinomial(scaled.softmax(-1), 1, generator=generator))
+
+
+def _top_p_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` without the tokens after the smallest most-likely set whose probability
+    reaches ``top_p`` (the most likely token always stays)."""
+    ordered, order = logits.sort(descending=True)
+    probs = ordered.softmax(-1)
+    before = probs.cumsum(-1) - probs  # probability of the more likely tokens
+    dropped = torch.zeros_like(before, dtype=torch.bool)
+    dropped[order] = before > top_p
+    dropped[order[0]] = False
+    return logits.masked_fill(dropped, float("-inf"))
+
+
+def prompt_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
+    """``<s>`` and the text's ids, as the start of a training document."""
+    return [tokenizer.bos, *tokenizer.encode(text)]
+
+
+class TextGenerator:
+    """Decodes prompts with one loaded model (:func:`loaded_model`)."""
+
+    def __init__(self, chunk: torch.nn.Module, model: ApertusConfig, tokenizer: Tokenizer):
+        self.chunk = chunk
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(chunk.parameters()).device
+
+    def _wrapper(self, length: int) -> GPTInferenceWrapper:
+        """megatron-core's wrapper over a fresh KV cache of ``length`` tokens for one prompt."""
+        config = InferenceWrapperConfig(
+            hidden_size=self.model.hidden_size,
+            params_dtype=next(self.chunk.parameters()).dtype,
+            inference_batch_times_seqlen_threshold=-1,
+            padded_vocab_size=self.model.vocab_size,
+            inference_max_requests=1,
+            inference_max_seq_length=length,
+        )
+        context = StaticInferenceContext.from_config(config)
+        wrapper = GPTInferenceWrapper(self.chunk, config, context, chunk_groups(self.chunk))
+        wrapper.prep_model_for_inference()
+        return wrapper
+
+    @torch.no_grad()
+    def complete(
+        self, prompt: list[int], sampling: SamplingConfig, generator: torch.Generator
+    ) -> Completion:
+        """Prefill ``prompt`` (token ids), then decode one token per step until the
+        end-of-document token or the token budget."""
+        budget = sampling.num_tokens_to_generate
+        tokens = torch.zeros(1, len(prompt) + budget, dtype=torch.long, device=self.device)
+        tokens[0, : len(prompt)] = torch.tensor(prompt)
+        wrapper = self._wrapper(tokens.shape[1])
+        inputs = wrapper.prep_inference_input(tokens)
+        start, end, generated = 0, len(prompt), []
+        while len(generated) < budget:
+            window = wrapper.get_batch_for_context_window(inputs, start, end)
+            logits = wrapper.run_one_forward_step(window)
+            wrapper.inference_context.enable_decode_mode()
+            token = next_token(logits[0, -1, : self.tokenizer.vocab_size], sampling, generator)
+            generated.append(token)
+            if token == self.tokenizer.eod:
+                return Completion(prompt, generated, EOS)
+            tokens[0, end] = token
+            start, end = end, end + 1
+        return Completion(prompt, generated, LENGTH)
+
+    def output_line(self, prompt: Prompt, completion: Completion) -> dict:
+        """The prompt's fields and what was generated for it."""
+        text_ids = [t for t in completion.generated_tokens if t != self.tokenizer.eod]
+        return {
+            **prompt.fields,
+            "generated_text": self.tokenizer.decode(text_ids),
+            "prompt_tokens": completion.prompt_tokens,
+            "generated_tokens": completion.generated_tokens,
+            "finish_reason": completion.finish_reason,
+        }
+
+
+def check_lengths(cfg: GenerateConfig, prompts: list[list[int]]) -> None:
+    """Refuse, before the model loads, a prompt that with the token budget exceeds the
+    positions the model was built for."""
+    limit, budget = cfg.model.max_position_embeddings, cfg.sampling.num_tokens_to_generate
+    for prompt, ids in zip(cfg.prompts, prompts):
+        if len(ids) + budget > limit:
+            raise ConfigError(
+                f"{prompt.source}: {len(ids)} prompt tokens + --num-tokens-to-generate {budget} "
+                f"exceed the model's --max-position-embeddings {limit}"
+            )
+    if cfg.sampling.top_k > cfg.tokenizer.vocab_size:
+        raise ConfigError(
+            f"--top-k {cfg.sampling.top_k} exceeds the vocabulary ({cfg.tokenizer.vocab_size})"
+        )
+
+
+def _write_lines(
+    generator: TextGenerator, cfg: GenerateConfig, prompts: list[list[int]], out: TextIO
+) -> None:
+    draws = torch.Generator().manual_seed(cfg.sampling.seed)
+    for prompt, ids in zip(cfg.prompts, prompts):
+        completion = generator.complete(ids, cfg.sampling, draws)
+        out.write(json.dumps(generator.output_line(prompt, completion), ensure_ascii=False) + "\n")
+        out.flush()
+
+
+def generate(cfg: GenerateConfig) -> None:
+    """Write one JSON line per prompt, in order, to ``cfg.output`` (under a temporary name until
+    every prompt is done) or to standard output as each is done."""
+    prompts = [prompt_tokens(cfg.tokenizer, p.text) for p in cfg.prompts]
+    check_lengths(cfg, prompts)
+    with loaded_model(cfg.checkpoint, cfg.model, cfg.device) as chunk:
+        generator = TextGenerator(chunk, cfg.model, cfg.tokenizer)
+        if cfg.output is None:
+            _write_lines(generator, cfg, prompts, sys.stdout)
+            return
+        with atomic_outputs(cfg.output) as (temporary,):
+            with open(temporary, "w", encoding="utf-8") as out:
+                _write_lines(generator, cfg, prompts, out)

@@ -1,0 +1,90 @@
+"""Generate text from a checkpoint (docs/inference.md).
+
+    python tools/generate_text.py --load SAVE_DIR [--ckpt-step N] \\
+        --prompt "The capital of Switzerland is" [--prompt ...] | --prompts-file PROMPTS.jsonl \\
+        [--output OUT.jsonl] [--num-tokens-to-generate 30] \\
+        [--top_k 1 | --top_k K --temperature T | --top_k 0 --top_p P --seed S]
+
+Greedy by default (``--top_k 1``, as Megatron-LM's static inference example). One JSON line per
+prompt, in order: the prompt's fields (a ``--prompts-file`` line's, or ``{"prompt": TEXT}``),
+``generated_text``, ``prompt_tokens``, ``generated_tokens`` and ``finish_reason`` (``eos``:
+the end-of-document token came; ``length``). ``--output`` is written under a temporary name and
+renamed when every prompt is done; without it the lines go to standard output as they come.
+The checkpoint may have been saved with any TP/PP layout; generation runs in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from megatron.apertus.cli import ArgumentParser, check_output, run
+from megatron.apertus.errors import ConfigError
+from megatron.apertus.flags import add_arguments, from_arguments
+from megatron.apertus.inference.config import SamplingConfig, from_flags, read_prompts_file
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--load", required=True, help="save directory (follows its tracker) or iter_* directory"
+    )
+    parser.add_argument(
+        "--ckpt-step", type=int, help="the iteration of --load to load (default: the latest)"
+    )
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    prompts.add_argument(
+        "--prompts-file", help='JSONL, one {"prompt": TEXT, ...} per line; other fields are kept'
+    )
+    parser.add_argument("--output", help="JSONL file to write (default: standard output)")
+    parser.add_argument(
+        "--tokenizer-type", help="default: the one the checkpoint's training run recorded"
+    )
+    parser.add_argument(
+        "--tokenizer-model", help="default: the one the checkpoint's training run recorded"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto, cpu or cuda [megatron-apertus addition]",
+    )
+    add_arguments(parser, SamplingConfig, title="sampling")
+    return parser.parse_args(argv)
+
+
+def config(args: argparse.Namespace):
+    """The generation config of the flags; every refusal comes before the model is built."""
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ConfigError(f"--ckpt-step must be >= 0, got {args.ckpt_step}")
+    sampling = from_arguments(SamplingConfig, args)
+    prompts = from_flags(args.prompt) if args.prompt else read_prompts_file(args.prompts_file)
+    if args.output is not None:
+        check_output("--output", args.output, directory=False)
+    from megatron.apertus.inference.generate import generation_config  # torch: after the flags
+
+    return generation_config(
+        args.load,
+        args.ckpt_step,
+        tokenizer=(args.tokenizer_type, args.tokenizer_model),
+        device=args.device,
+        sampling=sampling,
+        prompts=prompts,
+        output=args.output,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cfg = config(parse_args(argv))
+    from megatron.apertus.inference.generate import generate
+
+    generate(cfg)
+
+
+if __name__ == "__main__":
+    run(main)
