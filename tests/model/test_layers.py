@@ -84,6 +84,27 @@ def test_sdpa_attention_matches_megatron_dot_product_attention(tiny_setup):
     torch.testing.assert_close(ours(q, k, v, None), reference(q, k, v, None), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("queries", [1, 4])
+def test_sdpa_attention_with_fewer_queries_than_keys_is_the_end_of_causal(tiny_setup, queries):
+    """Under a KV cache the queries are the last tokens of the keys (megatron-core then passes no
+    mask): their output is the last rows of causal attention over the whole sequence."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    _, config = tiny_setup
+    attention = SDPAttention(
+        config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
+    seq, heads, groups, dim = 9, config.num_attention_heads, config.num_query_groups, 16
+    q = torch.randn(seq, 1, heads, dim)
+    k, v = torch.randn(seq, 1, groups, dim), torch.randn(seq, 1, groups, dim)
+    whole = attention(q, k, v, None)
+    last = attention(q[-queries:], k, v, None)
+    torch.testing.assert_close(last, whole[-queries:], rtol=1e-6, atol=1e-6)
+    # negative control: what SDPA's own causal mask gives (query i sees keys 0 .. i only)
+    first_aligned = attention(q[-queries:], k[:queries], v[:queries], None)
+    assert not torch.allclose(first_aligned, whole[-queries:], atol=1e-3)
+
+
 @pytest.mark.parametrize("untied", [True, False])
 def test_parameter_count_formula_matches_megatron(tiny_cpu, untied):
     model = preset("tiny", vocab_size=512, untie_embeddings_and_output_weights=untied)
