@@ -46,6 +46,39 @@ ASYNC_STRATEGY_ARGUMENT = MCORE_VERSION >= Version("0.19.0")
 background writer, is the one 0.16 always uses."""
 
 
+INFERENCE_WRAPPER_CONFIG = MCORE_VERSION < Version("0.19.0")
+"""megatron-core 0.16's ``GPTInferenceWrapper`` takes an ``InferenceWrapperConfig`` (hidden
+size, dtype, vocabulary, the KV cache's limits) beside the inference context; 0.19 removed that
+class (passing it is a ``TypeError``) and reads what it needs from the model's config."""
+
+
+def gpt_inference_wrapper(model, max_sequence_length: int):
+    """megatron-core's GPT inference wrapper over a fresh static KV cache for one sequence of up
+    to ``max_sequence_length`` tokens, in the release's spelling; the process groups are
+    parallel_state's on both lines."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+        GPTInferenceWrapper,
+    )
+
+    context = StaticInferenceContext(max_batch_size=1, max_sequence_length=max_sequence_length)
+    if not INFERENCE_WRAPPER_CONFIG:
+        return GPTInferenceWrapper(model, context)
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+        InferenceWrapperConfig,
+    )
+
+    config = InferenceWrapperConfig(
+        hidden_size=model.config.hidden_size,
+        params_dtype=model.config.params_dtype,
+        inference_batch_times_seqlen_threshold=-1,
+        padded_vocab_size=model.vocab_size,
+        inference_max_requests=1,
+        inference_max_seq_length=max_sequence_length,
+    )
+    return GPTInferenceWrapper(model, config, context)
+
+
 def async_save_arguments() -> dict[str, str]:
     """``dist_checkpointing.save``'s extra arguments for a background save: megatron-core's own
     writer on both lines."""

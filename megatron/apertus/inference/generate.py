@@ -1,20 +1,21 @@
 """Text from a checkpoint: prompts in, JSON lines out, decoded over megatron-core's KV cache.
 
 The model is loaded as the Hugging Face export and the teacher-logit runner load it: built
-with :func:`megatron.apertus.model.builder.build_model` and filled by
+with :func:`megatron.apertus.model.builder.build_model` (fp32) and filled by
 :func:`megatron.apertus.checkpoint.load_model`, which reshards a checkpoint of any TP/PP
-layout into the one process's TP=1/PP=1 model (CPU or one GPU, the checkpoint's fp32 or 16-bit
-weights as built).
+layout into the one process's TP=1/PP=1 model, on the CPU or one GPU.
 
 What megatron-core provides and what is ours: its ``GPTInferenceWrapper`` prepares the inputs
 (positions, the window of each step), runs the forward and advances its
 ``StaticInferenceContext``, the KV cache each attention layer fills; the prompt goes through
-the model once (prefill), then one token per step (decode). megatron-core's engines and its
-``TextGenerationController`` need CUDA in megatron-core 0.16 (the controller builds its
-sampling generator and timing events on the current CUDA device; the dynamic engine also
-needs CUDA graphs and unified memory), so the loop and the sampling are here, with the
-controller's sampling rules (:mod:`megatron.apertus.inference.config`) and a CPU generator:
-draws do not depend on the device.
+the model once (prefill), then one token per step (decode). The wrapper's constructor differs
+between the megatron-core lines (:func:`megatron.apertus.mcore_compat.gpt_inference_wrapper`).
+megatron-core's engines and ``TextGenerationController`` do not run on a CPU (megatron-core
+0.16.1, tried): the controller builds its sampling generator on the current CUDA device and
+its static-batch loop records ``torch.cuda.Event`` timings, neither of which the CPU stand-ins
+of :mod:`megatron.apertus.cpu_compat` can replace. So the loop and the sampling are here, with
+the controller's sampling rules (:mod:`megatron.apertus.inference.config`) and a CPU
+generator: draws do not depend on the device.
 
 Invariants: prompts are decoded one at a time (batch 1), so a prompt's output does not depend
 on the others' lengths (no padding); every prompt starts with ``<s>``, as every training
@@ -36,13 +37,6 @@ from pathlib import Path
 from typing import Iterator, TextIO
 
 import torch
-from megatron.core.inference.contexts import StaticInferenceContext
-from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
-    GPTInferenceWrapper,
-)
-from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-    InferenceWrapperConfig,
-)
 
 from megatron.apertus import parallel
 from megatron.apertus.checkpoint import (
@@ -56,7 +50,8 @@ from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.cli import atomic_outputs
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.inference.config import Prompt, SamplingConfig
-from megatron.apertus.model.builder import build_model, chunk_groups
+from megatron.apertus.mcore_compat import gpt_inference_wrapper
+from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import ApertusConfig, ParallelConfig
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, checked_tokenizer
 
@@ -203,21 +198,6 @@ class TextGenerator:
         self.tokenizer = tokenizer
         self.device = next(chunk.parameters()).device
 
-    def _wrapper(self, length: int) -> GPTInferenceWrapper:
-        """megatron-core's wrapper over a fresh KV cache of ``length`` tokens for one prompt."""
-        config = InferenceWrapperConfig(
-            hidden_size=self.model.hidden_size,
-            params_dtype=next(self.chunk.parameters()).dtype,
-            inference_batch_times_seqlen_threshold=-1,
-            padded_vocab_size=self.model.vocab_size,
-            inference_max_requests=1,
-            inference_max_seq_length=length,
-        )
-        context = StaticInferenceContext.from_config(config)
-        wrapper = GPTInferenceWrapper(self.chunk, config, context, chunk_groups(self.chunk))
-        wrapper.prep_model_for_inference()
-        return wrapper
-
     @torch.no_grad()
     def complete(
         self, prompt: list[int], sampling: SamplingConfig, generator: torch.Generator
@@ -227,7 +207,8 @@ class TextGenerator:
         budget = sampling.num_tokens_to_generate
         tokens = torch.zeros(1, len(prompt) + budget, dtype=torch.long, device=self.device)
         tokens[0, : len(prompt)] = torch.tensor(prompt)
-        wrapper = self._wrapper(tokens.shape[1])
+        wrapper = gpt_inference_wrapper(self.chunk, tokens.shape[1])
+        wrapper.prep_model_for_inference()
         inputs = wrapper.prep_inference_input(tokens)
         start, end, generated = 0, len(prompt), []
         while len(generated) < budget:
