@@ -1,7 +1,8 @@
 """Generate text from a checkpoint (docs/inference.md).
 
     python tools/generate_text.py --load SAVE_DIR [--ckpt-step N] \\
-        --prompt "The capital of Switzerland is" [--prompt ...] | --prompts-file PROMPTS.jsonl \\
+        --prompt "The capital of Switzerland is" [--prompt ...] | --prompts A B ... \\
+        | --prompts-file PROMPTS.jsonl \\
         [--output OUT.jsonl] [--num-tokens-to-generate 30] \\
         [--top_k 1 | --top_k K --temperature T | --top_k 0 --top_p P --seed S]
 
@@ -18,11 +19,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from megatron.apertus.cli import ArgumentParser, check_output, run
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import add_arguments, from_arguments
+from megatron.apertus.flags import ADDITION_MARK, add_arguments, from_arguments
 from megatron.apertus.inference.config import SamplingConfig, from_flags, read_prompts_file
+
+if TYPE_CHECKING:
+    from megatron.apertus.inference.generate import GenerateConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,11 +41,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ckpt-step", type=int, help="the iteration of --load to load (default: the latest)"
     )
     prompts = parser.add_mutually_exclusive_group(required=True)
-    prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)" + ADDITION_MARK)
+    prompts.add_argument("--prompts", nargs="+", help="prompts, each one argument")
     prompts.add_argument(
-        "--prompts-file", help='JSONL, one {"prompt": TEXT, ...} per line; other fields are kept'
+        "--prompts-file",
+        help='JSONL, one {"prompt": TEXT, ...} per line; other fields are kept' + ADDITION_MARK,
     )
-    parser.add_argument("--output", help="JSONL file to write (default: standard output)")
+    parser.add_argument(
+        "--output", help="JSONL file to write (default: standard output)" + ADDITION_MARK
+    )
     parser.add_argument(
         "--tokenizer-type", help="default: the one the checkpoint's training run recorded"
     )
@@ -51,18 +60,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="auto, cpu or cuda [megatron-apertus addition]",
+        help="auto, cpu or cuda" + ADDITION_MARK,
     )
     add_arguments(parser, SamplingConfig, title="sampling")
     return parser.parse_args(argv)
 
 
-def config(args: argparse.Namespace):
+def config(args: argparse.Namespace) -> GenerateConfig:
     """The generation config of the flags; every refusal comes before the model is built."""
     if args.ckpt_step is not None and args.ckpt_step < 0:
         raise ConfigError(f"--ckpt-step must be >= 0, got {args.ckpt_step}")
     sampling = from_arguments(SamplingConfig, args)
-    prompts = from_flags(args.prompt) if args.prompt else read_prompts_file(args.prompts_file)
+    given = args.prompt or args.prompts
+    prompts = from_flags(given) if given else read_prompts_file(args.prompts_file)
     if args.output is not None:
         check_output("--output", args.output, directory=False)
     from megatron.apertus.inference.generate import generation_config  # torch: after the flags

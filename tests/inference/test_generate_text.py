@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from megatron.apertus.checkpoint import load_model_config
-from megatron.apertus.inference.config import SamplingConfig
+from megatron.apertus.inference.config import Prompt, SamplingConfig
 from megatron.apertus.inference.generate import (
     EOS,
+    Completion,
     TextGenerator,
     loaded_model,
     next_token,
@@ -108,6 +109,17 @@ def test_greedy_equals_transformers_generate_on_the_export(saved, greedy_tp1):
     assert len({tuple(line["generated_tokens"]) for line in greedy_tp1}) == 3
 
 
+def test_prompts_as_arguments_print_their_lines(saved, greedy_tp1):
+    texts = prose()[1:]
+    flags = ["--load", str(saved.tp1), *TEKKEN, "--num-tokens-to-generate", str(TOKENS)]
+    proc = run_entry(TOOL, [*flags, "--prompts", *texts])
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == texts
+    assert [line["generated_tokens"] for line in lines] == [
+        line["generated_tokens"] for line in greedy_tp1[1:]
+    ]
+
+
 def test_tp2_checkpoint_generates_as_tp1(saved, greedy_tp1, tmp_path):
     assert generate_lines(saved.tp2, saved.prompts_file, tmp_path / "out.jsonl") == greedy_tp1
 
@@ -141,6 +153,28 @@ def test_top_k_1_and_a_vanishing_top_p_are_greedy(generator, greedy_tp1):
     greedy = greedy_tp1[1]["generated_tokens"]
     assert complete(generator, seed=5, top_k=1, temperature=3.0) == greedy
     assert complete(generator, seed=5, top_k=0, top_p=1e-9) == greedy
+
+
+def test_generation_stops_after_the_end_of_document_token(generator, greedy_tp1):
+    """With the output row of ``</s>`` made twice that of the third greedy token, ``</s>``
+    outscores every token by the third step at the latest (there the largest logit is that
+    token's, positive, and doubled): generation ends with it, the greedy tokens before it."""
+    greedy = greedy_tp1[1]["generated_tokens"]
+    weight = generator.chunk.output_layer.weight
+    eod, original = generator.tokenizer.eod, weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[eod] = 2 * weight[greedy[2]]
+        tokens = complete(generator)
+    finally:
+        with torch.no_grad():
+            weight.copy_(original)
+    stop = len(tokens) - 1
+    assert stop <= 2 and tokens == [*greedy[:stop], eod]
+    prompt = Prompt("x", {"prompt": "x"}, "--prompt 1")
+    line = generator.output_line(prompt, Completion([1], [*greedy[:2], eod], EOS))
+    assert line["generated_text"] == generator.tokenizer.decode(greedy[:2])
+    assert line["finish_reason"] == EOS
 
 
 def test_top_k_and_top_p_draw_from_the_cut_only():
