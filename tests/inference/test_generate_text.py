@@ -245,6 +245,7 @@ def test_a_bad_prompts_file_is_refused(saved, tmp_path, content: str, expected: 
         (["--num-tokens-to-generate", "5000", *TEKKEN], "exceed the model's"),
         (["--tokenizer-type", "Nope"], "--tokenizer-type 'Nope'"),
         ([], "records no training run"),
+        (["--output", str(REPO / "docs")], "is a directory, not a file"),
     ],
     ids=[
         "top-k-and-top-p",
@@ -258,6 +259,7 @@ def test_a_bad_prompts_file_is_refused(saved, tmp_path, content: str, expected: 
         "too-long",
         "unknown-tokenizer",
         "no-tokenizer",
+        "output-is-a-directory",
     ],
 )
 def test_bad_flags_are_refused(saved, flags: list[str], expected: str):
@@ -268,3 +270,6 @@ def test_prompts_are_required_and_exclusive(saved, tmp_path):
     assert "--prompt" in refused("--load", str(saved.tp1))
     both = ("--prompt", "Hi", "--prompts-file", str(tmp_path / "p.jsonl"))
     assert "not allowed with" in refused("--load", str(saved.tp1), *both)
+    missing = tmp_path / "missing.jsonl"
+    line = refused("--load", str(saved.tp1), "--prompts-file", str(missing))
+    assert f"--prompts-file {missing}: no such file" in line
