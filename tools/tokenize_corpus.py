@@ -117,10 +117,7 @@ def check(config: TokenizeCorpusConfig, files: list[str]) -> tuple[int, dict]:
         raise InputError(
             f"--merge-prefix: {Path(config.merge_prefix).absolute().parent} does " "not exist"
         )
-    try:
-        tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
-    except (FileNotFoundError, ValueError) as err:
-        raise InputError(f"--tokenizer-model: {err}") from None
+    tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
     for item in config.sbatch_args:
         if "=" not in item:
             raise InputError(f"--sbatch-config {item}: expected KEY=VALUE")

@@ -8,8 +8,9 @@ documents, with no split. Samples are megatron-core
 ``GPTDataset`` items; the attention layout and Goldfish mask are added per micro-batch in
 :mod:`megatron.apertus.data.batches`, so the dataset's own dense attention masks stay off.
 
-Every local prefix must name a ``.bin``/``.idx`` pair with a Megatron index header; this is
-checked before megatron-core opens them (it would assert), naming the flag and the file.
+Every local prefix must name a whole ``.bin``/``.idx`` pair (:mod:`megatron.apertus.data.indexed`);
+this is checked before megatron-core opens them (it would assert, or read past the end of a
+``.bin`` cut short), naming the flag and the file.
 
 Without a blend, the datasets are those of the corpus the caller hands in (``default_corpus``;
 :mod:`megatron.apertus.training.runtime` hands in the embedded corpus of
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.cli import check_output, exclusive
+from megatron.apertus.data.indexed import read_index
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, switch
 
@@ -262,8 +264,8 @@ def resolve_blend(
 
 def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
     """Refuse a prefix of ``blend`` (Megatron's ``[WEIGHT] PREFIX ...`` list, given as ``flag``)
-    whose ``.bin`` or ``.idx`` is missing, or whose ``.idx`` is not a Megatron index (with
-    ``sft``, the same for its loss mask)."""
+    whose ``.bin`` or ``.idx`` is missing or damaged (:func:`~megatron.apertus.data.indexed.read_index`;
+    with ``sft``, the same for its loss mask)."""
     from megatron.core.datasets.object_storage_utils import is_object_storage_path
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -272,30 +274,9 @@ def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
     prefixes, _ = get_blend_from_list(blend)
     for prefix in prefixes:
         if not is_object_storage_path(prefix):
-            _check_pair(flag, prefix)
+            read_index(flag, prefix)
             if sft:
                 check_mask_pair(flag, prefix)
-
-
-def _check_pair(flag: str, prefix: str) -> None:
-    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
-
-    bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
-    if not bin_path.is_file() and not idx_path.is_file():
-        hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-        raise ConfigError(f"{flag}: neither {bin_path} nor {idx_path} exists{hint}")
-    for missing, present in ((bin_path, idx_path), (idx_path, bin_path)):
-        if not missing.is_file():
-            raise ConfigError(
-                f"{flag}: {missing} is missing ({present} is there); "
-                "preprocess again with tools/preprocess_data.py"
-            )
-    with idx_path.open("rb") as index:
-        if index.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
-            raise ConfigError(
-                f"{flag}: {idx_path} is not a Megatron index file (wrong "
-                "header: truncated or another format)"
-            )
 
 
 SPLIT_NAMES = ("train", "valid", "test")
