@@ -8,8 +8,9 @@ The promise every tool under ``tools/`` and ``pretrain_gpt.py`` keep through thi
 * Ctrl-C or SIGTERM ends it with one line and exit code 130 or 143; worker processes end quietly
   with it, also while they are still starting, and so do they when the parent is killed
   outright.
-* Outputs appear under their final names only when complete (:func:`atomic_outputs`): an error or
-  an interruption leaves neither a partial file nor a temporary one.
+* Outputs appear under their final names only when complete (:func:`atomic_outputs`, and
+  :func:`atomic_directory` for a directory): an error or an interruption leaves neither a
+  partial file nor a temporary one.
 * Processes that share a cache (two jobs on one node, parallel test workers) build its entries
   one at a time (:func:`exclusive`), never writing the same files at once.
 
@@ -24,8 +25,10 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -201,6 +204,32 @@ def atomic_outputs(*paths: str | os.PathLike) -> Iterator[list[str]]:
         for name in temporary:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(name)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """A fresh temporary directory beside ``path`` (which must not exist), renamed to ``path``
+    when the block ends normally and removed with its contents when it raises. An ``OSError``
+    of the block that names no file or one inside the temporary directory (a full disk, a
+    read-only file system) is raised again naming ``path``: the directory the user asked for,
+    not a temporary one that is gone by the time the error line is read."""
+    path = Path(path)
+    try:
+        temporary = Path(tempfile.mkdtemp(prefix=f"{path.name}.tmp.", dir=path.parent))
+    except OSError as err:
+        raise type(err)(err.errno, err.strerror, os.fspath(path)) from None
+    try:
+        yield temporary
+        _rename(os.fspath(temporary), path)
+    except OSError as err:
+        shutil.rmtree(temporary, ignore_errors=True)
+        named = err.filename is not None and not Path(err.filename).is_relative_to(temporary)
+        if named or err.errno is None:
+            raise
+        raise type(err)(err.errno, err.strerror, os.fspath(path)) from None
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
         raise
 
 

@@ -264,8 +264,8 @@ def resolve_blend(
 
 def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
     """Refuse a prefix of ``blend`` (Megatron's ``[WEIGHT] PREFIX ...`` list, given as ``flag``)
-    whose ``.bin`` or ``.idx`` is missing or damaged (:func:`~megatron.apertus.data.indexed.read_index`;
-    with ``sft``, the same for its loss mask)."""
+    whose ``.bin`` or ``.idx`` is missing or damaged (:func:`.indexed.read_index`; with ``sft``,
+    the same for its loss mask)."""
     from megatron.core.datasets.object_storage_utils import is_object_storage_path
     from megatron.core.datasets.utils import get_blend_from_list
 
