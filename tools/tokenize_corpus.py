@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
+from megatron.apertus.data.indexed import RECORD_SUFFIX
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import add_arguments, from_arguments
 from megatron.apertus.prep.preprocess import (
-    RECORD_SUFFIX,
     DocumentOptions,
     Summary,
     check_input_files,

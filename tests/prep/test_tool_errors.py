@@ -402,3 +402,28 @@ def test_preprocess_data_needs_at_least_one_worker(tmp_path):
         )
         assert_one_line_exit_2(proc, f"--workers {workers}: must be at least 1")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_data_of_a_larger_vocabulary_is_refused_before_the_first_batch(tmp_path):
+    """Data tokenized with the 131072-id tekken tokenizer, trained with a 4096-id one: its ids
+    index past the embedding table (an IndexError traceback at the first batch on the CPU, a
+    device-side assert on a GPU). Its record names the tokenizer that made it; the same data
+    trains with that tokenizer (negative control)."""
+    source = jsonl(
+        tmp_path / "in.jsonl", [json.dumps({"text": d}) for d in embedded_documents()[:8]]
+    )
+    made = warm_tool(
+        "preprocess_data.py", "--input", str(source), "--output-prefix", str(tmp_path / "t")
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    prefix = tmp_path / "t_text_document"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [*TINY_RUN, "--seq-length", "64", "--eval-iters", "0", "--data-path", str(prefix)]
+    proc = run_script(PRETRAIN, [*args, *SMALL_VOCABULARY], env=env, timeout=600)
+    assert_one_line_exit_2(
+        proc,
+        f"--data-path: {prefix} was tokenized with TekkenTokenizer ",
+        f"(131072 ids, {prefix}.meta.json), but this run's tokenizer has 4096: preprocess it",
+    )
+    control = run_script(PRETRAIN, args, env=env, timeout=600)
+    assert control.returncode == 0, control.stderr[-3000:]

@@ -7,10 +7,16 @@ of the package (training's ``--data-path``, the merge, the mixture and ``--data-
 tools) goes through :func:`read_index`, which refuses such a pair in one line naming the file:
 the index's arrays must fit in the ``.idx`` and the ``.bin`` must hold exactly the bytes the
 index points to, which costs reading the index's last pointer, not the data.
+
+``PREFIX.meta.json``, the record the preprocessing tools write beside the pair, is read here
+too (:func:`read_dataset_record`): merges and mixtures compare the records of their parts, and
+training refuses data whose record names a larger vocabulary than its tokenizer's
+(:func:`check_vocabulary`).
 """
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +27,12 @@ if TYPE_CHECKING:
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
 REPAIR = "preprocess it again with tools/preprocess_data.py"
+RECORD_SUFFIX = ".meta.json"
+"""``PREFIX.meta.json`` sits beside ``PREFIX.bin/.idx`` (the preprocessing tools write it): which
+tokenizer and document rules made the dataset, so that merges and mixtures can refuse parts
+that do not belong together, and training data of another vocabulary."""
+RECORD_KEYS = ("tokenizer", "add_bos", "add_eod", "documents", "tokens")
+"""What a record must hold to be read."""
 
 
 def _named(source: str, text: str) -> str:
@@ -79,3 +91,41 @@ def data_bytes(index: _IndexReader) -> int:
     if index.sequence_count == 0:
         return 0
     return int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+
+
+def read_dataset_record(prefix: str) -> dict | None:
+    """The record of ``prefix``, or None for a dataset written without one; one that is not a
+    JSON object (damaged, or another file under its name) is refused naming it."""
+    path = Path(prefix + RECORD_SUFFIX)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is damaged (not JSON: {err}); {REPAIR}") from None
+    missing = [key for key in RECORD_KEYS if not isinstance(record, dict) or key not in record]
+    if missing:
+        raise ConfigError(f"{path} is damaged (no {', '.join(missing)}); {REPAIR}")
+    return record
+
+
+def check_vocabulary(source: str, prefix: str, vocab_size: int) -> None:
+    """Refuse a dataset whose record says it was tokenized with a larger vocabulary than the
+    run's tokenizer has (``vocab_size``): its ids would index past the embedding table (an
+    ``IndexError`` on the CPU, a device-side assert on a GPU, at the first batch). A dataset
+    without a record is not checked."""
+    record = read_dataset_record(prefix)
+    if record is None:
+        return
+    made = record["tokenizer"]
+    if made.get("vocab_size", 0) > vocab_size:
+        raise ConfigError(
+            _named(
+                source,
+                f"{prefix} was tokenized with {made.get('type')} {made.get('file')} "
+                f"({made['vocab_size']} ids, {prefix}{RECORD_SUFFIX}), but this run's "
+                f"tokenizer has {vocab_size}: preprocess it again with this run's "
+                "--tokenizer-type and --tokenizer-model, or train with the tokenizer it was "
+                "made with",
+            )
+        )

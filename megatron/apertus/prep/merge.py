@@ -14,14 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs
-from megatron.apertus.data.indexed import read_index
+from megatron.apertus.data.indexed import RECORD_SUFFIX, read_dataset_record, read_index
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, switch
-from megatron.apertus.prep.preprocess import (
-    RECORD_SUFFIX,
-    read_dataset_record,
-    write_dataset_record,
-)
+from megatron.apertus.prep.preprocess import write_dataset_record
 
 
 class MergeError(ConfigError):

@@ -44,7 +44,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Protocol
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs, die_with_parent
-from megatron.apertus.data.indexed import REPAIR
+from megatron.apertus.data.indexed import RECORD_SUFFIX
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import add_arguments, flag_help, from_arguments, switch
 from megatron.apertus.prep.indexed_writer import IndexedDatasetWriter
@@ -554,13 +554,6 @@ def _pool(config: PreprocessConfig, encoder: LineEncoder):
     return multiprocessing.get_context("fork").Pool(config.workers, initializer=die_with_parent)
 
 
-RECORD_SUFFIX = ".meta.json"
-"""``PREFIX.meta.json`` sits beside ``PREFIX.bin/.idx``: which tokenizer and document rules made
-the dataset, so that merges and mixtures can refuse parts that do not belong together."""
-RECORD_KEYS = ("tokenizer", "add_bos", "add_eod", "documents", "tokens")
-"""What a record must hold to be read (:func:`dataset_record` writes these and ``dtype``)."""
-
-
 def tokenizer_record(tokenizer_type: str, tokenizer: Tokenizer) -> dict:
     """What identifies a tokenizer: its type, file name, content hash and special ids."""
     path = Path(tokenizer.path)
@@ -590,22 +583,6 @@ def write_dataset_record(prefix: str, record: dict) -> None:
     with atomic_outputs(prefix + RECORD_SUFFIX) as (temporary,):
         with open(temporary, "w", encoding="utf-8") as out:
             json.dump(record, out, indent=1, sort_keys=True)
-
-
-def read_dataset_record(prefix: str) -> dict | None:
-    """The record of ``prefix``, or None for a dataset written without one; one that is not a
-    JSON object (damaged, or another file under its name) is refused naming it."""
-    path = Path(prefix + RECORD_SUFFIX)
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path} is damaged (not JSON: {err}); {REPAIR}") from None
-    missing = [key for key in RECORD_KEYS if not isinstance(record, dict) or key not in record]
-    if missing:
-        raise ConfigError(f"{path} is damaged (no {', '.join(missing)}); {REPAIR}")
-    return record
 
 
 def format_summary(summary: Summary, elapsed: float) -> str:
