@@ -154,6 +154,9 @@ def run(
     except ConfigError as err:
         print(error_line(prog, err), file=sys.stderr)
         _exit(EXIT_USAGE)
+    except StepFailed as err:
+        print(error_line(prog, err), file=sys.stderr)
+        _exit(err.code)
     except OSError as err:
         if err.filename is None:
             raise
@@ -166,6 +169,30 @@ def run(
         print(f"{prog}: terminated; {kept}", file=sys.stderr)
         _exit(128 + signal.SIGTERM)
     _exit(code or 0)
+
+
+class StepFailed(Exception):
+    """A step of this program (another entry point it ran) failed, after printing its own
+    error; :func:`run` ends this program with the step's exit status and one line naming it."""
+
+    def __init__(self, step: str, code: int) -> None:
+        super().__init__(
+            f"{step} exited {code} (its error is above); the steps after it did not run"
+        )
+        self.code = code
+
+
+def run_step(command: list[str], **kwargs) -> None:
+    """Run ``command``, another entry point, as one step of this one (``subprocess.run``'s
+    keyword arguments); :class:`StepFailed` when it fails, instead of ``CalledProcessError``'s
+    traceback."""
+    import subprocess
+
+    code = subprocess.run(command, **kwargs).returncode
+    if code != 0:
+        step = next((os.path.basename(part) for part in command if part.endswith(".py")), None)
+        # killed by a signal: the status a shell reports
+        raise StepFailed(step or os.path.basename(command[0]), code if code > 0 else 128 - code)
 
 
 def temporary_name(path: str | os.PathLike) -> str:
