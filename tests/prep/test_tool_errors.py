@@ -427,3 +427,28 @@ def test_data_of_a_larger_vocabulary_is_refused_before_the_first_batch(tmp_path)
     )
     control = run_script(PRETRAIN, args, env=env, timeout=600)
     assert control.returncode == 0, control.stderr[-3000:]
+
+
+def test_preference_data_cut_short_is_refused_before_training(tmp_path):
+    """megatron-core's IndexedDataset opens a ``.bin`` cut short without a word; alignment read
+    past its end at the first batch of those examples."""
+    pair = {
+        "prompt": [{"role": "user", "content": "two plus two?"}],
+        "chosen": "4",
+        "rejected": "5",
+    }
+    source = jsonl(tmp_path / "pairs.jsonl", [json.dumps(pair)] * 8)
+    made = warm_tool(
+        "preprocess_preferences.py",
+        *("--objective", "dpo", "--input", str(source), "--output-prefix", str(tmp_path / "d")),
+        *SMALL_TOKENIZER_FLAGS,
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    prefix = tmp_path / "d_pref_document"
+    size = _cut(Path(f"{prefix}.bin"), 10)
+    align = ["--align-objective", "dpo", "--no-fused-output-loss", "--eval-iters", "0"]
+    args = [*TINY_RUN, *SMALL_VOCABULARY, *align, "--train-data-path", str(prefix)]
+    proc = run_script(PRETRAIN, args, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert_one_line_exit_2(
+        proc, f"{prefix}.bin is damaged: 10 bytes, but d_pref_document.idx describes {size}"
+    )

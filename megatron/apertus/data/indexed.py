@@ -26,7 +26,7 @@ from megatron.apertus.errors import ConfigError
 if TYPE_CHECKING:
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
-REPAIR = "preprocess it again with tools/preprocess_data.py"
+REPAIR = "write it again with the tool that made it (tools/preprocess_*.py)"
 RECORD_SUFFIX = ".meta.json"
 """``PREFIX.meta.json`` sits beside ``PREFIX.bin/.idx`` (the preprocessing tools write it): which
 tokenizer and document rules made the dataset, so that merges and mixtures can refuse parts
