@@ -321,3 +321,29 @@ def test_a_failed_step_ends_its_caller_in_one_line_with_its_status(tmp_path, cap
     assert capsys.readouterr().err == (
         "tool.py: error: step.py exited 2 (its error is above); the steps after it did not run\n"
     )
+
+
+STOPPED_WHILE_EXITING = """
+import atexit, os, signal
+from megatron.apertus import cli
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))
+parser = cli.ArgumentParser(prog="tool.py")
+cli.run(lambda: parser.parse_args(["--no-such-flag"]), prog="tool.py")
+"""
+"""A rank that refused its flags is stopped by the launcher (torchrun stops the other ranks
+of a failed world) while its interpreter shuts down."""
+
+
+def test_a_rank_stopped_while_exiting_after_a_flag_error_prints_no_traceback():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", STOPPED_WHILE_EXITING],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert proc.stderr == (
+        "tool.py: error: unrecognized arguments: --no-such-flag (see tool.py --help)\n"
+    )

@@ -162,6 +162,10 @@ def run(
             raise
         print(error_line(prog, err), file=sys.stderr)
         _exit(EXIT_USAGE)
+    except SystemExit:
+        # argparse's errors and sys.exit() in ``main``: the same quiet shutdown as _exit
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; {kept}", file=sys.stderr)
         _exit(128 + signal.SIGINT)
