@@ -102,3 +102,27 @@ def test_an_hf_directory_with_a_damaged_config_is_refused_naming_it(tmp_path):
         proc, f"import_hf.py: error: {hf_dir / 'config.json'}: not valid JSON (", "download it"
     )
     assert not save.exists()
+
+
+WEIGHT_TOOLS = {
+    "fuse_norms.py": [],
+    "average_checkpoints.py": ["--last", "1"],
+    "quantize.py": ["--method", "rtn", "--quant-format", "int4"],
+}
+
+
+def test_a_weights_tool_out_of_disk_leaves_no_directory_behind(saved, mount_tmpfs):
+    """The tools that write a checkpoint refuse a disk too small in one line saying nothing
+    was written; the --save directory they had made for it went away too (it stayed, empty,
+    and a save interrupted by Ctrl-C or SIGTERM left its temporary directory in it)."""
+    volume = mount_tmpfs("disk", "size=1m")
+    for name, extra in WEIGHT_TOOLS.items():
+        save = volume / "out"
+        proc = run_script(
+            REPO / "tools" / name,
+            ["--load", str(saved), "--save", str(save), *extra],
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        assert_one_line_exit_2(proc, f"{name}: error: {save}: no space left on device for ")
+        assert "nothing was written" in proc.stderr
+        assert not list(volume.iterdir()), name
