@@ -107,7 +107,7 @@ def test_an_hf_directory_with_a_damaged_config_is_refused_naming_it(tmp_path):
 WEIGHT_TOOLS = {
     "fuse_norms.py": [],
     "average_checkpoints.py": ["--last", "1"],
-    "quantize.py": ["--method", "rtn", "--quant-format", "int4"],
+    "quantize.py": ["--method", "rtn", "--quant-format", "int4", "--quant-group-size", "32"],
 }
 
 
@@ -126,3 +126,20 @@ def test_a_weights_tool_out_of_disk_leaves_no_directory_behind(saved, mount_tmpf
         assert_one_line_exit_2(proc, f"{name}: error: {save}: no space left on device for ")
         assert "nothing was written" in proc.stderr
         assert not list(volume.iterdir()), name
+
+
+def test_a_group_size_that_does_not_tile_the_rows_names_the_flag(saved, tmp_path):
+    """quantize.py said "last dimension 64 is not a multiple of group size 128", naming no
+    flag; it now says what the quantized export says, before anything is read."""
+    save = tmp_path / "out"
+    proc = run_script(
+        REPO / "tools" / "quantize.py",
+        ["--load", str(saved), "--save", str(save), "--method", "rtn", "--quant-format", "int4"],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert_one_line_exit_2(
+        proc,
+        "quantize.py: error: --quant-group-size 128 does not divide the 64 input features of "
+        "model.layers.*.self_attn.q_proj",
+    )
+    assert not save.exists()

@@ -53,12 +53,12 @@ from megatron.apertus.convert.hf_io import (
     write_hf_directory,
     write_safetensors,
 )
+from megatron.apertus.convert.quant_io import check_divisible
 from megatron.apertus.data.datasets import check_prefixes
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import (
-    NVFP4_BLOCK,
     fp8_scale,
     int_quantize,
     nvfp4_quantize,
@@ -253,7 +253,7 @@ def export_quantized(
     if output.exists():
         raise FileExistsError(f"--output {output} already exists; refusing to overwrite it")
     model = load_model_config(load)
-    _check_divisible(model, quant)
+    check_divisible(model, quant)
     input_amax = {}
     if quant.quant_format == "nvfp4":
         input_amax = calibrate_input_amax(load, quant, calibration(model.seq_length))
@@ -304,32 +304,3 @@ def _check_exportable(quant: QuantConfig, calibration) -> None:
             "--quant-format nvfp4 needs --calibration-data (the static input "
             "global scales are calibrated)"
         )
-
-
-def _input_features(model: ApertusConfig) -> dict[str, int]:
-    """Input features of each HF decoder projection (every layer alike)."""
-    attention = model.num_attention_heads * model.kv_channels
-    return {
-        "self_attn.q_proj": model.hidden_size,
-        "self_attn.k_proj": model.hidden_size,
-        "self_attn.v_proj": model.hidden_size,
-        "self_attn.o_proj": attention,
-        "mlp.up_proj": model.hidden_size,
-        "mlp.down_proj": model.ffn_hidden_size,
-    }
-
-
-def _check_divisible(model: ApertusConfig, quant: QuantConfig) -> None:
-    """The groups (or NVFP4 blocks) must tile every projection's rows: said in one line, before
-    anything is read or written, as ``tools/quantize.py`` says it."""
-    if quant.int_bits is not None and quant.quant_group_size > 0:
-        group, what = quant.quant_group_size, f"--quant-group-size {quant.quant_group_size}"
-    elif quant.quant_format == "nvfp4":
-        group, what = NVFP4_BLOCK, f"--quant-format nvfp4 (blocks of {NVFP4_BLOCK})"
-    else:
-        return
-    for name, features in _input_features(model).items():
-        if features % group:
-            raise ConversionError(
-                f"{what} does not divide the {features} input features of " f"model.layers.*.{name}"
-            )
