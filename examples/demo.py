@@ -41,7 +41,6 @@ import json
 import math
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,6 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron.apertus import cli
+from megatron.apertus.cli import run_step
 from megatron.apertus.ops.cpu_capability import cpu_name, fast_precision
 from megatron.apertus.training.metrics import read_history
 
@@ -88,7 +89,7 @@ def run(*args: str) -> float:
     """Run one of our entry points; its wall time in seconds."""
     print("$", " ".join(args), flush=True)
     start = time.perf_counter()
-    subprocess.run([sys.executable, *args], cwd=REPO, check=True)
+    run_step([sys.executable, *args], cwd=REPO)
     return time.perf_counter() - start
 
 
@@ -371,4 +372,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

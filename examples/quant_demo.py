@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from megatron.apertus import cli
+from megatron.apertus.cli import run_step
 from megatron.apertus.ops.cpu_capability import fast_precision
 from megatron.apertus.quant.formats import ACTIVATION_FORMATS, FORMATS
 from megatron.apertus.training.metrics import read_history
@@ -77,7 +79,7 @@ QAD_OPT = [
 def run(script: str, *args: str) -> None:
     cmd = [sys.executable, str(REPO / script), *args]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    run_step(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
 
 
 def complete(save: Path) -> bool:
@@ -316,4 +318,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

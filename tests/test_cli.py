@@ -272,3 +272,78 @@ def test_a_handled_signal_saves_and_exits_zero(tmp_path, flags, signum):
     name = signal.Signals(signum).name
     assert f"exit requested by signal {name}: saving a checkpoint and stopping" in stdout + stderr
     assert checkpoint.latest_iteration(tmp_path / "save") >= 1
+
+
+def test_atomic_directory_names_the_output_and_leaves_nothing_when_it_fails(tmp_path):
+    """A write that fails inside the temporary directory (here the disk is full) is reported
+    naming the directory the user asked for; the temporary one is gone either way."""
+    final = tmp_path / "hf"
+
+    def full_disk(directory: Path) -> None:
+        (directory / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device", str(directory / "model.safetensors"))
+
+    with pytest.raises(OSError) as raised:
+        with cli.atomic_directory(final) as temporary:
+            full_disk(temporary)
+    assert raised.value.filename == str(final) and raised.value.errno == 28
+    with pytest.raises(KeyboardInterrupt):
+        with cli.atomic_directory(final) as temporary:
+            (temporary / "config.json").write_text("{}")
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with cli.atomic_directory(final) as temporary:
+        (temporary / "config.json").write_text("{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    assert [p.name for p in final.iterdir()] == ["config.json"]
+
+
+STEP = """
+import sys
+print("step.py: error: --flag: bad", file=sys.stderr)
+sys.exit(2)
+"""
+
+
+def test_a_failed_step_ends_its_caller_in_one_line_with_its_status(tmp_path, capsys):
+    """An example that runs our tools one after another stops at the first that fails, with
+    its exit status and one line after the step's own, instead of CalledProcessError's
+    traceback."""
+    step = tmp_path / "step.py"
+    step.write_text(STEP)
+    after = []
+
+    def main() -> None:
+        cli.run_step([sys.executable, str(step)])
+        after.append("ran")
+
+    assert run_main(main) == 2 and not after
+    assert capsys.readouterr().err == (
+        "tool.py: error: step.py exited 2 (its error is above); the steps after it did not run\n"
+    )
+
+
+STOPPED_WHILE_EXITING = """
+import atexit, os, signal
+from megatron.apertus import cli
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))
+parser = cli.ArgumentParser(prog="tool.py")
+cli.run(lambda: parser.parse_args(["--no-such-flag"]), prog="tool.py")
+"""
+"""A rank that refused its flags is stopped by the launcher (torchrun stops the other ranks
+of a failed world) while its interpreter shuts down."""
+
+
+def test_a_rank_stopped_while_exiting_after_a_flag_error_prints_no_traceback():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", STOPPED_WHILE_EXITING],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert proc.stderr == (
+        "tool.py: error: unrecognized arguments: --no-such-flag (see tool.py --help)\n"
+    )

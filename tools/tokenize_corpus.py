@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from megatron.apertus.cli import ArgumentParser, atomic_outputs, run
+from megatron.apertus.data.indexed import RECORD_SUFFIX
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import add_arguments, from_arguments
 from megatron.apertus.prep.preprocess import (
-    RECORD_SUFFIX,
     DocumentOptions,
     Summary,
     check_input_files,
@@ -117,10 +117,7 @@ def check(config: TokenizeCorpusConfig, files: list[str]) -> tuple[int, dict]:
         raise InputError(
             f"--merge-prefix: {Path(config.merge_prefix).absolute().parent} does " "not exist"
         )
-    try:
-        tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
-    except (FileNotFoundError, ValueError) as err:
-        raise InputError(f"--tokenizer-model: {err}") from None
+    tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
     for item in config.sbatch_args:
         if "=" not in item:
             raise InputError(f"--sbatch-config {item}: expected KEY=VALUE")

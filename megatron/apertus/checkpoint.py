@@ -558,8 +558,22 @@ def _publish(
 
 
 def save_model(save_dir: str | os.PathLike, iteration: int, chunks, model: ApertusConfig) -> Path:
-    """Save the model weights only (conversion tools, initial checkpoints)."""
-    return save(save_dir, chunks, model, TrainingState(iteration=iteration))
+    """Save the model weights only (conversion tools, initial checkpoints). A tool's output is
+    complete or absent: a save that fails or is interrupted (Ctrl-C, SIGTERM) removes what it
+    wrote, the ``--save`` directory too when the save made it (a training run keeps a save cut
+    short under its temporary name for its next save to remove)."""
+    save_dir = Path(save_dir)
+    made = not save_dir.exists()
+    try:
+        return save(save_dir, chunks, model, TrainingState(iteration=iteration))
+    except BaseException:
+        if dist.get_rank() == 0:
+            final = iteration_dir(save_dir, iteration)
+            shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+            if made:
+                with contextlib.suppress(OSError):  # only when nothing else is in it
+                    save_dir.rmdir()
+        raise
 
 
 def load(

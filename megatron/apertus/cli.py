@@ -8,8 +8,9 @@ The promise every tool under ``tools/`` and ``pretrain_gpt.py`` keep through thi
 * Ctrl-C or SIGTERM ends it with one line and exit code 130 or 143; worker processes end quietly
   with it, also while they are still starting, and so do they when the parent is killed
   outright.
-* Outputs appear under their final names only when complete (:func:`atomic_outputs`): an error or
-  an interruption leaves neither a partial file nor a temporary one.
+* Outputs appear under their final names only when complete (:func:`atomic_outputs`, and
+  :func:`atomic_directory` for a directory): an error or an interruption leaves neither a
+  partial file nor a temporary one.
 * Processes that share a cache (two jobs on one node, parallel test workers) build its entries
   one at a time (:func:`exclusive`), never writing the same files at once.
 
@@ -24,8 +25,10 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -151,11 +154,18 @@ def run(
     except ConfigError as err:
         print(error_line(prog, err), file=sys.stderr)
         _exit(EXIT_USAGE)
+    except StepFailed as err:
+        print(error_line(prog, err), file=sys.stderr)
+        _exit(err.code)
     except OSError as err:
         if err.filename is None:
             raise
         print(error_line(prog, err), file=sys.stderr)
         _exit(EXIT_USAGE)
+    except SystemExit:
+        # argparse's errors and sys.exit() in ``main``: the same quiet shutdown as _exit
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; {kept}", file=sys.stderr)
         _exit(128 + signal.SIGINT)
@@ -163,6 +173,30 @@ def run(
         print(f"{prog}: terminated; {kept}", file=sys.stderr)
         _exit(128 + signal.SIGTERM)
     _exit(code or 0)
+
+
+class StepFailed(Exception):
+    """A step of this program (another entry point it ran) failed, after printing its own
+    error; :func:`run` ends this program with the step's exit status and one line naming it."""
+
+    def __init__(self, step: str, code: int) -> None:
+        super().__init__(
+            f"{step} exited {code} (its error is above); the steps after it did not run"
+        )
+        self.code = code
+
+
+def run_step(command: list[str], **kwargs) -> None:
+    """Run ``command``, another entry point, as one step of this one (``subprocess.run``'s
+    keyword arguments); :class:`StepFailed` when it fails, instead of ``CalledProcessError``'s
+    traceback."""
+    import subprocess
+
+    code = subprocess.run(command, **kwargs).returncode
+    if code != 0:
+        step = next((os.path.basename(part) for part in command if part.endswith(".py")), None)
+        # killed by a signal: the status a shell reports
+        raise StepFailed(step or os.path.basename(command[0]), code if code > 0 else 128 - code)
 
 
 def temporary_name(path: str | os.PathLike) -> str:
@@ -201,6 +235,32 @@ def atomic_outputs(*paths: str | os.PathLike) -> Iterator[list[str]]:
         for name in temporary:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(name)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """A fresh temporary directory beside ``path`` (which must not exist), renamed to ``path``
+    when the block ends normally and removed with its contents when it raises. An ``OSError``
+    of the block that names no file or one inside the temporary directory (a full disk, a
+    read-only file system) is raised again naming ``path``: the directory the user asked for,
+    not a temporary one that is gone by the time the error line is read."""
+    path = Path(path)
+    try:
+        temporary = Path(tempfile.mkdtemp(prefix=f"{path.name}.tmp.", dir=path.parent))
+    except OSError as err:
+        raise type(err)(err.errno, err.strerror, os.fspath(path)) from None
+    try:
+        yield temporary
+        _rename(os.fspath(temporary), path)
+    except OSError as err:
+        shutil.rmtree(temporary, ignore_errors=True)
+        named = err.filename is not None and not Path(err.filename).is_relative_to(temporary)
+        if named or err.errno is None:
+            raise
+        raise type(err)(err.errno, err.strerror, os.fspath(path)) from None
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
         raise
 
 

@@ -40,6 +40,10 @@ def resolve_device(requested: str = "auto") -> str:
     return requested
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+"""The variables of an ``env://`` rendezvous, as torchrun and the Slurm launchers set them."""
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -95,12 +99,30 @@ def init_distributed(
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend, **timeout)
+        _join_environment_rendezvous(backend, timeout)
     else:
         address = f"tcp://127.0.0.1:{_free_port()}"
         dist.init_process_group(
             backend=backend, init_method=address, rank=0, world_size=1, **timeout
         )
+
+
+def _join_environment_rendezvous(backend: str, timeout: dict) -> None:
+    """``init_process_group`` from torchrun's or a launcher's environment (``env://``). A
+    rendezvous that cannot start is the user's to fix, and a traceback from inside torch names
+    neither the variables nor the remedy: rank 0 finds ``MASTER_PORT`` taken (another job on
+    the node), or a variable is not set."""
+    where = " ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in RENDEZVOUS)
+    try:
+        dist.init_process_group(backend=backend, **timeout)
+    except dist.DistNetworkError as err:
+        reason = str(err).rsplit("message: ", 1)[-1].splitlines()[0]
+        raise ConfigError(
+            f"{where}: the rendezvous cannot start ({reason}); another job on this node may "
+            "hold the port: choose a free MASTER_PORT"
+        ) from None
+    except ValueError as err:  # torch's env:// handler: a variable it needs is not set
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def set_seed(seed: int, *, te_rng_tracker: bool = False) -> None:

@@ -308,13 +308,17 @@ def test_logits_of_other_data_are_refused_naming_the_sample(logits):
     assert "sample" in proc.stderr and "position 0" in proc.stderr
 
 
-@pytest.mark.parametrize("mistake", ["logits-dir under a file", "missing data"])
+@pytest.mark.parametrize(
+    "mistake",
+    ["logits-dir under a file", "missing data", "top-k above the vocabulary", "empty blocks"],
+)
 def test_generation_refuses_bad_flags_in_one_line_before_loading_the_teacher(tmp_path, mistake):
     """The teacher checkpoint holds its config and no weights: a refusal that came after
     loading it would be another error."""
     teacher = tmp_path / "teacher"
     teacher.mkdir()
     (teacher / MODEL_CONFIG).write_text(preset("tiny").to_json())
+    vocab = preset("tiny").vocab_size
     (tmp_path / "file").touch()
     args, expected = {
         "logits-dir under a file": (
@@ -324,6 +328,14 @@ def test_generation_refuses_bad_flags_in_one_line_before_loading_the_teacher(tmp
         "missing data": (
             ["--logits-dir", str(tmp_path / "store"), "--data-path", str(tmp_path / "none")],
             f"--data-path: neither {tmp_path / 'none'}.bin nor",
+        ),
+        "top-k above the vocabulary": (
+            ["--logits-dir", str(tmp_path / "store"), "--topk", "200000"],
+            f"--topk 200000 is more than the teacher's vocabulary of {vocab} ids",
+        ),
+        "empty blocks": (
+            ["--logits-dir", str(tmp_path / "store"), "--samples-per-block", "0"],
+            "--samples-per-block must be at least 1, got 0",
         ),
     }[mistake]
     env = dict(os.environ, OMP_NUM_THREADS="1")

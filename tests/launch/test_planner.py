@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron.apertus.errors import ConfigError
@@ -238,3 +240,21 @@ def test_cli_prints_the_plan_and_exits_1_on_refusal(capsys):
     bad = EIGHT_B + ["--global-batch-size", "1024"]
     assert plan_layout(["--gpus", "1024", "--gpu-memory-gib", "96", "--", *bad]) == 1
     assert "REFUSED:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "cluster, message",
+    [
+        (dict(gpu_memory_gib=0.0), "--gpu-memory-gib (0) must be positive"),
+        (dict(gpu_memory_gib=-80.0), "--gpu-memory-gib (-80) must be positive"),
+        (dict(gpu_memory_gib=float("nan")), "--gpu-memory-gib (nan) must be positive"),
+        (dict(gpu_memory_gib=96.0, usable_fraction=0.0), "--usable-fraction (0) must be in"),
+        (dict(gpu_memory_gib=96.0, usable_fraction=1.5), "--usable-fraction (1.5) must be in"),
+    ],
+    ids=["zero memory", "negative memory", "nan memory", "no usable share", "more than all"],
+)
+def test_a_gpu_without_memory_is_refused_not_planned(cluster, message):
+    """A memory of 0 was both "not checked" in the plan's header and the reason for refusing
+    every layout (exit 1, as for a layout that does not fit): it is a mistake in the flags."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Cluster(gpus=8, gpus_per_node=4, **cluster)

@@ -19,10 +19,18 @@ from pathlib import Path
 import pytest
 
 from megatron.apertus.prep.corpus import embedded_documents
-from tests.conftest import REPO, run_script
+from tests.conftest import (
+    PRETRAIN,
+    REPO,
+    SMALL_TOKENIZER,
+    SMALL_TOKENIZER_FLAGS,
+    SMALL_VOCABULARY,
+    run_script,
+)
 
 TOOLS = REPO / "tools"
 NOBODY = 65534
+TINY_RUN = "--model-preset tiny --global-batch-size 2 --micro-batch-size 1 --train-iters 1".split()
 
 
 def tool(
@@ -287,3 +295,160 @@ def test_every_rejected_line_report_starts_a_line_of_its_own(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         reports = [line for line in proc.stderr.split("\n") if line.startswith(f"{source}:")]
         assert [r.split(": skipped")[0] for r in reports] == [f"{source}:1", f"{source}:3"], name
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """A folder with one whole dataset (``c_text_document``) of a few documents."""
+    folder = tmp_path_factory.mktemp("dataset")
+    source = jsonl(
+        folder.parent / "in.jsonl", [json.dumps({"text": d}) for d in embedded_documents()[:4]]
+    )
+    made = warm_tool(
+        "preprocess_data.py",
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(folder / "c"),
+        *SMALL_TOKENIZER_FLAGS,
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    return folder
+
+
+def _cut(path: Path, size: int) -> str:
+    original = path.stat().st_size
+    os.truncate(path, size)
+    return str(original)
+
+
+DAMAGES = {
+    ".bin cut short": (
+        lambda p: _cut(p.with_suffix(".bin"), 10),
+        "{p}.bin is damaged: 10 bytes, but c_text_document.idx describes {kept}",
+    ),
+    ".idx cut short": (
+        lambda p: _cut(p.with_suffix(".idx"), 40),
+        "{p}.idx is damaged or cut short (buffer is smaller than requested size)",
+    ),
+    ".meta.json not JSON": (
+        lambda p: Path(f"{p}.meta.json").write_text('{"tokenizer": '),
+        "{p}.meta.json is damaged (not JSON: ",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_dataset_is_refused_by_every_tool_that_reads_it(dataset, tmp_path, damage):
+    """A copy stopped half-way (the index or the data cut short) or a record overwritten: each
+    reader names the damaged file in one line and writes nothing, where megatron-core's reader
+    fails with a traceback, or, for a ``.bin`` cut short, does not notice and merges it."""
+    data = Path(shutil.copytree(dataset, tmp_path / "data"))
+    prefix = data / "c_text_document"
+    damage_it, expected = DAMAGES[damage]
+    expected = expected.format(p=prefix, kept=damage_it(prefix))
+    out = tmp_path / "out"
+    out.mkdir()
+    mixture = ["--folders", str(data), "--weights", "1", "--max-tokens", "10"]
+    runs = {
+        TOOLS / "merge_datasets.py": ["--input", str(data), "--output-prefix", str(out / "m")],
+        TOOLS / "build_mixture.py": [*mixture, "--output", str(out / "mix")],
+    }
+    if damage != ".meta.json not JSON":  # the record is read where tokenizers must match
+        runs[TOOLS / "data_config.py"] = [str(data), "--output", str(out / "args")]
+        train = ["--data-path", str(prefix), "--save", str(out / "ckpt")]
+        runs[PRETRAIN] = [*TINY_RUN, *SMALL_VOCABULARY, *train]
+    for script, args in runs.items():
+        proc = run_script(script, args, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+        assert_one_line_exit_2(proc, expected)
+        # the run's log (debug.log in --save) records the refusal; nothing else is written
+        assert [p.name for p in written_files(out)] in ([], ["debug.log"]), script.name
+
+
+def test_a_tokenizer_file_cut_short_is_refused_by_every_tokenizing_tool(tmp_path):
+    """A ``tokenizer.json`` cut short (a download stopped half-way) is named in one line, as a
+    missing one is, instead of ending in the tokenizers library's traceback."""
+    broken = tmp_path / "tokenizer.json"
+    broken.write_bytes(SMALL_TOKENIZER.read_bytes()[:100])
+    source = jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "a line"})])
+    out = tmp_path / "out"
+    out.mkdir()
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(broken)]
+    runs = {
+        "preprocess_data.py": ["--output-prefix", str(out / "x")],
+        "preprocess_chat.py": ["--output-prefix", str(out / "x")],
+        "preprocess_preferences.py": ["--output-prefix", str(out / "x"), "--objective", "dpo"],
+        "tokenize_corpus.py": ["--output-dir", str(out / "tokens")],
+    }
+    for name, args in runs.items():
+        proc = warm_tool(name, "--input", str(source), *args, *flags)
+        assert_one_line_exit_2(
+            proc, f"--tokenizer-model {broken}: not a HuggingFaceTokenizer file (Exception("
+        )
+        assert not written_files(out), name
+
+
+def test_preprocess_data_needs_at_least_one_worker(tmp_path):
+    source = jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "a line"})])
+    for workers in ("0", "-2"):
+        proc = warm_tool(
+            "preprocess_data.py",
+            "--input",
+            str(source),
+            "--output-prefix",
+            str(tmp_path / "x"),
+            "--workers",
+            workers,
+        )
+        assert_one_line_exit_2(proc, f"--workers {workers}: must be at least 1")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_data_of_a_larger_vocabulary_is_refused_before_the_first_batch(tmp_path):
+    """Data tokenized with the 131072-id tekken tokenizer, trained with a 4096-id one: its ids
+    index past the embedding table (an IndexError traceback at the first batch on the CPU, a
+    device-side assert on a GPU). Its record names the tokenizer that made it; the same data
+    trains with that tokenizer (negative control)."""
+    source = jsonl(
+        tmp_path / "in.jsonl", [json.dumps({"text": d}) for d in embedded_documents()[:8]]
+    )
+    made = warm_tool(
+        "preprocess_data.py", "--input", str(source), "--output-prefix", str(tmp_path / "t")
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    prefix = tmp_path / "t_text_document"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [*TINY_RUN, "--seq-length", "64", "--eval-iters", "0", "--data-path", str(prefix)]
+    proc = run_script(PRETRAIN, [*args, *SMALL_VOCABULARY], env=env, timeout=600)
+    assert_one_line_exit_2(
+        proc,
+        f"--data-path: {prefix} was tokenized with TekkenTokenizer ",
+        f"(131072 ids, {prefix}.meta.json), but this run's tokenizer has 4096: preprocess it",
+    )
+    control = run_script(PRETRAIN, args, env=env, timeout=600)
+    assert control.returncode == 0, control.stderr[-3000:]
+
+
+def test_preference_data_cut_short_is_refused_before_training(tmp_path):
+    """megatron-core's IndexedDataset opens a ``.bin`` cut short without a word; alignment read
+    past its end at the first batch of those examples."""
+    pair = {
+        "prompt": [{"role": "user", "content": "two plus two?"}],
+        "chosen": "4",
+        "rejected": "5",
+    }
+    source = jsonl(tmp_path / "pairs.jsonl", [json.dumps(pair)] * 8)
+    made = warm_tool(
+        "preprocess_preferences.py",
+        *("--objective", "dpo", "--input", str(source), "--output-prefix", str(tmp_path / "d")),
+        *SMALL_TOKENIZER_FLAGS,
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    prefix = tmp_path / "d_pref_document"
+    size = _cut(Path(f"{prefix}.bin"), 10)
+    align = ["--align-objective", "dpo", "--no-fused-output-loss", "--eval-iters", "0"]
+    args = [*TINY_RUN, *SMALL_VOCABULARY, *align, "--train-data-path", str(prefix)]
+    proc = run_script(PRETRAIN, args, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert_one_line_exit_2(
+        proc, f"{prefix}.bin is damaged: 10 bytes, but d_pref_document.idx describes {size}"
+    )

@@ -8,6 +8,7 @@ whose directory holds no checkpoint yet starts from scratch and says so, as Mega
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -330,3 +331,45 @@ def test_an_output_in_a_read_only_directory_is_refused_before_the_model_is_built
 )
 def test_an_alignment_flag_at_its_default_without_an_objective_is_refused(flags, named):
     assert refused([*flags, "--dry-run"]) == f"{named} needs --align-objective (dpo or qrpo)"
+
+
+# -- the launcher's environment ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mistake", ["port taken", "no MASTER_ADDR"])
+def test_a_rendezvous_that_cannot_start_is_one_line_naming_its_variables(mistake):
+    """Ranks started by a launcher (srun, an mpirun) with ``env://`` variables: rank 0 finds
+    MASTER_PORT held by another job on the node, or a variable is missing. torch's traceback
+    named neither the variables nor the remedy. A fresh interpreter: the warm one hands its
+    processes no rendezvous of the caller's."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if mistake == "no MASTER_ADDR":
+        del env["MASTER_ADDR"]
+    with holder:
+        proc = subprocess.run(
+            [sys.executable, str(PRETRAIN), *TINY, "--mock-data"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    expected = {
+        "port taken": (
+            f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} RANK=0 WORLD_SIZE=1: the rendezvous "
+            "cannot start (address already in use); another job on this node may hold the "
+            "port: choose a free MASTER_PORT"
+        ),
+        "no MASTER_ADDR": f"MASTER_ADDR=(unset) MASTER_PORT={port} RANK=0 WORLD_SIZE=1: ",
+    }[mistake]
+    assert errors[0].removeprefix(ERROR).startswith(expected), errors[0]
+    if mistake == "no MASTER_ADDR":
+        assert "MASTER_ADDR expected, but not set" in errors[0]

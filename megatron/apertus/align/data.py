@@ -20,6 +20,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus.data.chat import loss_mask_prefix
+from megatron.apertus.data.indexed import read_index
 from megatron.apertus.errors import ConfigError
 
 SEQUENCES = {"dpo": 2, "qrpo": 1}
@@ -58,6 +59,7 @@ class PreferenceDataset:
                         "datasets written by tools/preprocess_preferences.py --objective "
                         f"{objective}"
                     )
+            read_index("", path)  # refuses a damaged pair, which IndexedDataset reads past
         self.tokens = IndexedDataset(prefix, mmap=mmap)
         self.mask = IndexedDataset(loss_mask_prefix(prefix), mmap=mmap)
         self.quantile = (

@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
+import re
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -29,6 +28,7 @@ from megatron.apertus.checkpoint import (
     save_model,
 )
 from megatron.apertus.checkpoint_files import final_losses, read_run_info
+from megatron.apertus.cli import atomic_directory
 from megatron.apertus.convert.hf import (
     ConversionError,
     apertus_config_from_hf,
@@ -81,52 +81,67 @@ def export_checkpoint(
     command: Sequence[str] | None = None,
     license: str = DEFAULT_LICENSE,
 ) -> Path:
-    """Write the Hugging Face directory ``output`` from checkpoint ``load``.
-
-    It holds config.json, generation_config.json, model.safetensors, the tokenizer (the one
-    the training run recorded, or ``tokenizer`` when given) and a README.md model card naming
-    ``command``. Everything is written to a fresh temporary directory beside ``output``, made
-    world-readable as a Hugging Face download is (files 0644, directories 0755, whatever the
-    umask), and renamed when complete: a crash never leaves a directory that looks finished.
-    Every refusal (no tokenizer known, an existing ``output``) comes before the model loads.
-    """
+    """Write the Hugging Face directory ``output`` from checkpoint ``load``
+    (:func:`write_hf_directory`), in a fresh temporary directory beside it renamed when
+    complete: a crash, a full disk or an interruption never leaves a directory that looks
+    finished, nor a temporary one. It is world-readable as a Hugging Face download is."""
     output = Path(output)
     if output.exists():
         raise FileExistsError(f"--output {output} already exists; refusing to overwrite it")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(output) as tmp:
+        write_hf_directory(
+            load,
+            tmp,
+            name=output.name,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            command=command,
+            license=license,
+        )
+        make_world_readable(tmp)
+    return output
+
+
+def write_hf_directory(
+    load: str | os.PathLike,
+    dest: Path,
+    *,
+    name: str,
+    tokenizer: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    command: Sequence[str] | None = None,
+    license: str = DEFAULT_LICENSE,
+) -> None:
+    """Fill the empty directory ``dest`` with the Hugging Face model ``name`` of checkpoint
+    ``load``: config.json, generation_config.json, model.safetensors, the tokenizer (the one
+    the training run recorded, or ``tokenizer`` when given) and a README.md model card naming
+    ``command``. Every refusal (no tokenizer known) comes before the model loads."""
     checkpoint = resolve_checkpoint(load)
     run_info = read_run_info(checkpoint)
     source = tokenizer_source(checkpoint, run_info, None if tokenizer is None else str(tokenizer))
     model = load_model_config(checkpoint)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{output.name}.tmp.", dir=output.parent))
-    try:
-        token_ids = write_hf_tokenizer(
-            source, tmp, model_max_length=model.max_position_embeddings, vocab_size=model.vocab_size
-        )
-        _write_model(checkpoint, model, dtype, tmp)
-        config = hf_config(model, dtype, token_ids)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        GenerationConfig(
-            bos_token_id=token_ids.bos, eos_token_id=token_ids.eos, pad_token_id=token_ids.pad
-        ).save_pretrained(str(tmp))
-        card = model_card(
-            name=output.name,
-            model=model,
-            checkpoint=checkpoint.resolve(),
-            run_info=run_info,
-            tokenizer=f"{source.describe()}, from {source.origin}",
-            dtype=dtype_name(dtype),
-            export_command=command,
-            losses=final_losses(checkpoint),
-            license=license,
-        )
-        (tmp / "README.md").write_text(card, encoding="utf-8")
-        _make_world_readable(tmp)
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return output
+    token_ids = write_hf_tokenizer(
+        source, dest, model_max_length=model.max_position_embeddings, vocab_size=model.vocab_size
+    )
+    _write_model(checkpoint, model, dtype, dest)
+    config = hf_config(model, dtype, token_ids)
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    GenerationConfig(
+        bos_token_id=token_ids.bos, eos_token_id=token_ids.eos, pad_token_id=token_ids.pad
+    ).save_pretrained(str(dest))
+    card = model_card(
+        name=name,
+        model=model,
+        checkpoint=checkpoint.resolve(),
+        run_info=run_info,
+        tokenizer=f"{source.describe()}, from {source.origin}",
+        dtype=dtype_name(dtype),
+        export_command=command,
+        losses=final_losses(checkpoint),
+        license=license,
+    )
+    (dest / "README.md").write_text(card, encoding="utf-8")
 
 
 def _write_model(checkpoint: Path, model: ApertusConfig, dtype: torch.dtype, dest: Path) -> None:
@@ -134,10 +149,24 @@ def _write_model(checkpoint: Path, model: ApertusConfig, dtype: torch.dtype, des
     with single_process(model) as chunk:
         load_model(checkpoint, [chunk])
         tensors = to_hf_state_dict(model_tensors(chunk), model, dtype)
-    save_file(tensors, str(dest / SAFETENSORS), metadata={"format": "pt"})
+    write_safetensors(tensors, dest / SAFETENSORS)
 
 
-def _make_world_readable(root: Path) -> None:
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' ``save_file``, whose I/O failures (a full disk) are its own error type with
+    the errno only in the text: raised as the ``OSError`` naming ``path`` that every entry
+    point reports in one line."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as err:
+        code = re.search(r"os error (\d+)", str(err))
+        if code is None:
+            raise
+        errno = int(code.group(1))
+        raise OSError(errno, os.strerror(errno), str(path)) from None
+
+
+def make_world_readable(root: Path) -> None:
     """0755 directories and 0644 files under ``root`` (safetensors writes 0600, mkdtemp 0700)."""
     for directory, _, files in os.walk(root):
         os.chmod(directory, 0o755)
@@ -158,12 +187,23 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
+def read_hf_json(path: Path) -> dict:
+    """A JSON file of an HF directory; ``ConversionError`` naming it when it is not JSON (a
+    download cut short), where ``json`` would name neither the file nor the remedy."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConversionError(
+            f"{path}: not valid JSON ({err}); copy or download it again"
+        ) from None
+
+
 def read_hf_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of an HF directory: ``model.safetensors`` or all shards named by its index."""
     hf_dir = Path(hf_dir)
     index = hf_dir / SAFETENSORS_INDEX
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(read_hf_json(index)["weight_map"].values()))
     elif (hf_dir / SAFETENSORS).is_file():
         shards = [SAFETENSORS]
     else:
@@ -181,7 +221,7 @@ def read_hf_tensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 def import_hf(hf_dir: str | os.PathLike, save: str | os.PathLike, *, iteration: int = 0) -> Path:
     """Save the HF model in ``hf_dir`` as our checkpoint ``save/iter_<iteration>`` (fp32)."""
     hf_dir = Path(hf_dir)
-    model = apertus_config_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    model = apertus_config_from_hf(read_hf_json(hf_dir / "config.json"))
     state = from_hf_state_dict(read_hf_tensors(hf_dir), model)
     with single_process(model) as chunk:
         params = dict(chunk.named_parameters())

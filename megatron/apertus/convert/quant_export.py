@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -41,23 +40,25 @@ from compressed_tensors.quantization import (
     preset_name_to_scheme,
 )
 from compressed_tensors.quantization.utils import generate_gparam
-from safetensors.torch import save_file
 from torch import Tensor
 
 from megatron.apertus.checkpoint import load_model, load_model_config
+from megatron.apertus.cli import atomic_directory
 from megatron.apertus.convert.hf import ConversionError
 from megatron.apertus.convert.hf_io import (
     SAFETENSORS,
-    export_checkpoint,
+    make_world_readable,
     read_hf_tensors,
     single_process,
+    write_hf_directory,
+    write_safetensors,
 )
+from megatron.apertus.convert.quant_io import check_divisible
 from megatron.apertus.data.datasets import check_prefixes
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.quant.config import QuantConfig
 from megatron.apertus.quant.formats import (
-    NVFP4_BLOCK,
     fp8_scale,
     int_quantize,
     nvfp4_quantize,
@@ -245,21 +246,30 @@ def export_quantized(
     calibration: Optional[Callable[[int], Sequence[Tensor]]] = None,
 ) -> Path:
     """Write ``output`` from checkpoint ``load`` with its decoder projections quantized per
-    ``quant`` (written to ``output.tmp`` and renamed when complete). nvfp4 needs
-    ``calibration``: the calibration samples, given the model's sequence length."""
+    ``quant`` (written to a temporary directory beside it and renamed when complete). nvfp4
+    needs ``calibration``: the calibration samples, given the model's sequence length."""
     _check_exportable(quant, calibration)
     output = Path(output)
     if output.exists():
         raise FileExistsError(f"--output {output} already exists; refusing to overwrite it")
     model = load_model_config(load)
-    _check_divisible(model, quant)
+    check_divisible(model, quant)
     input_amax = {}
     if quant.quant_format == "nvfp4":
         input_amax = calibrate_input_amax(load, quant, calibration(model.seq_length))
-    tmp = output.with_name(output.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    export_checkpoint(load, tmp, tokenizer=tokenizer, dtype=torch.float32)
-    tensors = read_hf_tensors(tmp)
+    with atomic_directory(output) as tmp:
+        write_hf_directory(load, tmp, name=output.name, tokenizer=tokenizer, dtype=torch.float32)
+        _quantize_projections(tmp, model, quant, input_amax)
+        make_world_readable(tmp)
+    return output
+
+
+def _quantize_projections(
+    hf_dir: Path, model: ApertusConfig, quant: QuantConfig, input_amax: dict
+) -> None:
+    """Replace the decoder projections of the exported model in ``hf_dir`` by their compressed
+    form, and say so in its config.json."""
+    tensors = read_hf_tensors(hf_dir)
     scheme = quantization_scheme(quant)
     for group in _projection_groups(model.num_layers):
         amax = _shared_max([tensors[f"{name}.weight"] for name in group])
@@ -269,17 +279,15 @@ def export_quantized(
                 a = input_amax[name].reshape(1)
                 compressed["input_global_scale"] = generate_gparam(-a, a)
             tensors.update({f"{name}.{k}": v.contiguous() for k, v in compressed.items()})
-    save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})
-    config = json.loads((tmp / "config.json").read_text())
+    write_safetensors(tensors, hf_dir / SAFETENSORS)
+    config = json.loads((hf_dir / "config.json").read_text())
     config["quantization_config"] = quantization_config(quant)
     if quant.quant_format == "nvfp4":
         # compressed-tensors decompresses NVFP4 weights to bfloat16 whatever the model's dtype,
         # so a float32 model fails in its first matmul: a default load (dtype "auto") takes
         # this dtype and runs.
         config["dtype"] = "bfloat16"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, output)
-    return output
+    (hf_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _check_exportable(quant: QuantConfig, calibration) -> None:
@@ -296,32 +304,3 @@ def _check_exportable(quant: QuantConfig, calibration) -> None:
             "--quant-format nvfp4 needs --calibration-data (the static input "
             "global scales are calibrated)"
         )
-
-
-def _input_features(model: ApertusConfig) -> dict[str, int]:
-    """Input features of each HF decoder projection (every layer alike)."""
-    attention = model.num_attention_heads * model.kv_channels
-    return {
-        "self_attn.q_proj": model.hidden_size,
-        "self_attn.k_proj": model.hidden_size,
-        "self_attn.v_proj": model.hidden_size,
-        "self_attn.o_proj": attention,
-        "mlp.up_proj": model.hidden_size,
-        "mlp.down_proj": model.ffn_hidden_size,
-    }
-
-
-def _check_divisible(model: ApertusConfig, quant: QuantConfig) -> None:
-    """The groups (or NVFP4 blocks) must tile every projection's rows: said in one line, before
-    anything is read or written, as ``tools/quantize.py`` says it."""
-    if quant.int_bits is not None and quant.quant_group_size > 0:
-        group, what = quant.quant_group_size, f"--quant-group-size {quant.quant_group_size}"
-    elif quant.quant_format == "nvfp4":
-        group, what = NVFP4_BLOCK, f"--quant-format nvfp4 (blocks of {NVFP4_BLOCK})"
-    else:
-        return
-    for name, features in _input_features(model).items():
-        if features % group:
-            raise ConversionError(
-                f"{what} does not divide the {features} input features of " f"model.layers.*.{name}"
-            )

@@ -28,7 +28,7 @@ from megatron.apertus.distill.targets import sample_tokens
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.quant.config import QuantConfig
-from megatron.apertus.quant.formats import fake_fp8, fake_nvfp4
+from megatron.apertus.quant.formats import NVFP4_BLOCK, fake_fp8, fake_nvfp4
 from megatron.apertus.quant.gptq import column_grid, gptq_grid, hessian, rtn
 from megatron.apertus.quant.layers import decoder_linears
 from megatron.apertus.quant.transforms import average_states, fuse_norms
@@ -156,6 +156,36 @@ def calibration_samples(
     return [torch.from_numpy(w[:-1]) for w in windows]
 
 
+def _input_features(model: ApertusConfig) -> dict[str, int]:
+    """Input features of each HF decoder projection (every layer alike)."""
+    attention = model.num_attention_heads * model.kv_channels
+    return {
+        "self_attn.q_proj": model.hidden_size,
+        "self_attn.k_proj": model.hidden_size,
+        "self_attn.v_proj": model.hidden_size,
+        "self_attn.o_proj": attention,
+        "mlp.up_proj": model.hidden_size,
+        "mlp.down_proj": model.ffn_hidden_size,
+    }
+
+
+def check_divisible(model: ApertusConfig, quant: QuantConfig) -> None:
+    """The groups (or NVFP4 blocks) must tile every projection's rows: said in one line naming
+    the flag, before anything is read or written (``tools/quantize.py`` and the quantized
+    export)."""
+    if quant.int_bits is not None and quant.quant_group_size > 0:
+        group, what = quant.quant_group_size, f"--quant-group-size {quant.quant_group_size}"
+    elif quant.quant_format == "nvfp4":
+        group, what = NVFP4_BLOCK, f"--quant-format nvfp4 (blocks of {NVFP4_BLOCK})"
+    else:
+        return
+    for name, features in _input_features(model).items():
+        if features % group:
+            raise ConfigError(
+                f"{what} does not divide the {features} input features of " f"model.layers.*.{name}"
+            )
+
+
 def quantize_checkpoint(
     load: str | os.PathLike,
     save: str | os.PathLike,
@@ -174,6 +204,7 @@ def quantize_checkpoint(
             "(pretrain_gpt.py); tools/quantize.py quantizes weights"
         )
     model = load_model_config(load)
+    check_divisible(model, quant)
     with single_process(model) as chunk:
         state = read_state(chunk, load)
         hessians = calibration_hessians(chunk, samples()) if settings.method == "gptq" else {}

@@ -8,8 +8,9 @@ documents, with no split. Samples are megatron-core
 ``GPTDataset`` items; the attention layout and Goldfish mask are added per micro-batch in
 :mod:`megatron.apertus.data.batches`, so the dataset's own dense attention masks stay off.
 
-Every local prefix must name a ``.bin``/``.idx`` pair with a Megatron index header; this is
-checked before megatron-core opens them (it would assert), naming the flag and the file.
+Every local prefix must name a whole ``.bin``/``.idx`` pair (:mod:`megatron.apertus.data.indexed`);
+this is checked before megatron-core opens them (it would assert, or read past the end of a
+``.bin`` cut short), naming the flag and the file.
 
 Without a blend, the datasets are those of the corpus the caller hands in (``default_corpus``;
 :mod:`megatron.apertus.training.runtime` hands in the embedded corpus of
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.cli import check_output, exclusive
+from megatron.apertus.data.indexed import check_vocabulary, read_index
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, switch
 
@@ -260,10 +262,13 @@ def resolve_blend(
     return [str(default_corpus(cache, tokenizer, build=False))]
 
 
-def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
+def check_prefixes(
+    flag: str, blend: list[str], *, sft: bool = False, vocab_size: int | None = None
+) -> None:
     """Refuse a prefix of ``blend`` (Megatron's ``[WEIGHT] PREFIX ...`` list, given as ``flag``)
-    whose ``.bin`` or ``.idx`` is missing, or whose ``.idx`` is not a Megatron index (with
-    ``sft``, the same for its loss mask)."""
+    whose ``.bin`` or ``.idx`` is missing or damaged (:func:`.indexed.read_index`; with ``sft``,
+    the same for its loss mask), or, given the run tokenizer's ``vocab_size``, that was
+    tokenized with a larger vocabulary (:func:`.indexed.check_vocabulary`)."""
     from megatron.core.datasets.object_storage_utils import is_object_storage_path
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -272,30 +277,11 @@ def check_prefixes(flag: str, blend: list[str], *, sft: bool = False) -> None:
     prefixes, _ = get_blend_from_list(blend)
     for prefix in prefixes:
         if not is_object_storage_path(prefix):
-            _check_pair(flag, prefix)
+            read_index(flag, prefix)
             if sft:
                 check_mask_pair(flag, prefix)
-
-
-def _check_pair(flag: str, prefix: str) -> None:
-    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
-
-    bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
-    if not bin_path.is_file() and not idx_path.is_file():
-        hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-        raise ConfigError(f"{flag}: neither {bin_path} nor {idx_path} exists{hint}")
-    for missing, present in ((bin_path, idx_path), (idx_path, bin_path)):
-        if not missing.is_file():
-            raise ConfigError(
-                f"{flag}: {missing} is missing ({present} is there); "
-                "preprocess again with tools/preprocess_data.py"
-            )
-    with idx_path.open("rb") as index:
-        if index.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
-            raise ConfigError(
-                f"{flag}: {idx_path} is not a Megatron index file (wrong "
-                "header: truncated or another format)"
-            )
+            if vocab_size is not None:
+                check_vocabulary(flag, prefix, vocab_size)
 
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -369,12 +355,14 @@ def _blends(
         parts = (config.train_data_path, config.valid_data_path, config.test_data_path)
         for name, part in zip(SPLIT_NAMES, parts):
             if part:
-                check_prefixes(f"--{name}-data-path", part, sft=config.sft)
+                check_prefixes(
+                    f"--{name}-data-path", part, sft=config.sft, vocab_size=tokenizer.vocab_size
+                )
         return dict(blend_per_split=[get_blend_from_list(p) if p else None for p in parts])
     data_path = data_path_of(config)
     if data_path:
         flag = "--data-args-path" if config.data_args_path else "--data-path"
-        check_prefixes(flag, data_path, sft=config.sft)
+        check_prefixes(flag, data_path, sft=config.sft, vocab_size=tokenizer.vocab_size)
     return dict(
         blend=get_blend_from_list(resolve_blend(config, tokenizer, default_corpus)),
         split=config.split or ("969,30,1" if data_path else "90,10,0"),

@@ -23,6 +23,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus.data.chat import loss_mask_prefix
+from megatron.apertus.data.indexed import read_index
 from megatron.apertus.errors import ConfigError
 
 MASK_SHIFT = 32
@@ -47,7 +48,7 @@ class MaskedIndexedDataset(IndexedDataset):
 
 
 def check_mask_pair(flag: str, prefix: str) -> None:
-    """Refuse a chat prefix whose loss mask files are missing, naming ``flag``."""
+    """Refuse a chat prefix whose loss mask files are missing or damaged, naming ``flag``."""
     mask = loss_mask_prefix(prefix)
     for suffix in (".bin", ".idx"):
         if not Path(mask + suffix).is_file():
@@ -55,6 +56,7 @@ def check_mask_pair(flag: str, prefix: str) -> None:
                 f"{flag}: {mask}{suffix} is missing: --sft reads chat datasets with their loss "
                 "mask (tools/preprocess_chat.py writes both)"
             )
+    read_index(flag, mask)
 
 
 class ChatGPTDataset(GPTDataset):

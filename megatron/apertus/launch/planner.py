@@ -72,6 +72,13 @@ class Cluster:
             raise ConfigError(
                 f"--gpus ({self.gpus}) and --gpus-per-node ({self.gpus_per_node}) must be >= 1"
             )
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ConfigError(
+                f"--gpu-memory-gib ({self.gpu_memory_gib:g}) must be positive (leave it out to "
+                "skip the memory check)"
+            )
+        if not 0 < self.usable_fraction <= 1:
+            raise ConfigError(f"--usable-fraction ({self.usable_fraction:g}) must be in (0, 1]")
         if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
             raise ConfigError(
                 f"--gpus ({self.gpus}) is not a multiple of --gpus-per-node ({self.gpus_per_node})"

@@ -14,13 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs
+from megatron.apertus.data.indexed import RECORD_SUFFIX, read_dataset_record, read_index
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, switch
-from megatron.apertus.prep.preprocess import (
-    RECORD_SUFFIX,
-    read_dataset_record,
-    write_dataset_record,
-)
+from megatron.apertus.prep.preprocess import write_dataset_record
 
 
 class MergeError(ConfigError):
@@ -57,9 +54,8 @@ def dataset_prefixes(folder: str | os.PathLike) -> list[str]:
 
 
 def index_dtype_of(prefix: str) -> np.dtype:
-    from megatron.core.datasets.indexed_dataset import _IndexReader
-
-    return np.dtype(_IndexReader(prefix + ".idx", multimodal=False).dtype)
+    """The token dtype of ``prefix``, a part of ``--input``: refused when damaged."""
+    return np.dtype(read_index("--input", prefix).dtype)
 
 
 def check_compatible(prefixes: list[str], *, require_records: bool = True) -> dict | None:

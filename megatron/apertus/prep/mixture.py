@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.apertus.data.indexed import read_index
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help
 from megatron.apertus.prep.merge import MergeError, check_compatible, dataset_prefixes
@@ -49,9 +50,8 @@ class Part:
 
 
 def read_part(prefix: str) -> Part:
-    from megatron.core.datasets.indexed_dataset import _IndexReader
-
-    index = _IndexReader(prefix + ".idx", multimodal=False)
+    """The size of ``prefix``, refused when damaged."""
+    index = read_index("", prefix)
     return Part(prefix, int(index.sequence_lengths.sum()), len(index.document_indices) - 1)
 
 

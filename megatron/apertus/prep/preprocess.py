@@ -44,11 +44,12 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Protocol
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs, die_with_parent
+from megatron.apertus.data.indexed import RECORD_SUFFIX
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import add_arguments, flag_help, from_arguments, switch
 from megatron.apertus.prep.indexed_writer import IndexedDatasetWriter
 from megatron.apertus.tokenizer.config import TokenizerConfig
-from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, checked_tokenizer
 
 log = logging.getLogger("apertus.preprocess")
 
@@ -389,12 +390,14 @@ def check_inputs(config: PreprocessConfig) -> Tokenizer:
         raise ConfigError(f"--output-prefix: directory {out_dir} does not exist")
     if config.keep_newlines and not config.split_sentences:
         raise ConfigError("--keep-newlines only applies with --split-sentences")
-    try:
-        if config.split_sentences:  # fails here, before any work, when nltk or its data is missing
+    if config.workers < 1:
+        raise ConfigError(f"--workers {config.workers}: must be at least 1")
+    if config.split_sentences:  # fails here, before any work, when nltk or its data is missing
+        try:
             sentence_splitter(config.lang, config.keep_newlines)
-        return build_tokenizer(config.tokenizer_type, config.tokenizer_model)
-    except (FileNotFoundError, ValueError) as err:
-        raise ConfigError(str(err)) from None
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    return checked_tokenizer(config.tokenizer_type, config.tokenizer_model)
 
 
 def index_dtype(vocab_size: int) -> type:
@@ -551,11 +554,6 @@ def _pool(config: PreprocessConfig, encoder: LineEncoder):
     return multiprocessing.get_context("fork").Pool(config.workers, initializer=die_with_parent)
 
 
-RECORD_SUFFIX = ".meta.json"
-"""``PREFIX.meta.json`` sits beside ``PREFIX.bin/.idx``: which tokenizer and document rules made
-the dataset, so that merges and mixtures can refuse parts that do not belong together."""
-
-
 def tokenizer_record(tokenizer_type: str, tokenizer: Tokenizer) -> dict:
     """What identifies a tokenizer: its type, file name, content hash and special ids."""
     path = Path(tokenizer.path)
@@ -585,12 +583,6 @@ def write_dataset_record(prefix: str, record: dict) -> None:
     with atomic_outputs(prefix + RECORD_SUFFIX) as (temporary,):
         with open(temporary, "w", encoding="utf-8") as out:
             json.dump(record, out, indent=1, sort_keys=True)
-
-
-def read_dataset_record(prefix: str) -> dict | None:
-    """The record of ``prefix``, or None for a dataset written without one."""
-    path = Path(prefix + RECORD_SUFFIX)
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def format_summary(summary: Summary, elapsed: float) -> str:

@@ -61,7 +61,7 @@ from megatron.apertus.prep.preprocess import (
     write_dataset_record,
 )
 from megatron.apertus.tokenizer.config import TokenizerConfig
-from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer
+from megatron.apertus.tokenizer.tokenizers import Tokenizer, checked_tokenizer
 
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 PROGRESS_SECONDS = 30.0
@@ -134,8 +134,9 @@ class TokenizeCorpusConfig(TokenizerConfig, DocumentOptions, TaskData, Execution
 
 @functools.lru_cache(maxsize=None)
 def cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None) -> Tokenizer:
-    """One tokenizer per process; tasks forked by the local executor inherit the parent's."""
-    return build_tokenizer(tokenizer_type, tokenizer_model)
+    """One tokenizer per process; tasks forked by the local executor inherit the parent's. A file
+    that is no tokenizer of ``tokenizer_type`` is refused naming ``--tokenizer-model``."""
+    return checked_tokenizer(tokenizer_type, tokenizer_model)
 
 
 def task_files(files: list[str], rank: int, world_size: int) -> list[str]:

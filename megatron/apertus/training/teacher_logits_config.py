@@ -59,6 +59,11 @@ class LogitsConfig:
             raise ConfigError(f"--topk must be at least 1, got {self.topk}")
         if self.topk_chunk_rows is not None and self.topk_chunk_rows < 1:
             raise ConfigError(f"--topk-chunk-rows must be at least 1, got {self.topk_chunk_rows}")
+        if self.samples_per_block is not None and self.samples_per_block < 1:
+            raise ConfigError(
+                f"--samples-per-block must be at least 1, got {self.samples_per_block} (leave it "
+                "out for blocks of about 131k tokens)"
+            )
 
 
 @dataclass(kw_only=True)
@@ -72,3 +77,15 @@ class GenerationConfig:
     data: DataConfig
     dataset: DatasetConfig
     logits: LogitsConfig
+
+    def __post_init__(self) -> None:
+        flag, kept = (
+            ("--samples", self.logits.samples)
+            if self.logits.sampling == "random"
+            else ("--topk", self.logits.topk)
+        )
+        if kept > self.model.vocab_size:
+            raise ConfigError(
+                f"{flag} {kept} is more than the teacher's vocabulary of "
+                f"{self.model.vocab_size} ids"
+            )
