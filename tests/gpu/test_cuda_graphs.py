@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron.apertus.model.engine import transformer_engine_error
-from tests.conftest import REPO
+from tests.conftest import PRETRAIN, REPO, run_script
 
 pytestmark = [
     pytest.mark.gpu,
@@ -136,14 +136,8 @@ def test_graphs_are_captured_when_the_capture_iteration_is_skipped():
     """--iterations-to-skip at the iteration the capture comes before (warm-up 1: iteration 2):
     the graphs are still captured, as in Megatron-LM, and the later steps replay them."""
     graphs = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-warmup-steps", "1"]
-    proc = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *BASE, *TE, *graphs, "--iterations-to-skip", "2"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=600,
-    )
+    argv = [*BASE, *TE, *graphs, "--iterations-to-skip", "2"]
+    proc = run_script(PRETRAIN, argv, python=sys.executable)  # a fresh process, not forked
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "iteration 2: skipped (--iterations-to-skip)" in proc.stdout
     assert "CUDA graphs (transformer_engine): " in proc.stdout
