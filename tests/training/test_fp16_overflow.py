@@ -17,7 +17,7 @@ from megatron.apertus.training.loop import TrainingStopped, train
 from tests.conftest import SMALL_VOCABULARY, after_backward
 
 FP16 = (
-    "--model-preset tiny --mock-data --global-batch-size 2 --micro-batch-size 2 --eval-iters 0 "
+    "--model-preset tiny --global-batch-size 2 --micro-batch-size 2 --eval-iters 0 "
     "--log-interval 1 --lr 3e-3 --fp16 --max-skipped-steps 5"
 ).split() + SMALL_VOCABULARY
 
@@ -51,12 +51,12 @@ def test_a_run_from_the_default_scale_trains_past_its_overflows(tmp_path, caplog
     def snapshot(iteration: int, model) -> None:
         snapshots[iteration] = [p.detach().clone() for p in model[0].parameters()]
 
-    args = FP16 + ["--train-iters", "18", "--save", str(tmp_path), "--save-interval", "4"]
+    args = FP16 + ["--train-iters", "24", "--save", str(tmp_path), "--save-interval", "4"]
     with caplog.at_level(logging.INFO, logger="apertus"), after_backward(snapshot):
         history = train(pretrain_gpt.parse_args(args))
     assert history["completed"]
     lines = iteration_lines(caplog)
-    assert [int(m["iteration"]) for m in lines] == list(range(1, 19))
+    assert [int(m["iteration"]) for m in lines] == list(range(1, 25))
     overflowed = [m["skipped"] == "1" for m in lines]
     first_update = overflowed.index(False) + 1
     assert first_update > 5 + 1, "more overflows in a row than --max-skipped-steps allows faults"
@@ -64,17 +64,17 @@ def test_a_run_from_the_default_scale_trains_past_its_overflows(tmp_path, caplog
     scales = [scale for _, scale in history["train/loss_scale"]]
     assert scales == scaler_rule(overflowed)
     assert [float(m["scale"]) for m in lines] == scales, "the line shows the scale after the step"
-    for it in range(1, 18):
+    for it in range(1, 24):
         same = all(torch.equal(a, b) for a, b in zip(snapshots[it], snapshots[it + 1]))
         assert same == overflowed[it - 1], f"iteration {it}: weights untouched iff skipped"
     updated = [it for it, overflow in enumerate(overflowed, 1) if not overflow]
     assert [it for it, _ in history["train/grad_norm"]] == updated, "no norm on an overflow"
     assert len(updated) >= 4
     losses = dict(history["train/loss"])
-    assert losses[18] < losses[1] - 0.1
+    assert min(losses[it] for it in updated[-3:]) < losses[1] - 0.1, losses
     saved = sorted(int(p.name[len("iter_") :]) for p in tmp_path.glob("iter_*"))
     assert saved and saved[0] >= first_update, "no checkpoint before the first update"
-    assert checkpoint.latest_iteration(tmp_path) == 18
+    assert checkpoint.latest_iteration(tmp_path) == 24
 
 
 def test_a_nan_loss_under_fp16_still_stops_the_run(tmp_path, caplog):
