@@ -108,6 +108,18 @@ def test_an_overflow_under_a_constant_loss_scale_is_a_fault(tmp_path):
     assert checkpoint.latest_iteration(tmp_path) is None
 
 
+def test_an_overflow_at_the_minimum_scale_is_a_fault(tmp_path):
+    """The scale cannot back off below --min-loss-scale: from there an overflow is a gradient
+    that is not finite at any scale the run allows, a fault (Megatron-LM would skip such steps
+    for ever). Iterations 1 and 2 are overflows (the second halves the scale to its minimum),
+    3 to 5 faults."""
+    args = FP16 + ["--train-iters", "10", "--save", str(tmp_path), "--max-skipped-steps", "3"]
+    args += ["--min-loss-scale", "2147483648"]
+    with pytest.raises(TrainingStopped, match="every step of this run \\(5, up to iteration 5\\)"):
+        train(pretrain_gpt.parse_args(args))
+    assert checkpoint.latest_iteration(tmp_path) is None
+
+
 def test_a_run_that_ends_before_its_first_update_saves_nothing(tmp_path):
     args = FP16 + ["--train-iters", "3", "--save", str(tmp_path)]
     with pytest.raises(TrainingStopped, match="overflowed fp16's dynamic loss scale") as err:

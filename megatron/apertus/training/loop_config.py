@@ -92,7 +92,8 @@ class TrainingConfig:
     max_skipped_steps: int = flag_help(
         "stop after this many consecutive steps skipped for a non-finite loss or gradient "
         "norm; fp16 steps whose scaled gradients overflow the dynamic loss scale (finite "
-        "loss) are skipped and counted on the iteration line but do not count",
+        "loss, scale above --min-loss-scale) are skipped and counted on the iteration line but "
+        "do not count",
         5,
         ours=True,
     )

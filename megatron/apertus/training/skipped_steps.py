@@ -6,8 +6,9 @@ fp16's dynamic loss scaler refusing the update of a step with a finite loss (its
 gradients overflowed; it backs its scale off) is no fault: as in Megatron-LM the step is
 skipped and the iteration line counts it, but it counts toward neither ``--max-skipped-steps``
 nor the stop of a run none of whose steps trained, until the run ends: a run starting from
-Megatron-LM's initial scale of 2^32 overflows a few dozen times before its first update. A
-non-finite loss under fp16, and an overflow under a constant --loss-scale, stay faults."""
+Megatron-LM's initial scale of 2^32 overflows a dozen times or more before its first update.
+A non-finite loss under fp16, and an overflow under a constant --loss-scale or at
+--min-loss-scale (no scale left to back off to), stay faults."""
 
 from __future__ import annotations
 

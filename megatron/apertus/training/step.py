@@ -318,12 +318,11 @@ def _clip(optimizer: MegatronOptimizer, max_norm: float, total_norm: float) -> N
             clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
 
 
-def scales_dynamically(optimizer: MegatronOptimizer) -> bool:
-    """Whether megatron-core's dynamic loss scaler (fp16 without --loss-scale) scales the loss."""
-    return any(
-        isinstance(getattr(part, "grad_scaler", None), DynamicGradScaler)
-        for part in _parts(optimizer)
-    )
+def _room_to_back_off(optimizer: MegatronOptimizer) -> list[torch.Tensor]:
+    """Whether each dynamic loss scaler (fp16 without --loss-scale) is above its minimum, as
+    tensors read only when needed (no wait for the device otherwise); empty without one."""
+    scalers = [getattr(part, "grad_scaler", None) for part in _parts(optimizer)]
+    return [s.scale > s.min_scale for s in scalers if isinstance(s, DynamicGradScaler)]
 
 
 def empty_unused_memory(level: int, *, at_least: int) -> None:
@@ -353,18 +352,18 @@ def optimizer_step(optimizer: MegatronOptimizer, loss_finite: bool) -> Update:
 
     A loss scaler's check of the unscaled gradients comes first, as in megatron-core's step:
     the dynamic scaler has then already backed off its scale. Its refusal with a finite loss is
-    an ``overflow``; under a constant --loss-scale, or with a non-finite loss, it is a fault.
+    an ``overflow``; under a constant --loss-scale, with a non-finite loss, or at the scaler's
+    --min-loss-scale (where it cannot back off: gradients that are not finite at any scale) it
+    is a fault.
     The gradient norm is all-reduced over the model-parallel group, so every rank takes the
     same decision. A skipped step leaves weights and optimizer state untouched. The zeros are
     counted after clipping, where megatron-core's own step counts them.
     """
     config = optimizer.config
+    room = _room_to_back_off(optimizer)
     if optimizer.prepare_grads():
-        return Update(
-            updated=False,
-            grad_norm=None,
-            overflow=loss_finite and scales_dynamically(optimizer),
-        )
+        overflow = loss_finite and bool(room) and all(bool(r.item()) for r in room)
+        return Update(updated=False, grad_norm=None, overflow=overflow)
     with timed(config, "optimizer-clip-main-grad", 1):
         grad_norm = optimizer.get_grad_norm()
         finite = loss_finite and math.isfinite(grad_norm)
