@@ -529,7 +529,7 @@ class GuardedRun:
                 iteration,
                 loss=result.loss,
                 grad_norm=result.grad_norm,
-                skipped=result.skipped,
+                skipped=result.skipped and not result.overflow,
                 gemm_inputs=gemm_inputs,
             )
             for alarm in alarms:

@@ -286,7 +286,7 @@ class Trainer:
             self._validate()  # the last step's before its save: the checkpoint's history has it
         after = self.checkpointer.after_step(self.state.iteration)
         if after.save:
-            self._save_trained(persistent=after.persistent)
+            self._save_trained(persistent=after.persistent, going_on=not after.exit)
         return after.exit
 
     def _validate(self) -> None:
@@ -351,12 +351,21 @@ class Trainer:
         self.gc.boundary()
         self.reporter.saved(path, self.state, background=self.checkpointer.in_background)
 
-    def _save_trained(self, *, persistent: bool = True) -> None:
-        """:meth:`save`, unless no step of this job trained: then stop, saving nothing."""
+    def _save_trained(self, *, persistent: bool = True, going_on: bool = False) -> None:
+        """:meth:`save`, unless no step of this job trained: then stop, saving nothing; or,
+        when the run goes on (``going_on``) while fp16's dynamic loss scale is still coming
+        down from its start, save nothing yet and go on to the first update."""
         nothing = self.skipped.nothing_trained(self.state.iteration)
-        if nothing is not None:
+        if nothing is None:
+            self.save(persistent=persistent)
+        elif going_on and self.skipped.scaling_down():
+            if is_reporting_rank():
+                log.info(
+                    f"iteration {self.state.iteration}: not saved: no step has updated the "
+                    "weights yet (fp16's dynamic loss scale is still coming down)"
+                )
+        else:
             raise TrainingStopped(nothing)
-        self.save(persistent=persistent)
 
     # -- the loop ----------------------------------------------------------------------------------
 

@@ -90,7 +90,12 @@ class TrainingConfig:
         default_factory=list,
     )
     max_skipped_steps: int = flag_help(
-        "stop after this many consecutive non-finite steps", 5, ours=True
+        "stop after this many consecutive steps skipped for a non-finite loss or gradient "
+        "norm; fp16 steps whose scaled gradients overflow the dynamic loss scale (finite "
+        "loss, scale above --min-loss-scale) are skipped and counted on the iteration line but "
+        "do not count",
+        5,
+        ours=True,
     )
     recompute_granularity: Optional[str] = flag_help(
         "activation recomputation: full or selective", None

@@ -33,6 +33,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -66,6 +67,10 @@ class StepResult:
     num_tokens: int | None
     grad_norm: float | None
     skipped: bool
+    overflow: bool = False
+    """fp16's dynamic loss scaler found the scaled gradients overflowing (the loss finite),
+    refused the update and backed its scale off: a skipped step of mixed precision's normal
+    course (Megatron-LM's skipped iteration), no fault."""
     num_zeros_in_grad: int | None = None
     """Zero entries of the gradients the step applied (--log-num-zeros-in-grad; None without
     it and on a skipped step), counted over every rank's shard, the same on all ranks."""
@@ -302,12 +307,22 @@ def _all_finite(loss: torch.Tensor | None, device: torch.device) -> bool:
     return bad.item() == 0
 
 
+def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 def _clip(optimizer: MegatronOptimizer, max_norm: float, total_norm: float) -> None:
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    for part in parts:
+    for part in _parts(optimizer):
         params = part.get_parameters()
         if params:
             clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
+
+
+def _room_to_back_off(optimizer: MegatronOptimizer) -> list[torch.Tensor]:
+    """Whether each dynamic loss scaler (fp16 without --loss-scale) is above its minimum, as
+    tensors read only when needed (no wait for the device otherwise); empty without one."""
+    scalers = [getattr(part, "grad_scaler", None) for part in _parts(optimizer)]
+    return [s.scale > s.min_scale for s in scalers if isinstance(s, DynamicGradScaler)]
 
 
 def empty_unused_memory(level: int, *, at_least: int) -> None:
@@ -318,28 +333,47 @@ def empty_unused_memory(level: int, *, at_least: int) -> None:
         torch.cuda.empty_cache()
 
 
-def optimizer_step(
-    optimizer: MegatronOptimizer, loss_finite: bool
-) -> tuple[bool, float, int | None]:
-    """megatron-core's step, except that a non-finite loss or gradient norm skips the update:
-    (updated, gradient norm, zeros in the gradients when its config counts them).
+@dataclass(kw_only=True, frozen=True)
+class Update:
+    """What :func:`optimizer_step` did."""
 
+    updated: bool
+    grad_norm: float | None
+    """None when a loss scaler found the unscaled gradients non-finite (megatron-core's step
+    computes no norm then)."""
+    zeros: int | None = None
+    """Zeros in the gradients, when the optimizer's config counts them."""
+    overflow: bool = False
+    """The dynamic loss scaler refused the update of a step with a finite loss."""
+
+
+def optimizer_step(optimizer: MegatronOptimizer, loss_finite: bool) -> Update:
+    """megatron-core's step, except that a non-finite loss or gradient norm skips the update too.
+
+    A loss scaler's check of the unscaled gradients comes first, as in megatron-core's step:
+    the dynamic scaler has then already backed off its scale. Its refusal with a finite loss is
+    an ``overflow``; under a constant --loss-scale, with a non-finite loss, or at the scaler's
+    --min-loss-scale (where it cannot back off: gradients that are not finite at any scale) it
+    is a fault.
     The gradient norm is all-reduced over the model-parallel group, so every rank takes the
     same decision. A skipped step leaves weights and optimizer state untouched. The zeros are
     counted after clipping, where megatron-core's own step counts them.
     """
     config = optimizer.config
-    found_inf = optimizer.prepare_grads()
+    room = _room_to_back_off(optimizer)
+    if optimizer.prepare_grads():
+        overflow = loss_finite and bool(room) and all(bool(r.item()) for r in room)
+        return Update(updated=False, grad_norm=None, overflow=overflow)
     with timed(config, "optimizer-clip-main-grad", 1):
         grad_norm = optimizer.get_grad_norm()
-        finite = not found_inf and loss_finite and math.isfinite(grad_norm)
+        finite = loss_finite and math.isfinite(grad_norm)
         if finite and config.clip_grad > 0:
             _clip(optimizer, config.clip_grad, grad_norm)
     if not finite:
-        return False, grad_norm, None
+        return Update(updated=False, grad_norm=grad_norm)
     with timed(config, "optimizer-count-zeros", 1):
         zeros = int(optimizer.count_zeros()) if config.log_num_zeros_in_grad else None
-    return optimizer.step_with_ready_grads(), grad_norm, zeros
+    return Update(updated=optimizer.step_with_ready_grads(), grad_norm=grad_norm, zeros=zeros)
 
 
 def schedule(model: list[torch.nn.Module]) -> Callable[..., list]:
@@ -402,21 +436,19 @@ def train_step(
     finite = _all_finite(loss, model_device(model[0]))
     empty_unused_memory(empty_unused_memory_level, at_least=1)
     with timed(optimizer.config, "optimizer", 1):
-        updated, grad_norm, zeros = optimizer_step(optimizer, finite)
+        update = optimizer_step(optimizer, finite)
     empty_unused_memory(empty_unused_memory_level, at_least=2)
+    outcome = {
+        "grad_norm": update.grad_norm,
+        "skipped": not update.updated,
+        "overflow": update.overflow,
+        "num_zeros_in_grad": update.zeros,
+    }
     if loss is None:
-        return StepResult(
-            loss=None,
-            num_tokens=None,
-            grad_norm=grad_norm,
-            skipped=not updated,
-            num_zeros_in_grad=zeros,
-        )
+        return StepResult(loss=None, num_tokens=None, **outcome)
     return StepResult(
         loss=(loss[0] / loss[1].clamp(min=1)).item(),
         num_tokens=int(loss[1].item()),
-        grad_norm=grad_norm,
-        skipped=not updated,
-        num_zeros_in_grad=zeros,
+        **outcome,
         quantities=reduce_quantities(losses, groups),
     )

@@ -1,0 +1,128 @@
+"""fp16's dynamic loss scaling as in Megatron-LM: a step whose scaled gradients overflow (the loss
+finite) is skipped and counted on the iteration line while the scale backs off, but is no fault
+for --max-skipped-steps; a non-finite loss, and an overflow under a constant --loss-scale, are."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.apertus import checkpoint
+from megatron.apertus.training.loop import TrainingStopped, train
+from tests.conftest import SMALL_VOCABULARY, after_backward
+
+FP16 = (
+    "--model-preset tiny --global-batch-size 2 --micro-batch-size 2 --eval-iters 0 "
+    "--log-interval 1 --lr 3e-3 --fp16 --max-skipped-steps 5"
+).split() + SMALL_VOCABULARY
+
+LINE = re.compile(
+    r"iteration +(?P<iteration>\d+)/.* loss scale: (?P<scale>\d+\.\d) \|.*"
+    r"number of skipped iterations: +(?P<skipped>\d+) \| "
+    r"number of nan iterations: +(?P<nan>\d+) \|"
+)
+
+
+def iteration_lines(caplog) -> list[re.Match]:
+    lines = (r.getMessage() for r in caplog.records if r.name == "apertus")
+    return [m for line in lines if (m := LINE.search(line))]
+
+
+def scaler_rule(overflowed: list[bool], *, initial: float = 2.0**32, hysteresis: int = 2):
+    """The scale after each step by megatron-core's dynamic rule, within one growth window: each
+    overflow spends one of the hysteresis, and every overflow once they are spent halves it."""
+    scale, left, scales = initial, hysteresis, []
+    for overflow in overflowed:
+        if overflow:
+            left -= 1
+            scale = max(scale / 2, 1.0) if left <= 0 else scale
+        scales.append(scale)
+    return scales
+
+
+def test_a_run_from_the_default_scale_trains_past_its_overflows(tmp_path, caplog):
+    snapshots = {}
+
+    def snapshot(iteration: int, model) -> None:
+        snapshots[iteration] = [p.detach().clone() for p in model[0].parameters()]
+
+    args = FP16 + ["--train-iters", "24", "--save", str(tmp_path), "--save-interval", "4"]
+    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(snapshot):
+        history = train(pretrain_gpt.parse_args(args))
+    assert history["completed"]
+    lines = iteration_lines(caplog)
+    assert [int(m["iteration"]) for m in lines] == list(range(1, 25))
+    overflowed = [m["skipped"] == "1" for m in lines]
+    first_update = overflowed.index(False) + 1
+    assert first_update > 5 + 1, "more overflows in a row than --max-skipped-steps allows faults"
+    assert all(m["nan"] == "0" for m in lines), "the losses stay finite"
+    scales = [scale for _, scale in history["train/loss_scale"]]
+    assert scales == scaler_rule(overflowed)
+    assert [float(m["scale"]) for m in lines] == scales, "the line shows the scale after the step"
+    for it in range(1, 24):
+        same = all(torch.equal(a, b) for a, b in zip(snapshots[it], snapshots[it + 1]))
+        assert same == overflowed[it - 1], f"iteration {it}: weights untouched iff skipped"
+    updated = [it for it, overflow in enumerate(overflowed, 1) if not overflow]
+    assert [it for it, _ in history["train/grad_norm"]] == updated, "no norm on an overflow"
+    assert len(updated) >= 4
+    losses = dict(history["train/loss"])
+    assert min(losses[it] for it in updated[-3:]) < losses[1] - 0.1, losses
+    saved = sorted(int(p.name[len("iter_") :]) for p in tmp_path.glob("iter_*"))
+    assert saved and saved[0] >= first_update, "no checkpoint before the first update"
+    assert checkpoint.latest_iteration(tmp_path) == 24
+
+
+def test_a_nan_loss_under_fp16_still_stops_the_run(tmp_path, caplog):
+    """Iteration 2 gets a NaN gradient (an overflow to the scaler: the loss is finite) and a NaN
+    weight, so every later loss is NaN: faults, 3 in a row stop the run with step 1's weights."""
+
+    def poison(iteration: int, model) -> None:
+        if iteration == 2:
+            weight = next(model[0].parameters())
+            weight.main_grad.view(-1)[0] = math.nan
+            weight.data.fill_(math.nan)
+
+    args = FP16 + ["--train-iters", "10", "--save", str(tmp_path), "--max-skipped-steps", "3"]
+    args += ["--initial-loss-scale", "1024"]
+    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(poison):
+        with pytest.raises(TrainingStopped, match="3 consecutive steps"):
+            train(pretrain_gpt.parse_args(args))
+    lines = iteration_lines(caplog)
+    assert [(m["skipped"], m["nan"]) for m in lines] == [("0", "0"), ("1", "0")] + [("1", "1")] * 3
+    assert [float(m["scale"]) for m in lines] == [1024.0, 1024.0, 512.0, 256.0, 128.0]
+    assert checkpoint.latest_iteration(tmp_path) == 5
+
+
+def test_an_overflow_under_a_constant_loss_scale_is_a_fault(tmp_path):
+    """Megatron-LM checks the gradients of a static scale for Inf and NaN (a fatal error); here
+    the overflows count toward --max-skipped-steps and a run none of whose steps trained stops
+    saving nothing."""
+    args = FP16 + ["--train-iters", "10", "--save", str(tmp_path), "--loss-scale", "4294967296"]
+    with pytest.raises(TrainingStopped, match="every step of this run \\(5, up to iteration 5\\)"):
+        train(pretrain_gpt.parse_args(args))
+    assert checkpoint.latest_iteration(tmp_path) is None
+
+
+def test_an_overflow_at_the_minimum_scale_is_a_fault(tmp_path):
+    """The scale cannot back off below --min-loss-scale: from there an overflow is a gradient
+    that is not finite at any scale the run allows, a fault (Megatron-LM would skip such steps
+    for ever). Iterations 1 and 2 are overflows (the second halves the scale to its minimum),
+    3 to 5 faults."""
+    args = FP16 + ["--train-iters", "10", "--save", str(tmp_path), "--max-skipped-steps", "3"]
+    args += ["--min-loss-scale", "2147483648"]
+    with pytest.raises(TrainingStopped, match="every step of this run \\(5, up to iteration 5\\)"):
+        train(pretrain_gpt.parse_args(args))
+    assert checkpoint.latest_iteration(tmp_path) is None
+
+
+def test_a_run_that_ends_before_its_first_update_saves_nothing(tmp_path):
+    args = FP16 + ["--train-iters", "3", "--save", str(tmp_path)]
+    with pytest.raises(TrainingStopped, match="overflowed fp16's dynamic loss scale") as err:
+        train(pretrain_gpt.parse_args(args))
+    assert "--initial-loss-scale" in str(err.value)
+    assert checkpoint.latest_iteration(tmp_path) is None
