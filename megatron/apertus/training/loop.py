@@ -100,7 +100,12 @@ class Trainer:
             cfg, device=started.device_name, impl=started.transformer_impl, engine=started.engine
         )
         self.device, self.dp = self.runtime.device, self.runtime.dp
-        check_batch_sizes(cfg.training, cfg.parallel, self.dp)
+        check_batch_sizes(
+            cfg.training,
+            cfg.parallel,
+            self.dp,
+            cfg.communication.microbatch_group_size_per_virtual_pipeline_stage,
+        )
         self.resume_from = find_checkpoint(cfg.checkpoint)
         self._apply_guard_decisions()
         start_microbatches(cfg.training, self.dp)

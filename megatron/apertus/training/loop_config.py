@@ -21,6 +21,17 @@ the batch system's CPU-time limit). Named, not numbered, so that parsing needs n
 table of the platform."""
 
 
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+"""megatron-core's names of the parts of a dense layer that selective recomputation recomputes."""
+RECOMPUTE_REFUSED = {
+    "moe": "the model has no mixture-of-experts layers",
+    "moe_act": "the model has no mixture-of-experts layers",
+    "shared_experts": "the model has no mixture-of-experts layers",
+    "mla_up_proj": "the attention is grouped-query attention, not multi-latent attention",
+}
+"""megatron-core's other names, for parts the Apertus model does not have."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
     micro_batch_size: int = flag_help("samples per micro-batch per data-parallel rank", 1)
@@ -103,6 +114,12 @@ class TrainingConfig:
     recompute_num_layers: Optional[int] = flag_help(
         "layers per recomputed group (uniform) or count (block)", None
     )
+    recompute_modules: Optional[list[str]] = flag_help(
+        "selective recomputation: the parts of each layer recomputed in the backward pass, among "
+        "core_attn (the attention's softmax and products; the default), layernorm (the "
+        "two RMSNorms) and mlp (the whole MLP)",
+        None,
+    )
     manual_gc: bool = switch(
         "turn Python's automatic garbage collector off and collect on every rank at the same "
         "moments (start, --manual-gc-interval, around validation and saves), so no rank stalls "
@@ -145,6 +162,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         self._resolve_precision()
         self._resolve_recompute_activations()
+        self._check_recompute_modules()
         self._check_ranges()
         self._check_exit_signal()
         if (self.train_iters is None) == (self.train_samples is None):
@@ -269,12 +287,34 @@ class TrainingConfig:
         ) + 2
         return (self.total_samples(), validations * self.eval_iters * self.global_batch_size, 0)
 
+    def _check_recompute_modules(self) -> None:
+        """megatron-core's module names, those of a dense model with standard attention only;
+        they choose what selective recomputation recomputes, so they need it."""
+        if self.recompute_modules is None:
+            return
+        if self.recompute_granularity != "selective":
+            raise ConfigError(
+                "--recompute-modules chooses what selective recomputation recomputes: give "
+                "--recompute-granularity selective (or --recompute-activations)"
+            )
+        for name in self.recompute_modules:
+            if name in RECOMPUTE_REFUSED:
+                raise ConfigError(f"--recompute-modules {name}: {RECOMPUTE_REFUSED[name]}")
+            if name not in RECOMPUTE_MODULES:
+                raise ConfigError(
+                    f"--recompute-modules {name}: choose among {', '.join(RECOMPUTE_MODULES)}"
+                )
+
     def recompute_overrides(self) -> dict:
-        """TransformerConfig fields for activation recomputation."""
+        """TransformerConfig fields for activation recomputation (megatron-core's default
+        modules, core attention, unless --recompute-modules)."""
         if self.recompute_granularity is None:
             return {}
-        return {
+        overrides = {
             "recompute_granularity": self.recompute_granularity,
             "recompute_method": self.recompute_method,
             "recompute_num_layers": self.recompute_num_layers,
         }
+        if self.recompute_modules is not None:
+            overrides["recompute_modules"] = list(self.recompute_modules)
+        return overrides
