@@ -45,12 +45,14 @@ class CommunicationConfig:
         "reduction off; megatron-core's DDP, the one trained here, scales before it reduces and "
         "has no such fusion, so the flag changes nothing (the positive form is ours)",
         True,
+        ours=True,
     )
     overlap_p2p_communication: bool = flag_help(
         "interleaved pipeline schedule: overlap the steady-state sends and receives with "
         "computation, unbatched; --no-overlap-p2p-communication: batched, not overlapped, which "
         "needs --pipeline-model-parallel-size > 2 (the positive form is ours)",
         True,
+        ours=True,
     )
     microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = flag_help(
         "interleaved pipeline schedule: micro-batches each virtual stage runs in a row before the "

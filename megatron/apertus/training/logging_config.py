@@ -146,8 +146,10 @@ class LoggingConfig:
 
     def check_device_memory(self, device: str) -> None:
         """torch reads a GPU's used memory through NVML (the pynvml package)."""
-        if self.log_device_memory_used and device == "cuda" and not importlib.util.find_spec(
-            "pynvml"
+        if (
+            self.log_device_memory_used
+            and device == "cuda"
+            and not importlib.util.find_spec("pynvml")
         ):
             raise ConfigError(
                 "--log-device-memory-used reads the GPU's used memory through NVML: "

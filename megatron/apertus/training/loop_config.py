@@ -76,6 +76,10 @@ class TrainingConfig:
     exit_signal_handler: bool = flag_help(
         "on SIGUSR2, SIGTERM, Ctrl-C or --exit-signal save a checkpoint and exit 0", False
     )
+    exit_signal_handler_for_training: bool = switch(
+        "on SIGTERM or Ctrl-C stop at once, without saving, with one line and exit code 0 "
+        "(without it: exit code 143 or 130)"
+    )
     exit_signal: str = flag_help(
         "with --exit-signal-handler: one more signal that saves and exits, by name (SIGUSR1 for "
         "a Slurm --signal=USR1@N; SIGTERM, SIGUSR2 and SIGINT always do)",
@@ -250,6 +254,11 @@ class TrainingConfig:
     def _check_exit_signal(self) -> None:
         """A signal a process can catch and that the system sends only on request: the fault
         signals (SIGSEGV, SIGBUS, ...) and SIGCHLD would fire for other reasons."""
+        if self.exit_signal_handler and self.exit_signal_handler_for_training:
+            raise ConfigError(
+                "--exit-signal-handler and --exit-signal-handler-for-training exclude each other: "
+                "one saves a checkpoint before it exits, the other stops at once"
+            )
         if self.exit_signal not in EXIT_SIGNALS:
             raise ConfigError(
                 f"--exit-signal {self.exit_signal}: choose one of {', '.join(EXIT_SIGNALS)}"
