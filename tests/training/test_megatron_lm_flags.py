@@ -76,6 +76,7 @@ def _run(flags: list[str]) -> dict:
         if n == 1:
             seen["ddp_config"] = model[0].ddp_config
             seen["buckets"] = sum(len(buffer.buckets) for buffer in model[0].buffers)
+            seen["parameters"] = sum(p.numel() for p in model[0].parameters())
             seen["counts"] = _calls_per_module(model)
         else:
             seen["calls"] = {k: v / (MICRO_BATCHES * LAYERS) for k, v in seen["counts"].items()}
@@ -98,7 +99,7 @@ RUNS = {
     "buckets": ["--overlap-grad-reduce", "--ddp-num-buckets", "3"]
     + ["--no-gradient-reduce-div-fusion", "--distributed-timeout-seconds-after-init", "77"],
     "selective": ["--recompute-activations"],
-    "modules": ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"]
+    "modules": ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]
     + ["--log-memory-interval", "1", "--log-device-memory-used"],
 }
 """In-process runs that differ only in these flags."""
@@ -120,7 +121,9 @@ def test_how_a_step_runs_leaves_its_losses_and_gradients(runs, name):
 def test_ddp_num_buckets_splits_the_gradients_and_reaches_megatron_core(runs):
     plain, split = runs["plain"], runs["buckets"]
     assert plain["buckets"] == 1 and plain["ddp_config"].bucket_size is None
-    assert split["buckets"] == 3
+    # Buckets end at parameter boundaries: their count is about, not exactly, the one asked for.
+    assert split["ddp_config"].bucket_size == split["parameters"] // 3
+    assert split["buckets"] > 1
     assert split["ddp_config"].gradient_reduce_div_fusion is False
     assert plain["ddp_config"].gradient_reduce_div_fusion is True
     assert not split["ddp_config"].average_in_collective
@@ -144,7 +147,7 @@ def test_the_timeout_changes_after_the_first_step(runs):
 
 @pytest.mark.parametrize(
     "name, twice",
-    [("plain", set()), ("selective", {"core_attn"}), ("modules", {"layernorm", "mlp"})],
+    [("plain", set()), ("selective", {"core_attn"}), ("modules", {"mlp"})],
 )
 def test_recompute_modules_run_the_chosen_parts_again(runs, name, twice):
     calls = runs[name]["calls"]
@@ -250,6 +253,10 @@ PIPELINE = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-par
         (
             ["--recompute-activations", "--recompute-modules", "attention"],
             "--recompute-modules attention: choose among core_attn, layernorm, mlp",
+        ),
+        (
+            ["--recompute-activations", "--recompute-modules", "layernorm"],
+            "--recompute-modules layernorm needs Transformer Engine",
         ),
         (
             ["--distributed-timeout-seconds-after-init", "0"],

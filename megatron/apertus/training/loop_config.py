@@ -7,6 +7,7 @@ megatron-core where they are counted.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -120,8 +121,9 @@ class TrainingConfig:
     )
     recompute_modules: Optional[list[str]] = flag_help(
         "selective recomputation: the parts of each layer recomputed in the backward pass, among "
-        "core_attn (the attention's softmax and products; the default), layernorm (the "
-        "two RMSNorms) and mlp (the whole MLP)",
+        "core_attn (the attention's softmax and products; the default), mlp (the whole MLP) and "
+        "layernorm (the two RMSNorms; needs Transformer Engine, whose layers fuse them into "
+        "the next linear, where they are not recomputed)",
         None,
     )
     manual_gc: bool = switch(
@@ -313,6 +315,13 @@ class TrainingConfig:
                 raise ConfigError(
                     f"--recompute-modules {name}: choose among {', '.join(RECOMPUTE_MODULES)}"
                 )
+        if "layernorm" in self.recompute_modules and not importlib.util.find_spec(
+            "transformer_engine"
+        ):
+            raise ConfigError(
+                "--recompute-modules layernorm needs Transformer Engine, through which "
+                "megatron-core's output-discarding checkpoint of the norms runs"
+            )
 
     def recompute_overrides(self) -> dict:
         """TransformerConfig fields for activation recomputation (megatron-core's default
