@@ -162,15 +162,30 @@ def test_device_memory_used_ends_the_memory_line(runs):
     assert not [m for m in runs["plain"]["messages"] if "memory (MB)" in m]
 
 
+PIPELINE_RUNS = {
+    4: ["--micro-batch-size", "1"],
+    6: ["--micro-batch-size", "1", "--global-batch-size", "6"],
+}
+"""Per layer count, the flags of the pipeline runs: one micro-batch per pipeline stage and
+virtual stage, a multiple of the stages in a step."""
+
+
+def _pipeline_args(layers: int, root, out: str) -> list[str]:
+    """Training from the same initial weights (``root/init<layers>``): every layout its own
+    initialisation otherwise."""
+    flags = ["--num-layers", str(layers), *PIPELINE_RUNS[layers]]
+    return BASE + flags + ["--load", str(root / f"init{layers}"), "--log-json", str(root / out)]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
+def reference(tmp_path_factory) -> tuple:
     """One-process losses of the 4-layer and the 6-layer model, per layer count."""
     root, losses = tmp_path_factory.mktemp("pipeline"), {}
-    for layers in (4, 6):
-        out = root / f"reference{layers}.json"
-        flags = ["--num-layers", str(layers), "--micro-batch-size", "1", "--log-json", str(out)]
-        run_entry(PRETRAIN, BASE + flags)
-        losses[layers] = series(read_json(out), "train/loss")[1]
+    for layers, flags in PIPELINE_RUNS.items():
+        init = ["--num-layers", str(layers), *flags, "--save", str(root / f"init{layers}")]
+        run_entry(PRETRAIN, BASE + init + ["--train-iters", "0"])
+        run_entry(PRETRAIN, _pipeline_args(layers, root, f"reference{layers}.json"))
+        losses[layers] = series(read_json(root / f"reference{layers}.json"), "train/loss")[1]
     return root, losses
 
 
@@ -184,11 +199,10 @@ def reference(tmp_path_factory) -> dict:
 )
 def test_interleaved_schedule_options_keep_the_losses(reference, layers, pp, flags):
     root, losses = reference
-    out = root / f"pp{pp}.json"
     layout = ["--pipeline-model-parallel-size", str(pp), "--virtual-pipeline-model-parallel-size"]
-    args = BASE + ["--num-layers", str(layers), "--micro-batch-size", "1", "--log-json", str(out)]
-    run_entry(PRETRAIN, args + layout + ["2"] + flags, nproc=pp)
-    np.testing.assert_allclose(series(read_json(out), "train/loss")[1], losses[layers], rtol=RTOL)
+    run_entry(PRETRAIN, _pipeline_args(layers, root, "pp.json") + layout + ["2"] + flags, nproc=pp)
+    got = series(read_json(root / "pp.json"), "train/loss")[1]
+    np.testing.assert_allclose(got, losses[layers], rtol=RTOL)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
