@@ -58,6 +58,16 @@ class TrainingConfig:
     log_interval: int = flag_help("iterations between log lines", 10)
     eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
     eval_iters: int = flag_help("validation batches per validation pass", 4)
+    eval_micro_batch_size: Optional[int] = flag_help(
+        "samples per validation micro-batch on each data-parallel rank (default: "
+        "--micro-batch-size)",
+        None,
+    )
+    eval_global_batch_size: Optional[int] = flag_help(
+        "samples per validation batch (default: the training step's global batch); a multiple "
+        "of the validation micro-batch x data-parallel size",
+        None,
+    )
     full_validation: bool = switch(
         "each validation pass covers the whole validation data once (one epoch of the "
         "validation split or --valid-data-path), instead of --eval-iters global batches"
@@ -206,6 +216,8 @@ class TrainingConfig:
             ("--log-interval", self.log_interval),
             ("--train-samples", self.train_samples),
             ("--recompute-num-layers", self.recompute_num_layers),
+            ("--eval-micro-batch-size", self.eval_micro_batch_size),
+            ("--eval-global-batch-size", self.eval_global_batch_size),
             (
                 "--check-weight-hash-across-dp-replicas-interval",
                 self.check_weight_hash_across_dp_replicas_interval,
@@ -296,7 +308,8 @@ class TrainingConfig:
         validations = (self.total_samples() // self.global_batch_size) // max(
             self.eval_interval, 1
         ) + 2
-        return (self.total_samples(), validations * self.eval_iters * self.global_batch_size, 0)
+        valid_batch = self.eval_global_batch_size or self.global_batch_size
+        return (self.total_samples(), validations * self.eval_iters * valid_batch, 0)
 
     def _check_recompute_modules(self) -> None:
         """megatron-core's module names, those of a dense model with standard attention only;

@@ -83,6 +83,30 @@ def check_batch_sizes(
     _check_interleaved_microbatches(sizes, layout, unit)
     _check_microbatch_group(sizes, layout, unit, group)
     _check_rampup_reaches_the_batch(t)
+    _check_eval_batch_sizes(t, layout, dp, group)
+
+
+def _check_eval_batch_sizes(
+    t: TrainingConfig, layout: ParallelConfig, dp: int, group: int | None
+) -> None:
+    """A validation batch (--eval-global-batch-size, else the step's) splits into whole
+    validation micro-batches (--eval-micro-batch-size, else the step's) on every rank, as
+    Megatron-LM asserts, and suits the interleaved schedule as a step does."""
+    if t.eval_micro_batch_size is None and t.eval_global_batch_size is None:
+        return
+    micro = t.eval_micro_batch_size or t.micro_batch_size
+    if t.eval_global_batch_size is not None:
+        sizes = {"--eval-global-batch-size": t.eval_global_batch_size}
+    else:
+        sizes = {k: v for k, v in _batch_sizes(t).items() if k != "--micro-batch-size"}
+    for flag, size in sizes.items():
+        if size % (micro * dp):
+            raise ConfigError(
+                f"{flag} ({size}) is not divisible by the validation micro-batch ({micro}) x "
+                f"data-parallel size ({dp})"
+            )
+    _check_interleaved_microbatches(sizes, layout, micro * dp)
+    _check_microbatch_group(sizes, layout, micro * dp, group)
 
 
 def _check_interleaved_microbatches(
