@@ -5,7 +5,8 @@ each layer run twice in a step (--recompute-modules), the process groups' timeou
 first step (--distributed-timeout-seconds-after-init), the memory line
 (--log-device-memory-used), the interleaved schedule's options in gloo processes
 (--no-overlap-p2p-communication, --microbatch-group-size-per-virtual-pipeline-stage), a stopped
-run's exit (--exit-signal-handler-for-training); the switches that only change how a step runs
+run's exit (--exit-signal-handler-for-training), validation batches of other sizes
+(--eval-micro-batch-size, --eval-global-batch-size); the switches that only change how a step runs
 leave its losses and gradient norms as they are. Bad values: one line, exit 2."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from megatron.apertus.training.step import wrap_ddp
 from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_entry, series
 from tests.test_apertus_launch_args import error_lines
 from tests.test_cli import start_training
+from tests.training.test_validation_sets import _run as validation_run
+from tests.training.test_validation_sets import corpora  # noqa: F401 (a fixture)
 
 BASE = (
     "--model-preset tiny --mock-data --global-batch-size 4 --micro-batch-size 2 --eval-iters 0 "
@@ -272,6 +275,8 @@ PIPELINE = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-par
             ["--recompute-activations", "--recompute-modules", "layernorm"],
             "--recompute-modules layernorm needs Transformer Engine",
         ),
+        (["--eval-micro-batch-size", "0"], "--eval-micro-batch-size must be >= 1, got 0"),
+        (["--eval-global-batch-size", "0"], "--eval-global-batch-size must be >= 1, got 0"),
         (
             ["--distributed-timeout-seconds-after-init", "0"],
             "--distributed-timeout-seconds-after-init must be >= 1, got 0",
@@ -308,3 +313,63 @@ def test_microbatch_group_fits_the_step(group, batch, line):
     with pytest.raises(ConfigError) as err:
         check_batch_sizes(cfg.training, layout, 1, group)
     assert line in str(err.value)
+
+
+def test_eval_batch_sizes_cut_the_validation_data_not_its_full_loss(corpora):
+    """A pass at the end of the starting weights (lr 0): over each set whole the per-token
+    loss is the same for any validation batch sizes; over one batch it is not (the sizes are
+    used), and training is untouched by them."""
+    sets = ("--multiple-validation-sets", "--train-iters", "1", "--lr", "0", "--eval-interval", "0")
+    runs = {}
+    for name, flags in {
+        "step": ("--full-validation",),
+        "5x1": (
+            "--full-validation",
+            "--eval-global-batch-size",
+            "5",
+            "--eval-micro-batch-size",
+            "1",
+        ),
+        "6x3": (
+            "--full-validation",
+            "--eval-global-batch-size",
+            "6",
+            "--eval-micro-batch-size",
+            "3",
+        ),
+        "one-4": ("--eval-iters", "1"),
+        "one-2": ("--eval-iters", "1", "--eval-global-batch-size", "2"),
+    }.items():
+        runs[name] = validation_run(corpora, "short-a", "short-b", flags=sets + flags)
+    for name in ("5x1", "6x3"):
+        for i in (0, 1):
+            (step,), (other,) = runs["step"][f"valid/loss-{i}"], runs[name][f"valid/loss-{i}"]
+            assert other[1] == pytest.approx(step[1], rel=1e-6)
+        assert runs[name]["train/loss"] == runs["step"]["train/loss"]
+    assert runs["one-2"]["valid/loss-0"] != runs["one-4"]["valid/loss-0"]
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--eval-global-batch-size", "5", "--eval-micro-batch-size", "2"],
+            "--eval-global-batch-size (5) is not divisible by the validation micro-batch (2) x "
+            "data-parallel size (1)",
+        ),
+        (
+            ["--eval-micro-batch-size", "3"],
+            "--global-batch-size (4) is not divisible by the validation micro-batch (3) x "
+            "data-parallel size (1)",
+        ),
+        (["--eval-global-batch-size", "4", "--eval-micro-batch-size", "4"], None),
+    ],
+)
+def test_eval_batch_sizes_split_into_whole_micro_batches(flags, line):
+    cfg = pretrain_gpt.parse_args(BASE + flags)
+    if line is None:
+        check_batch_sizes(cfg.training, cfg.parallel, 1)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_batch_sizes(cfg.training, cfg.parallel, 1)
+    assert str(err.value) == line
