@@ -6,13 +6,17 @@ first step (--distributed-timeout-seconds-after-init), the memory line
 (--log-device-memory-used), the interleaved schedule's options in gloo processes
 (--no-overlap-p2p-communication, --microbatch-group-size-per-virtual-pipeline-stage), a stopped
 run's exit (--exit-signal-handler-for-training), validation batches of other sizes
-(--eval-micro-batch-size, --eval-global-batch-size); the switches that only change how a step runs
+(--eval-micro-batch-size, --eval-global-batch-size), what wandb is given (--wandb-entity,
+--wandb-save-dir; wandb itself is an optional extra); the switches that only change how a step runs
 leave its losses and gradient norms as they are. Bad values: one line, exit 2."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -23,6 +27,7 @@ import pretrain_gpt
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ParallelConfig
 from megatron.apertus.training.loop import train
+from megatron.apertus.training.metrics import Metrics, wandb_dir
 from megatron.apertus.training.startup import check_batch_sizes
 from megatron.apertus.training.step import wrap_ddp
 from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_entry, series
@@ -373,3 +378,40 @@ def test_eval_batch_sizes_split_into_whole_micro_batches(flags, line):
     with pytest.raises(ConfigError) as err:
         check_batch_sizes(cfg.training, cfg.parallel, 1)
     assert str(err.value) == line
+
+
+class RecordingWandb(types.ModuleType):
+    """Stands in for the optional wandb package (not installed here): records ``init``."""
+
+    def __init__(self) -> None:
+        super().__init__("wandb")
+        self.inits: list[dict] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+
+@pytest.mark.parametrize(
+    "save_dir, save, folder",
+    [("wb", "ckpt", "wb"), (None, "ckpt", "ckpt/wandb"), (None, None, None)],
+    ids=["wandb-save-dir", "save", "neither"],
+)
+def test_wandb_gets_the_entity_and_megatron_lms_folder(
+    tmp_path, monkeypatch, save_dir, save, folder
+):
+    fake = RecordingWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.chdir(tmp_path)
+    Metrics(
+        tensorboard_dir=None,
+        wandb_project="apertus",
+        wandb_exp_name="run",
+        wandb_entity="team",
+        wandb_dir=wandb_dir(save_dir, save),
+        config={},
+    )
+    (init,) = fake.inits
+    assert init["entity"] == "team" and init["project"] == "apertus"
+    assert init["dir"] == (None if folder is None else os.path.join(*folder.split("/")))
+    assert folder is None or (tmp_path / folder).is_dir()
