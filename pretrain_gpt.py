@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from megatron.apertus.cli import ArgumentParser, run
+from megatron.apertus.cli import ArgumentParser, Terminated, run
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import ADDITION_MARK, given_destinations
 from megatron.apertus.training.checkpoint_config import apply_checkpoint_args
@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(str(err)) from None
     except TrainingStopped as err:
         sys.exit(f"pretrain_gpt.py: stopped: {err}")
+    except (KeyboardInterrupt, Terminated):
+        if not config.training.exit_signal_handler_for_training:
+            raise
+        # Megatron-LM's orderly shutdown: one line, exit 0; the run's cleanups have run.
+        print(f"pretrain_gpt.py: termination requested; {CHECKPOINTS_KEPT}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,11 @@ class ParallelConfig:
         "default group, megatron-core's 30 minutes for its groups)",
         None,
     )
+    distributed_timeout_seconds_after_init: int | None = flag_help(
+        "after this job's first training step (start-up, compilation and the first "
+        "collectives are slow): the timeout of collectives on every process group, in seconds",
+        None,
+    )
     distributed_backend: Literal["nccl", "gloo"] | None = flag_help(
         "torch.distributed backend: nccl (CUDA only) or gloo; default: nccl on a GPU (Megatron-LM's "
         "default), gloo on the CPU",
@@ -262,6 +267,11 @@ class ParallelConfig:
         timeout = self.distributed_timeout_minutes
         if timeout is not None and timeout < 1:
             raise ConfigError(f"--distributed-timeout-minutes must be >= 1, got {timeout}")
+        after_init = self.distributed_timeout_seconds_after_init
+        if after_init is not None and after_init < 1:
+            raise ConfigError(
+                f"--distributed-timeout-seconds-after-init must be >= 1, got {after_init}"
+            )
         if self.local_rank is not None and self.local_rank < 0:
             raise ConfigError(f"--local-rank must be >= 0, got {self.local_rank}")
 

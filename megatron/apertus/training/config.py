@@ -131,16 +131,20 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     check_mock_data(config)
     check_null_tokenizer(config)
     config.align.check_given(given)
+    device = resolve_device(config.training.device)
     config.communication.check(
         distributed_optimizer=config.optimizer.use_distributed_optimizer,
         virtual_pipeline=config.parallel.virtual_pipeline_model_parallel_size is not None,
+        pipeline=config.parallel.pipeline_model_parallel_size,
+        device=device,
+        per_token_loss=config.training.calculate_per_token_loss,
     )
-    device = resolve_device(config.training.device)
     check_launch(config.parallel, device)
     impl = validate_engine(config.engine, device=device, num_layers=config.model.num_layers)
     check_cuda_graphs(config, device=device, impl=impl, engine=config.engine)
     config.profiling.check(device=device, tensorboard_dir=config.logging.tensorboard_dir)
     config.logging.check_memory_interval(config.training.log_interval)
+    config.logging.check_device_memory(device)
     config.fp8_guard.check_run(
         save=config.checkpoint.save,
         fp8_param_gather=config.engine.fp8_param_gather,

@@ -95,10 +95,12 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"memory/rss_bytes": psutil.Process().memory_info().rss}
 
 
-def memory_line(device: torch.device) -> str:
+def memory_line(device: torch.device, device_used: bool = False) -> str:
     """Megatron-LM's memory report (``report_memory``), in MB: on a GPU the allocator's
     allocated, max allocated, reserved and max reserved memory; on a CPU, which has no such
-    allocator, the process's resident memory and its peak."""
+    allocator, the process's resident memory and its peak. ``device_used``
+    (--log-device-memory-used): then the memory every process uses on the device, NVML's on a
+    GPU, the host's on a CPU."""
     if device.type == "cuda":
         fields = {
             "allocated": torch.cuda.memory_allocated(device),
@@ -111,6 +113,12 @@ def memory_line(device: torch.device) -> str:
         # The kernel's peak (KiB on Linux) is updated lazily: it may lag the current size.
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident)
         fields = {"resident": resident, "max resident": peak}
+    if device_used:
+        fields["total device memory used"] = (
+            torch.cuda.device_memory_used(device)
+            if device.type == "cuda"
+            else psutil.virtual_memory().used
+        )
     return "memory (MB)" + "".join(
         f" | {name}: {value / 2**20:.2f}" for name, value in fields.items()
     )

@@ -35,6 +35,15 @@ class LoggingConfig:
         "log to this wandb project (WANDB_MODE=offline works)", None
     )
     wandb_exp_name: Optional[str] = flag_help("wandb run name", None)
+    wandb_entity: Optional[str] = flag_help(
+        "with --wandb-project: the wandb entity (user or team) the run is logged under "
+        "(default: wandb's own, the login's)",
+        None,
+    )
+    wandb_save_dir: Optional[str] = flag_help(
+        "with --wandb-project: wandb's local folder (default: SAVE/wandb, else wandb's ./wandb)",
+        None,
+    )
     log_json: Optional[str] = flag_help(
         "append every recorded scalar to this JSON-lines file (one object per iteration), "
         "flushed at every log line so a killed run keeps each logged interval; a resumed run "
@@ -81,6 +90,10 @@ class LoggingConfig:
         "allocated, max allocated, reserved and max reserved MB, on a CPU the process's "
         "resident and peak resident MB",
         None,
+    )
+    log_device_memory_used: bool = switch(
+        "end the --log-memory-interval line with the memory used on the whole device by every "
+        "process, as nvidia-smi reports it (on a CPU: the host's used memory)"
     )
     log_world_size_to_tensorboard: bool = switch(
         "write the number of processes as TensorBoard's and wandb's world-size (and its 'vs "
@@ -130,6 +143,18 @@ class LoggingConfig:
         interval = self.log_intermediate_metrics_interval
         if interval is not None and interval < 1:
             raise ConfigError(f"--log-intermediate-metrics-interval must be >= 1, got {interval}")
+
+    def check_device_memory(self, device: str) -> None:
+        """torch reads a GPU's used memory through NVML (the pynvml package)."""
+        if (
+            self.log_device_memory_used
+            and device == "cuda"
+            and not importlib.util.find_spec("pynvml")
+        ):
+            raise ConfigError(
+                "--log-device-memory-used reads the GPU's used memory through NVML: "
+                "pip install nvidia-ml-py"
+            )
 
     def check_memory_interval(self, log_interval: int) -> None:
         """The memory line comes with an iteration line, as in Megatron-LM."""

@@ -19,10 +19,12 @@ only evaluates (:meth:`Trainer.evaluate`): no step, no save, no reporting compon
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
 
+from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
     get_current_running_global_batch_size,
@@ -100,7 +102,12 @@ class Trainer:
             cfg, device=started.device_name, impl=started.transformer_impl, engine=started.engine
         )
         self.device, self.dp = self.runtime.device, self.runtime.dp
-        check_batch_sizes(cfg.training, cfg.parallel, self.dp)
+        check_batch_sizes(
+            cfg.training,
+            cfg.parallel,
+            self.dp,
+            cfg.communication.microbatch_group_size_per_virtual_pipeline_stage,
+        )
         self.resume_from = find_checkpoint(cfg.checkpoint)
         self._apply_guard_decisions()
         start_microbatches(cfg.training, self.dp)
@@ -121,6 +128,7 @@ class Trainer:
         self.state = self._resume()
         self.objective.prepare(self.model, state=self.state, resume_from=self.resume_from)
         t = cfg.training
+        self.timeout_updated = False
         self.gc = ManualGC(t.manual_gc, t.manual_gc_interval, around_eval=t.manual_gc_eval)
         self.checkpointer: Checkpointer | None = None
         if not t.skip_train:
@@ -277,6 +285,7 @@ class Trainer:
         global_batch = get_current_running_global_batch_size()
         start = time.perf_counter()
         result = self.step()
+        self._timeout_after_first_step()
         self.reporter.step(result, time.perf_counter() - start, global_batch, self.state)
         if self._went_back(result):
             return False
@@ -288,6 +297,15 @@ class Trainer:
         if after.save:
             self._save_trained(persistent=after.persistent, going_on=not after.exit)
         return after.exit
+
+    def _timeout_after_first_step(self) -> None:
+        """--distributed-timeout-seconds-after-init: every process group's timeout once this
+        job's first step is done, through megatron-core's update (a barrier first)."""
+        seconds = self.cfg.parallel.distributed_timeout_seconds_after_init
+        if seconds is None or self.timeout_updated:
+            return
+        parallel_state.update_pg_timeout(datetime.timedelta(seconds=seconds))
+        self.timeout_updated = True
 
     def _validate(self) -> None:
         self.validator.validate(self.state)

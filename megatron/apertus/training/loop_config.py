@@ -7,6 +7,7 @@ megatron-core where they are counted.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -19,6 +20,17 @@ EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", 
 """What ``--exit-signal`` may name: signals sent to ask a job to stop (by Slurm, a terminal or
 the batch system's CPU-time limit). Named, not numbered, so that parsing needs no ``signal``
 table of the platform."""
+
+
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+"""megatron-core's names of the parts of a dense layer that selective recomputation recomputes."""
+RECOMPUTE_REFUSED = {
+    "moe": "the model has no mixture-of-experts layers",
+    "moe_act": "the model has no mixture-of-experts layers",
+    "shared_experts": "the model has no mixture-of-experts layers",
+    "mla_up_proj": "the attention is grouped-query attention, not multi-latent attention",
+}
+"""megatron-core's other names, for parts the Apertus model does not have."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,6 +58,16 @@ class TrainingConfig:
     log_interval: int = flag_help("iterations between log lines", 10)
     eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
     eval_iters: int = flag_help("validation batches per validation pass", 4)
+    eval_micro_batch_size: Optional[int] = flag_help(
+        "samples per validation micro-batch on each data-parallel rank (default: "
+        "--micro-batch-size)",
+        None,
+    )
+    eval_global_batch_size: Optional[int] = flag_help(
+        "samples per validation batch (default: the training step's global batch); a multiple "
+        "of the validation micro-batch x data-parallel size",
+        None,
+    )
     full_validation: bool = switch(
         "each validation pass covers the whole validation data once (one epoch of the "
         "validation split or --valid-data-path), instead of --eval-iters global batches"
@@ -64,6 +86,10 @@ class TrainingConfig:
     fp16: bool = switch("Megatron-LM's --precision fp16")
     exit_signal_handler: bool = flag_help(
         "on SIGUSR2, SIGTERM, Ctrl-C or --exit-signal save a checkpoint and exit 0", False
+    )
+    exit_signal_handler_for_training: bool = switch(
+        "on SIGTERM or Ctrl-C stop at once, without saving, with one line and exit code 0 "
+        "(without it: exit code 143 or 130)"
     )
     exit_signal: str = flag_help(
         "with --exit-signal-handler: one more signal that saves and exits, by name (SIGUSR1 for "
@@ -108,6 +134,13 @@ class TrainingConfig:
     recompute_num_layers: Optional[int] = flag_help(
         "layers per recomputed group (uniform) or count (block)", None
     )
+    recompute_modules: Optional[list[str]] = flag_help(
+        "selective recomputation: the parts of each layer recomputed in the backward pass, among "
+        "core_attn (the attention's softmax and products; the default), mlp (the whole MLP) and "
+        "layernorm (the two RMSNorms; needs Transformer Engine, whose layers fuse them into "
+        "the next linear, where they are not recomputed)",
+        None,
+    )
     manual_gc: bool = switch(
         "turn Python's automatic garbage collector off and collect on every rank at the same "
         "moments (start, --manual-gc-interval, around validation and saves), so no rank stalls "
@@ -150,6 +183,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         self._resolve_precision()
         self._resolve_recompute_activations()
+        self._check_recompute_modules()
         self._check_ranges()
         self._check_exit_signal()
         if (self.train_iters is None) == (self.train_samples is None):
@@ -187,6 +221,8 @@ class TrainingConfig:
             ("--log-interval", self.log_interval),
             ("--train-samples", self.train_samples),
             ("--recompute-num-layers", self.recompute_num_layers),
+            ("--eval-micro-batch-size", self.eval_micro_batch_size),
+            ("--eval-global-batch-size", self.eval_global_batch_size),
             (
                 "--check-weight-hash-across-dp-replicas-interval",
                 self.check_weight_hash_across_dp_replicas_interval,
@@ -237,6 +273,11 @@ class TrainingConfig:
     def _check_exit_signal(self) -> None:
         """A signal a process can catch and that the system sends only on request: the fault
         signals (SIGSEGV, SIGBUS, ...) and SIGCHLD would fire for other reasons."""
+        if self.exit_signal_handler and self.exit_signal_handler_for_training:
+            raise ConfigError(
+                "--exit-signal-handler and --exit-signal-handler-for-training exclude each other: "
+                "one saves a checkpoint before it exits, the other stops at once"
+            )
         if self.exit_signal not in EXIT_SIGNALS:
             raise ConfigError(
                 f"--exit-signal {self.exit_signal}: choose one of {', '.join(EXIT_SIGNALS)}"
@@ -272,14 +313,44 @@ class TrainingConfig:
         validations = (self.total_samples() // self.global_batch_size) // max(
             self.eval_interval, 1
         ) + 2
-        return (self.total_samples(), validations * self.eval_iters * self.global_batch_size, 0)
+        valid_batch = self.eval_global_batch_size or self.global_batch_size
+        return (self.total_samples(), validations * self.eval_iters * valid_batch, 0)
+
+    def _check_recompute_modules(self) -> None:
+        """megatron-core's module names, those of a dense model with standard attention only;
+        they choose what selective recomputation recomputes, so they need it."""
+        if self.recompute_modules is None:
+            return
+        if self.recompute_granularity != "selective":
+            raise ConfigError(
+                "--recompute-modules chooses what selective recomputation recomputes: give "
+                "--recompute-granularity selective (or --recompute-activations)"
+            )
+        for name in self.recompute_modules:
+            if name in RECOMPUTE_REFUSED:
+                raise ConfigError(f"--recompute-modules {name}: {RECOMPUTE_REFUSED[name]}")
+            if name not in RECOMPUTE_MODULES:
+                raise ConfigError(
+                    f"--recompute-modules {name}: choose among {', '.join(RECOMPUTE_MODULES)}"
+                )
+        if "layernorm" in self.recompute_modules and not importlib.util.find_spec(
+            "transformer_engine"
+        ):
+            raise ConfigError(
+                "--recompute-modules layernorm needs Transformer Engine, through which "
+                "megatron-core's output-discarding checkpoint of the norms runs"
+            )
 
     def recompute_overrides(self) -> dict:
-        """TransformerConfig fields for activation recomputation."""
+        """TransformerConfig fields for activation recomputation (megatron-core's default
+        modules, core attention, unless --recompute-modules)."""
         if self.recompute_granularity is None:
             return {}
-        return {
+        overrides = {
             "recompute_granularity": self.recompute_granularity,
             "recompute_method": self.recompute_method,
             "recompute_num_layers": self.recompute_num_layers,
         }
+        if self.recompute_modules is not None:
+            overrides["recompute_modules"] = list(self.recompute_modules)
+        return overrides

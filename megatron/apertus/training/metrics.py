@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,14 @@ class LogInterval:
         return summary
 
 
+def wandb_dir(save_dir: str | None, save: str | None) -> str | None:
+    """wandb's local folder, as in Megatron-LM: --wandb-save-dir, else SAVE/wandb (else
+    wandb's own default, ./wandb, where a run saves nothing)."""
+    if save_dir:
+        return save_dir
+    return os.path.join(save, "wandb") if save else None
+
+
 class Metrics:
     """Fan-out of scalar metrics to TensorBoard/wandb (when configured), the in-memory history
     and the ``--log-json`` file.
@@ -104,6 +113,8 @@ class Metrics:
         wandb_exp_name: str | None,
         config: dict,
         tensorboard_queue_size: int = 1000,
+        wandb_entity: str | None = None,
+        wandb_dir: str | None = None,
     ) -> None:
         self.history: dict[str, list] = {}
         self.tensorboard = None
@@ -117,7 +128,15 @@ class Metrics:
         if wandb_project:
             import wandb  # present: LoggingConfig refuses --wandb-project without it
 
-            self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, config=config)
+            if wandb_dir is not None:
+                os.makedirs(wandb_dir, exist_ok=True)
+            self.wandb = wandb.init(
+                project=wandb_project,
+                name=wandb_exp_name,
+                entity=wandb_entity,
+                dir=wandb_dir,
+                config=config,
+            )
 
     def restore(self, path: Path, up_to_iteration: int) -> None:
         """Continue the history of a resumed run (entries after the checkpoint are dropped)."""

@@ -116,6 +116,10 @@ class Objective(ABC):
     def shape(self, num_microbatches: int) -> StepShape:
         """What megatron-core's schedules need to know of one step's micro-batches."""
 
+    def valid_shape(self, num_microbatches: int) -> StepShape:
+        """:meth:`shape` of a validation batch (its micro-batches may be of another size)."""
+        return self.shape(num_microbatches)
+
     @abstractmethod
     def train_batches(self, consumed: int, global_batch: int) -> list[Batch]:
         """This rank's training micro-batches of the step that starts at sample ``consumed``."""
@@ -171,14 +175,17 @@ class TokenData:
         num_workers: int,
         valid_suffixes: tuple[str, ...] = ("",),
         full_validation: bool = False,
+        valid_micro_batch_size: int | None = None,
     ) -> None:
         """``datasets``: the training dataset and the validation one, or a list of them (one
         per validation set, named by ``valid_suffixes``); either may be None.
-        ``full_validation``: a validation pass reads each set whole, once."""
+        ``full_validation``: a validation pass reads each set whole, once.
+        ``valid_micro_batch_size``: the validation micro-batches' (default: the training's)."""
         self.train, valid = datasets
         self.valid_sets = valid if isinstance(valid, list) else [] if valid is None else [valid]
         self.valid_suffixes, self.full_validation = valid_suffixes, full_validation
         self.batch, self.micro_batch_size, self.seq_length = batch, micro_batch_size, seq_length
+        self.valid_micro_batch_size = valid_micro_batch_size or micro_batch_size
         self.dp, self.dp_rank = dp, dp_rank
         self.reader = None  # --train-iters 0: no training data
         if self.train is not None:
@@ -196,9 +203,10 @@ class TokenData:
         """Whether Goldfish drops loss positions of these batches."""
         return self.batch.goldfish is not None
 
-    def shape(self, num_microbatches: int) -> StepShape:
-        """Packed documents make each micro-batch one sequence of ``b * s`` tokens."""
-        packed, mbs = self.batch.pack_documents, self.micro_batch_size
+    def shape(self, num_microbatches: int, micro_batch_size: int | None = None) -> StepShape:
+        """Packed documents make each micro-batch one sequence of ``b * s`` tokens;
+        ``micro_batch_size``: default the training's."""
+        packed, mbs = self.batch.pack_documents, micro_batch_size or self.micro_batch_size
         return StepShape(
             num_microbatches=num_microbatches,
             seq_length=self.seq_length * mbs if packed else self.seq_length,
@@ -223,7 +231,7 @@ class TokenData:
             self.batch,
             consumed_samples=consumed,
             global_batch_size=global_batch,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=self.valid_micro_batch_size,
             dp_rank=self.dp_rank,
             dp_size=self.dp,
             pass_end=self.whole_valid_set(valid_set),
@@ -252,6 +260,7 @@ def token_data(cfg: RunConfig, *, tokenizer: Tokenizer, dp: int, dp_rank: int) -
         num_workers=cfg.data.num_workers,
         valid_suffixes=cfg.dataset.validation_set_suffixes(),
         full_validation=cfg.training.full_validation,
+        valid_micro_batch_size=cfg.training.eval_micro_batch_size,
     )
 
 
@@ -268,6 +277,9 @@ class CrossEntropy(Objective):
 
     def shape(self, num_microbatches: int) -> StepShape:
         return self.data.shape(num_microbatches)
+
+    def valid_shape(self, num_microbatches: int) -> StepShape:
+        return self.data.shape(num_microbatches, self.data.valid_micro_batch_size)
 
     def train_batches(self, consumed: int, global_batch: int) -> list[Batch]:
         return self.data.train_batches(consumed, global_batch)
@@ -454,6 +466,7 @@ class Alignment(Objective):
     ) -> None:
         self.config, self.dp, self.dp_rank = config, dp, dp_rank
         self.micro_batch_size, self.seq_length = training.micro_batch_size, seq_length
+        self.valid_micro_batch_size = training.eval_micro_batch_size or training.micro_batch_size
         self.run = AlignRun(
             config,
             dataset,
@@ -479,6 +492,9 @@ class Alignment(Objective):
     def shape(self, num_microbatches: int) -> StepShape:
         return self.run.shape(num_microbatches, self.seq_length, self.micro_batch_size)
 
+    def valid_shape(self, num_microbatches: int) -> StepShape:
+        return self.run.shape(num_microbatches, self.seq_length, self.valid_micro_batch_size)
+
     def train_batches(self, consumed: int, global_batch: int) -> list[Batch]:
         return self.run.micro_batches(
             "train", consumed, global_batch, self.micro_batch_size, self.dp, self.dp_rank
@@ -486,7 +502,7 @@ class Alignment(Objective):
 
     def valid_batches(self, consumed: int, global_batch: int, valid_set: int = 0) -> list[Batch]:
         return self.run.micro_batches(
-            "valid", consumed, global_batch, self.micro_batch_size, self.dp, self.dp_rank
+            "valid", consumed, global_batch, self.valid_micro_batch_size, self.dp, self.dp_rank
         )
 
     def train_forward(self, batch: Batch, model: GPTModel):

@@ -38,6 +38,7 @@ from megatron.apertus.training.metrics import (
     LogInterval,
     Metrics,
     device_peak_tflops,
+    wandb_dir,
 )
 from megatron.apertus.training.objectives import Objective, metric_name
 from megatron.apertus.training.progress import ProgressLog
@@ -91,6 +92,8 @@ class Reporter:
             tensorboard_dir=logging_cfg.tensorboard_dir if is_reporting_rank() else None,
             wandb_project=logging_cfg.wandb_project if is_reporting_rank() else None,
             wandb_exp_name=logging_cfg.wandb_exp_name,
+            wandb_entity=logging_cfg.wandb_entity,
+            wandb_dir=wandb_dir(logging_cfg.wandb_save_dir, cfg.checkpoint.save),
             config={k: asdict(v) for k, v in vars(cfg).items()},
             tensorboard_queue_size=logging_cfg.tensorboard_queue_size,
         )
@@ -220,7 +223,8 @@ class Reporter:
         interval = self.cfg.logging.log_memory_interval
         if interval and iteration % interval == 0 and chunk_groups(self.model[0]).dp.rank() == 0:
             rank = torch.distributed.get_rank()
-            log.info(f"[Rank {rank}] (after {iteration} iterations) {memory_line(self.device)}")
+            line = memory_line(self.device, self.cfg.logging.log_device_memory_used)
+            log.info(f"[Rank {rank}] (after {iteration} iterations) {line}")
         timers = self.timers.lines(steps, reset=reset)
         if timers is not None and is_reporting_rank():
             log.info(timers)

@@ -55,7 +55,9 @@ def _batch_sizes(t: TrainingConfig) -> dict[str, int]:
     return sizes
 
 
-def check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> None:
+def check_batch_sizes(
+    t: TrainingConfig, layout: ParallelConfig, dp: int, group: int | None = None
+) -> None:
     """Every global batch, each size of a ramp-up too, splits into whole micro-batches on every
     data-parallel rank; said with the flags before megatron-core's calculator asserts. Under
     --decrease-batch-size-if-needed megatron-core rounds each size down to such a multiple, so
@@ -79,7 +81,32 @@ def check_batch_sizes(t: TrainingConfig, layout: ParallelConfig, dp: int) -> Non
             f"--context-parallel-size {layout.context_parallel_size}))"
         )
     _check_interleaved_microbatches(sizes, layout, unit)
+    _check_microbatch_group(sizes, layout, unit, group)
     _check_rampup_reaches_the_batch(t)
+    _check_eval_batch_sizes(t, layout, dp, group)
+
+
+def _check_eval_batch_sizes(
+    t: TrainingConfig, layout: ParallelConfig, dp: int, group: int | None
+) -> None:
+    """A validation batch (--eval-global-batch-size, else the step's) splits into whole
+    validation micro-batches (--eval-micro-batch-size, else the step's) on every rank, as
+    Megatron-LM asserts, and suits the interleaved schedule as a step does."""
+    if t.eval_micro_batch_size is None and t.eval_global_batch_size is None:
+        return
+    micro = t.eval_micro_batch_size or t.micro_batch_size
+    if t.eval_global_batch_size is not None:
+        sizes = {"--eval-global-batch-size": t.eval_global_batch_size}
+    else:
+        sizes = {k: v for k, v in _batch_sizes(t).items() if k != "--micro-batch-size"}
+    for flag, size in sizes.items():
+        if size % (micro * dp):
+            raise ConfigError(
+                f"{flag} ({size}) is not divisible by the validation micro-batch ({micro}) x "
+                f"data-parallel size ({dp})"
+            )
+    _check_interleaved_microbatches(sizes, layout, micro * dp)
+    _check_microbatch_group(sizes, layout, micro * dp, group)
 
 
 def _check_interleaved_microbatches(
@@ -97,6 +124,26 @@ def _check_interleaved_microbatches(
         raise ConfigError(
             f"{flag} ({size}) gives {size // unit} micro-batches per step, not a multiple of "
             f"--pipeline-model-parallel-size ({pp}) as the interleaved schedule needs"
+        )
+
+
+def _check_microbatch_group(
+    sizes: dict[str, int], layout: ParallelConfig, unit: int, group: int | None
+) -> None:
+    """megatron-core's interleaved schedule runs groups of ``group`` micro-batches per virtual
+    stage: at most a step's micro-batches, the last group empty or at least one per stage (else
+    it raises mid-step)."""
+    if group is None or layout.virtual_pipeline_model_parallel_size is None:
+        return
+    pp = layout.pipeline_model_parallel_size
+    for flag, size in sizes.items():
+        count = size // unit
+        if flag == "--micro-batch-size" or (group <= count and not 0 < count % group < pp):
+            continue
+        raise ConfigError(
+            f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) does not fit the "
+            f"{count} micro-batches per step of {flag} ({size}): at most that many, and the "
+            f"last group empty or of at least --pipeline-model-parallel-size ({pp})"
         )
 
 
@@ -199,6 +246,9 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
         overlap_grad_reduce=cfg.communication.overlap_grad_reduce,
         overlap_param_gather=cfg.communication.overlap_param_gather,
         bucket_size=cfg.communication.ddp_bucket_size,
+        num_buckets=cfg.communication.ddp_num_buckets,
+        average_in_collective=cfg.communication.ddp_average_in_collective,
+        gradient_reduce_div_fusion=cfg.communication.gradient_reduce_div_fusion,
         gradient_accumulation_fusion=cfg.engine.gradient_accumulation_fusion,
     )
     if cfg.training.data_parallel_random_init:

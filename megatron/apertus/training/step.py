@@ -89,10 +89,16 @@ def wrap_ddp(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     bucket_size: int | None = None,
+    num_buckets: int | None = None,
+    average_in_collective: bool = False,
+    gradient_reduce_div_fusion: bool = True,
     gradient_accumulation_fusion: bool = False,
 ) -> list[DistributedDataParallel]:
     """Wrap each model chunk in megatron-core DDP (gradients go to ``param.main_grad``).
 
+    ``num_buckets`` (Megatron-LM's --ddp-num-buckets) sets the bucket size to this rank's
+    parameters (all chunks) over ``num_buckets``, as Megatron-LM does before building DDP: the
+    megatron-core of our default line has no such field.
     With ``overlap_param_gather`` several chunks (virtual pipeline stages) gather their
     parameters in the order the schedule first runs them (``align_param_gather``). With
     ``gradient_accumulation_fusion`` Transformer Engine's linears accumulate their weight
@@ -102,7 +108,9 @@ def wrap_ddp(
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         align_param_gather=overlap_param_gather and len(chunks) > 1,
-        bucket_size=bucket_size,
+        bucket_size=bucket_size if num_buckets is None else bucket_size_of(chunks, num_buckets),
+        average_in_collective=average_in_collective,
+        gradient_reduce_div_fusion=gradient_reduce_div_fusion,
         use_distributed_optimizer=use_distributed_optimizer,
         fp8_param_gather=fp8_param_gather,
     )
@@ -124,6 +132,11 @@ def wrap_ddp(
                 linears,
             )
     return wrapped
+
+
+def bucket_size_of(chunks: list[GPTModel], num_buckets: int) -> int:
+    """Gradient elements per bucket for ``num_buckets`` buckets over the chunks' parameters."""
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters()) // num_buckets
 
 
 def install_schedule_hooks(

@@ -13,10 +13,7 @@ import logging
 from typing import Iterator
 
 import torch
-from megatron.core.num_microbatches_calculator import (
-    get_current_running_global_batch_size,
-    get_num_microbatches,
-)
+from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
 from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 
 from megatron.apertus.checkpoint import TrainingState
@@ -148,7 +145,9 @@ class Validator:
         ``valid_set`` (--full-validation: as many as hold the whole set), and whether the pass
         stopped early at --exit-duration-in-mins."""
         reported = []
-        global_batch = get_current_running_global_batch_size()
+        global_batch = self.training.eval_global_batch_size or (
+            get_current_running_global_batch_size()
+        )
         whole = self.objective.whole_valid_set(valid_set)
         batches_in_pass = self.training.eval_iters if whole is None else -(-whole // global_batch)
         with torch.no_grad(), synced_parameters(self.model):
@@ -157,7 +156,7 @@ class Validator:
                 reported += run_microbatches(
                     self.model,
                     chunk_iterators(self.model, batches),
-                    self.objective.shape(get_num_microbatches()),
+                    self.objective.valid_shape(len(batches)),
                     forward_only=True,
                     forward=self.objective.valid_forward,
                 )
