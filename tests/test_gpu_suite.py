@@ -113,7 +113,7 @@ def test_cuda_graphs_stage_runs_when_named_and_its_command_lines_can_run(tmp_pat
 
     result = json.loads((out / "cuda-graphs.json").read_text())
     assert result["status"] == "dry"
-    assert result["pytest"]["collected"] == 4  # the GPU test's cases, run before the rows
+    assert result["pytest"]["collected"] == 5  # the GPU test's cases, run before the rows
     planned = result["planned"]
     assert len(planned) == 2 * len(bench.GRAPH_PAIRS) == 8
     graphed = [argv for argv in planned if "--cuda-graph-impl" in argv]

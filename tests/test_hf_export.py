@@ -195,14 +195,15 @@ def test_generation_config_and_model_card(exported):
 def test_final_losses_of_a_non_persistent_checkpoint(exported):
     """A non-persistent checkpoint in a directory of its own, where no history of the run lies
     beside it (the model card's losses): those up to it, from the history it holds. Its step,
-    the last, is also the persistent checkpoint's, which the validation at the end precedes."""
+    the last, is also the persistent checkpoint's; the validation at the end precedes both
+    saves, so both hold it."""
     frequent = checkpoint.resolve_checkpoint(exported.root / FREQUENT)
     assert frequent.name == exported.checkpoint.name == "iter_0000002"
     assert not (frequent.parent / "metrics.json").exists()
     history = json.loads((exported.root / "ckpt" / "metrics.json").read_text())
     train, valid = (tuple(history[name][-1]) for name in ("train/loss", "valid/loss"))
-    assert final_losses(frequent) == {"train/loss": train}
-    assert final_losses(exported.checkpoint) == {"train/loss": train, "valid/loss": valid}
+    assert final_losses(frequent) == {"train/loss": train, "valid/loss": valid}
+    assert final_losses(exported.checkpoint) == final_losses(frequent)
 
 
 def test_checkpoint_without_run_record_needs_tokenizer(exported, tmp_path):

@@ -125,6 +125,13 @@ def _join_environment_rendezvous(backend: str, timeout: dict) -> None:
         raise ConfigError(f"{where}: {err}") from None
 
 
+def update_timeout(seconds: float) -> None:
+    """Every process group's timeout from now on (Megatron-LM's
+    --distributed-timeout-seconds-after-init), through megatron-core's update (a barrier
+    first)."""
+    parallel_state.update_pg_timeout(timedelta(seconds=seconds))
+
+
 def set_seed(seed: int, *, te_rng_tracker: bool = False) -> None:
     """Seed Python, NumPy, torch and megatron-core's model-parallel RNG tracker.
 

@@ -19,12 +19,10 @@ only evaluates (:meth:`Trainer.evaluate`): no step, no save, no reporting compon
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
 
-from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
     get_current_running_global_batch_size,
@@ -304,7 +302,7 @@ class Trainer:
         seconds = self.cfg.parallel.distributed_timeout_seconds_after_init
         if seconds is None or self.timeout_updated:
             return
-        parallel_state.update_pg_timeout(datetime.timedelta(seconds=seconds))
+        parallel.update_timeout(seconds)
         self.timeout_updated = True
 
     def _validate(self) -> None:
