@@ -33,6 +33,7 @@ from megatron.apertus.training.step import wrap_ddp
 from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_entry, series
 from tests.test_apertus_launch_args import error_lines
 from tests.test_cli import start_training
+from tests.training.test_step_timers import Records
 from tests.training.test_validation_sets import _run as validation_run
 from tests.training.test_validation_sets import corpora  # noqa: F401 (a fixture)
 
@@ -44,15 +45,6 @@ MICRO_BATCHES, LAYERS = 2, 4
 """Micro-batches per step and layers of BASE's runs."""
 RTOL = 2e-6
 """Relative tolerance of losses across process layouts (as in tests/parallel)."""
-
-
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _calls_per_module(model) -> dict:
