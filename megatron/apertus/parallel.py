@@ -12,10 +12,12 @@ a world of one on a free local port.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
 from datetime import timedelta
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -26,7 +28,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron.apertus import cpu_compat
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.model.config import ParallelConfig, validate_layout
+from megatron.apertus.model.builder import build_model
+from megatron.apertus.model.config import ApertusConfig, ParallelConfig, validate_layout
 
 
 def resolve_device(requested: str = "auto") -> str:
@@ -123,6 +126,31 @@ def _join_environment_rendezvous(backend: str, timeout: dict) -> None:
         ) from None
     except ValueError as err:  # torch's env:// handler: a variable it needs is not set
         raise ConfigError(f"{where}: {err}") from None
+
+
+@contextlib.contextmanager
+def single_process_model(
+    model: ApertusConfig, *, job: str, device: str = "cpu", quant=None
+) -> Iterator[torch.nn.Module]:
+    """A fp32 TP=1/PP=1 model of ``model`` in this one process on ``device`` (fake-quantizing
+    as ``quant`` says), its process groups torn down on exit. Its random init is skipped: every
+    weight is to be replaced (loaded from a checkpoint or copied in). ``job`` names the work in
+    the refusal under torchrun."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ConfigError(f"{job} runs in one process; do not start it with torchrun")
+    layout = ParallelConfig()
+    initialize(layout, device=device, seed=0, model=model)
+    try:
+        (chunk,) = build_model(
+            model,
+            layout,
+            quant=quant,
+            use_cpu_initialization=device == "cpu",
+            perform_initialization=False,
+        )
+        yield chunk
+    finally:
+        shutdown()
 
 
 def update_timeout(seconds: float) -> None:

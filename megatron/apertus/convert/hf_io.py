@@ -13,7 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from safetensors import SafetensorError
@@ -39,32 +39,19 @@ from megatron.apertus.convert.hf import (
 )
 from megatron.apertus.convert.hf_tokenizer import tokenizer_source, write_hf_tokenizer
 from megatron.apertus.convert.model_card import DEFAULT_LICENSE, model_card
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.quant.config import QuantConfig
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-@contextlib.contextmanager
 def single_process(
     model: ApertusConfig, quant: QuantConfig | None = None
-) -> Iterator[torch.nn.Module]:
-    """A fp32 TP=1/PP=1 CPU model of ``model`` (fake-quantizing as ``quant`` says), torn down
-    on exit. Its random init is skipped: every weight is to be replaced (loaded from a
-    checkpoint or copied in)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise ConversionError("HF conversion runs in one process; do not start it with torchrun")
-    layout = ParallelConfig()
-    parallel.initialize(layout, device="cpu", seed=0, model=model)
-    try:
-        (chunk,) = build_model(
-            model, layout, quant=quant, use_cpu_initialization=True, perform_initialization=False
-        )
-        yield chunk
-    finally:
-        parallel.shutdown()
+) -> contextlib.AbstractContextManager[torch.nn.Module]:
+    """A fp32 TP=1/PP=1 CPU model of ``model`` for a conversion
+    (:func:`megatron.apertus.parallel.single_process_model`)."""
+    return parallel.single_process_model(model, job="HF conversion", quant=quant)
 
 
 def model_tensors(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:

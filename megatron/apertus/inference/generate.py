@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +50,7 @@ from megatron.apertus.cli import atomic_outputs
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.inference.config import Prompt, SamplingConfig
 from megatron.apertus.mcore_compat import gpt_inference_wrapper
-from megatron.apertus.model.builder import build_model
-from megatron.apertus.model.config import ApertusConfig, ParallelConfig
+from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, checked_tokenizer
 
 EOS, LENGTH = "eos", "length"
@@ -140,21 +138,9 @@ def _tokenizer(
 def loaded_model(checkpoint: Path, model: ApertusConfig, device: str) -> Iterator[torch.nn.Module]:
     """The checkpoint's model in one process (TP=1/PP=1, any saved layout resharded into it),
     in eval mode; the process groups are torn down on exit."""
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise ConfigError("text generation runs in one process; do not start it with torchrun")
-    layout = ParallelConfig()
-    parallel.initialize(layout, device=device, seed=0, model=model)
-    try:
-        (chunk,) = build_model(
-            model,
-            layout,
-            use_cpu_initialization=device == "cpu",
-            perform_initialization=False,  # every weight is loaded
-        )
+    with parallel.single_process_model(model, job="text generation", device=device) as chunk:
         load_model(checkpoint, [chunk])
         yield chunk.eval()
-    finally:
-        parallel.shutdown()
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
