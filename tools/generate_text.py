@@ -4,13 +4,17 @@
         --prompt "The capital of Switzerland is" [--prompt ...] | --prompts A B ... \\
         | --prompts-file PROMPTS.jsonl \\
         [--output OUT.jsonl] [--num-tokens-to-generate 30] \\
-        [--top_k 1 | --top_k K --temperature T | --top_k 0 --top_p P --seed S]
+        [--top_k 1 | --top_k K --temperature T | --top_k 0 --top_p P --seed S] \\
+        [--return-log-probs [--skip-prompt-log-probs]] [--top-n-logprobs N]
 
 Greedy by default (``--top_k 1``, as Megatron-LM's static inference example). One JSON line per
 prompt, in order: the prompt's fields (a ``--prompts-file`` line's, or ``{"prompt": TEXT}``),
 ``generated_text``, ``prompt_tokens``, ``generated_tokens`` and ``finish_reason`` (``eos``:
-the end-of-document token came; ``length``). ``--output`` is written under a temporary name and
-renamed when every prompt is done; without it the lines go to standard output as they come.
+the end-of-document token came; ``length``), and with ``--return-log-probs``/
+``--top-n-logprobs`` the log-probabilities under megatron-core's field names
+(``--num-tokens-to-generate 0`` scores the prompts only). ``--output`` is written under a
+temporary name and renamed when every prompt is done; without it the lines go to standard
+output as they come.
 The checkpoint may have been saved with any TP/PP layout; generation runs in one process.
 """
 

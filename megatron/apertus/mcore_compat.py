@@ -79,6 +79,14 @@ def gpt_inference_wrapper(model, max_sequence_length: int):
     return GPTInferenceWrapper(model, config, context)
 
 
+def materialize_every_position(context, every: bool) -> None:
+    """Whether the model's next forward under the static inference ``context`` computes the
+    logits at every position of its window (a prompt's log-probabilities) or at the last one
+    only (decoding): the context's own flag on 0.16, its ``InferenceConfig``'s on 0.19."""
+    holder = context if INFERENCE_WRAPPER_CONFIG else context.config
+    holder.materialize_only_last_token_logits = not every
+
+
 def async_save_arguments() -> dict[str, str]:
     """``dist_checkpointing.save``'s extra arguments for a background save: megatron-core's own
     writer on both lines."""

@@ -124,6 +124,39 @@ def test_tp2_checkpoint_generates_as_tp1(saved, greedy_tp1, tmp_path):
     assert generate_lines(saved.tp2, saved.prompts_file, tmp_path / "out.jsonl") == greedy_tp1
 
 
+def test_log_probs_equal_transformers_on_the_export(saved, greedy_tp1, tmp_path):
+    """``--return-log-probs``: each prompt token's (after ``<s>``) and each generated token's
+    log-probability equals the log-softmax of transformers' logits on the export over the
+    whole sequence; ``--top-n-logprobs``: the greedy token heads its position's top-n; asking
+    for them changes no token."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(saved.hf_dir), dtype=torch.float32).eval()
+    flags = ("--return-log-probs", "--top-n-logprobs", "3")
+    lines = generate_lines(saved.tp1, saved.prompts_file, tmp_path / "out.jsonl", *flags)
+    tokenizer = load_tokenizer()
+    for line, plain in zip(lines, greedy_tp1):
+        assert line["generated_tokens"] == plain["generated_tokens"]
+        prompt, generated = line["prompt_tokens"], line["generated_tokens"]
+        ids = torch.tensor([prompt + generated])
+        with torch.no_grad():
+            theirs = hf(ids).logits[0].log_softmax(-1)
+        targets = ids[0, 1:]
+        expected = theirs[:-1].gather(1, targets[:, None])[:, 0]
+        ours = torch.tensor(line["prompt_log_probs"] + line["generated_log_probs"])
+        assert len(line["prompt_log_probs"]) == len(prompt) - 1
+        torch.testing.assert_close(ours, expected, rtol=0, atol=2e-4)
+        assert len(line["generated_top_n_logprobs"]) == len(generated)
+        assert len(line["prompt_top_n_logprobs"]) == len(prompt) - 1
+        for token, score, top in zip(
+            generated, line["generated_log_probs"], line["generated_top_n_logprobs"]
+        ):
+            assert len(top) == 3 and max(top.values()) == pytest.approx(score, abs=1e-6)
+            assert max(top, key=top.get) == tokenizer.decode([token])
+    # The prompts steer the model: its log-probabilities are not one repeated profile.
+    assert len({round(line["prompt_log_probs"][-1], 4) for line in lines}) == 3
+
+
 # -- sampling, in-process on the loaded model -------------------------------------------------
 
 
@@ -172,9 +205,32 @@ def test_generation_stops_after_the_end_of_document_token(generator, greedy_tp1)
     stop = len(tokens) - 1
     assert stop <= 2 and tokens == [*greedy[:stop], eod]
     prompt = Prompt("x", {"prompt": "x"}, "--prompt 1")
-    line = generator.output_line(prompt, Completion([1], [*greedy[:2], eod], EOS))
+    completion = Completion([1], [*greedy[:2], eod], EOS)
+    line = generator.output_line(prompt, completion, SamplingConfig())
     assert line["generated_text"] == generator.tokenizer.decode(greedy[:2])
     assert line["finish_reason"] == EOS
+
+
+def test_scoring_a_prompt_equals_the_training_loss(generator):
+    """``--num-tokens-to-generate 0 --return-log-probs`` scores the prompt: its
+    log-probabilities are minus the per-token loss of the model's training forward (no KV
+    cache, the loss's own cross-entropy), and nothing is generated."""
+    prompt = prompt_tokens(generator.tokenizer, prose()[0])
+    sampling = SamplingConfig(num_tokens_to_generate=0, return_log_probs=True)
+    scored = generator.complete(prompt, sampling, torch.Generator())
+    assert scored.generated_tokens == [] and scored.generated_scores.log_probs == []
+    ids = torch.tensor([prompt])
+    positions = torch.arange(len(prompt))[None]
+    with torch.no_grad():
+        loss = generator.chunk(ids[:, :-1], positions[:, :-1], None, labels=ids[:, 1:])
+    ours = torch.tensor(scored.prompt_scores.log_probs)
+    torch.testing.assert_close(ours, -loss[0].float(), rtol=0, atol=1e-4)
+    assert ours.std() > 0.1  # tokens differ in how expected they are
+    skipped = SamplingConfig(
+        num_tokens_to_generate=2, return_log_probs=True, skip_prompt_log_probs=True
+    )
+    decoded = generator.complete(prompt, skipped, torch.Generator())
+    assert decoded.prompt_scores is None and len(decoded.generated_scores.log_probs) == 2
 
 
 def test_top_k_and_top_p_draw_from_the_cut_only():
@@ -239,6 +295,8 @@ def test_a_bad_prompts_file_is_refused(saved, tmp_path, content: str, expected: 
         (["--top_p", "1.5", "--top_k", "0"], "--top-p must be in [0, 1]"),
         (["--temperature", "0"], "--temperature must be positive"),
         (["--num-tokens-to-generate", "0"], "--num-tokens-to-generate must be at least 1"),
+        (["--skip-prompt-log-probs"], "--skip-prompt-log-probs needs --return-log-probs"),
+        (["--top-n-logprobs", "-1"], "--top-n-logprobs must be at least 0"),
         (["--top_k", "x"], "--top-k"),
         (["--ckpt-step", "-1"], "--ckpt-step must be >= 0"),
         (["--top_k", "200000", *TEKKEN], "--top-k 200000 exceeds the vocabulary"),
@@ -253,6 +311,8 @@ def test_a_bad_prompts_file_is_refused(saved, tmp_path, content: str, expected: 
         "top-p-above-1",
         "zero-temperature",
         "no-tokens",
+        "skip-without-log-probs",
+        "negative-top-n",
         "top-k-not-a-number",
         "negative-step",
         "top-k-above-vocabulary",

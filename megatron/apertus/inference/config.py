@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import flag_help, require
+from megatron.apertus.flags import flag_help, require, switch
 
 PROMPT_FIELD = "prompt"
 """The field of a ``--prompts-file`` line that holds its prompt; the line's other fields are
@@ -40,10 +40,37 @@ class SamplingConfig:
         0.0,
     )
     seed: int = flag_help("seed of the sampling generator (unused by greedy decoding)", 1234)
+    return_log_probs: bool = switch(
+        "also write each prompt token's and each generated token's log-probability under the "
+        "model (the raw logits: before temperature and cuts); with --num-tokens-to-generate 0 "
+        "the prompts are scored only"
+    )
+    skip_prompt_log_probs: bool = switch(
+        "with --return-log-probs, the generated tokens' log-probabilities only (the prompt is "
+        "then not materialized at every position)"
+    )
+    top_n_logprobs: int = flag_help(
+        "also write the n most likely tokens and their log-probabilities at each generated "
+        "position (and each prompt position unless --skip-prompt-log-probs); 0: none",
+        0,
+    )
 
     def __post_init__(self) -> None:
         tokens = self.num_tokens_to_generate
-        require(tokens >= 1, "--num-tokens-to-generate", tokens, "at least 1")
+        if self.prompt_log_probs:
+            require(tokens >= 0, "--num-tokens-to-generate", tokens, "at least 0")
+        else:
+            require(
+                tokens >= 1,
+                "--num-tokens-to-generate",
+                tokens,
+                "at least 1 (0 scores the prompts: with --return-log-probs)",
+            )
+        require(self.top_n_logprobs >= 0, "--top-n-logprobs", self.top_n_logprobs, "at least 0")
+        if self.skip_prompt_log_probs and not self.log_probs:
+            raise ConfigError(
+                "--skip-prompt-log-probs needs --return-log-probs or --top-n-logprobs"
+            )
         require(self.temperature > 0, "--temperature", self.temperature, "positive")
         require(self.top_k >= 0, "--top-k", self.top_k, "at least 0")
         require(0.0 <= self.top_p <= 1.0, "--top-p", self.top_p, "in [0, 1]")
@@ -57,6 +84,16 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.top_k == 1
+
+    @property
+    def log_probs(self) -> bool:
+        """Whether any log-probability is written."""
+        return self.return_log_probs or self.top_n_logprobs > 0
+
+    @property
+    def prompt_log_probs(self) -> bool:
+        """Whether the prefill materializes the logits at every prompt position."""
+        return self.log_probs and not self.skip_prompt_log_probs
 
 
 @dataclass(frozen=True)

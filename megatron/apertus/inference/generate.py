@@ -24,6 +24,11 @@ token (kept in ``generated_tokens``, left out of ``generated_text``) or after
 ``--num-tokens-to-generate`` tokens; tokens are drawn among the tokenizer's ids only (not the
 padding rows of a padded vocabulary). Greedy decoding equals transformers' greedy ``generate``
 on the export, token for token (tests/inference/test_generate_text.py).
+
+Log-probabilities (``--return-log-probs``, ``--top-n-logprobs``) are megatron-core's raw ones:
+the log-softmax of the unmodified logits over every output row, the distribution the training
+loss scores, whatever the sampling's temperature and cuts; a prompt's need the prefill to
+materialize the logits at every position, which decoding does not.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from megatron.apertus.checkpoint_files import read_run_info
 from megatron.apertus.cli import atomic_outputs
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.inference.config import Prompt, SamplingConfig
-from megatron.apertus.mcore_compat import gpt_inference_wrapper
+from megatron.apertus.mcore_compat import gpt_inference_wrapper, materialize_every_position
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, checked_tokenizer
 
@@ -59,10 +64,23 @@ ran out."""
 
 
 @dataclass(frozen=True)
+class Scores:
+    """What the model gave a run of tokens: each token's log-probability and, with
+    ``--top-n-logprobs``, the most likely tokens at its position."""
+
+    log_probs: list[float]
+    top_n: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
 class Completion:
     prompt_tokens: list[int]
     generated_tokens: list[int]
     finish_reason: str
+    prompt_scores: Scores | None = None
+    """The prompt's tokens after the first (``--return-log-probs`` without
+    ``--skip-prompt-log-probs``)."""
+    generated_scores: Scores | None = None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -196,29 +214,77 @@ class TextGenerator:
         wrapper = gpt_inference_wrapper(self.chunk, tokens.shape[1])
         wrapper.prep_model_for_inference()
         inputs = wrapper.prep_inference_input(tokens)
-        start, end, generated = 0, len(prompt), []
-        while len(generated) < budget:
-            window = wrapper.get_batch_for_context_window(inputs, start, end)
-            logits = wrapper.run_one_forward_step(window)
-            wrapper.inference_context.enable_decode_mode()
-            token = next_token(logits[0, -1, : self.tokenizer.vocab_size], sampling, generator)
+        materialize_every_position(wrapper.inference_context, sampling.prompt_log_probs)
+        logits = self._forward(wrapper, inputs, 0, len(prompt))
+        materialize_every_position(wrapper.inference_context, False)
+        prompt_scores = None
+        if sampling.prompt_log_probs:
+            prompt_scores = self.scores(logits[:-1], prompt[1:], sampling)
+        end, generated, rows, finish = len(prompt), [], [], LENGTH
+        for step in range(budget):
+            if step:  # decode: the last token in, its successor's logits out
+                tokens[0, end] = generated[-1]
+                logits = self._forward(wrapper, inputs, end, end + 1)
+                end += 1
+            token = next_token(logits[-1, : self.tokenizer.vocab_size], sampling, generator)
             generated.append(token)
+            rows.append(logits[-1])
             if token == self.tokenizer.eod:
-                return Completion(prompt, generated, EOS)
-            tokens[0, end] = token
-            start, end = end, end + 1
-        return Completion(prompt, generated, LENGTH)
+                finish = EOS
+                break
+        generated_scores = None
+        if sampling.log_probs:
+            generated_scores = (
+                self.scores(torch.stack(rows), generated, sampling) if rows else Scores([], [])
+            )
+        return Completion(prompt, generated, finish, prompt_scores, generated_scores)
 
-    def output_line(self, prompt: Prompt, completion: Completion) -> dict:
-        """The prompt's fields and what was generated for it."""
+    @staticmethod
+    def _forward(wrapper, inputs: dict, start: int, end: int) -> torch.Tensor:
+        """The logits [positions, padded vocabulary] of positions ``start:end`` (all of them, or
+        the last only, as the context materializes), the KV cache filled for them."""
+        window = wrapper.get_batch_for_context_window(inputs, start, end)
+        logits = wrapper.run_one_forward_step(window)
+        wrapper.inference_context.enable_decode_mode()
+        return logits[0]
+
+    def scores(self, logits: torch.Tensor, targets: list[int], sampling: SamplingConfig) -> Scores:
+        """Each target's log-probability under its row of ``logits`` [n, padded vocabulary]:
+        the softmax over every row of the output layer, as the training loss (and
+        megatron-core's raw log-probabilities) normalize; the top-n among the tokenizer's ids,
+        keyed by their text as megatron-core's are."""
+        log_probs = logits.float().log_softmax(-1)
+        targets_tensor = torch.tensor(targets, dtype=torch.long, device=log_probs.device)[:, None]
+        chosen = log_probs.gather(1, targets_tensor).squeeze(1).tolist()
+        top_n = []
+        if sampling.top_n_logprobs:
+            best = log_probs[:, : self.tokenizer.vocab_size].topk(sampling.top_n_logprobs, dim=-1)
+            for values, ids in zip(best.values.tolist(), best.indices.tolist()):
+                top_n.append({self.tokenizer.decode([i]): v for i, v in zip(ids, values)})
+        return Scores(chosen if sampling.return_log_probs else [], top_n)
+
+    def output_line(self, prompt: Prompt, completion: Completion, sampling: SamplingConfig) -> dict:
+        """The prompt's fields, what was generated for it and, as asked, the log-probabilities
+        under megatron-core's field names."""
         text_ids = [t for t in completion.generated_tokens if t != self.tokenizer.eod]
-        return {
+        line = {
             **prompt.fields,
             "generated_text": self.tokenizer.decode(text_ids),
             "prompt_tokens": completion.prompt_tokens,
             "generated_tokens": completion.generated_tokens,
             "finish_reason": completion.finish_reason,
         }
+        for part, scores in (
+            ("prompt", completion.prompt_scores),
+            ("generated", completion.generated_scores),
+        ):
+            if scores is None:
+                continue
+            if sampling.return_log_probs:
+                line[f"{part}_log_probs"] = scores.log_probs
+            if sampling.top_n_logprobs:
+                line[f"{part}_top_n_logprobs"] = scores.top_n
+        return line
 
 
 def check_lengths(cfg: GenerateConfig, prompts: list[list[int]]) -> None:
@@ -243,7 +309,8 @@ def _write_lines(
     draws = torch.Generator().manual_seed(cfg.sampling.seed)
     for prompt, ids in zip(cfg.prompts, prompts):
         completion = generator.complete(ids, cfg.sampling, draws)
-        out.write(json.dumps(generator.output_line(prompt, completion), ensure_ascii=False) + "\n")
+        line = generator.output_line(prompt, completion, cfg.sampling)
+        out.write(json.dumps(line, ensure_ascii=False) + "\n")
         out.flush()
 
 
