@@ -26,9 +26,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from megatron.apertus.cli import ArgumentParser, check_output, run
-from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import ADDITION_MARK, add_arguments, from_arguments
-from megatron.apertus.inference.config import SamplingConfig, from_flags, read_prompts_file
+from megatron.apertus.inference.config import (
+    SamplingConfig,
+    add_checkpoint_arguments,
+    check_checkpoint_arguments,
+    from_flags,
+    read_prompts_file,
+)
 
 if TYPE_CHECKING:
     from megatron.apertus.inference.generate import GenerateConfig
@@ -38,12 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--load", required=True, help="save directory (follows its tracker) or iter_* directory"
-    )
-    parser.add_argument(
-        "--ckpt-step", type=int, help="the iteration of --load to load (default: the latest)"
-    )
+    add_checkpoint_arguments(parser)
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)" + ADDITION_MARK)
     prompts.add_argument("--prompts", nargs="+", help="prompts, each one argument")
@@ -54,42 +54,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--output", help="JSONL file to write (default: standard output)" + ADDITION_MARK
     )
-    parser.add_argument(
-        "--tokenizer-type", help="default: the one the checkpoint's training run recorded"
-    )
-    parser.add_argument(
-        "--tokenizer-model", help="default: the one the checkpoint's training run recorded"
-    )
-    parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto, cpu or cuda" + ADDITION_MARK,
-    )
     add_arguments(parser, SamplingConfig, title="sampling")
     return parser.parse_args(argv)
 
 
 def config(args: argparse.Namespace) -> GenerateConfig:
     """The generation config of the flags; every refusal comes before the model is built."""
-    if args.ckpt_step is not None and args.ckpt_step < 0:
-        raise ConfigError(f"--ckpt-step must be >= 0, got {args.ckpt_step}")
+    check_checkpoint_arguments(args)
     sampling = from_arguments(SamplingConfig, args)
     given = args.prompt or args.prompts
     prompts = from_flags(given) if given else read_prompts_file(args.prompts_file)
     if args.output is not None:
         check_output("--output", args.output, directory=False)
-    from megatron.apertus.inference.generate import generation_config  # torch: after the flags
+    from megatron.apertus.inference.generate import GenerateConfig, model_source  # torch: late
 
-    return generation_config(
+    source = model_source(
         args.load,
         args.ckpt_step,
         tokenizer=(args.tokenizer_type, args.tokenizer_model),
         device=args.device,
-        sampling=sampling,
-        prompts=prompts,
-        output=args.output,
     )
+    return GenerateConfig(source=source, sampling=sampling, prompts=prompts, output=args.output)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,8 +11,17 @@ and exit status 2.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -33,6 +42,7 @@ from tests.conftest import REPO, run_entry, run_script
 HELPER = REPO / "tests" / "hf_interop_helper.py"
 EXPORT = REPO / "tools" / "checkpoint" / "export_hf.py"
 TOOL = REPO / "tools" / "generate_text.py"
+SERVER = REPO / "tools" / "run_text_generation_server.py"
 SEED = 1234
 TOKENS = 12
 TEKKEN = ("--tokenizer-type", "TekkenTokenizer")
@@ -124,7 +134,15 @@ def test_tp2_checkpoint_generates_as_tp1(saved, greedy_tp1, tmp_path):
     assert generate_lines(saved.tp2, saved.prompts_file, tmp_path / "out.jsonl") == greedy_tp1
 
 
-def test_log_probs_equal_transformers_on_the_export(saved, greedy_tp1, tmp_path):
+@pytest.fixture(scope="module")
+def scored_tp1(saved, tmp_path_factory) -> list[dict]:
+    """The greedy lines with every log-probability and the top 3 at each position."""
+    out = tmp_path_factory.mktemp("scored") / "out.jsonl"
+    flags = ("--return-log-probs", "--top-n-logprobs", "3")
+    return generate_lines(saved.tp1, saved.prompts_file, out, *flags)
+
+
+def test_log_probs_equal_transformers_on_the_export(saved, greedy_tp1, scored_tp1):
     """``--return-log-probs``: each prompt token's (after ``<s>``) and each generated token's
     log-probability equals the log-softmax of transformers' logits on the export over the
     whole sequence; ``--top-n-logprobs``: the greedy token heads its position's top-n; asking
@@ -132,8 +150,7 @@ def test_log_probs_equal_transformers_on_the_export(saved, greedy_tp1, tmp_path)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(saved.hf_dir), dtype=torch.float32).eval()
-    flags = ("--return-log-probs", "--top-n-logprobs", "3")
-    lines = generate_lines(saved.tp1, saved.prompts_file, tmp_path / "out.jsonl", *flags)
+    lines = scored_tp1
     tokenizer = load_tokenizer()
     for line, plain in zip(lines, greedy_tp1):
         assert line["generated_tokens"] == plain["generated_tokens"]
@@ -155,6 +172,167 @@ def test_log_probs_equal_transformers_on_the_export(saved, greedy_tp1, tmp_path)
             assert max(top, key=top.get) == tokenizer.decode([token])
     # The prompts steer the model: its log-probabilities are not one repeated profile.
     assert len({round(line["prompt_log_probs"][-1], 4) for line in lines}) == 3
+
+
+# -- the completions server --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    process: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def server(saved) -> Iterator[Server]:
+    """``tools/run_text_generation_server.py`` on the TP=1 checkpoint, on a port the system
+    chose (read from its start line); stopped by SIGTERM at the end, which it must take quietly."""
+    rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    cmd = [sys.executable, str(SERVER), "--load", str(saved.tp1), *TEKKEN, "--port", "0"]
+    process = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in process.stderr:  # until the model is loaded and the port bound
+        lines.append(line)
+        if line.startswith("serving "):
+            break
+    else:
+        pytest.fail("the server ended before serving:\n" + "".join(lines[-30:]))
+    drained = threading.Thread(target=lines.extend, args=(process.stderr,), daemon=True)
+    drained.start()
+    yield Server(line.split(" at ")[1].strip(), process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    drained.join(timeout=10)
+    assert not any("Traceback" in line for line in lines), "".join(lines[-30:])
+
+
+def post(server: Server, payload: dict | bytes, path: str = "") -> tuple[int, dict]:
+    """The status and JSON answer of a POST of ``payload`` (JSON unless bytes)."""
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    url = server.url if not path else server.url.rsplit("/v1/", 1)[0] + path
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.load(refused)
+
+
+def test_server_completes_greedily_as_the_tool(server, scored_tp1):
+    """Temperature 0 is greedy: each choice's text and log-probabilities are the tool's."""
+    status, answer = post(
+        server, {"prompt": prose(), "max_tokens": TOKENS, "temperature": 0, "logprobs": 0}
+    )
+    assert status == 200 and answer["object"] == "text_completion"
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    for choice, line in zip(answer["choices"], scored_tp1):
+        assert choice["text"] == line["generated_text"]
+        text_tokens = [t for t in line["generated_tokens"] if t != load_tokenizer().eod]
+        logprobs = choice["logprobs"]
+        expected = line["generated_log_probs"][: len(text_tokens)]
+        # The tool materialized every prompt position: other GEMM shapes, other round-off.
+        assert logprobs["token_logprobs"] == pytest.approx(expected, abs=1e-5)
+        assert "".join(logprobs["tokens"]) == choice["text"]
+        assert logprobs["top_logprobs"] is None  # logprobs 0: the chosen tokens' only
+    prompt_tokens = sum(len(line["prompt_tokens"]) for line in scored_tp1)
+    assert answer["usage"]["prompt_tokens"] == prompt_tokens
+
+
+def test_echo_scores_a_prompt_as_the_evaluation_harness_asks(server, scored_tp1):
+    """lm-evaluation-harness's log-likelihood request (echo, one token, logprobs 1): a text
+    prompt's tokens come back without the ``<s>`` the server put first, with the tool's
+    log-probabilities; the same prompt as token ids (``<s>`` included) has no score for its
+    first token."""
+    text, line = prose()[2], scored_tp1[2]
+    request = {"max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    status, answer = post(server, {"prompt": text, **request})
+    assert status == 200
+    choice = answer["choices"][0]
+    assert choice["text"] == text + line["generated_text"][: len(choice["text"]) - len(text)]
+    scores = choice["logprobs"]
+    shown = len(line["prompt_tokens"]) - 1
+    assert scores["token_logprobs"][:shown] == pytest.approx(line["prompt_log_probs"], abs=1e-5)
+    best = [list(top.items())[0] for top in line["prompt_top_n_logprobs"]]
+    assert [list(top) for top in scores["top_logprobs"][:shown]] == [[t] for t, _ in best]
+    starts = scores["text_offset"][:shown]
+    assert [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])] == scores["tokens"][:shown]
+    status, by_ids = post(server, {"prompt": [line["prompt_tokens"]], **request})
+    assert status == 200
+    first, *rest = by_ids["choices"][0]["logprobs"]["token_logprobs"][: shown + 1]
+    assert first is None and rest == pytest.approx(line["prompt_log_probs"], abs=1e-5)
+
+
+def test_a_stop_string_ends_the_text(server, greedy_tp1):
+    full = greedy_tp1[0]["generated_text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    request = {"prompt": prose()[0], "max_tokens": TOKENS, "temperature": 0, "logprobs": 0}
+    status, answer = post(server, {**request, "stop": [stop, "never in it"]})
+    choice = answer["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "stop"
+    assert choice["text"] == full[: full.find(stop)] and stop not in choice["text"]
+    assert "".join(choice["logprobs"]["tokens"]).startswith(choice["text"])
+
+
+def test_a_sampled_request_repeats_by_seed(server):
+    request = {"prompt": prose()[1], "max_tokens": TOKENS, "temperature": 1, "top_k": 0}
+    texts = [post(server, {**request, "seed": seed})[1]["choices"][0]["text"] for seed in (5, 5, 6)]
+    assert texts[0] == texts[1] != texts[2]
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (b"{nope", "the request body is not JSON"),
+        ({"max_tokens": 3}, "'prompt' is required"),
+        ({"prompt": 3}, "'prompt' must be a string"),
+        ({"prompt": "x", "n": 2}, "'n' above 1 is not supported"),
+        ({"prompt": "x", "temperature": -1}, "'temperature' must be at least 0"),
+        ({"prompt": "x", "top_p": 0}, "'top_p' must be in (0, 1]"),
+        ({"prompt": "x", "top_k": 5, "top_p": 0.5}, "'top_k' 5 and 'top_p' 0.5"),
+        ({"prompt": "x", "logprobs": 50}, "'logprobs' must be in [0, 20]"),
+        ({"prompt": "x", "max_tokens": 0}, "'max_tokens' must be at least 1 (0 with 'echo')"),
+        ({"prompt": "x", "max_tokens": 10**6}, "max_tokens 1000000 exceed the model's"),
+        ({"prompt": [[1, 10**7]]}, "token id 10000000 is outside the vocabulary"),
+        ({"prompt": "x", "echo": "yes"}, "'echo' must be a bool"),
+        ({"prompt": "x", "stop": [3]}, "'stop' must be a string or a list of strings"),
+    ],
+    ids=[
+        "not-json",
+        "no-prompt",
+        "prompt-not-text",
+        "n",
+        "temperature",
+        "top-p",
+        "top-k-and-top-p",
+        "logprobs",
+        "no-tokens",
+        "too-long",
+        "id-outside-vocabulary",
+        "echo-not-bool",
+        "stop-not-text",
+    ],
+)
+def test_a_bad_request_is_answered_400(server, body, expected: str):
+    status, answer = post(server, body)
+    assert status == 400 and expected in answer["error"]["message"]
+
+
+def test_an_unknown_endpoint_is_answered_404(server):
+    status, answer = post(server, {"prompt": "x"}, path="/v1/chat/completions")
+    assert status == 404 and "/v1/completions" in answer["error"]["message"]
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(saved):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refused_by(SERVER, "--load", str(saved.tp1), *TEKKEN, "--port", str(port))
+    assert f"--port {port}: cannot listen" in line
+    assert "--port must be in [0, 65535]" in refused_by(
+        SERVER, "--load", str(saved.tp1), "--port", "70000"
+    )
 
 
 # -- sampling, in-process on the loaded model -------------------------------------------------
@@ -252,7 +430,12 @@ def test_top_k_and_top_p_draw_from_the_cut_only():
 
 def refused(*args: str) -> str:
     """The one error line of the tool run with ``args``, which must exit 2 without a traceback."""
-    proc = run_script(TOOL, list(args), timeout=300)
+    return refused_by(TOOL, *args)
+
+
+def refused_by(script: Path, *args: str) -> str:
+    """The one error line of ``script`` run with ``args``: exit 2, no traceback."""
+    proc = run_script(script, list(args), timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if ": error: " in line]

@@ -11,12 +11,13 @@ most likely tokens (``--top-k`` > 1) or to the smallest set whose probability re
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import flag_help, require, switch
+from megatron.apertus.flags import ADDITION_MARK, flag_help, require, switch
 
 PROMPT_FIELD = "prompt"
 """The field of a ``--prompts-file`` line that holds its prompt; the line's other fields are
@@ -94,6 +95,33 @@ class SamplingConfig:
     def prompt_log_probs(self) -> bool:
         """Whether the prefill materializes the logits at every prompt position."""
         return self.log_probs and not self.skip_prompt_log_probs
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say which checkpoint to load, with which tokenizer, on which device."""
+    parser.add_argument(
+        "--load", required=True, help="save directory (follows its tracker) or iter_* directory"
+    )
+    parser.add_argument(
+        "--ckpt-step", type=int, help="the iteration of --load to load (default: the latest)"
+    )
+    parser.add_argument(
+        "--tokenizer-type", help="default: the one the checkpoint's training run recorded"
+    )
+    parser.add_argument(
+        "--tokenizer-model", help="default: the one the checkpoint's training run recorded"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto, cpu or cuda" + ADDITION_MARK,
+    )
+
+
+def check_checkpoint_arguments(args: argparse.Namespace) -> None:
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ConfigError(f"--ckpt-step must be >= 0, got {args.ckpt_step}")
 
 
 @dataclass(frozen=True)

@@ -84,31 +84,31 @@ class Completion:
 
 
 @dataclass(kw_only=True, frozen=True)
-class GenerateConfig:
+class ModelSource:
+    """A checkpoint to generate from, and how."""
+
     checkpoint: Path
     """The resolved ``iter_*`` directory."""
     model: ApertusConfig
     tokenizer: Tokenizer
-    sampling: SamplingConfig
-    prompts: list[Prompt]
-    output: str | None
-    """The JSONL file to write (None: standard output)."""
     device: str
     """``cpu`` or ``cuda``."""
 
 
-def generation_config(
-    load: str,
-    ckpt_step: int | None,
-    *,
-    tokenizer: tuple[str | None, str | None],
-    device: str,
-    sampling: SamplingConfig,
-    prompts: list[Prompt],
-    output: str | None,
-) -> GenerateConfig:
-    """The config of ``--load`` (``--ckpt-step``: that iteration of it); the tokenizer
-    (type, model) given, else the one the checkpoint's training run recorded."""
+@dataclass(kw_only=True, frozen=True)
+class GenerateConfig:
+    source: ModelSource
+    sampling: SamplingConfig
+    prompts: list[Prompt]
+    output: str | None
+    """The JSONL file to write (None: standard output)."""
+
+
+def model_source(
+    load: str, ckpt_step: int | None, *, tokenizer: tuple[str | None, str | None], device: str
+) -> ModelSource:
+    """``--load`` (``--ckpt-step``: that iteration of it) with the tokenizer (type, model)
+    given, else the one the checkpoint's training run recorded."""
     try:
         if ckpt_step is None:
             found = resolve_checkpoint(load)
@@ -121,14 +121,8 @@ def generation_config(
         device = parallel.resolve_device(device)
     except RuntimeError as err:
         raise ConfigError(str(err)) from None
-    return GenerateConfig(
-        checkpoint=found,
-        model=model,
-        tokenizer=_tokenizer(found, model, *tokenizer),
-        sampling=sampling,
-        prompts=prompts,
-        output=output,
-        device=device,
+    return ModelSource(
+        checkpoint=found, model=model, tokenizer=_tokenizer(found, model, *tokenizer), device=device
     )
 
 
@@ -287,19 +281,20 @@ class TextGenerator:
         return line
 
 
-def check_lengths(cfg: GenerateConfig, prompts: list[list[int]]) -> None:
-    """Refuse, before the model loads, a prompt that with the token budget exceeds the
-    positions the model was built for."""
-    limit, budget = cfg.model.max_position_embeddings, cfg.sampling.num_tokens_to_generate
-    for prompt, ids in zip(cfg.prompts, prompts):
-        if len(ids) + budget > limit:
-            raise ConfigError(
-                f"{prompt.source}: {len(ids)} prompt tokens + --num-tokens-to-generate {budget} "
-                f"exceed the model's --max-position-embeddings {limit}"
-            )
-    if cfg.sampling.top_k > cfg.tokenizer.vocab_size:
+def check_request(
+    source: ModelSource, sampling: SamplingConfig, prompt: list[int], where: str
+) -> None:
+    """Refuse a prompt (token ids, given at ``where``) that with the token budget exceeds the
+    positions the model was built for, or a top-k above the vocabulary."""
+    limit, budget = source.model.max_position_embeddings, sampling.num_tokens_to_generate
+    if len(prompt) + budget > limit:
         raise ConfigError(
-            f"--top-k {cfg.sampling.top_k} exceeds the vocabulary ({cfg.tokenizer.vocab_size})"
+            f"{where}: {len(prompt)} prompt tokens + --num-tokens-to-generate {budget} "
+            f"exceed the model's --max-position-embeddings {limit}"
+        )
+    if sampling.top_k > source.tokenizer.vocab_size:
+        raise ConfigError(
+            f"--top-k {sampling.top_k} exceeds the vocabulary ({source.tokenizer.vocab_size})"
         )
 
 
@@ -317,10 +312,12 @@ def _write_lines(
 def generate(cfg: GenerateConfig) -> None:
     """Write one JSON line per prompt, in order, to ``cfg.output`` (under a temporary name until
     every prompt is done) or to standard output as each is done."""
-    prompts = [prompt_tokens(cfg.tokenizer, p.text) for p in cfg.prompts]
-    check_lengths(cfg, prompts)
-    with loaded_model(cfg.checkpoint, cfg.model, cfg.device) as chunk:
-        generator = TextGenerator(chunk, cfg.model, cfg.tokenizer)
+    source = cfg.source
+    prompts = [prompt_tokens(source.tokenizer, p.text) for p in cfg.prompts]
+    for prompt, ids in zip(cfg.prompts, prompts):  # before the model loads
+        check_request(source, cfg.sampling, ids, prompt.source)
+    with loaded_model(source.checkpoint, source.model, source.device) as chunk:
+        generator = TextGenerator(chunk, source.model, source.tokenizer)
         if cfg.output is None:
             _write_lines(generator, cfg, prompts, sys.stdout)
             return
