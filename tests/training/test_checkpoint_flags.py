@@ -1,6 +1,6 @@
 """Megatron-LM's checkpoint and evaluation flags: --ckpt-step, --no-save-optim, --no-save-rng,
---exit-on-missing-checkpoint and --skip-train; each checked by its effect on one saved tiny run
-(4 steps, checkpoints and validation at 2 and 4)."""
+--exit-on-missing-checkpoint, --skip-train and --pretrained-checkpoint; each checked by its effect
+on one saved tiny run (4 steps, checkpoints and validation at 2 and 4)."""
 
 from __future__ import annotations
 
@@ -146,6 +146,60 @@ def test_ckpt_step_needs_load():
     with pytest.raises(ConfigError, match="--ckpt-step picks an iteration of the --load directory"):
         CheckpointConfig(ckpt_step=2)
     assert CheckpointConfig(load="ckpt", ckpt_step=2).ckpt_step == 2
+    assert CheckpointConfig(pretrained_checkpoint="base", ckpt_step=2).ckpt_step == 2
+
+
+def _weights(tiny_cpu, directory) -> dict:
+    chunk = tiny_cpu.build(load=directory)
+    return {
+        name: tensor.clone() for name, tensor in chunk.state_dict().items() if "extra" not in name
+    }
+
+
+def test_pretrained_checkpoint_starts_from_its_weights_and_a_restart_from_its_own(saved, tiny_cpu):
+    """Megatron-LM's continued-pretraining job: --load and --save name the run's own empty
+    directory, --pretrained-checkpoint the base model. The first start takes the base model's
+    weights only (iteration 0: the schedule, data and optimizer start fresh, as with --load BASE
+    --finetune); the same command started again resumes from its own --save, not from the base."""
+    root, full = saved
+    base, own = root / "full", root / "continued"
+    flags = BASE + f"--pretrained-checkpoint {base} --load {own} --save {own}".split()
+    flags += f"--exit-interval 2 --log-json {root / 'continued.json'}".split()
+    first = run_entry(PRETRAIN, flags)
+    assert (
+        f"--pretrained-checkpoint: weights loaded from {base / 'iter_0000004'}; iteration, "
+        "consumed samples, optimizer, learning-rate schedule and RNG states start fresh"
+    ) in first.stdout
+    assert "iteration        1/       4" in first.stdout
+    assert "iteration        3/       4" not in first.stdout, "--exit-interval 2 stops it at 2"
+    requeued = run_entry(PRETRAIN, flags)
+    assert f"resumed from {own / 'iter_0000002'} at iteration 2, 8 samples consumed" in (
+        requeued.stdout
+    )
+    assert "--pretrained-checkpoint: weights loaded" not in requeued.stdout
+    assert "iteration        3/       4" in requeued.stdout
+    # The base model's weights, as --load BASE --finetune takes them: the same trajectory.
+    reference = root / "finetuned.json"
+    run_entry(PRETRAIN, BASE + f"--load {base} --finetune --log-json {reference}".split())
+    continued = series(read_json(root / "continued.json"), "train/loss")
+    assert continued == series(read_json(reference), "train/loss"), "bitwise equal"
+    assert continued[1][0] != series(full, "train/loss")[1][0], "not the base run's own losses"
+    # Its weights at the start are the base checkpoint's, tensor for tensor (a run of 0 steps
+    # saves them).
+    start = root / "start"
+    flags = BASE + f"--pretrained-checkpoint {base} --save {start} --train-iters 0".split()
+    run_entry(PRETRAIN, flags)
+    started, expected = _weights(tiny_cpu, start), _weights(tiny_cpu, base)
+    assert started.keys() == expected.keys()
+    assert all(started[name].equal(expected[name]) for name in expected)
+
+
+def test_pretrained_checkpoint_without_a_checkpoint_is_refused(tmp_path):
+    base, own = tmp_path / "base", tmp_path / "own"
+    line = refused(["--pretrained-checkpoint", str(base), "--load", str(own)], base=BASE)
+    assert (
+        line == f"--pretrained-checkpoint {base} holds no checkpoint (and --load {own} none either)"
+    )
 
 
 def test_fp8_guard_that_goes_back_needs_whole_checkpoints():

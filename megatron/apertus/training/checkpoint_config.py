@@ -68,6 +68,13 @@ class CheckpointConfig:
         "load only the weights from --load: the iteration, consumed samples, optimizer, "
         "learning-rate schedule and RNG states start fresh"
     )
+    pretrained_checkpoint: Optional[str] = flag_help(
+        "checkpoint (save directory or iter_* directory) to start from while --load holds none: "
+        "its weights only, as --finetune loads them; once this run has saved into --load, a "
+        "restart resumes from there instead (continued pretraining or fine-tuning from a base "
+        "model, restartable with one command)",
+        None,
+    )
     no_load_optim: bool = switch(
         "load the weights, iteration and consumed samples from --load, not the optimizer state; "
         "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
@@ -107,8 +114,11 @@ class CheckpointConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.ckpt_step is not None and not self.load:
-            raise ConfigError("--ckpt-step picks an iteration of the --load directory: give --load")
+        if self.ckpt_step is not None and not (self.load or self.pretrained_checkpoint):
+            raise ConfigError(
+                "--ckpt-step picks an iteration of the --load directory: give --load (or "
+                "--pretrained-checkpoint)"
+            )
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ConfigError(f"--ckpt-step must be >= 0, got {self.ckpt_step}")
         self._check_retention()
@@ -172,10 +182,40 @@ class CheckpointConfig:
             if on
         ]
 
+    def loaded(self) -> "CheckpointConfig":
+        """The flags the run loads with (Megatron-LM's rule): --load's own while it holds a
+        checkpoint (persistent or, under --non-persistent-ckpt-type global, non-persistent);
+        otherwise, given --pretrained-checkpoint, that checkpoint taken as --finetune takes it
+        (refused when it holds none: the run would train a random model)."""
+        if self.pretrained_checkpoint is None or holds_checkpoint(
+            self.load, self.non_persistent_load_dir()
+        ):
+            return self
+        pretrained = self.pretrained_checkpoint
+        if not holds_checkpoint(pretrained):
+            neither = f" (and --load {self.load} none either)" if self.load else ""
+            raise ConfigError(f"--pretrained-checkpoint {pretrained} holds no checkpoint{neither}")
+        return dataclasses.replace(
+            self, load=pretrained, finetune=True, non_persistent_ckpt_type=None
+        )
+
+    def from_pretrained(self) -> bool:
+        """Whether these flags load --pretrained-checkpoint (see :meth:`loaded`)."""
+        return self.finetune and self.load is not None and self.load == self.pretrained_checkpoint
+
     def continuing(self) -> "CheckpointConfig":
         """These flags for a load that continues the run itself (the FP8 guard going back to one
         of its checkpoints): everything restored, whatever the first --load took."""
         return dataclasses.replace(self, finetune=False, no_load_optim=False, no_load_rng=False)
+
+
+def holds_checkpoint(directory: str | None, non_persistent: Path | None = None) -> bool:
+    """Whether ``directory`` (or its ``non_persistent`` directory) holds a checkpoint."""
+    from megatron.apertus import checkpoint
+
+    return bool(directory) and any(
+        checkpoint.find_checkpoint(d) is not None for d in (directory, non_persistent) if d
+    )
 
 
 def named_checkpoint(
@@ -201,7 +241,8 @@ def named_checkpoint(
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
-    """``--use-checkpoint-args``: fill ``args`` from the --load checkpoint as Megatron-LM's
+    """``--use-checkpoint-args``: fill ``args`` from the checkpoint the run loads (--load's,
+    else --pretrained-checkpoint's) as Megatron-LM's
     ``load_args_from_checkpoint`` does: every model flag left unset from ``apertus_model.json``,
     the tokenizer type (it has a default, which Megatron-LM overwrites too) and, unless given,
     the tokenizer model (a NullTokenizer's end-of-document and padding ids) from
@@ -209,16 +250,23 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     is off."""
     if not args.use_checkpoint_args:
         return None
-    if not args.load:
-        raise ConfigError("--use-checkpoint-args reads the checkpoint --load names: give --load")
+    if not (args.load or args.pretrained_checkpoint):
+        raise ConfigError(
+            "--use-checkpoint-args reads the checkpoint --load (or --pretrained-checkpoint) "
+            "names: give one"
+        )
     from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.checkpoint_files import read_run_info
 
-    kind, directory = args.non_persistent_ckpt_type, args.non_persistent_global_ckpt_dir
-    frequent = non_persistent_dir(args.load, directory) if kind == "global" else None
-    found = named_checkpoint(args.load, args.ckpt_step, frequent)
+    load, kind = args.load, args.non_persistent_ckpt_type
+    frequent = None
+    if load and kind == "global":
+        frequent = non_persistent_dir(load, args.non_persistent_global_ckpt_dir)
+    if args.pretrained_checkpoint and not holds_checkpoint(load, frequent):
+        load, frequent = args.pretrained_checkpoint, None  # the checkpoint the run starts from
+    found = named_checkpoint(load, args.ckpt_step, frequent)
     if found is None:
-        return f"--use-checkpoint-args: no checkpoint at {args.load}, using the command line"
+        return f"--use-checkpoint-args: no checkpoint at {load}, using the command line"
     taken = []
     for name, value in dataclasses.asdict(load_model_config(found)).items():
         if getattr(args, name, None) is None:

@@ -222,8 +222,9 @@ def resume(
 
 def _describe_resume(config: CheckpointConfig, found: Path, state: TrainingState) -> str:
     if config.finetune:
+        flag = "--pretrained-checkpoint" if config.from_pretrained() else "--finetune"
         return (
-            f"--finetune: weights loaded from {found}; iteration, consumed samples, "
+            f"{flag}: weights loaded from {found}; iteration, consumed samples, "
             "optimizer, learning-rate schedule and RNG states start fresh"
         )
     line = (
