@@ -96,6 +96,50 @@ def test_skip_train_validates_once_as_the_training_run_did(saved, step, caplog):
     assert not list(eval_save.glob("iter_*")) and not (eval_save / checkpoint.TRACKER).exists()
 
 
+def test_override_ckpt_iteration_goes_on_from_that_iterations_data(saved, tmp_path):
+    """The checkpoint of iteration 4 (--train-iters 4: finished) taken as iteration 2: steps 3
+    and 4 run again, on their samples, from the later weights; the run ends at 16 samples."""
+    root, full = saved
+    log, save = tmp_path / "again.json", tmp_path / "again"
+    flags = f"--load {root / 'full'} --override-ckpt-iteration 2 --save {save} --log-json {log}"
+    proc = run_entry(PRETRAIN, BASE + flags.split())
+    assert (
+        f"resumed from {root / 'full' / 'iter_0000004'} at iteration 2, 8 samples consumed; "
+        "--override-ckpt-iteration 2"
+    ) in proc.stdout
+    assert "iteration        3/       4" in proc.stdout
+    again = series(read_json(log), "train/loss")
+    assert again[0][-2:] == [3, 4]
+    assert again[1][-2:] != series(full, "train/loss")[1][-2:], "the weights of iteration 4"
+    info = read_run_info(checkpoint.find_checkpoint(save))
+    assert (info["iteration"], info["consumed_samples"]) == (4, 16)
+
+
+def test_override_ckpt_iteration_needs_the_checkpoints_global_batch(saved):
+    root, _ = saved
+    flags = ["--load", str(root / "full"), "--override-ckpt-iteration", "2"]
+    line = refused(flags + ["--global-batch-size", "8"], base=BASE)
+    assert line == (
+        f"--override-ckpt-iteration 2: {root / 'full' / 'iter_0000004'} was saved with "
+        "--global-batch-size 4, this run's is 8: its iteration x 8 samples is not where that "
+        "iteration's data starts"
+    )
+    assert refused(flags + ["--finetune"], base=BASE) == (
+        "--override-ckpt-iteration and --finetune exclude each other: --finetune starts at "
+        "iteration 0"
+    )
+
+
+def test_start_eval_at_iter_skips_the_validations_before_it(saved, tmp_path):
+    """--eval-interval 2 validates at 0, 2 and 4; from iteration 3 on, at 4 only, the same
+    loss."""
+    _, full = saved
+    log = tmp_path / "late.json"
+    run_entry(PRETRAIN, BASE + f"--start-eval-at-iter 3 --log-json {log}".split())
+    assert [it for it, _ in full["valid/loss"]] == [0, 2, 4]
+    assert read_json(log)["valid/loss"] == [full["valid/loss"][-1]]
+
+
 @pytest.fixture(scope="module")
 def lean(saved):
     """A checkpoint at iteration 2 saved with --no-save-optim --no-save-rng."""

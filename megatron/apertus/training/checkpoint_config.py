@@ -80,6 +80,12 @@ class CheckpointConfig:
         "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
     )
     no_load_rng: bool = switch("keep this run's seeded RNG states instead of the checkpoint's")
+    override_ckpt_iteration: Optional[int] = flag_help(
+        "resume as if the checkpoint were of this iteration: the data goes on after its "
+        "iteration x --global-batch-size samples (the global batch must be the checkpoint's); "
+        "weights, optimizer and learning-rate schedule are the checkpoint's",
+        None,
+    )
     ckpt_step: Optional[int] = flag_help(
         "load the checkpoint of this iteration from the --load save directory instead of the "
         "latest one its tracker names",
@@ -121,6 +127,13 @@ class CheckpointConfig:
             )
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ConfigError(f"--ckpt-step must be >= 0, got {self.ckpt_step}")
+        override = self.override_ckpt_iteration
+        require(override is None or override >= 0, "--override-ckpt-iteration", override, ">= 0")
+        if override is not None and self.finetune:
+            raise ConfigError(
+                "--override-ckpt-iteration and --finetune exclude each other: --finetune starts "
+                "at iteration 0"
+            )
         self._check_retention()
         self._check_non_persistent()
 
@@ -196,7 +209,11 @@ class CheckpointConfig:
             neither = f" (and --load {self.load} none either)" if self.load else ""
             raise ConfigError(f"--pretrained-checkpoint {pretrained} holds no checkpoint{neither}")
         return dataclasses.replace(
-            self, load=pretrained, finetune=True, non_persistent_ckpt_type=None
+            self,
+            load=pretrained,
+            finetune=True,
+            non_persistent_ckpt_type=None,
+            override_ckpt_iteration=None,  # Megatron-LM's --finetune starts at 0 all the same
         )
 
     def from_pretrained(self) -> bool:

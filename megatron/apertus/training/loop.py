@@ -152,6 +152,7 @@ class Trainer:
             self.scheduler,
             model_config=self.cfg.model,
             optimizer_settings=self.cfg.optimizer,
+            global_batch_size=self.cfg.training.global_batch_size,
         )
 
     def _start_components(self) -> None:

@@ -57,6 +57,11 @@ class TrainingConfig:
     )
     log_interval: int = flag_help("iterations between log lines", 10)
     eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
+    start_eval_at_iter: Optional[int] = flag_help(
+        "--eval-interval validates only from this iteration on (the pass at the end of "
+        "training still runs)",
+        None,
+    )
     eval_iters: int = flag_help("validation batches per validation pass", 4)
     eval_micro_batch_size: Optional[int] = flag_help(
         "samples per validation micro-batch on each data-parallel rank (default: "
@@ -232,6 +237,7 @@ class TrainingConfig:
         for flag, value in (
             ("--train-iters", self.train_iters),
             ("--eval-interval", self.eval_interval),
+            ("--start-eval-at-iter", self.start_eval_at_iter),
             ("--eval-iters", self.eval_iters),
             ("--exit-interval", self.exit_interval),
         ):
