@@ -130,6 +130,25 @@ def test_override_ckpt_iteration_needs_the_checkpoints_global_batch(saved):
     )
 
 
+def test_no_initialization_loads_the_same_model(saved, tmp_path):
+    """Built without initialising, the model the checkpoint fills trains as the one built
+    initialised; without a checkpoint to fill it, the run is refused."""
+    root, _ = saved
+    logs = {}
+    for name, extra in (("initialised", []), ("uninitialised", ["--no-initialization"])):
+        logs[name] = tmp_path / f"{name}.json"
+        flags = f"--load {root / 'full'} --finetune --train-iters 2 --log-json {logs[name]}"
+        run_entry(PRETRAIN, BASE + flags.split() + extra)
+    losses = {name: series(read_json(log), "train/loss") for name, log in logs.items()}
+    assert losses["uninitialised"] == losses["initialised"], "bitwise equal"
+    empty = tmp_path / "empty"
+    line = refused(["--no-initialization", "--load", str(empty)], base=BASE)
+    assert line == (
+        f"--no-initialization: --load {empty} holds no checkpoint, so the weights would stay "
+        "uninitialised memory"
+    )
+
+
 def test_start_eval_at_iter_skips_the_validations_before_it(saved, tmp_path):
     """--eval-interval 2 validates at 0, 2 and 4; from iteration 3 on, at 4 only, the same
     loss."""

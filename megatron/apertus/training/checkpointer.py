@@ -84,6 +84,16 @@ def find_checkpoint(config: CheckpointConfig) -> Path | None:
     return found
 
 
+def check_initialization(found: Path | None, config: CheckpointConfig, *, initialise: bool) -> None:
+    """--no-initialization leaves the weights as allocated: only a checkpoint to load makes them
+    a model (Megatron-LM would train the uninitialised memory)."""
+    if found is None and not initialise:
+        source = f"--load {config.load} holds no checkpoint" if config.load else "no --load"
+        raise ConfigError(
+            f"--no-initialization: {source}, so the weights would stay uninitialised memory"
+        )
+
+
 def _warn_of_later_checkpoints(config: CheckpointConfig) -> None:
     """--ckpt-step into its own save directory goes back in the run: the later checkpoints there
     belong to the trajectory it leaves. As in Megatron-LM, this run's saves replace them as it

@@ -37,6 +37,7 @@ from megatron.apertus.training import runtime
 from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.training.checkpointer import (
     Checkpointer,
+    check_initialization,
     find_checkpoint,
     finished_run,
     resume,
@@ -108,6 +109,9 @@ class Trainer:
         )
         self.loading = cfg.checkpoint.loaded()
         self.resume_from = find_checkpoint(self.loading)
+        check_initialization(
+            self.resume_from, cfg.checkpoint, initialise=not cfg.training.no_initialization
+        )
         self._apply_guard_decisions()
         start_microbatches(cfg.training, self.dp)
         tokenizer = runtime.tokenizer(cfg.data, cfg.model)

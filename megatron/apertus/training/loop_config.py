@@ -49,6 +49,10 @@ class TrainingConfig:
         "model is the same for any --tensor-model-parallel-size (slower start for large models); "
         "a CPU run always initialises so"
     )
+    no_initialization: bool = switch(
+        "build the model without initialising its weights, for a run that loads them from a "
+        "checkpoint (a faster start); refused when there is none to load"
+    )
     data_parallel_random_init: bool = switch(
         "initialise each data-parallel rank from its own seed (--seed + 10 x its rank), then copy "
         "rank 0's weights to the others before the first step, as Megatron-LM does: replicas "
