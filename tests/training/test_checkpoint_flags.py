@@ -149,6 +149,25 @@ def test_no_initialization_loads_the_same_model(saved, tmp_path):
     )
 
 
+def test_use_mp_args_from_checkpoint_args_takes_its_layout(saved, tmp_path):
+    """The checkpoint of one process records tensor-parallel size 1: the flag takes it over
+    the command line's 2, which one process could not run."""
+    root, _ = saved
+    flags = (
+        BASE + f"--load {root / 'full'} --finetune --train-iters 1 --use-checkpoint-args".split()
+    )
+    flags += ["--tensor-model-parallel-size", "2"]
+    assert refused(flags).startswith("world size (1) is not divisible by --tensor-model-parallel")
+    proc = run_entry(PRETRAIN, flags + ["--use-mp-args-from-checkpoint-args"])
+    assert (
+        "tensor_model_parallel_size, pipeline_model_parallel_size, "
+        "virtual_pipeline_model_parallel_size"
+    ) in proc.stdout
+    assert "iteration        1/       1" in proc.stdout
+    line = refused(["--use-mp-args-from-checkpoint-args"], base=BASE)
+    assert line.startswith("--use-mp-args-from-checkpoint-args takes effect with --use-checkpoint")
+
+
 def test_start_eval_at_iter_skips_the_validations_before_it(saved, tmp_path):
     """--eval-interval 2 validates at 0, 2 and 4; from iteration 3 on, at 4 only, the same
     loss."""

@@ -97,6 +97,11 @@ class CheckpointConfig:
         "--tokenizer-model unless given), as Megatron-LM does; a --load without a checkpoint "
         "keeps the command line's"
     )
+    use_mp_args_from_checkpoint_args: bool = switch(
+        "with --use-checkpoint-args: take the tensor-, pipeline- and virtual-pipeline-parallel "
+        "sizes from the checkpoint too, over the command line's, as Megatron-LM does (any layout "
+        "loads any checkpoint here; this one repeats the run's)"
+    )
     exit_on_missing_checkpoint: bool = switch(
         "a --load that holds no checkpoint (a path typo) ends the run, exit 2, instead of "
         "starting from scratch"
@@ -265,6 +270,11 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     the tokenizer model (a NullTokenizer's end-of-document and padding ids) from
     ``apertus_run.json``. Returns the line to log, None when the flag
     is off."""
+    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
+        raise ConfigError(
+            "--use-mp-args-from-checkpoint-args takes effect with --use-checkpoint-args (as in "
+            "Megatron-LM): add it"
+        )
     if not args.use_checkpoint_args:
         return None
     if not (args.load or args.pretrained_checkpoint):
@@ -289,7 +299,10 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
             taken.append(name)
-    tokenizer = (read_run_info(found) or {}).get("tokenizer") or {}
+    info = read_run_info(found) or {}
+    if args.use_mp_args_from_checkpoint_args:
+        taken += _take_layout(args, found, info.get("parallel"))
+    tokenizer = info.get("tokenizer") or {}
     if tokenizer.get("type"):
         args.tokenizer_type = tokenizer["type"]
         taken.append("tokenizer_type")
@@ -304,3 +317,25 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
             setattr(args, name, tokenizer[key])
             taken.append(name)
     return f"--use-checkpoint-args: {', '.join(taken) or 'nothing'} from {found}"
+
+
+LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+)
+"""The parallel sizes a run record holds, which --use-mp-args-from-checkpoint-args takes."""
+
+
+def _take_layout(args: argparse.Namespace, found: Path, layout: dict | None) -> list[str]:
+    """Set ``args``' parallel sizes to the checkpoint's ``layout`` (its run record's), over the
+    command line's as Megatron-LM does; the names set."""
+    if layout is None:
+        raise ConfigError(
+            f"--use-mp-args-from-checkpoint-args: {found} records no parallel layout; give the "
+            "sizes on the command line"
+        )
+    for name in LAYOUT:
+        setattr(args, name, layout[name])
+    args.num_layers_per_virtual_pipeline_stage = None  # the virtual stages are the checkpoint's
+    return list(LAYOUT)

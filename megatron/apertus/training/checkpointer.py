@@ -44,7 +44,11 @@ from megatron.apertus.checkpoint_files import (
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.optim.builder import OptimizerSettings
-from megatron.apertus.training.checkpoint_config import CheckpointConfig, named_checkpoint
+from megatron.apertus.training.checkpoint_config import (
+    LAYOUT,
+    CheckpointConfig,
+    named_checkpoint,
+)
 from megatron.apertus.training.checkpoint_retention import Retention
 from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.runtime import is_reporting_rank
@@ -318,6 +322,7 @@ def run_info(cfg: RunConfig, state: TrainingState) -> dict:
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
         "global_batch_size": cfg.training.global_batch_size,
+        "parallel": {name: getattr(cfg.parallel, name) for name in LAYOUT},
         "consumed_tokens": state.consumed_samples * cfg.model.seq_length,
         "seq_length": cfg.model.seq_length,
         "fused_output_loss": cfg.training.fused_output_loss,
