@@ -231,6 +231,22 @@ def test_ckpt_step_needs_load():
     assert CheckpointConfig(pretrained_checkpoint="base", ckpt_step=2).ckpt_step == 2
 
 
+def test_pretrained_checkpoint_loads_beside_non_persistent_saves(saved, tmp_path):
+    """The flags a run loads its base checkpoint with keep this run's own saving flags valid."""
+    root, _ = saved
+    frequent = dict(non_persistent_ckpt_type="global", non_persistent_save_interval=1)
+    config = CheckpointConfig(
+        pretrained_checkpoint=str(root / "full"), load=str(tmp_path), save=str(tmp_path), **frequent
+    )
+    loading = config.loaded()
+    assert (loading.load, loading.finetune, loading.from_pretrained()) == (
+        str(root / "full"),
+        True,
+        True,
+    )
+    assert config.loaded() is not config and config.non_persistent_save_interval == 1
+
+
 def _weights(tiny_cpu, directory) -> dict:
     chunk = tiny_cpu.build(load=directory)
     return {

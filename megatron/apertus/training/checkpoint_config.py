@@ -217,7 +217,8 @@ class CheckpointConfig:
             self,
             load=pretrained,
             finetune=True,
-            non_persistent_ckpt_type=None,
+            non_persistent_ckpt_type=None,  # the base's directory alone (these flags only load)
+            non_persistent_save_interval=None,
             override_ckpt_iteration=None,  # Megatron-LM's --finetune starts at 0 all the same
         )
 
