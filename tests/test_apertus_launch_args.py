@@ -463,6 +463,26 @@ BASE = ["--train-iters", "1", "--device", "cpu"]
         (["--vocab-file", "vocab.json"], "--vocab-file vocab.json: GPT-2 BPE vocabulary files"),
         (["--tp-comm-overlap"], "--tp-comm-overlap: Transformer Engine's userbuffer overlap"),
         (["--window-size", "4096,0"], "--window-size 4096,0: every layer attends to the whole"),
+        (["--no-rope-freq", "4"], "--no-rope-freq 4: every layer applies rotary embeddings"),
+        (
+            ["--decoder-num-layers", "2"],
+            "--decoder-num-layers 2: the decoder layers of Megatron-LM's T5 encoder-decoder; a "
+            "GPT model's is --num-layers",
+        ),
+        (
+            ["--decoder-seq-length", "64"],
+            "--decoder-seq-length 64: the decoder sequence length of Megatron-LM's T5 "
+            "encoder-decoder; a GPT model's is --seq-length",
+        ),
+        (["--head-lr-mult", "2"], "--head-lr-mult 2.0: Megatron-LM's GPT training ignores it"),
+        (
+            ["--init-model-with-meta-device"],
+            "--init-model-with-meta-device: meta-device initialisation serves Megatron FSDP",
+        ),
+        (
+            ["--load-main-params-from-ckpt"],
+            "--load-main-params-from-ckpt: the fp32 main parameters of a --no-load-optim load",
+        ),
     ],
 )
 def test_what_we_do_not_implement_is_refused_naming_the_flag(flags, line, capsys):
@@ -534,6 +554,8 @@ def test_restated_architecture_changes_nothing():
         "--vocab-extra-ids",
         "0",
         "--trust-remote-code",
+        "--head-lr-mult",
+        "1.0",
     ]
     assert pretrain_gpt.parse_args(BASE + restated) == pretrain_gpt.parse_args(BASE)
 
@@ -596,6 +618,10 @@ def test_megatron_spellings_of_our_switches():
         ),  # the tokenizer's 1000, padded to 256s
         (1, ["--make-vocab-size-divisible-by", "7"], 1001),
         (2, ["--make-vocab-size-divisible-by", "128", "--vocab-size", "2048"], 2048),
+        # Megatron-LM's: the vocabulary as given, neither padded nor the tokenizer's
+        (2, ["--make-vocab-size-divisible-by", "128", "--padded-vocab-size", "1000"], 1000),
+        (2, ["--make-vocab-size-divisible-by", "128", "--no-pad-vocab-size"], 131072),
+        (1, ["--make-vocab-size-divisible-by", "7", "--disable-pad-vocab-size"], 131072),
     ],
 )
 def test_vocabulary_padding(tp, flags, vocab, tokenizer_dir):
@@ -609,6 +635,38 @@ def test_vocabulary_padding(tp, flags, vocab, tokenizer_dir):
         BASE + tokenizer + flags + ["--tensor-model-parallel-size", str(tp)]
     )
     assert cfg.model.vocab_size == vocab
+
+
+def test_encoder_spellings_are_the_gpt_models_shape():
+    """Megatron-LM's GPT takes --encoder-num-layers and --encoder-seq-length for --num-layers and
+    --seq-length; given with them, they must agree."""
+    shape = ["--num-layers", "3", "--seq-length", "64"]
+    spelled = ["--encoder-num-layers", "3", "--encoder-seq-length", "64"]
+    ours = pretrain_gpt.parse_args(BASE + shape)
+    assert (ours.model.num_layers, ours.model.seq_length) == (3, 64)
+    assert pretrain_gpt.parse_args(BASE + spelled) == ours
+    assert pretrain_gpt.parse_args(BASE + spelled + shape) == ours
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--encoder-num-layers", "3", "--num-layers", "2"],
+            "--encoder-num-layers 3 contradicts --num-layers 2",
+        ),
+        (
+            ["--encoder-seq-length", "64", "--seq-length", "32"],
+            "--encoder-seq-length 64 contradicts --seq-length 32",
+        ),
+        (
+            ["--padded-vocab-size", "1024", "--vocab-size", "2048"],
+            "--padded-vocab-size 1024 contradicts --vocab-size 2048",
+        ),
+    ],
+)
+def test_contradicting_spellings_are_refused(flags, line, capsys):
+    assert error_lines(capsys, BASE + flags) == [line]
 
 
 def test_virtual_stages_per_pipeline_rank_is_megatron_lms_spelling():

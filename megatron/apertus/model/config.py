@@ -130,6 +130,29 @@ class ApertusConfig:
             "--tensor-model-parallel-size (Megatron-LM's rule; with --vocab-size: checked to be "
             "one)",
         )
+        for flag, ours in ENCODER_SPELLINGS.items():
+            model.add_argument(
+                flag,
+                type=int,
+                help=f"Megatron-LM's other spelling of {ours} (a GPT model is all encoder in "
+                "its argument names); given both, they must agree",
+            )
+        model.add_argument(
+            "--padded-vocab-size",
+            type=int,
+            help="the model's vocabulary exactly (Megatron-LM's: not padded, not read from the "
+            "tokenizer); the same as --vocab-size here",
+        )
+        model.add_argument(
+            "--no-pad-vocab-size",
+            "--disable-pad-vocab-size",
+            dest="pad_vocab_size",
+            action="store_false",
+            default=True,
+            help="do not derive the vocabulary from the tokenizer (Megatron-LM's): it is "
+            "--padded-vocab-size, --vocab-size, the --use-checkpoint-args checkpoint's or the "
+            "preset's, and --make-vocab-size-divisible-by is not applied",
+        )
         model.add_argument(
             "--kv-channels",
             type=int,
@@ -152,6 +175,7 @@ class ApertusConfig:
             raise ConfigError(
                 "--tokenizer-type NullTokenizer needs --vocab-size: its ids are 0 to --vocab-size - 1"
             )
+        args = _megatron_spellings(args)
         model = from_arguments(cls, args, base=preset(args.model_preset))
         if args.kv_channels not in (None, model.kv_channels):
             raise ConfigError(
@@ -160,7 +184,7 @@ class ApertusConfig:
                 f"not implemented"
             )
         divisor = args.make_vocab_size_divisible_by
-        if divisor is None:
+        if divisor is None or not args.pad_vocab_size or args.padded_vocab_size is not None:
             return model
         tp = args.tensor_model_parallel_size
         if args.vocab_size is None and "tokenizer_type" in args:
@@ -173,6 +197,31 @@ class ApertusConfig:
                 f"({tp})"
             )
         return model
+
+
+ENCODER_SPELLINGS = {"--encoder-num-layers": "--num-layers", "--encoder-seq-length": "--seq-length"}
+"""Megatron-LM's encoder spellings of the model's shape: its ``validate_args`` takes each for the
+other when only one is given (and asserts against both)."""
+
+
+def _megatron_spellings(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with Megatron-LM's other spellings of the model's fields folded in:
+    ``--encoder-num-layers``, ``--encoder-seq-length`` and ``--padded-vocab-size``; a spelling
+    that contradicts the flag it restates is refused."""
+    args = argparse.Namespace(**vars(args))
+    spellings = {**ENCODER_SPELLINGS, "--padded-vocab-size": "--vocab-size"}
+    for flag, ours in spellings.items():
+        given, name = getattr(args, _dest(flag), None), _dest(ours)
+        if given is None:
+            continue
+        if getattr(args, name) not in (None, given):
+            raise ConfigError(f"{flag} {given} contradicts {ours} {getattr(args, name)}")
+        setattr(args, name, given)
+    return args
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")

@@ -3,7 +3,8 @@
 megatron-core 0.16.1's ``get_megatron_optimizer`` knows adam and sgd only and has no hook for
 another inner optimizer, so for AdEMAMix we repeat its dense-model path with megatron-core's own
 pieces: the same param groups (``_get_param_groups_and_buffers``: weight decay off for every 1-D
-parameter and every bias, i.e. norms, QK-norms and xIELU's shape-[1] ``alpha_p``/``alpha_n``),
+parameter and every bias, i.e. norms, QK-norms and xIELU's shape-[1] ``alpha_p``/``alpha_n``; with
+``--apply-wd-to-qk-layernorm`` megatron-core's rule decays the QK-norms' weights),
 the same process groups, and the same wrappers (``FP32Optimizer``,
 ``Float16OptimizerWithFloat16Params``, or the distributed optimizer, here
 :class:`AdEMAMixDistributedOptimizer`), returned in a ``ChainedOptimizer`` as megatron-core does.
@@ -27,10 +28,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import flag_help, require
+from megatron.apertus.flags import flag_help, require, switch
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
@@ -49,8 +50,15 @@ class OptimizerSettings:
     min_lr: float = flag_help("learning rate at the end of the decay", 0.0)
     weight_decay: float = flag_help(
         "decoupled weight decay, throughout with --weight-decay-incr-style constant (never on "
-        "norms, biases, xIELU alphas)",
+        "norms, biases, xIELU alphas; the QK-norm weights with --apply-wd-to-qk-layernorm)",
         0.1,
+    )
+    apply_wd_to_qk_layernorm: bool = switch(
+        "decay the query and key RMSNorm weights too (Qwen3-Next's rule; every other 1-D "
+        "parameter and bias stays undecayed)"
+    )
+    no_weight_decay_cond_type: Optional[Literal["apply_wd_to_qk_layernorm"]] = flag_help(
+        "Megatron-LM's deprecated spelling of --apply-wd-to-qk-layernorm", None
     )
     adam_beta1: float = flag_help("first-moment decay", 0.9)
     adam_beta2: float = flag_help("second-moment decay", 0.95)
@@ -100,6 +108,11 @@ class OptimizerSettings:
             self.adam_eps,
             "a finite number > 0",
         )
+
+    @property
+    def decays_qk_layernorm(self) -> bool:
+        """Whether the QK-norm weights are decayed (either spelling)."""
+        return self.apply_wd_to_qk_layernorm or self.no_weight_decay_cond_type is not None
 
     def _check_loss_scale(self) -> None:
         """Scales are positive finite numbers (megatron-core divides the gradients by them)."""

@@ -68,11 +68,24 @@ class CheckpointConfig:
         "load only the weights from --load: the iteration, consumed samples, optimizer, "
         "learning-rate schedule and RNG states start fresh"
     )
+    pretrained_checkpoint: Optional[str] = flag_help(
+        "checkpoint (save directory or iter_* directory) to start from while --load holds none: "
+        "its weights only, as --finetune loads them; once this run has saved into --load, a "
+        "restart resumes from there instead (continued pretraining or fine-tuning from a base "
+        "model, restartable with one command)",
+        None,
+    )
     no_load_optim: bool = switch(
         "load the weights, iteration and consumed samples from --load, not the optimizer state; "
         "the learning-rate schedule starts over too (as in Megatron-LM, it goes with the optimizer)"
     )
     no_load_rng: bool = switch("keep this run's seeded RNG states instead of the checkpoint's")
+    override_ckpt_iteration: Optional[int] = flag_help(
+        "resume as if the checkpoint were of this iteration: the data goes on after its "
+        "iteration x --global-batch-size samples (the global batch must be the checkpoint's); "
+        "weights, optimizer and learning-rate schedule are the checkpoint's",
+        None,
+    )
     ckpt_step: Optional[int] = flag_help(
         "load the checkpoint of this iteration from the --load save directory instead of the "
         "latest one its tracker names",
@@ -83,6 +96,11 @@ class CheckpointConfig:
         "command line; the preset is not used) and its tokenizer (--tokenizer-type, and "
         "--tokenizer-model unless given), as Megatron-LM does; a --load without a checkpoint "
         "keeps the command line's"
+    )
+    use_mp_args_from_checkpoint_args: bool = switch(
+        "with --use-checkpoint-args: take the tensor-, pipeline- and virtual-pipeline-parallel "
+        "sizes from the checkpoint too, over the command line's, as Megatron-LM does (any layout "
+        "loads any checkpoint here; this one repeats the run's)"
     )
     exit_on_missing_checkpoint: bool = switch(
         "a --load that holds no checkpoint (a path typo) ends the run, exit 2, instead of "
@@ -107,10 +125,20 @@ class CheckpointConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.ckpt_step is not None and not self.load:
-            raise ConfigError("--ckpt-step picks an iteration of the --load directory: give --load")
+        if self.ckpt_step is not None and not (self.load or self.pretrained_checkpoint):
+            raise ConfigError(
+                "--ckpt-step picks an iteration of the --load directory: give --load (or "
+                "--pretrained-checkpoint)"
+            )
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ConfigError(f"--ckpt-step must be >= 0, got {self.ckpt_step}")
+        override = self.override_ckpt_iteration
+        require(override is None or override >= 0, "--override-ckpt-iteration", override, ">= 0")
+        if override is not None and self.finetune:
+            raise ConfigError(
+                "--override-ckpt-iteration and --finetune exclude each other: --finetune starts "
+                "at iteration 0"
+            )
         self._check_retention()
         self._check_non_persistent()
 
@@ -172,10 +200,45 @@ class CheckpointConfig:
             if on
         ]
 
+    def loaded(self) -> "CheckpointConfig":
+        """The flags the run loads with (Megatron-LM's rule): --load's own while it holds a
+        checkpoint (persistent or, under --non-persistent-ckpt-type global, non-persistent);
+        otherwise, given --pretrained-checkpoint, that checkpoint taken as --finetune takes it
+        (refused when it holds none: the run would train a random model)."""
+        if self.pretrained_checkpoint is None or holds_checkpoint(
+            self.load, self.non_persistent_load_dir()
+        ):
+            return self
+        pretrained = self.pretrained_checkpoint
+        if not holds_checkpoint(pretrained):
+            neither = f" (and --load {self.load} none either)" if self.load else ""
+            raise ConfigError(f"--pretrained-checkpoint {pretrained} holds no checkpoint{neither}")
+        return dataclasses.replace(
+            self,
+            load=pretrained,
+            finetune=True,
+            non_persistent_ckpt_type=None,  # the base's directory alone (these flags only load)
+            non_persistent_save_interval=None,
+            override_ckpt_iteration=None,  # Megatron-LM's --finetune starts at 0 all the same
+        )
+
+    def from_pretrained(self) -> bool:
+        """Whether these flags load --pretrained-checkpoint (see :meth:`loaded`)."""
+        return self.finetune and self.load is not None and self.load == self.pretrained_checkpoint
+
     def continuing(self) -> "CheckpointConfig":
         """These flags for a load that continues the run itself (the FP8 guard going back to one
         of its checkpoints): everything restored, whatever the first --load took."""
         return dataclasses.replace(self, finetune=False, no_load_optim=False, no_load_rng=False)
+
+
+def holds_checkpoint(directory: str | None, non_persistent: Path | None = None) -> bool:
+    """Whether ``directory`` (or its ``non_persistent`` directory) holds a checkpoint."""
+    from megatron.apertus import checkpoint
+
+    return bool(directory) and any(
+        checkpoint.find_checkpoint(d) is not None for d in (directory, non_persistent) if d
+    )
 
 
 def named_checkpoint(
@@ -201,30 +264,46 @@ def named_checkpoint(
 
 
 def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
-    """``--use-checkpoint-args``: fill ``args`` from the --load checkpoint as Megatron-LM's
+    """``--use-checkpoint-args``: fill ``args`` from the checkpoint the run loads (--load's,
+    else --pretrained-checkpoint's) as Megatron-LM's
     ``load_args_from_checkpoint`` does: every model flag left unset from ``apertus_model.json``,
     the tokenizer type (it has a default, which Megatron-LM overwrites too) and, unless given,
     the tokenizer model (a NullTokenizer's end-of-document and padding ids) from
     ``apertus_run.json``. Returns the line to log, None when the flag
     is off."""
+    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
+        raise ConfigError(
+            "--use-mp-args-from-checkpoint-args takes effect with --use-checkpoint-args (as in "
+            "Megatron-LM): add it"
+        )
     if not args.use_checkpoint_args:
         return None
-    if not args.load:
-        raise ConfigError("--use-checkpoint-args reads the checkpoint --load names: give --load")
+    if not (args.load or args.pretrained_checkpoint):
+        raise ConfigError(
+            "--use-checkpoint-args reads the checkpoint --load (or --pretrained-checkpoint) "
+            "names: give one"
+        )
     from megatron.apertus.checkpoint import load_model_config
     from megatron.apertus.checkpoint_files import read_run_info
 
-    kind, directory = args.non_persistent_ckpt_type, args.non_persistent_global_ckpt_dir
-    frequent = non_persistent_dir(args.load, directory) if kind == "global" else None
-    found = named_checkpoint(args.load, args.ckpt_step, frequent)
+    load, kind = args.load, args.non_persistent_ckpt_type
+    frequent = None
+    if load and kind == "global":
+        frequent = non_persistent_dir(load, args.non_persistent_global_ckpt_dir)
+    if args.pretrained_checkpoint and not holds_checkpoint(load, frequent):
+        load, frequent = args.pretrained_checkpoint, None  # the checkpoint the run starts from
+    found = named_checkpoint(load, args.ckpt_step, frequent)
     if found is None:
-        return f"--use-checkpoint-args: no checkpoint at {args.load}, using the command line"
+        return f"--use-checkpoint-args: no checkpoint at {load}, using the command line"
     taken = []
     for name, value in dataclasses.asdict(load_model_config(found)).items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
             taken.append(name)
-    tokenizer = (read_run_info(found) or {}).get("tokenizer") or {}
+    info = read_run_info(found) or {}
+    if args.use_mp_args_from_checkpoint_args:
+        taken += _take_layout(args, found, info.get("parallel"))
+    tokenizer = info.get("tokenizer") or {}
     if tokenizer.get("type"):
         args.tokenizer_type = tokenizer["type"]
         taken.append("tokenizer_type")
@@ -239,3 +318,25 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
             setattr(args, name, tokenizer[key])
             taken.append(name)
     return f"--use-checkpoint-args: {', '.join(taken) or 'nothing'} from {found}"
+
+
+LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+)
+"""The parallel sizes a run record holds, which --use-mp-args-from-checkpoint-args takes."""
+
+
+def _take_layout(args: argparse.Namespace, found: Path, layout: dict | None) -> list[str]:
+    """Set ``args``' parallel sizes to the checkpoint's ``layout`` (its run record's), over the
+    command line's as Megatron-LM does; the names set."""
+    if layout is None:
+        raise ConfigError(
+            f"--use-mp-args-from-checkpoint-args: {found} records no parallel layout; give the "
+            "sizes on the command line"
+        )
+    for name in LAYOUT:
+        setattr(args, name, layout[name])
+    args.num_layers_per_virtual_pipeline_stage = None  # the virtual stages are the checkpoint's
+    return list(LAYOUT)

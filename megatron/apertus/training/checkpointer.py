@@ -44,7 +44,11 @@ from megatron.apertus.checkpoint_files import (
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model.config import ApertusConfig
 from megatron.apertus.optim.builder import OptimizerSettings
-from megatron.apertus.training.checkpoint_config import CheckpointConfig, named_checkpoint
+from megatron.apertus.training.checkpoint_config import (
+    LAYOUT,
+    CheckpointConfig,
+    named_checkpoint,
+)
 from megatron.apertus.training.checkpoint_retention import Retention
 from megatron.apertus.training.config import RunConfig
 from megatron.apertus.training.runtime import is_reporting_rank
@@ -82,6 +86,16 @@ def find_checkpoint(config: CheckpointConfig) -> Path | None:
     else:
         _log_fresh_start(config.load, config.save)
     return found
+
+
+def check_initialization(found: Path | None, config: CheckpointConfig, *, initialise: bool) -> None:
+    """--no-initialization leaves the weights as allocated: only a checkpoint to load makes them
+    a model (Megatron-LM would train the uninitialised memory)."""
+    if found is None and not initialise:
+        source = f"--load {config.load} holds no checkpoint" if config.load else "no --load"
+        raise ConfigError(
+            f"--no-initialization: {source}, so the weights would stay uninitialised memory"
+        )
 
 
 def _warn_of_later_checkpoints(config: CheckpointConfig) -> None:
@@ -155,7 +169,7 @@ def finished_run(cfg: RunConfig) -> str | None:
     and saving the same checkpoint again (--finetune starts a new run and --skip-train only
     evaluates: never finished; another model is refused by the load as usual)."""
     ck, t = cfg.checkpoint, cfg.training
-    if not ck.load or ck.finetune or t.skip_train:
+    if not ck.load or ck.finetune or t.skip_train or ck.override_ckpt_iteration is not None:
         return None
     found = checked_checkpoint(ck)
     info = read_run_info(found) if found is not None else None
@@ -193,11 +207,15 @@ def resume(
     *,
     model_config: ApertusConfig,
     optimizer_settings: OptimizerSettings,
+    global_batch_size: int,
 ) -> TrainingState:
     """Continue from the checkpoint ``found`` (model chunks, optimizer and schedule as --load's
     flags ask), or start fresh."""
     if found is None:
         return TrainingState()
+    override = config.override_ckpt_iteration
+    if override is not None:
+        _check_global_batch(found, override, global_batch_size)
     loaded_optimizer = optimizer if config.loads_optimizer() else None
     if loaded_optimizer is not None and checkpoint.has_optimizer_states(found):
         _check_resumable(optimizer_settings)
@@ -212,6 +230,8 @@ def resume(
     )
     if not full:  # weights only: the optimizer's fp32 main params must follow the new weights
         optimizer.reload_model_params()
+    if override is not None:
+        state = TrainingState(override, override * global_batch_size, extra=state.extra)
     if config.finetune:
         state = TrainingState()
     update_num_microbatches(state.consumed_samples, consistency_check=False)
@@ -220,10 +240,24 @@ def resume(
     return state
 
 
+def _check_global_batch(found: Path, iteration: int, batch: int) -> None:
+    """Megatron-LM's --override-ckpt-iteration resumes at the iteration given, with the samples
+    consumed by as many global batches of this run's size, which must then be the checkpoint's
+    (else the data would go on from another sample than that iteration's)."""
+    saved = (read_run_info(found) or {}).get("global_batch_size")
+    if saved is not None and saved != batch:
+        raise ConfigError(
+            f"--override-ckpt-iteration {iteration}: {found} was saved with --global-batch-size "
+            f"{saved}, this run's is {batch}: its iteration x {batch} samples is not where that "
+            "iteration's data starts"
+        )
+
+
 def _describe_resume(config: CheckpointConfig, found: Path, state: TrainingState) -> str:
     if config.finetune:
+        flag = "--pretrained-checkpoint" if config.from_pretrained() else "--finetune"
         return (
-            f"--finetune: weights loaded from {found}; iteration, consumed samples, "
+            f"{flag}: weights loaded from {found}; iteration, consumed samples, "
             "optimizer, learning-rate schedule and RNG states start fresh"
         )
     line = (
@@ -238,6 +272,8 @@ def _describe_resume(config: CheckpointConfig, found: Path, state: TrainingState
         )
         if on
     ]
+    if config.override_ckpt_iteration is not None:
+        fresh.append(f"--override-ckpt-iteration {config.override_ckpt_iteration}")
     return line + "".join(f"; {part}" for part in fresh)
 
 
@@ -285,6 +321,8 @@ def run_info(cfg: RunConfig, state: TrainingState) -> dict:
         "mock_data": dataset.mock_data,
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
+        "global_batch_size": cfg.training.global_batch_size,
+        "parallel": {name: getattr(cfg.parallel, name) for name in LAYOUT},
         "consumed_tokens": state.consumed_samples * cfg.model.seq_length,
         "seq_length": cfg.model.seq_length,
         "fused_output_loss": cfg.training.fused_output_loss,

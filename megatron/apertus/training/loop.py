@@ -37,6 +37,7 @@ from megatron.apertus.training import runtime
 from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.training.checkpointer import (
     Checkpointer,
+    check_initialization,
     find_checkpoint,
     finished_run,
     resume,
@@ -106,7 +107,11 @@ class Trainer:
             self.dp,
             cfg.communication.microbatch_group_size_per_virtual_pipeline_stage,
         )
-        self.resume_from = find_checkpoint(cfg.checkpoint)
+        self.loading = cfg.checkpoint.loaded()
+        self.resume_from = find_checkpoint(self.loading)
+        check_initialization(
+            self.resume_from, cfg.checkpoint, initialise=not cfg.training.no_initialization
+        )
         self._apply_guard_decisions()
         start_microbatches(cfg.training, self.dp)
         tokenizer = runtime.tokenizer(cfg.data, cfg.model)
@@ -135,22 +140,23 @@ class Trainer:
     def _apply_guard_decisions(self) -> None:
         """The FP8 guard's decisions that hold for the checkpoint this run continues (none with
         --finetune, a new run): their layers join --bf16-layers before the model is built."""
-        finetune = self.cfg.checkpoint.finetune
+        finetune = self.loading.finetune
         self.decisions = [] if finetune else decisions_at(self.resume_from)
         decided = decided_layers(self.cfg.fp8_guard, self.decisions, reporting=is_reporting_rank())
         self.runtime = with_bf16_layers(self.runtime, decided)
 
     def _resume(self, config: CheckpointConfig | None = None) -> TrainingState:
         """The state the checkpoint ``self.resume_from`` continues (taken as ``config`` says,
-        default --load's flags), or a fresh one."""
+        default as the run loads it: :meth:`CheckpointConfig.loaded`), or a fresh one."""
         return resume(
             self.resume_from,
-            config or self.cfg.checkpoint,
+            config or self.loading,
             self.model,
             self.optimizer,
             self.scheduler,
             model_config=self.cfg.model,
             optimizer_settings=self.cfg.optimizer,
+            global_batch_size=self.cfg.training.global_batch_size,
         )
 
     def _start_components(self) -> None:

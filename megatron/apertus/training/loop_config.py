@@ -49,6 +49,10 @@ class TrainingConfig:
         "model is the same for any --tensor-model-parallel-size (slower start for large models); "
         "a CPU run always initialises so"
     )
+    no_initialization: bool = switch(
+        "build the model without initialising its weights, for a run that loads them from a "
+        "checkpoint (a faster start); refused when there is none to load"
+    )
     data_parallel_random_init: bool = switch(
         "initialise each data-parallel rank from its own seed (--seed + 10 x its rank), then copy "
         "rank 0's weights to the others before the first step, as Megatron-LM does: replicas "
@@ -57,6 +61,11 @@ class TrainingConfig:
     )
     log_interval: int = flag_help("iterations between log lines", 10)
     eval_interval: int = flag_help("iterations between validation passes (0: only at the end)", 0)
+    start_eval_at_iter: Optional[int] = flag_help(
+        "--eval-interval validates only from this iteration on (the pass at the end of "
+        "training still runs)",
+        None,
+    )
     eval_iters: int = flag_help("validation batches per validation pass", 4)
     eval_micro_batch_size: Optional[int] = flag_help(
         "samples per validation micro-batch on each data-parallel rank (default: "
@@ -232,6 +241,7 @@ class TrainingConfig:
         for flag, value in (
             ("--train-iters", self.train_iters),
             ("--eval-interval", self.eval_interval),
+            ("--start-eval-at-iter", self.start_eval_at_iter),
             ("--eval-iters", self.eval_iters),
             ("--exit-interval", self.exit_interval),
         ):

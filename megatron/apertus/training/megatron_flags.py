@@ -219,6 +219,23 @@ FLAGS: tuple[MegatronFlag, ...] = (
             ("--account-for-loss-in-pipeline-split", None),
         )
     ),
+    MegatronFlag(
+        "--no-rope-freq",
+        refusal="every layer applies rotary embeddings; layers without them (NoPE) are not "
+        "implemented",
+        takes=str,
+    ),
+    *(
+        MegatronFlag(
+            flag,
+            refusal=f"the {what} of Megatron-LM's T5 encoder-decoder; a GPT model's is {ours}",
+            takes=int,
+        )
+        for flag, what, ours in (
+            ("--decoder-num-layers", "decoder layers", "--num-layers"),
+            ("--decoder-seq-length", "decoder sequence length", "--seq-length"),
+        )
+    ),
     # -- fusions: megatron-core's own kernels, which this model does not use --------------------
     *(
         MegatronFlag(flag, f"{what} (always)", accepts=SWITCH)
@@ -379,6 +396,25 @@ FLAGS: tuple[MegatronFlag, ...] = (
         "extra vocabulary ids (T5's span masking) are not implemented",
         takes=int,
         accepts=(0,),
+    ),
+    MegatronFlag(
+        "--head-lr-mult",
+        "no effect: Megatron-LM's GPT training never reads it (it scales the learning rate of "
+        "its vision fine-tuning's classification head)",
+        "Megatron-LM's GPT training ignores it (the head of its vision fine-tuning); the output "
+        "layer's own learning rate is --decoupled-lr",
+        takes=float,
+        accepts=(1.0,),
+    ),
+    MegatronFlag(
+        "--init-model-with-meta-device",
+        refusal="meta-device initialisation serves Megatron FSDP's sharded parameters, which "
+        "are not implemented here",
+    ),
+    MegatronFlag(
+        "--load-main-params-from-ckpt",
+        refusal="the fp32 main parameters of a --no-load-optim load start from the loaded "
+        "weights; reading them from the checkpoint instead is " + NOT_YET,
     ),
     # -- checkpoints ---------------------------------------------------------------------------
     MegatronFlag(

@@ -33,6 +33,7 @@ def megatron_optimizer_config(
         decoupled_lr=settings.decoupled_lr,
         decoupled_min_lr=settings.decoupled_min_lr,
         weight_decay=settings.weight_decay,
+        apply_wd_to_qk_layernorm=settings.decays_qk_layernorm,
         adam_beta1=settings.adam_beta1,
         adam_beta2=settings.adam_beta2,
         adam_eps=settings.adam_eps,

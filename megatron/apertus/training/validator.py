@@ -57,9 +57,9 @@ class Validator:
         self.groups = chunk_groups(model[0])
 
     def due(self, iteration: int) -> bool:
-        """Whether --eval-interval validates after ``iteration``."""
-        interval = self.training.eval_interval
-        return bool(interval and iteration % interval == 0)
+        """Whether --eval-interval validates after ``iteration`` (from --start-eval-at-iter on)."""
+        interval, start = self.training.eval_interval, self.training.start_eval_at_iter
+        return bool(interval and iteration % interval == 0 and iteration >= (start or 0))
 
     def validate(self, state: TrainingState, *, split: str = "") -> None:
         """One pass over each validation set at ``state``, recorded and logged (between
