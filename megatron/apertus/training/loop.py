@@ -157,7 +157,7 @@ class Trainer:
         """What training drives: the step's own hooks, saving (from now on a signal asks for a
         save) and what reports on the run."""
         self._start_step_hooks()
-        self.checkpointer = Checkpointer(self.cfg, self.device)
+        self.checkpointer = Checkpointer(self.cfg, self.device, self.resume_from)
         self._start_reporting()
 
     def _start_step_hooks(self) -> None:
@@ -328,7 +328,7 @@ class Trainer:
         saved before the alarm), as a job started from it with those layers in --bf16-layers
         would: weights, optimizer, schedule, RNG states, data position and the guard's counts
         are the checkpoint's. Without a checkpoint to go back to, the run stops."""
-        found = self.checkpointer.last_saved()
+        found = self.checkpointer.last_saved(before=switch.iteration)
         if found is None:
             raise TrainingStopped(switch.no_checkpoint_line(self.cfg.checkpoint.save))
         self.fp8_guard.commit(switch, found)
