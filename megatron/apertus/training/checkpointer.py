@@ -8,7 +8,10 @@ when a signal, a trigger file or ``--exit-duration-in-mins`` asks for one
 all-reduce of the requests. A ``--load`` that holds no checkpoint yet starts from scratch and
 says so, as Megatron-LM does (``--exit-on-missing-checkpoint``: refused instead); one whose
 checkpoint already ends the run is answered before anything is built (:func:`finished_run`).
-``--ckpt-step`` picks another iteration than the tracker's. Under
+``--ckpt-step`` picks another iteration than the tracker's; back into the run's own ``--save``,
+the tracker names it once it is loaded, so that a requeued job continues this run, and the FP8
+guard's go-back follows the run's own checkpoints (:attr:`Checkpointer.trail`), never those of
+the history left. Under
 ``--non-persistent-save-interval`` the other steps of that interval save non-persistent
 checkpoints into their own directory, and a ``--load`` with ``--non-persistent-ckpt-type
 global`` resumes the newer of the two kinds (:func:`checkpoint_config.named_checkpoint`); what
