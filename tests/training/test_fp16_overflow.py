@@ -14,7 +14,7 @@ import torch
 import pretrain_gpt
 from megatron.apertus import checkpoint
 from megatron.apertus.training.loop import TrainingStopped, train
-from tests.conftest import SMALL_VOCABULARY, after_backward, read_json, series
+from tests.conftest import PRETRAIN, SMALL_VOCABULARY, after_backward, read_json, run_entry, series
 
 FP16 = (
     "--model-preset tiny --global-batch-size 2 --micro-batch-size 2 --eval-iters 0 "
@@ -142,7 +142,7 @@ def test_an_interval_of_overflows_only_logs_a_loss_of_zero_as_megatron_lm(tmp_pa
     args = FP16 + ["--train-iters", "4", "--log-interval", "2", "--initial-loss-scale", "1024"]
     with caplog.at_level(logging.INFO, logger="apertus"), after_backward(overflow):
         train(pretrain_gpt.parse_args(args + ["--log-json", str(log)]))
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("iteration ")]
+    lines = [r.getMessage() for r in caplog.records if re.match(r"iteration +\d+/", r.getMessage())]
     losses = [re.search(r"\| lm loss: (\S+) \|", line) for line in lines]
     assert [m["iteration"] for m in iteration_lines(caplog)] == ["1", "2", "4"]
     assert [m["skipped"] for m in iteration_lines(caplog)] == ["0", "0", "2"]
@@ -158,5 +158,59 @@ def test_overflows_before_the_first_update_log_no_loss_as_megatron_lm(caplog):
     args = FP16 + ["--train-iters", "2", "--max-skipped-steps", "5"]
     with caplog.at_level(logging.INFO, logger="apertus"), pytest.raises(TrainingStopped):
         train(pretrain_gpt.parse_args(args))
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("iteration ")]
+    lines = [r.getMessage() for r in caplog.records if re.match(r"iteration +\d+/", r.getMessage())]
     assert len(lines) == 2 and not [line for line in lines if "lm loss" in line], lines
+
+
+DISTRIBUTED = [
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--ddp-bucket-size",
+    "40000",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--train-iters",
+    "12",
+    "--initial-loss-scale",
+    str(2**21),
+    "--loss-scale-window",
+    "1",
+    "--hysteresis",
+    "1",
+    "--log-params-norm",
+    "--eval-interval",
+    "3",
+    "--eval-iters",
+    "1",
+    "--save-interval",
+    "3",
+]
+"""Two data-parallel ranks sharding the optimizer over several buckets; a loss scale that
+doubles after every update until the scaled gradients overflow, so overflows and updates
+alternate from the first steps."""
+
+
+def test_an_overflow_with_the_distributed_optimizer_and_overlapped_gathers(tmp_path):
+    """--overlap-param-gather gathers the updated parameters during the next forward pass
+    rather than right after the step: a step that overflows must leave the weights untouched
+    (the same params norm as the step before) and the step after it must train on whole,
+    current weights, exactly as without the overlap (2 ranks, gloo)."""
+    runs = {}
+    for name, overlap in (("gathered", []), ("overlapped", ["--overlap-param-gather"])):
+        log, save = tmp_path / f"{name}.json", str(tmp_path / name)
+        flags = overlap + ["--log-json", str(log), "--save", save]
+        run_entry(PRETRAIN, FP16 + DISTRIBUTED + flags, nproc=2)
+        runs[name] = read_json(log)
+    gathered, overlapped = runs["gathered"], runs["overlapped"]
+    steps, norms = series(overlapped, "train/params_norm")
+    updated = {it for it, _ in overlapped["train/grad_norm"]}
+    skipped = [it for it in steps if it not in updated]
+    assert steps == list(range(1, 13)), steps
+    assert [it for it in skipped if it - 1 in updated], f"no overflow after an update: {skipped}"
+    for it in skipped:
+        if it > 1:
+            assert norms[it - 1] == norms[it - 2], f"iteration {it} overflowed: weights kept"
+    for name in ("train/loss", "train/params_norm", "train/loss_scale", "valid/loss"):
+        assert series(overlapped, name) == series(gathered, name), name

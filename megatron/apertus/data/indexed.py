@@ -151,6 +151,15 @@ def check_tokenizer(
         "preprocess it again with this run's --tokenizer-type and --tokenizer-model, or train "
         "with the tokenizer it was made with"
     )
+    if made.get("vocab_size", 0) > vocab_size:
+        raise ConfigError(
+            _named(
+                source,
+                f"{prefix} was tokenized with {made.get('type')} {made.get('file')} "
+                f"({made['vocab_size']} ids, {prefix}{RECORD_SUFFIX}), but this run's "
+                f"tokenizer has {vocab_size}: {again}",
+            )
+        )
     if tokenizer_file is not None and "sha256" in made:
         run_hash = file_sha256(Path(tokenizer_file).resolve())
         if made["sha256"] != run_hash:
@@ -162,12 +171,3 @@ def check_tokenizer(
                     f"(sha256 {run_hash[:12]}): {again}",
                 )
             )
-    if made.get("vocab_size", 0) > vocab_size:
-        raise ConfigError(
-            _named(
-                source,
-                f"{prefix} was tokenized with {made.get('type')} {made.get('file')} "
-                f"({made['vocab_size']} ids, {prefix}{RECORD_SUFFIX}), but this run's "
-                f"tokenizer has {vocab_size}: {again}",
-            )
-        )
