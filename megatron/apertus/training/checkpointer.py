@@ -94,7 +94,7 @@ def find_checkpoint(config: CheckpointConfig) -> Path | None:
 def _warn_of_later_checkpoints(config: CheckpointConfig) -> None:
     """--ckpt-step into its own save directory goes back in the run: the later checkpoints there
     belong to the trajectory it leaves. Once the load succeeded the tracker names the loaded
-    iteration (:func:`went_back_in_save`), so that a requeued job continues this run, and this
+    iteration (:func:`_name_loaded_checkpoint`), so that a requeued job continues this run, and this
     run's saves replace them as it reaches their iterations (the Slurm launcher removes those
     newer than the tracker when a job starts); said once, before anything is replaced, so that a
     user can save elsewhere."""
