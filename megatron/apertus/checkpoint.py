@@ -115,6 +115,11 @@ def _atomic_write(path: Path, text: str) -> None:
         Path(temporary).write_text(text)
 
 
+def write_tracker(save_dir: str | os.PathLike, iteration: int) -> None:
+    """Name ``iteration`` the save directory's latest checkpoint (atomically; rank 0)."""
+    _atomic_write(Path(save_dir) / TRACKER, f"{iteration}\n")
+
+
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
     """The checkpoint at ``path`` (a save directory: follow its tracker; or an ``iter_*``
     directory itself), or None when it holds none: missing, empty, or only a save cut short
@@ -541,7 +546,7 @@ def _publish(
             write_manifest(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            _atomic_write(save_dir / TRACKER, f"{iteration}\n")
+            write_tracker(save_dir, iteration)
         except OSError as err:
             if err.errno not in NO_SPACE:
                 raise

@@ -429,6 +429,129 @@ def test_data_of_a_larger_vocabulary_is_refused_before_the_first_batch(tmp_path)
     assert control.returncode == 0, control.stderr[-3000:]
 
 
+def swapped_tokenizer(folder: Path) -> Path:
+    """The small BPE with the ids of two ordinary pieces exchanged: another tokenizer of the
+    same vocabulary size and file name, whose data a run of the original reads as other
+    tokens."""
+    spec = json.loads(SMALL_TOKENIZER.read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    folder.mkdir()
+    (folder / SMALL_TOKENIZER.name).write_text(json.dumps(spec))
+    return folder / SMALL_TOKENIZER.name
+
+
+def tokenized(tmp_path: Path, name: str, tokenizer_flags: list[str]) -> Path:
+    """Eight documents preprocessed with ``tokenizer_flags`` into ``tmp_path/name/``."""
+    source = tmp_path / f"{name}.jsonl"
+    if not source.exists():
+        jsonl(source, [json.dumps({"text": d}) for d in embedded_documents()[:8]])
+    (tmp_path / name).mkdir()
+    output = tmp_path / name / "t"
+    made = warm_tool(
+        "preprocess_data.py",
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(output),
+        *tokenizer_flags,
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    return tmp_path / name / "t_text_document"
+
+
+def test_data_of_another_tokenizer_of_the_same_size_is_refused_before_training(tmp_path):
+    """Data tokenized with another tokenizer of the same vocabulary size (two pieces' ids
+    exchanged): every id is in range, so nothing failed and the run trained on wrong tokens.
+    Its record's hash names the tokenizer; the refusal names both. A record written before
+    records held the hash is still accepted (negative control, the check itself)."""
+    other = swapped_tokenizer(tmp_path / "other")
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(other)]
+    prefix = tokenized(tmp_path, "data", flags)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [*TINY_RUN, "--seq-length", "64", "--eval-iters", "0", "--data-path", str(prefix)]
+    proc = run_script(PRETRAIN, [*args, *SMALL_VOCABULARY], env=env, timeout=600)
+    record = json.loads(Path(f"{prefix}.meta.json").read_text())
+    assert_one_line_exit_2(
+        proc,
+        f"--data-path: {prefix} was tokenized with HuggingFaceTokenizer tokenizer.json (sha256 "
+        f"{record['tokenizer']['sha256'][:12]}) ({prefix}.meta.json), but this run's tokenizer "
+        f"is {SMALL_TOKENIZER} (sha256 ",
+        "preprocess it again with this run's --tokenizer-type and --tokenizer-model",
+    )
+    assert "iteration " not in proc.stdout, "refused before training"
+
+    from megatron.apertus.data.indexed import check_tokenizer
+
+    del record["tokenizer"]["sha256"]
+    Path(f"{prefix}.meta.json").write_text(json.dumps(record))
+    check_tokenizer("--data-path", str(prefix), 4096, SMALL_TOKENIZER)
+
+
+def test_merge_and_mixture_refuse_datasets_of_different_tokenizers(tmp_path):
+    """Two datasets of different tokenizers of the same size (and dtype) and one without a
+    record: the merge refuses them even under --no-tokenizer-check (which lets the part
+    without a record through, not the records that disagree), and so does a mixture, which
+    compared the records only when every part had one. Once the records agree, the same
+    folders mix (negative control)."""
+    ours = tokenized(tmp_path, "ours", SMALL_TOKENIZER_FLAGS)
+    other = swapped_tokenizer(tmp_path / "swapped")
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(other)]
+    theirs = tokenized(tmp_path, "theirs", flags)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for name, prefix in (("a", ours), ("b", theirs), ("c", ours)):
+        for suffix in (".bin", ".idx", ".meta.json"):
+            shutil.copy(f"{prefix}{suffix}", parts / f"{name}{suffix}")
+    (parts / "c.meta.json").unlink()
+    merged = warm_tool(
+        "merge_datasets.py",
+        "--input",
+        str(parts),
+        "--output-prefix",
+        str(tmp_path / "m"),
+        "--no-tokenizer-check",
+    )
+    assert_one_line_exit_2(
+        merged,
+        f"{parts / 'b'} was tokenized with HuggingFaceTokenizer tokenizer.json (sha256 ",
+        f"{parts / 'a'} with HuggingFaceTokenizer",
+        "datasets of different tokenizers do not mix",
+    )
+    assert not list(tmp_path.glob("m.*"))
+    tokens = [json.loads(Path(f"{p}.meta.json").read_text())["tokens"] for p in (ours, theirs)]
+    every = 2 * tokens[0] + tokens[1]  # a budget that takes all three parts
+    mixed = warm_tool(
+        "build_mixture.py",
+        "--folders",
+        str(parts),
+        "--weights",
+        "1",
+        "--max-tokens",
+        str(every),
+        "--output",
+        str(tmp_path / "mix"),
+    )
+    assert_one_line_exit_2(mixed, "the folders do not mix: ", "do not mix")
+    (parts / "b.meta.json").unlink()
+    shutil.copy(f"{ours}.meta.json", parts / "b.meta.json")
+    tokens = [json.loads(Path(f"{p}.meta.json").read_text())["tokens"] for p in (ours, theirs)]
+    every = 2 * tokens[0] + tokens[1]  # a budget that takes all three parts
+    mixed = warm_tool(
+        "build_mixture.py",
+        "--folders",
+        str(parts),
+        "--weights",
+        "1",
+        "--max-tokens",
+        str(every),
+        "--output",
+        str(tmp_path / "mix"),
+    )
+    assert mixed.returncode == 0, mixed.stderr[-2000:]
+
+
 def test_preference_data_cut_short_is_refused_before_training(tmp_path):
     """megatron-core's IndexedDataset opens a ``.bin`` cut short without a word; alignment read
     past its end at the first batch of those examples."""

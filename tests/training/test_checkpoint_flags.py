@@ -13,12 +13,19 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import pretrain_gpt
 from megatron.apertus import checkpoint
-from megatron.apertus.checkpoint_files import read_run_info
+from megatron.apertus.checkpoint_files import NON_PERSISTENT_DIR, read_run_info, saved_iterations
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 from megatron.apertus.training.loop import train
-from tests.conftest import PRETRAIN, SMALL_VOCABULARY, read_json, run_entry, series
+from tests.conftest import (
+    PRETRAIN,
+    SMALL_VOCABULARY,
+    after_backward,
+    read_json,
+    run_entry,
+    series,
+)
 from tests.training.test_first_hour import refused
 
 BASE = (
@@ -55,14 +62,49 @@ def test_ckpt_step_resumes_from_that_iteration_on_the_same_trajectory(saved):
     proc = run_entry(PRETRAIN, BASE + flags)
     assert f"resumed from {rollback / 'iter_0000002'} at iteration 2" in proc.stdout
     assert (
-        f"--ckpt-step 2: {rollback} also holds iterations 4, which this run's saves replace "
-        "(give another --save to keep them)"
+        f"--ckpt-step 2: {rollback} also holds iterations 4, which this run leaves: its tracker "
+        "names iteration 2 from the start and this run's saves replace them (give another --save "
+        "to keep them)"
     ) in proc.stdout
     assert "iteration        3/       4" in proc.stdout
     assert "iteration        1/       4" not in proc.stdout
     # The history up to 2 is the checkpoint's, 3 and 4 are this run's.
     assert series(read_json(log), "train/loss") == series(full, "train/loss"), "bitwise equal"
     assert read_json(log)["valid/loss"][-1] == full["valid/loss"][-1]
+
+
+def test_ckpt_step_into_its_own_save_names_that_checkpoint_from_the_start(saved, caplog):
+    """--ckpt-step 2 into its own --save, whose tracker names 4 (and whose non-persistent
+    directory holds a 4 too): once loaded, the tracker names 2 and the non-persistent 4 is
+    gone, so the job that dies before its first save is requeued (the same command without
+    --ckpt-step) onto iteration 2, not into the history it left, and trains 3 and 4 again as
+    the first run did. The persistent 4 stays on disk until a save replaces it."""
+    root, full = saved
+    rollback = root / "requeued"
+    shutil.copytree(root / "full", rollback)
+    frequent = rollback / NON_PERSISTENT_DIR
+    shutil.copytree(rollback / "iter_0000004", frequent / "iter_0000004")
+    (frequent / checkpoint.TRACKER).write_text("4\n")
+    flags = BASE + f"--load {rollback} --save {rollback} --non-persistent-ckpt-type global".split()
+
+    def die(passes: int, model) -> None:
+        raise RuntimeError("the node failed")
+
+    with pytest.raises(RuntimeError, match="the node failed"), after_backward(die):
+        train(pretrain_gpt.parse_args(flags + ["--ckpt-step", "2"]))
+    assert checkpoint.latest_iteration(rollback) == 2
+    assert saved_iterations(rollback) == [2, 4] and saved_iterations(frequent) == []
+    assert checkpoint.latest_iteration(frequent) is None
+
+    log = root / "requeued.json"
+    with caplog.at_level(logging.INFO, logger="apertus"):
+        history = train(pretrain_gpt.parse_args(flags + ["--log-json", str(log)]))
+    assert history["completed"]
+    assert f"resumed from {rollback / 'iter_0000002'} at iteration 2" in caplog.text
+    iterations, losses = series(read_json(log), "train/loss")
+    assert iterations == [1, 2, 3, 4]
+    assert losses == pytest.approx(series(full, "train/loss")[1], rel=1e-5)
+    assert checkpoint.latest_iteration(rollback) == 4
 
 
 def test_ckpt_step_without_that_checkpoint_is_refused(saved):

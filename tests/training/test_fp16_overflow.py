@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 import pretrain_gpt
 from megatron.apertus import checkpoint
 from megatron.apertus.training.loop import TrainingStopped, train
-from tests.conftest import SMALL_VOCABULARY, after_backward
+from tests.conftest import SMALL_VOCABULARY, after_backward, read_json, run_entry, series
 
 FP16 = (
     "--model-preset tiny --global-batch-size 2 --micro-batch-size 2 --eval-iters 0 "
@@ -126,3 +127,90 @@ def test_a_run_that_ends_before_its_first_update_saves_nothing(tmp_path):
         train(pretrain_gpt.parse_args(args))
     assert "--initial-loss-scale" in str(err.value)
     assert checkpoint.latest_iteration(tmp_path) is None
+
+
+def test_an_interval_of_overflows_only_logs_a_loss_of_zero_as_megatron_lm(tmp_path, caplog):
+    """Iterations 3 and 4 overflow (a NaN gradient, the loss finite): the line at 4 closes an
+    interval none of whose steps updated the weights, and Megatron-LM's training_log prints its
+    loss as the sum over the updating steps divided by max(1, their number): 0. --log-json keeps
+    each step's loss, skipped or not, as Megatron-LM's TensorBoard ``lm loss`` does."""
+
+    def overflow(iteration: int, model) -> None:
+        if iteration in (3, 4):
+            next(model[0].parameters()).main_grad.view(-1)[0] = math.nan
+
+    log = tmp_path / "h.json"
+    args = FP16 + ["--train-iters", "4", "--log-interval", "2", "--initial-loss-scale", "1024"]
+    with caplog.at_level(logging.INFO, logger="apertus"), after_backward(overflow):
+        train(pretrain_gpt.parse_args(args + ["--log-json", str(log)]))
+    lines = [r.getMessage() for r in caplog.records if re.match(r"iteration +\d+/", r.getMessage())]
+    losses = [re.search(r"\| lm loss: (\S+) \|", line) for line in lines]
+    assert [m["iteration"] for m in iteration_lines(caplog)] == ["1", "2", "4"]
+    assert [m["skipped"] for m in iteration_lines(caplog)] == ["0", "0", "2"]
+    assert all(m is not None for m in losses), lines
+    assert float(losses[1][1]) > 1.0 and losses[2][1] == "0.000000E+00"
+    steps, values = series(read_json(log), "train/loss")
+    assert steps == [1, 2, 3, 4] and all(math.isfinite(v) and v > 1.0 for v in values)
+
+
+def test_overflows_before_the_first_update_log_no_loss_as_megatron_lm(caplog):
+    """Before any step of the job updated the weights, Megatron-LM's training_log has no loss
+    to average and prints none; neither does ours."""
+    args = FP16 + ["--train-iters", "2", "--max-skipped-steps", "5"]
+    with caplog.at_level(logging.INFO, logger="apertus"), pytest.raises(TrainingStopped):
+        train(pretrain_gpt.parse_args(args))
+    lines = [r.getMessage() for r in caplog.records if re.match(r"iteration +\d+/", r.getMessage())]
+    assert len(lines) == 2 and not [line for line in lines if "lm loss" in line], lines
+
+
+OVERFLOW_WORKER = Path(__file__).with_name("overflow_worker.py")
+DISTRIBUTED = [
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--ddp-bucket-size",
+    "40000",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--train-iters",
+    "8",
+    "--initial-loss-scale",
+    "1024",
+    "--hysteresis",
+    "1",
+    "--log-params-norm",
+    "--check-weight-hash-across-dp-replicas-interval",
+    "1",
+    "--eval-interval",
+    "4",
+    "--eval-iters",
+    "1",
+    "--save-interval",
+    "4",
+]
+"""Two data-parallel ranks sharding the optimizer over several buckets, their weights compared
+after every step; a loss scale at which nothing overflows by itself."""
+
+
+def test_one_ranks_overflow_with_the_distributed_optimizer_and_overlapped_gathers(tmp_path):
+    """Rank 1 alone overflows at iterations 3 and 5 (its shard of the gradients; rank 0's is
+    finite): both ranks skip the step, whose weights stay as they were (the params norm of the
+    step before, the replicas equal), and --overlap-param-gather, which gathers the updated
+    weights only in the next forward pass, trains, validates and saves exactly as the gather
+    right after the step does (2 ranks, gloo)."""
+    runs = {}
+    for name, overlap in (("gathered", []), ("overlapped", ["--overlap-param-gather"])):
+        log, save = tmp_path / f"{name}.json", str(tmp_path / name)
+        flags = overlap + ["--log-json", str(log), "--save", save]
+        run_entry(OVERFLOW_WORKER, ["3,5", *FP16, *DISTRIBUTED, *flags], nproc=2)
+        runs[name] = read_json(log)
+    gathered, overlapped = runs["gathered"], runs["overlapped"]
+    steps, norms = series(overlapped, "train/params_norm")
+    assert steps == list(range(1, 9))
+    assert [it for it, _ in overlapped["train/grad_norm"]] == [1, 2, 4, 6, 7, 8]
+    assert norms[2] == norms[1] and norms[4] == norms[3], "no update at 3 and 5"
+    assert len(set(norms)) == 6, "the other steps update"
+    assert series(overlapped, "train/loss_scale")[1] == [1024.0] * 2 + [512.0] * 2 + [256.0] * 4
+    for name in ("train/loss", "train/params_norm", "train/loss_scale", "valid/loss"):
+        assert series(overlapped, name) == series(gathered, name), name

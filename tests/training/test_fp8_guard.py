@@ -483,6 +483,29 @@ def test_bf16_layers_goes_back_to_a_newer_non_persistent_checkpoint(tmp_path, ca
     assert train_losses(history, after=3) == reference
 
 
+def test_a_go_back_after_ckpt_step_stays_in_this_runs_history(tmp_path, caplog):
+    """A run of 6 steps saving every 2, restarted from its own --save with --ckpt-step 2 and no
+    save due before 6: the alarm at step 4 goes back to the checkpoint of step 2 that the run
+    was loaded from, never forward to 6 (or to 4) of the history it left."""
+    save = tmp_path / "ckpt"
+    first = BASE + ["--save", str(save), "--save-interval", "2", "--train-iters", "6"]
+    train(pretrain_gpt.parse_args(first))
+    flags = switching("bf16-layers", save) + ["--ckpt-step", "2", "--save-interval", "10"]
+    passes = []
+    with caplog.at_level(logging.INFO, logger="apertus"), outlier_after(0):
+        with after_backward(lambda n, model: passes.append(n)):
+            history = train(pretrain_gpt.parse_args(flags))
+    assert history["completed"]
+    lines = guard_lines(caplog)
+    assert lines[1].startswith("FP8 guard: bf16-layers at iteration 4 "), lines
+    assert lines[1].endswith("layer 2 continue in bf16 from the checkpoint of iteration 2")
+    resumed = f"resumed from {checkpoint.iteration_dir(save, 2)} at iteration 2"
+    assert caplog.text.count(resumed) == 2, "loaded, then gone back to"
+    assert len(passes) == 6, "steps 3 and 4, then 3 to 6 again"
+    (decision,) = json.loads((save / DECISIONS_FILE).read_text())
+    assert (decision["iteration"], decision["resumed_from"]) == (4, 2)
+
+
 def test_bf16_decision_outlives_a_job_that_ends_before_its_next_save(tmp_path, caplog):
     """bf16: every layer leaves FP8, back at the checkpoint of step 2. The job dies at its next
     step; its requeued job (the same command) starts from that checkpoint, the newest, with

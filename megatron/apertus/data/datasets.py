@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.cli import check_output, exclusive
-from megatron.apertus.data.indexed import check_vocabulary, read_index
+from megatron.apertus.data.indexed import check_tokenizer, read_index
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, switch
 
@@ -263,12 +263,12 @@ def resolve_blend(
 
 
 def check_prefixes(
-    flag: str, blend: list[str], *, sft: bool = False, vocab_size: int | None = None
+    flag: str, blend: list[str], *, sft: bool = False, tokenizer: Tokenizer | None = None
 ) -> None:
     """Refuse a prefix of ``blend`` (Megatron's ``[WEIGHT] PREFIX ...`` list, given as ``flag``)
     whose ``.bin`` or ``.idx`` is missing or damaged (:func:`.indexed.read_index`; with ``sft``,
-    the same for its loss mask), or, given the run tokenizer's ``vocab_size``, that was
-    tokenized with a larger vocabulary (:func:`.indexed.check_vocabulary`)."""
+    the same for its loss mask), or, given the run's ``tokenizer``, that was tokenized with
+    another tokenizer or a larger vocabulary (:func:`.indexed.check_tokenizer`)."""
     from megatron.core.datasets.object_storage_utils import is_object_storage_path
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -280,8 +280,9 @@ def check_prefixes(
             read_index(flag, prefix)
             if sft:
                 check_mask_pair(flag, prefix)
-            if vocab_size is not None:
-                check_vocabulary(flag, prefix, vocab_size)
+            if tokenizer is not None:
+                path = getattr(tokenizer, "path", None)  # none: ids only (NullTokenizer)
+                check_tokenizer(flag, prefix, tokenizer.vocab_size, path)
 
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -355,14 +356,12 @@ def _blends(
         parts = (config.train_data_path, config.valid_data_path, config.test_data_path)
         for name, part in zip(SPLIT_NAMES, parts):
             if part:
-                check_prefixes(
-                    f"--{name}-data-path", part, sft=config.sft, vocab_size=tokenizer.vocab_size
-                )
+                check_prefixes(f"--{name}-data-path", part, sft=config.sft, tokenizer=tokenizer)
         return dict(blend_per_split=[get_blend_from_list(p) if p else None for p in parts])
     data_path = data_path_of(config)
     if data_path:
         flag = "--data-args-path" if config.data_args_path else "--data-path"
-        check_prefixes(flag, data_path, sft=config.sft, vocab_size=tokenizer.vocab_size)
+        check_prefixes(flag, data_path, sft=config.sft, tokenizer=tokenizer)
     return dict(
         blend=get_blend_from_list(resolve_blend(config, tokenizer, default_corpus)),
         split=config.split or ("969,30,1" if data_path else "90,10,0"),

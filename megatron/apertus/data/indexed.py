@@ -9,13 +9,17 @@ the index's arrays must fit in the ``.idx`` and the ``.bin`` must hold exactly t
 index points to, which costs reading the index's last pointer, not the data.
 
 ``PREFIX.meta.json``, the record the preprocessing tools write beside the pair, is read here
-too (:func:`read_dataset_record`): merges and mixtures compare the records of their parts, and
-training refuses data whose record names a larger vocabulary than its tokenizer's
-(:func:`check_vocabulary`).
+too (:func:`read_dataset_record`): merges and mixtures compare the records of their parts
+(:func:`same_tokenizer`), and training refuses data whose record names another tokenizer than
+its own or a larger vocabulary than its tokenizer's (:func:`check_tokenizer`). A tokenizer's
+identity is the SHA-256 of its file; records written before they held it are compared by what
+they hold (training then checks the vocabulary size only).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -109,23 +113,61 @@ def read_dataset_record(prefix: str) -> dict | None:
     return record
 
 
-def check_vocabulary(source: str, prefix: str, vocab_size: int) -> None:
-    """Refuse a dataset whose record says it was tokenized with a larger vocabulary than the
-    run's tokenizer has (``vocab_size``): its ids would index past the embedding table (an
-    ``IndexError`` on the CPU, a device-side assert on a GPU, at the first batch). A dataset
-    without a record is not checked."""
+def same_tokenizer(ours: dict, theirs: dict) -> bool:
+    """Whether two records' tokenizers are one: the same file content (SHA-256), whatever its
+    name; a record without the hash (written before records held it) by the fields both
+    hold."""
+    if "sha256" in ours and "sha256" in theirs:
+        return ours["sha256"] == theirs["sha256"]
+    return all(ours[key] == theirs[key] for key in ours.keys() & theirs.keys())
+
+
+def describe_tokenizer(made: dict) -> str:
+    """``TekkenTokenizer tekken.json (sha256 0123456789ab)``: a record's tokenizer in a line."""
+    digest = f" (sha256 {made['sha256'][:12]})" if "sha256" in made else ""
+    return f"{made.get('type')} {made.get('file')}{digest}"
+
+
+@functools.cache
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a tokenizer file (once per run: a blend may list thousands of prefixes)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_tokenizer(
+    source: str, prefix: str, vocab_size: int, tokenizer_file: Path | None = None
+) -> None:
+    """Refuse a dataset whose record says it was tokenized with another tokenizer than the
+    run's (``tokenizer_file``, None for a tokenizer without a file: ids only), or with a larger
+    vocabulary (``vocab_size``): its ids would mean other tokens, or index past the embedding
+    table (an ``IndexError`` on the CPU, a device-side assert on a GPU, at the first batch). A
+    dataset without a record, or whose record predates the tokenizer's hash, is checked for
+    what can be: its vocabulary size, or nothing."""
     record = read_dataset_record(prefix)
     if record is None:
         return
     made = record["tokenizer"]
+    again = (
+        "preprocess it again with this run's --tokenizer-type and --tokenizer-model, or train "
+        "with the tokenizer it was made with"
+    )
     if made.get("vocab_size", 0) > vocab_size:
         raise ConfigError(
             _named(
                 source,
                 f"{prefix} was tokenized with {made.get('type')} {made.get('file')} "
                 f"({made['vocab_size']} ids, {prefix}{RECORD_SUFFIX}), but this run's "
-                f"tokenizer has {vocab_size}: preprocess it again with this run's "
-                "--tokenizer-type and --tokenizer-model, or train with the tokenizer it was "
-                "made with",
+                f"tokenizer has {vocab_size}: {again}",
             )
         )
+    if tokenizer_file is not None and "sha256" in made:
+        run_hash = file_sha256(Path(tokenizer_file).resolve())
+        if made["sha256"] != run_hash:
+            raise ConfigError(
+                _named(
+                    source,
+                    f"{prefix} was tokenized with {describe_tokenizer(made)} "
+                    f"({prefix}{RECORD_SUFFIX}), but this run's tokenizer is {tokenizer_file} "
+                    f"(sha256 {run_hash[:12]}): {again}",
+                )
+            )

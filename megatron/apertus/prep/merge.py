@@ -14,7 +14,13 @@ from pathlib import Path
 import numpy as np
 
 from megatron.apertus.cli import atomic_outputs
-from megatron.apertus.data.indexed import RECORD_SUFFIX, read_dataset_record, read_index
+from megatron.apertus.data.indexed import (
+    RECORD_SUFFIX,
+    describe_tokenizer,
+    read_dataset_record,
+    read_index,
+    same_tokenizer,
+)
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, switch
 from megatron.apertus.prep.preprocess import write_dataset_record
@@ -31,8 +37,8 @@ class MergeOptions:
     input: str = flag_help("directory holding the .bin/.idx pairs to merge")
     output_prefix: str = flag_help("writes OUTPUT_PREFIX.bin/.idx (and .meta.json)")
     no_tokenizer_check: bool = switch(
-        "merge parts that have no .meta.json (their tokenizer is unknown; dtypes are still "
-        "checked)",
+        "merge parts that have no .meta.json (their tokenizer is unknown; dtypes, and the "
+        "tokenizers of the parts that have one, are still checked)",
         ours=True,
     )
 
@@ -59,7 +65,9 @@ def index_dtype_of(prefix: str) -> np.dtype:
 
 
 def check_compatible(prefixes: list[str], *, require_records: bool = True) -> dict | None:
-    """The shared record of ``prefixes`` (None when unchecked); refuse any mismatch."""
+    """The shared record of ``prefixes`` (None when some have none); refuse any mismatch:
+    of dtype, and between the records there are (:func:`check_records`). Without
+    ``require_records`` parts without a record are let through unchecked."""
     if not prefixes:
         raise MergeError("nothing to merge: no .bin/.idx pairs")
     dtypes = {p: index_dtype_of(p) for p in prefixes}
@@ -67,28 +75,41 @@ def check_compatible(prefixes: list[str], *, require_records: bool = True) -> di
     for prefix, dtype in dtypes.items():
         if dtype != dtypes[first]:
             raise MergeError(f"{prefix}: dtype {dtype} differs from {first}'s {dtypes[first]}")
-    if not require_records:
+    records = {prefix: read_dataset_record(prefix) for prefix in prefixes}
+    unknown = [prefix for prefix, record in records.items() if record is None]
+    if unknown and require_records:
+        raise MergeError(
+            f"{unknown[0]}{RECORD_SUFFIX} is missing: the tokenizer of {unknown[0]} is "
+            "unknown (--no-tokenizer-check merges anyway)"
+        )
+    check_records(prefixes)
+    if unknown:
         return None
-    records = {}
-    for prefix in prefixes:
-        records[prefix] = read_dataset_record(prefix)
-        if records[prefix] is None:
-            raise MergeError(
-                f"{prefix}{RECORD_SUFFIX} is missing: the tokenizer of {prefix} is "
-                "unknown (--no-tokenizer-check merges anyway)"
-            )
-    keys = ("tokenizer", "add_bos", "add_eod")
-    for prefix, record in records.items():
-        for key in keys:
-            if record[key] != records[first][key]:
-                raise MergeError(
-                    f"{prefix}: {key} {record[key]} differs from {first}'s "
-                    f"{records[first][key]}"
-                )
     return records[first] | {
         "documents": sum(r["documents"] for r in records.values()),
         "tokens": sum(r["tokens"] for r in records.values()),
     }
+
+
+def check_records(prefixes: list[str]) -> None:
+    """Refuse datasets whose records name different tokenizers (:func:`same_tokenizer`: the
+    file's hash) or ``<s>``/``</s>`` rules; those without a record are not compared."""
+    records = {p: r for p in prefixes if (r := read_dataset_record(p)) is not None}
+    if not records:
+        return
+    first, ours = next(iter(records.items()))
+    for prefix, record in records.items():
+        if not same_tokenizer(ours["tokenizer"], record["tokenizer"]):
+            raise MergeError(
+                f"{prefix} was tokenized with {describe_tokenizer(record['tokenizer'])}, "
+                f"{first} with {describe_tokenizer(ours['tokenizer'])}: datasets of different "
+                "tokenizers do not mix"
+            )
+        for key in ("add_bos", "add_eod"):
+            if record[key] != ours[key]:
+                raise MergeError(
+                    f"{prefix}: {key} {record[key]} differs from {first}'s {ours[key]}"
+                )
 
 
 def merge(prefixes: list[str], output_prefix: str, *, require_records: bool = True) -> int:

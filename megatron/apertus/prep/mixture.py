@@ -26,7 +26,7 @@ import numpy as np
 from megatron.apertus.data.indexed import read_index
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help
-from megatron.apertus.prep.merge import MergeError, check_compatible, dataset_prefixes
+from megatron.apertus.prep.merge import MergeError, check_records, dataset_prefixes
 
 MIXTURE_FILE = "mixture.json"
 
@@ -156,11 +156,10 @@ def build_mixture(
                 parts=[_part_entry(p, seq_length) for p in chosen],
             )
         )
-    if all(Path(p.prefix + ".meta.json").is_file() for p in chosen_all):
-        try:
-            check_compatible([p.prefix for p in chosen_all])
-        except MergeError as err:
-            raise MixtureError(f"the folders do not mix: {err}") from None
+    try:
+        check_records([p.prefix for p in chosen_all])
+    except MergeError as err:
+        raise MixtureError(f"the folders do not mix: {err}") from None
     _write(output, record)
     return record
 

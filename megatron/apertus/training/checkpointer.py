@@ -8,7 +8,10 @@ when a signal, a trigger file or ``--exit-duration-in-mins`` asks for one
 all-reduce of the requests. A ``--load`` that holds no checkpoint yet starts from scratch and
 says so, as Megatron-LM does (``--exit-on-missing-checkpoint``: refused instead); one whose
 checkpoint already ends the run is answered before anything is built (:func:`finished_run`).
-``--ckpt-step`` picks another iteration than the tracker's. Under
+``--ckpt-step`` picks another iteration than the tracker's; back into the run's own ``--save``,
+the tracker names it once it is loaded, so that a requeued job continues this run, and the FP8
+guard's go-back follows the run's own checkpoints (:attr:`Checkpointer.trail`), never those of
+the history left. Under
 ``--non-persistent-save-interval`` the other steps of that interval save non-persistent
 checkpoints into their own directory, and a ``--load`` with ``--non-persistent-ckpt-type
 global`` resumes the newer of the two kinds (:func:`checkpoint_config.named_checkpoint`); what
@@ -37,8 +40,12 @@ from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.apertus import checkpoint
 from megatron.apertus.checkpoint import TrainingState
 from megatron.apertus.checkpoint_files import (
+    checkpoint_iteration,
+    iteration_dir,
+    latest_iteration,
     non_persistent_dir,
     read_run_info,
+    remove_checkpoint,
     saved_iterations,
 )
 from megatron.apertus.errors import ConfigError
@@ -100,20 +107,28 @@ def check_initialization(found: Path | None, config: CheckpointConfig, *, initia
 
 def _warn_of_later_checkpoints(config: CheckpointConfig) -> None:
     """--ckpt-step into its own save directory goes back in the run: the later checkpoints there
-    belong to the trajectory it leaves. As in Megatron-LM, this run's saves replace them as it
-    reaches their iterations, and the Slurm launcher removes those newer than the tracker when a
-    job starts; said once, before anything is replaced, so that a user can save elsewhere."""
-    if config.ckpt_step is None or not config.save:
-        return
-    if Path(config.save).resolve() != Path(config.load).resolve():
-        return
-    later = [it for it in saved_iterations(config.save) if it > config.ckpt_step]
+    belong to the trajectory it leaves. Once the load succeeded the tracker names the loaded
+    iteration (:func:`_name_loaded_checkpoint`), so that a requeued job continues this run, and this
+    run's saves replace them as it reaches their iterations (the Slurm launcher removes those
+    newer than the tracker when a job starts); said once, before anything is replaced, so that a
+    user can save elsewhere."""
+    later = _later_checkpoints(config)
     if later:
         listed = ", ".join(str(it) for it in later)
         log.warning(
             f"--ckpt-step {config.ckpt_step}: {config.save} also holds iterations {listed}, "
-            "which this run's saves replace (give another --save to keep them)"
+            f"which this run leaves: its tracker names iteration {config.ckpt_step} from the "
+            "start and this run's saves replace them (give another --save to keep them)"
         )
+
+
+def _later_checkpoints(config: CheckpointConfig) -> list[int]:
+    """The iterations of --save after the one --ckpt-step loads from that same directory."""
+    if config.ckpt_step is None or not config.save or not config.load:
+        return []
+    if Path(config.save).resolve() != Path(config.load).resolve():
+        return []
+    return [it for it in saved_iterations(config.save) if it > config.ckpt_step]
 
 
 def _absence(source: str) -> str:
@@ -353,8 +368,13 @@ class Checkpointer:
     """The run's saves and the save and exit decisions after each step; built once the run is
     ready to step (from then on a signal asks for a save instead of stopping the process)."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+    def __init__(
+        self, cfg: RunConfig, device: torch.device, resumed_from: Path | None = None
+    ) -> None:
+        """``resumed_from``: the checkpoint the run was loaded from (None: a fresh start)."""
         self.run, self.config, self.device = cfg, cfg.checkpoint, device
+        if resumed_from is not None and dist.get_rank() == 0:
+            _name_loaded_checkpoint(self.config, resumed_from)
         t = cfg.training
         self.exit_interval = t.exit_interval
         self.requests = StopRequests(
@@ -371,6 +391,23 @@ class Checkpointer:
         self.retention = self._retention(self.config.save, self.config.save_retain_interval)
         self.frequent_dir = self.config.non_persistent_save_dir()
         self.frequent = self._retention(self.frequent_dir, None, latest_only=True)
+        self.trail: list[Path] = self._own(resumed_from)
+        """This run's checkpoints in --save and the non-persistent directory, oldest first: the
+        one it was loaded from (when loaded whole) and those it published since, less those a
+        go-back abandoned. Later checkpoints on disk belong to a history the run left."""
+
+    def _own(self, resumed_from: Path | None) -> list[Path]:
+        """The loaded checkpoint as the start of this run's trail, when it is one of --save's
+        (or of the non-persistent directory) and its state was taken whole: a checkpoint
+        loaded with --finetune, --no-load-optim or --no-load-rng is not where the run stood."""
+        if resumed_from is None or self.config.continuing() != self.config:
+            return []
+        config = self.config
+        if not config.save:
+            return []
+        frequent = non_persistent_dir(config.save, config.non_persistent_global_ckpt_dir)
+        homes = [Path(config.save).resolve(), frequent.resolve()]
+        return [resumed_from] if resumed_from.parent.resolve() in homes else []
 
     @staticmethod
     def _retention(
@@ -447,22 +484,27 @@ class Checkpointer:
                 run_info=run_info(self.run, state),
                 options=self.options,
                 add_files=history,
-                on_published=partial(_published, retention),
+                on_published=partial(self._published, retention),
             )
 
-    def last_saved(self) -> Path | None:
-        """The run's newest checkpoint, once every background save is published (all ranks):
-        in --save or, under --non-persistent-ckpt-type global, in the non-persistent directory,
-        the newer of the two as a --load of --save takes it (Megatron-LM's rule); None without
-        --save or before the first checkpoint."""
+    def last_saved(self, before: int) -> Path | None:
+        """The run's newest checkpoint at an iteration before ``before``, once every background
+        save is published (all ranks): persistent or not, the newest of this run's own (see
+        :attr:`trail`), never one of a history it left (a --ckpt-step back into --save leaves
+        later checkpoints there); None without one. The trail forgets what comes after it: the
+        run goes back there."""
         self.finish()
-        if not self.saves:
-            return None
-        config = self.config
-        frequent = None
-        if config.non_persistent_ckpt_type is not None:
-            frequent = non_persistent_dir(config.save, config.non_persistent_global_ckpt_dir)
-        return named_checkpoint(config.save, None, frequent)
+        kept = [path for path in self.trail if checkpoint_iteration(path) < before]
+        found = next((p for p in reversed(kept) if (p / checkpoint.MODEL_CONFIG).is_file()), None)
+        if found is not None:
+            self.trail = kept[: kept.index(found) + 1]
+        return found
+
+    def _published(self, retention: Retention | None, path: Path) -> None:
+        """``path`` is published: it joins the trail (every rank) and what it replaces goes."""
+        iteration = checkpoint_iteration(path)
+        self.trail = [p for p in self.trail if checkpoint_iteration(p) < iteration] + [path]
+        _published(retention, path)
 
     def finish(self) -> None:
         """Wait until every background save is written and published (all ranks), and what
@@ -472,6 +514,24 @@ class Checkpointer:
         for retention in (self.retention, self.frequent):
             if retention is not None:
                 retention.finish()
+
+
+def _name_loaded_checkpoint(config: CheckpointConfig, loaded: Path) -> None:
+    """A --ckpt-step back into --save: the tracker names the loaded iteration from now on, so
+    that a job requeued before this run's first save (or without --ckpt-step) continues this
+    run, not the history it left; its non-persistent checkpoints newer than the loaded one,
+    which a --load would prefer, are removed (rank 0, after the load succeeded). Megatron-LM
+    leaves the tracker until the next save."""
+    if not _later_checkpoints(config) or loaded.parent.resolve() != Path(config.save).resolve():
+        return
+    iteration = checkpoint_iteration(loaded)
+    checkpoint.write_tracker(config.save, iteration)
+    frequent = non_persistent_dir(config.save, config.non_persistent_global_ckpt_dir)
+    if (latest_iteration(frequent) or 0) > iteration:
+        (frequent / checkpoint.TRACKER).unlink()
+    for later in [it for it in saved_iterations(frequent) if it > iteration]:
+        remove_checkpoint(iteration_dir(frequent, later))
+    log.info(f"--ckpt-step {iteration}: {config.save}'s tracker names iteration {iteration}")
 
 
 def _published(retention: Retention | None, path: Path) -> None:

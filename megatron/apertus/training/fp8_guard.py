@@ -19,8 +19,8 @@ alarms, records them, and says when the run must stop or switch layers out of FP
 (:class:`Switch`).
 
 A switch (``bf16-layers``, ``bf16``) is carried out in the running job: the layers leave FP8
-(:mod:`megatron.apertus.model.precision`) and the trainer goes back to the last checkpoint saved
-before the alarm, persistent or not (the newer of the two kinds, as a --load takes it). The
+(:mod:`megatron.apertus.model.precision`) and the trainer goes back to the run's own last
+checkpoint before the alarm, persistent or not (never one of a history a --ckpt-step left). The
 decision is written at once to the save directory (:data:`DECISIONS_FILE`; also beside a
 non-persistent checkpoint gone back to), then into every later checkpoint: a job that dies
 before its next save is requeued onto that same checkpoint (the newest one) with the same layers

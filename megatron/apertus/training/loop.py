@@ -163,7 +163,7 @@ class Trainer:
         """What training drives: the step's own hooks, saving (from now on a signal asks for a
         save) and what reports on the run."""
         self._start_step_hooks()
-        self.checkpointer = Checkpointer(self.cfg, self.device)
+        self.checkpointer = Checkpointer(self.cfg, self.device, self.resume_from)
         self._start_reporting()
 
     def _start_step_hooks(self) -> None:
@@ -330,11 +330,11 @@ class Trainer:
 
     def _continue_in_bf16(self, switch: Switch) -> None:
         """Carry out ``switch`` in this job: its layers leave FP8 and the run continues from its
-        newest checkpoint, persistent or not (every background save published first: the last
-        saved before the alarm), as a job started from it with those layers in --bf16-layers
-        would: weights, optimizer, schedule, RNG states, data position and the guard's counts
+        own newest checkpoint before the alarm, persistent or not (every background save
+        published first; :meth:`Checkpointer.last_saved`), as a job started from it with those
+        layers in --bf16-layers would: weights, optimizer, schedule, RNG states, data position and the guard's counts
         are the checkpoint's. Without a checkpoint to go back to, the run stops."""
-        found = self.checkpointer.last_saved()
+        found = self.checkpointer.last_saved(before=switch.iteration)
         if found is None:
             raise TrainingStopped(switch.no_checkpoint_line(self.cfg.checkpoint.save))
         self.fp8_guard.commit(switch, found)

@@ -40,7 +40,9 @@ class IntervalSummary:
     tokens_per_second: float
     """Per device."""
     loss: float | None
-    """Mean loss of the steps that updated the weights (None: every step was skipped)."""
+    """Mean loss of the steps that updated the weights, 0.0 when every step of the interval was
+    skipped (Megatron-LM divides by ``max(1, advanced)``); None until a step of this job has
+    updated them (Megatron-LM has no loss entry to print before)."""
     skipped: int
     """Steps skipped for a non-finite loss or gradient norm."""
     nan: int
@@ -53,6 +55,8 @@ class LogInterval:
 
     def __init__(self) -> None:
         self._reset()
+        self.any_advanced = False
+        """Whether a step of this job has updated the weights (kept across intervals)."""
 
     def _reset(self) -> None:
         self.seconds, self.tokens, self.steps = 0.0, 0, 0
@@ -64,6 +68,7 @@ class LogInterval:
         self.steps += 1
         if not skipped:
             self.advanced += 1
+            self.any_advanced = True
             self.loss_sum += loss or 0.0
             return
         self.skipped += 1
@@ -77,7 +82,7 @@ class LogInterval:
             steps=self.steps,
             ms_per_iteration=1000 * seconds / max(self.steps, 1),
             tokens_per_second=self.tokens / seconds / world_size,
-            loss=self.loss_sum / self.advanced if self.advanced else None,
+            loss=self.loss_sum / max(1, self.advanced) if self.any_advanced else None,
             skipped=self.skipped,
             nan=self.nan,
         )
