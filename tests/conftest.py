@@ -100,6 +100,22 @@ def run_entry(
     return proc
 
 
+def spawn(fn: Callable, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``, its processes forked from a
+    fork server that imports torch and ``fn``'s module once per pytest process: spawned anew,
+    each process paid those imports (7 s of CPU for the attention tests' module). Each process
+    is still its own, with its own ``torch.distributed`` world; the server is a fresh interpreter
+    with no threads, so forking it is safe."""
+    import multiprocessing
+
+    import torch.multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", fn.__module__])
+    torch.multiprocessing.start_processes(
+        fn, args=args, nprocs=nprocs, join=True, start_method="forkserver"
+    )
+
+
 SHARED = "built-once"
 """The folder, beside the pytest workers' own, of what :func:`built_once` builds."""
 

@@ -3,11 +3,14 @@ count from the memory model, and the parsers it reads device output with (on rec
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -26,28 +29,35 @@ DEVICE_LOG = (REPO / "docs" / "device_runs" / "2026-11-24_h100_gpu_path.log").re
 RECORDED_TE_ROWS = REPO / "bench" / "results" / "train_step_te_NVIDIA-H100-80GB-HBM3.json"
 
 
-def run_suite(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
+@pytest.fixture
+def run_suite(monkeypatch) -> Callable[..., str]:
+    """``bench/gpu_suite.py ARGS`` through its ``main`` in this process, which has imported the
+    benchmark, torch and megatron-core already (a fresh interpreter spends 7 s on them); its
+    standard output returned, its exit code 0. The suite's setup puts its wheel folders in front
+    of ``sys.path``: put back afterwards, so later tests import what they did before."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def run(*args: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = suite.main(list(args))
+        assert code == 0, out.getvalue()[-8000:]
+        return out.getvalue()
+
+    return run
 
 
-def test_dry_run_selects_builds_writes_and_plots(tmp_path):
+@pytest.mark.process  # the dry run starts pytest and two training runs
+def test_dry_run_selects_builds_writes_and_plots(tmp_path, run_suite):
     tree, out = tmp_path / "tree", tmp_path / "out"
     done = tree / "bench" / "results" / "gpu_suite_fp8-resume_NVIDIA-H100-80GB-HBM3.json"
     done.parent.mkdir(parents=True)
     done.write_text(json.dumps({"stage": "fp8-resume", "status": "ok"}))
 
-    proc = run_suite("--dry-run", "--out", str(out), "--tree", str(tree))
+    stdout = run_suite("--dry-run", "--out", str(out), "--tree", str(tree))
 
-    assert "fp8-resume: has results in the tree" in proc.stdout
-    assert "cuda-graphs: runs only when named" in proc.stdout
+    assert "fp8-resume: has results in the tree" in stdout
+    assert "cuda-graphs: runs only when named" in stdout
     written = {p.stem for p in out.glob("*.json")}
     on_request = {s.name for s in suite.STAGES if s.on_request}
     assert on_request == {"cuda-graphs"}
@@ -100,7 +110,8 @@ def test_dry_run_selects_builds_writes_and_plots(tmp_path):
     assert [s.name for s in suite.select(["fp8-resume"], tree)[0]] == ["fp8-resume"]
 
 
-def test_cuda_graphs_stage_runs_when_named_and_its_command_lines_can_run(tmp_path):
+@pytest.mark.process  # the stage's dry run starts pytest
+def test_cuda_graphs_stage_runs_when_named_and_its_command_lines_can_run(tmp_path, run_suite):
     """The stage's dry run: every trainer command line parses and its CUDA graphs pass the
     trainer's checks as on a Hopper GPU with TE; where TE's attention is unfused (the recorded
     verdict) only packed rows move to PyTorch's attention, which whole-layer graphs cannot use."""

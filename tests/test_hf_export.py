@@ -39,7 +39,7 @@ from megatron.apertus.convert.model_card import MIN_TRANSFORMERS
 from megatron.apertus.prep.corpus import training_documents
 from megatron.apertus.prep.preprocess import PreprocessConfig, preprocess
 from megatron.apertus.tokenizer.tokenizers import Tokenizer, build_tokenizer, bundled_tekken_path
-from tests.conftest import cpu_models
+from tests.conftest import PRETRAIN, cpu_models, run_entry
 
 REPO = Path(__file__).resolve().parents[1]
 EXPORT = REPO / "tools" / "checkpoint" / "export_hf.py"
@@ -110,7 +110,7 @@ def exported(tmp_path_factory) -> Exported:
     ckpt, hf_dir = root / "ckpt", root / "hf"
     non_persistent = ["--non-persistent-ckpt-type", "global", "--non-persistent-save-interval"]
     non_persistent += ["1", "--non-persistent-global-ckpt-dir", str(root / FREQUENT)]
-    succeeded(run_script(REPO / "pretrain_gpt.py", *TRAIN, *non_persistent, "--save", str(ckpt)))
+    run_entry(PRETRAIN, [*TRAIN, *non_persistent, "--save", str(ckpt)])
     succeeded(run_script(EXPORT, "--load", str(ckpt), "--output", str(hf_dir), umask=0o077))
     return Exported(root, checkpoint.resolve_checkpoint(ckpt), hf_dir, build_tokenizer())
 
@@ -206,14 +206,15 @@ def test_final_losses_of_a_non_persistent_checkpoint(exported):
     assert final_losses(exported.checkpoint) == final_losses(frequent)
 
 
-def test_checkpoint_without_run_record_needs_tokenizer(exported, tmp_path):
+def test_checkpoint_without_run_record_needs_tokenizer(exported, tmp_path, capsys):
     """A conversion tool's checkpoint records no run: one line, exit 2, nothing written."""
     bare = tmp_path / "iter_0000002"
     shutil.copytree(exported.checkpoint, bare, copy_function=os.link)
     (bare / "apertus_run.json").unlink()
-    proc = run_script(EXPORT, "--load", str(bare), "--output", str(tmp_path / "hf"))
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "pass --tokenizer" in proc.stderr, proc.stderr
+    tool = load_export_tool()
+    assert tool.main(["--load", str(bare), "--output", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass --tokenizer" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002"]
 
 

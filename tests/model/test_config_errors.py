@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.model import ParallelConfig, preset, validate_layout
 from megatron.apertus.model.config import ApertusConfig
-from tests.conftest import PRETRAIN, REPO
+from tests.conftest import PRETRAIN, run_script
 
 TINY = preset("tiny")
 
@@ -98,13 +96,7 @@ def test_parallel_config_rejects_virtual_stages_without_pipeline():
 
 
 def test_command_line_refuses_bad_layout_before_building():
-    proc = subprocess.run(
-        [sys.executable, str(PRETRAIN), "--tensor-model-parallel-size", "3", "--train-iters", "1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script(PRETRAIN, ["--tensor-model-parallel-size", "3", "--train-iters", "1"])
     assert proc.returncode != 0
     assert (
         "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"
@@ -114,12 +106,6 @@ def test_command_line_refuses_bad_layout_before_building():
 
 
 def test_command_line_refuses_bad_model_at_parse_time():
-    proc = subprocess.run(
-        [sys.executable, str(PRETRAIN), "--num-query-groups", "3"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script(PRETRAIN, ["--num-query-groups", "3"])
     assert proc.returncode == 2
     assert "--num-query-groups (3) does not divide --num-attention-heads (4)" in proc.stderr

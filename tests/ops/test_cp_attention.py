@@ -25,6 +25,7 @@ from megatron.apertus.ops.cp_attention import (
     reference_attention,
     sequence_partition,
 )
+from tests.conftest import spawn
 
 FP32_TOL = 2e-6
 """Largest error relative to the largest magnitude of the compared tensor (fp32 round-off)."""
@@ -84,7 +85,7 @@ def test_ring_tiles_pass_fp64_gradcheck(tmp_path):
     """The tile forward/backward (log-sum-exp merge, probabilities recomputed from the saved
     log-sum-exp, masked and skipped tiles) is the derivative of the forward it computes."""
     results = mp.Manager().dict()
-    mp.spawn(_gradcheck_worker, args=(1, str(tmp_path / "init"), results), nprocs=1, join=True)
+    spawn(_gradcheck_worker, args=(1, str(tmp_path / "init"), results), nprocs=1)
     assert results[0] is True
 
 
@@ -232,7 +233,7 @@ def cp_report(request, tmp_path_factory):
     world = request.param
     results = mp.Manager().dict()
     init = tmp_path_factory.mktemp(f"cp{world}") / "init"
-    mp.spawn(_worker, args=(world, str(init), results), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(init), results), nprocs=world)
     return dict(results)
 
 

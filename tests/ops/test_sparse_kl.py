@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.apertus.ops import sparse_kl
 from megatron.apertus.ops.sparse_kl import fused_linear_sparse_kd, sparse_kd_reference
+from tests.conftest import spawn
 
 # Maximum error relative to the largest magnitude of each compared tensor. fp32 is compared with
 # the fp64 reference; bf16 with the reference run on the same bf16 inputs (same bf16 logits),
@@ -408,4 +408,4 @@ def _tp_worker(rank: int, world: int, init_file: str, impls: list[str]) -> None:
 
 def test_tp2_matches_tp1(tmp_path: Path) -> None:
     impls = ["torch"] + (["cpu"] if _has_extension("cpu") else [])
-    mp.spawn(_tp_worker, args=(2, str(tmp_path / "init"), impls), nprocs=2, join=True)
+    spawn(_tp_worker, args=(2, str(tmp_path / "init"), impls), nprocs=2)

@@ -20,7 +20,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.prep.merge import dataset_prefixes
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script
 
 TOKENIZE = REPO / "tools" / "tokenize_corpus.py"
 PREPROCESS = REPO / "tools" / "preprocess_data.py"
@@ -47,6 +47,12 @@ def run_tool(script: Path, *args: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=600,
     )
+
+
+def merge_tool(*args: str) -> subprocess.CompletedProcess:
+    """``tools/merge_datasets.py ARGS`` forked from the warm interpreter: a merge imports
+    megatron-core, 6 s of start-up in a fresh interpreter."""
+    return run_script(MERGE, list(args), env=tool_env(), timeout=600)
 
 
 def json_line(text: str) -> bytes:
@@ -120,7 +126,7 @@ def test_local_two_workers_equal_preprocess_document_for_document(corpus):
 
 def test_merge_of_the_tasks_equals_one_shot_preprocessing_byte_for_byte(corpus):
     root, *_ = corpus
-    merged = run_tool(MERGE, "--input", str(root / "local"), "--output-prefix", str(root / "m"))
+    merged = merge_tool("--input", str(root / "local"), "--output-prefix", str(root / "m"))
     assert merged.returncode == 0, merged.stderr
     for suffix in (".bin", ".idx"):
         assert (root / f"m{suffix}").read_bytes() == (
@@ -331,13 +337,13 @@ def test_merge_refuses_parts_of_another_tokenizer_setting(corpus, tmp_path):
         PREPROCESS, "--input", inputs[3], "--output-prefix", str(parts / "x"), "--no-bos"
     )
     assert proc.returncode == 0, proc.stderr
-    merged = run_tool(MERGE, "--input", str(parts), "--output-prefix", str(tmp_path / "m"))
+    merged = merge_tool("--input", str(parts), "--output-prefix", str(tmp_path / "m"))
     assert merged.returncode == 2 and "add_bos False differs from" in merged.stderr
     (parts / "x_text_document.meta.json").unlink()
-    merged = run_tool(MERGE, "--input", str(parts), "--output-prefix", str(tmp_path / "m"))
+    merged = merge_tool("--input", str(parts), "--output-prefix", str(tmp_path / "m"))
     assert merged.returncode == 2 and "x_text_document.meta.json is missing" in merged.stderr
-    unchecked = run_tool(
-        MERGE, "--input", str(parts), "--output-prefix", str(tmp_path / "m"), "--no-tokenizer-check"
+    unchecked = merge_tool(
+        "--input", str(parts), "--output-prefix", str(tmp_path / "m"), "--no-tokenizer-check"
     )
     assert unchecked.returncode == 0, unchecked.stderr
     assert not list(tmp_path.glob("m.tmp*"))

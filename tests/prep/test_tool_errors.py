@@ -110,12 +110,10 @@ def test_unwritable_output_directory_is_one_line_in_every_writing_tool(shared_di
     # datasets to merge and mix: written by this user, into a folder every user can read
     data = shared_dir / "data"
     data.mkdir(mode=0o755)
-    assert (
-        tool(
-            "preprocess_data.py", "--input", str(source), "--output-prefix", str(data / "c")
-        ).returncode
-        == 0
+    made = warm_tool(
+        "preprocess_data.py", "--input", str(source), "--output-prefix", str(data / "c")
     )
+    assert made.returncode == 0, made.stderr[-2000:]
     for path in data.iterdir():
         path.chmod(0o644)
     runs = {
@@ -153,7 +151,7 @@ def test_input_without_a_usable_line_writes_nothing(tmp_path, content):
         "preprocess_preferences.py": ["--objective", "dpo"],
     }
     for name, extra in runs.items():
-        proc = tool(name, "--input", str(source), "--output-prefix", str(out / "x"), *extra)
+        proc = warm_tool(name, "--input", str(source), "--output-prefix", str(out / "x"), *extra)
         expected = "all 3 lines were rejected" if content else "no lines; nothing written"
         assert_one_line_exit_2(proc, str(source), expected)
         assert not list(out.iterdir()), name
@@ -242,7 +240,7 @@ def test_interrupted_preprocessing_ends_quietly_and_leaves_nothing(tmp_path, sig
 
 @pytest.mark.parametrize("weight", ["nan", "inf", "-1"])
 def test_mixture_weights_must_be_positive_finite_numbers(tmp_path, weight):
-    proc = tool(
+    proc = warm_tool(
         "build_mixture.py",
         "--folders",
         str(tmp_path),

@@ -17,7 +17,7 @@ from megatron.apertus.data.config import DataConfig
 from megatron.apertus.prep.corpus import embedded_documents
 from megatron.apertus.quant.transforms import NORM_FUSIONS, column_scales
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
-from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, series
+from tests.conftest import PRETRAIN, REPO, cpu_models, read_json, run_entry, run_script, series
 
 TINY = [
     "--model-preset",
@@ -170,25 +170,8 @@ def test_rtn_checkpoint_holds_the_fake_quantized_weights(trained, tmp_path):
 
 
 def test_bad_input_is_one_line_and_exit_2(trained, tmp_path):
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "average_checkpoints.py"),
-            "--load",
-            str(trained),
-            "--last",
-            "9",
-            "--save",
-            str(tmp_path / "x"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["--load", str(trained), "--last", "9", "--save", str(tmp_path / "x")]
+    proc = run_script(REPO / "tools" / "average_checkpoints.py", args)
     assert proc.returncode == 2
     assert (
         proc.stderr.strip().splitlines()[-1].startswith("average_checkpoints.py: error: --last 9")

@@ -6,8 +6,6 @@ evaluation of its fp8/nvfp4 checkpoints with --quant-activations-only."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +29,15 @@ from megatron.apertus.quant.formats import (
 )
 from megatron.apertus.quant.gptq import column_grid, gptq, gptq_grid, hessian, rtn
 from megatron.apertus.quant.layers import LinearQuantizers, decoder_linears
-from tests.conftest import PRETRAIN, REPO, SMALL_VOCABULARY, read_json, run_entry, series
+from tests.conftest import (
+    PRETRAIN,
+    REPO,
+    SMALL_VOCABULARY,
+    read_json,
+    run_entry,
+    run_script,
+    series,
+)
 from tests.distill.test_distillation import (  # noqa: F401 (fixtures)
     STUDENT_DATA,
     logits,
@@ -251,23 +257,8 @@ def test_activations_only_quantizes_the_inputs_and_not_the_weights(name):
 def test_activations_only_with_an_int_format_is_refused():
     with pytest.raises(ConfigError, match="--quant-activations-only needs --quant-format fp8"):
         QuantConfig(quant_format="int4", quant_activations_only=True)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(PRETRAIN),
-            "--model-preset",
-            "tiny",
-            "--train-iters",
-            "1",
-            "--quant-format",
-            "int4",
-            "--quant-activations-only",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["--model-preset", "tiny", "--train-iters", "1", "--quant-format", "int4"]
+    proc = run_script(PRETRAIN, [*args, "--quant-activations-only"])
     assert proc.returncode == 2
     assert "error: --quant-activations-only needs --quant-format fp8 or nvfp4" in (
         proc.stderr.strip().splitlines()[-1]

@@ -11,13 +11,10 @@ steps agree within 1e-5 (measured ~1e-7), the sixth within 1e-3 (measured 1.4e-4
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from tests.conftest import PRETRAIN, REPO, read_json, run_entry, run_script, series
 from tests.distill.test_distillation import STUDENT, logits, teacher  # noqa: F401 (fixtures)
 
 TP_RTOL = {"int4": (1e-5, 1e-5), "nvfp4": (1e-5, 1e-3)}
@@ -90,13 +87,7 @@ def test_qad_with_tp2_gives_the_single_process_losses(teacher, logits, tmp_path,
 
 def test_group_size_that_does_not_divide_is_one_line(teacher, logits):  # noqa: F811
     args = qad(teacher, logits, "int4", group="48")
-    proc = subprocess.run(
-        [sys.executable, str(PRETRAIN), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_script(PRETRAIN, args)
     assert proc.returncode == 2
     assert "--quant-group-size 48 does not divide the 64 input features" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron.apertus import checkpoint
+from tests import warm_interpreter
 from tests.conftest import PRETRAIN, REPO, run_entry, run_script
 
 BASE = [
@@ -340,8 +341,9 @@ def test_an_alignment_flag_at_its_default_without_an_objective_is_refused(flags,
 def test_a_rendezvous_that_cannot_start_is_one_line_naming_its_variables(mistake):
     """Ranks started by a launcher (srun, an mpirun) with ``env://`` variables: rank 0 finds
     MASTER_PORT held by another job on the node, or a variable is missing. torch's traceback
-    named neither the variables nor the remedy. A fresh interpreter: the warm one hands its
-    processes no rendezvous of the caller's."""
+    named neither the variables nor the remedy. ``run_script`` hands its processes no
+    rendezvous of the caller's, so the process is forked from the warm interpreter directly with
+    these variables (a fresh interpreter where forks are off)."""
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
@@ -350,15 +352,15 @@ def test_a_rendezvous_that_cannot_start_is_one_line_naming_its_variables(mistake
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if mistake == "no MASTER_ADDR":
         del env["MASTER_ADDR"]
+    args = [*TINY, "--mock-data"]
+    cmd = [sys.executable, str(PRETRAIN), *args]
     with holder:
-        proc = subprocess.run(
-            [sys.executable, str(PRETRAIN), *TINY, "--mock-data"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        if warm_interpreter.enabled():
+            proc = warm_interpreter.run(cmd, str(PRETRAIN), args, 1, env, 300)
+        else:
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+            )
     errors = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr

@@ -14,7 +14,7 @@ from megatron.core.datasets.utils import Split
 from examples.chat_demo import docstring_conversations
 from megatron.apertus.data.sft import ChatGPTDataset, MaskedIndexedDataset
 from megatron.apertus.tokenizer.tokenizers import build_tokenizer
-from tests.conftest import PRETRAIN, REPO, read_json, run_entry, series
+from tests.conftest import PRETRAIN, REPO, read_json, run_entry, run_script, series
 
 TOOL = REPO / "tools" / "preprocess_chat.py"
 BASE = [
@@ -126,29 +126,11 @@ def test_sft_lowers_the_held_out_assistant_loss(chats, tmp_path):
 
 
 def test_sft_refuses_a_dataset_without_its_mask(chats, tmp_path):
-    import subprocess
-    import sys
-
     plain = tmp_path / "plain_chat_document"
     for suffix in (".bin", ".idx"):
         (tmp_path / f"plain_chat_document{suffix}").write_bytes(
             open(chats["valid"] + suffix, "rb").read()
         )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(PRETRAIN),
-            *BASE,
-            "--sft",
-            "--train-iters",
-            "1",
-            "--data-path",
-            str(plain),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script(PRETRAIN, [*BASE, "--sft", "--train-iters", "1", "--data-path", str(plain)])
     assert proc.returncode == 2
     assert "_loss_mask.bin is missing" in proc.stderr.strip().splitlines()[-1]

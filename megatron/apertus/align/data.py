@@ -19,21 +19,12 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.apertus.data.chat import loss_mask_prefix
+from megatron.apertus.data.chat import loss_mask_prefix, quantile_prefix, ref_logp_prefix
 from megatron.apertus.data.indexed import read_index
 from megatron.apertus.errors import ConfigError
 
 SEQUENCES = {"dpo": 2, "qrpo": 1}
 """Sequences (completions) per example."""
-
-
-def quantile_prefix(prefix: str) -> str:
-    return f"{prefix}_quantile"
-
-
-def ref_logp_prefix(prefix: str) -> str:
-    """Where precomputed reference log-probabilities of the dataset at ``prefix`` live."""
-    return f"{prefix}_ref_logp"
 
 
 class PreferenceDataset:

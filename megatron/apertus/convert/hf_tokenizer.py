@@ -27,13 +27,17 @@ export whose tokenizer encodes any check text differently from ours.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megatron.apertus.cache import default_cache_dir
 from megatron.apertus.convert.hf import ConversionError, SpecialTokenIds
 from megatron.apertus.data.chat import CHAT_TEMPLATE, CONTROL_TOKENS
 from megatron.apertus.prep.corpus import embedded_documents
@@ -112,9 +116,7 @@ def tokenizer_source(
 def _backend(source: TokenizerSource, ours: Tokenizer):
     """The ``tokenizers.Tokenizer`` of ``source``, converted by transformers where needed."""
     if source.type == "TekkenTokenizer":
-        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
-
-        return convert_tekken_tokenizer(str(ours.path)).backend_tokenizer
+        return _converted_tekken(Path(ours.path))
     if source.type == "HuggingFaceTokenizer":
         from tokenizers import Tokenizer as FastTokenizer
 
@@ -125,6 +127,46 @@ def _backend(source: TokenizerSource, ours: Tokenizer):
     with tempfile.TemporaryDirectory() as spm_dir:
         shutil.copyfile(ours.path, Path(spm_dir) / "tokenizer.model")
         return PreTrainedTokenizerFast.from_pretrained(spm_dir).backend_tokenizer
+
+
+def _converted_tekken(path: Path):
+    """transformers' ``convert_tekken_tokenizer`` of the tekken file ``path``, kept as its
+    ``tokenizer.json`` in the package's cache directory (named by the file's SHA-256 and the
+    transformers version, headed by the SHA-256 of the JSON): the conversion rebuilds the BPE
+    merges of 130k tokens in Python, about 5 s of CPU per export, where reading them back takes
+    0.6 s. A cache that is missing, damaged or cannot be written costs only the speed; what is
+    exported is checked against our tokenizer either way (:func:`check_hf_tokenizer`)."""
+    import transformers
+    from tokenizers import Tokenizer as FastTokenizer
+
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    cache = default_cache_dir() / f"hf-tekken-{digest}-transformers-{transformers.__version__}"
+    with contextlib.suppress(OSError, ValueError):
+        checksum, text = cache.read_text(encoding="utf-8").split("\n", 1)
+        if checksum == hashlib.sha256(text.encode()).hexdigest():
+            return FastTokenizer.from_str(text)
+    from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+
+    backend = convert_tekken_tokenizer(str(path)).backend_tokenizer
+    text = backend.to_str()
+    _write_atomically(cache, f"{hashlib.sha256(text.encode()).hexdigest()}\n{text}")
+    return backend
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` under a unique temporary name beside ``path``, then rename it (exports
+    running together never read a partial file); skip it where the disk refuses."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except OSError:
+        os.remove(temporary)
 
 
 def _literal_specials(specials: Sequence[str]) -> str:

@@ -186,3 +186,13 @@ def encode_text(
 def loss_mask_prefix(prefix: str) -> str:
     """Where the loss mask of the chat dataset at ``prefix`` lives (same document lengths)."""
     return f"{prefix}_loss_mask"
+
+
+def quantile_prefix(prefix: str) -> str:
+    """Where the reward quantiles of the alignment dataset at ``prefix`` live (QRPO)."""
+    return f"{prefix}_quantile"
+
+
+def ref_logp_prefix(prefix: str) -> str:
+    """Where precomputed reference log-probabilities of the dataset at ``prefix`` live."""
+    return f"{prefix}_ref_logp"

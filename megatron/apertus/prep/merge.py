@@ -113,13 +113,16 @@ def check_records(prefixes: list[str]) -> None:
 
 
 def merge(prefixes: list[str], output_prefix: str, *, require_records: bool = True) -> int:
-    """Write the concatenation of ``prefixes`` to ``output_prefix``; its number of documents."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    """Write the concatenation of ``prefixes`` to ``output_prefix``; its number of documents.
 
+    megatron-core (and with it torch, 5-8 s) is imported only once the parts are checked and the
+    outputs can be written: a refusal costs no start-up."""
     record = check_compatible(prefixes, require_records=require_records)
     if not Path(output_prefix).parent.is_dir():
         raise MergeError(f"--output-prefix directory {Path(output_prefix).parent} does not exist")
     with atomic_outputs(f"{output_prefix}.bin", f"{output_prefix}.idx") as (bin_path, idx_path):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
         builder = IndexedDatasetBuilder(bin_path, dtype=index_dtype_of(prefixes[0]).type)
         for prefix in prefixes:
             builder.add_index(prefix)

@@ -23,8 +23,13 @@ import math
 
 import numpy as np
 
-from megatron.apertus.align.data import quantile_prefix, ref_logp_prefix
-from megatron.apertus.data.chat import ConversationError, control_token_ids, loss_mask_prefix
+from megatron.apertus.data.chat import (
+    ConversationError,
+    control_token_ids,
+    loss_mask_prefix,
+    quantile_prefix,
+    ref_logp_prefix,
+)
 from megatron.apertus.prep.layouts import preference
 from megatron.apertus.prep.preprocess import decode_line
 from megatron.apertus.tokenizer.tokenizers import Tokenizer
