@@ -123,14 +123,16 @@ class TrainingConfig:
         5,
         ours=True,
     )
-    recompute_granularity: Optional[str] = flag_help(
+    recompute_granularity: Optional[Literal["full", "selective"]] = flag_help(
         "activation recomputation: full or selective", None
     )
     recompute_activations: bool = switch(
         "selective recomputation: Megatron-LM's older spelling of --recompute-granularity "
         "selective"
     )
-    recompute_method: Optional[str] = flag_help("full recomputation: uniform or block", None)
+    recompute_method: Optional[Literal["uniform", "block"]] = flag_help(
+        "full recomputation: uniform or block", None
+    )
     recompute_num_layers: Optional[int] = flag_help(
         "layers per recomputed group (uniform) or count (block)", None
     )
@@ -172,7 +174,9 @@ class TrainingConfig:
         "micro-batches and data-parallel ranks) instead of averaging each micro-batch's mean "
         "over the micro-batches and data-parallel ranks; refused with --align-objective"
     )
-    xielu_impl: str = flag_help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
+    xielu_impl: Literal["auto", "cuda", "cpu", "torch"] = flag_help(
+        "xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True
+    )
     fused_output_loss: bool = flag_help(
         "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist); "
         "--align-objective runs it unfused",

@@ -1,0 +1,95 @@
+"""Pathological flag values end in one line naming the flag and exit code 2, never a traceback.
+
+The cases are what ``bench/sweep_bad_flags.py`` (every flag of ``pretrain_gpt.py`` with zero,
+negative, huge, non-finite, empty and path values) found answered otherwise; each is refused
+where the flag's config is built, or, for sizes that only fail to allocate, where the model or
+the sample index is built. In this process: a refusal costs the flags' parsing (or the start of
+the run), not an interpreter.
+"""
+
+from __future__ import annotations
+
+import signal
+import typing
+
+import pytest
+
+import pretrain_gpt
+from megatron.apertus.cli import run
+from megatron.apertus.ops.xielu import XIELU_IMPLS
+from megatron.apertus.training.loop_config import TrainingConfig
+from tests.conftest import SMALL_VOCABULARY
+
+TINY = (
+    "--model-preset tiny --mock-data --train-iters 2 --eval-iters 0 --global-batch-size 2 "
+    "--micro-batch-size 2"
+).split() + SMALL_VOCABULARY
+ERROR = ": error: "
+"""After the program's name, which is argparse's ``prog`` (``sys.argv[0]``) or ``cli.run``'s."""
+HUGE = str(2**40)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if ERROR in line]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0].split(ERROR, 1)[1]
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1, got 0"),
+        (["--init-method-std", "-1"], "--init-method-std must be a finite number >= 0, got -1.0"),
+        (["--init-method-std", "nan"], "--init-method-std must be a finite number >= 0, got nan"),
+        (["--norm-epsilon", "-1"], "--norm-epsilon must be a finite number >= 0, got -1.0"),
+        (["--rotary-base", "0"], "--rotary-base must be positive, got 0"),
+        (["--rope-scaling-factor", "0"], "--rope-scaling-factor must be a finite number > 0"),
+        (["--xielu-beta", "inf"], "--xielu-beta must be a finite number, got inf"),
+        (["--distributed-timeout-minutes", HUGE], "--distributed-timeout-minutes must be in [1, "),
+        (["--recompute-granularity", ""], "argument --recompute-granularity: invalid choice: ''"),
+        (["--recompute-method", "x"], "argument --recompute-method: invalid choice: 'x'"),
+        (["--xielu-impl", "x"], "argument --xielu-impl: invalid choice: 'x'"),
+    ],
+)
+def test_a_bad_value_is_refused_when_the_flags_are_read(flags, line, capsys):
+    with pytest.raises(SystemExit) as exited:
+        pretrain_gpt.parse_args(TINY + flags)
+    assert exited.value.code == 2
+    assert _one_line(capsys).startswith(line)
+
+
+def test_the_xielu_impl_choices_are_the_kernels_dispatch():
+    hint = typing.get_type_hints(TrainingConfig)["xielu_impl"]
+    assert typing.get_args(hint) == XIELU_IMPLS
+
+
+def test_good_values_still_parse():
+    """The negative control: the bounds refuse only what cannot work."""
+    config = pretrain_gpt.parse_args(
+        TINY
+        + ["--init-method-std", "0", "--norm-epsilon", "0", "--xielu-impl", "torch"]
+        + ["--distributed-timeout-minutes", "153722", "--recompute-granularity", "full"]
+    )
+    assert config.model.init_method_std == 0 and config.training.xielu_impl == "torch"
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--hidden-size", HUGE], "the model does not fit in memory: "),
+        (["--num-layers", HUGE], "the model does not fit in memory: "),
+        (["--train-iters", HUGE], f"the sample index of {2**41} training samples "),
+    ],
+)
+def test_a_size_that_cannot_be_allocated_is_refused_naming_its_flags(flags, line, capsys):
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            run(lambda: pretrain_gpt.main(TINY + flags), prog="pretrain_gpt.py")
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert exited.value.code == 2
+    refusal = _one_line(capsys)
+    assert refusal.startswith(line), refusal
+    assert flags[0] in refusal
