@@ -47,6 +47,7 @@ def _one_line(capsys) -> str:
         (["--rope-scaling-factor", "0"], "--rope-scaling-factor must be a finite number > 0"),
         (["--xielu-beta", "inf"], "--xielu-beta must be a finite number, got inf"),
         (["--distributed-timeout-minutes", HUGE], "--distributed-timeout-minutes must be in [1, "),
+        (["--lr-warmup-init", "nan"], "--lr-warmup-init must be a finite number >= 0, got nan"),
         (["--recompute-granularity", ""], "argument --recompute-granularity: invalid choice: ''"),
         (["--recompute-method", "x"], "argument --recompute-method: invalid choice: 'x'"),
         (["--xielu-impl", "x"], "argument --xielu-impl: invalid choice: 'x'"),
@@ -80,9 +81,12 @@ def test_good_values_still_parse():
         (["--hidden-size", HUGE], "the model does not fit in memory: "),
         (["--num-layers", HUGE], "the model does not fit in memory: "),
         (["--train-iters", HUGE], f"the sample index of {2**41} training samples "),
+        (["--lr-warmup-init", "1"], "--lr-warmup-init (1.0) exceeds --lr (0.001): "),
     ],
 )
-def test_a_size_that_cannot_be_allocated_is_refused_naming_its_flags(flags, line, capsys):
+def test_a_value_refused_as_the_run_starts_names_its_flag(flags, line, capsys):
+    """Sizes that only fail to allocate, and a warmup start above the peak lr, which only the
+    scheduler sees beside the optimizer's settings."""
     handler = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as exited:
