@@ -48,6 +48,7 @@ def _one_line(capsys) -> str:
         (["--xielu-beta", "inf"], "--xielu-beta must be a finite number, got inf"),
         (["--distributed-timeout-minutes", HUGE], "--distributed-timeout-minutes must be in [1, "),
         (["--lr-warmup-init", "nan"], "--lr-warmup-init must be a finite number >= 0, got nan"),
+        (["--num-workers", HUGE], "--num-workers must be in [0, 1024], got 1099511627776"),
         (["--recompute-granularity", ""], "argument --recompute-granularity: invalid choice: ''"),
         (["--recompute-method", "x"], "argument --recompute-method: invalid choice: 'x'"),
         (["--xielu-impl", "x"], "argument --xielu-impl: invalid choice: 'x'"),
