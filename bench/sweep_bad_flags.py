@@ -2,7 +2,8 @@
 
 The promise this checks (``megatron/apertus/cli.py``): a value the user can fix ends the run with
 one line ``pretrain_gpt.py: error: ...`` and exit code 2, no traceback, no hang and no output
-left behind. Each case adds one flag to a tiny mock-data run of two steps and is classified as
+left behind. Each case adds one flag to a tiny mock-data run of two steps (the data,
+distillation and alignment flags: on the embedded corpus) and is classified as
 
 * ``ran``: exit 0 (the value is accepted and the run finished);
 * ``refused``: exit 2 with the one error line (argparse's "N flags cannot be honoured" list
@@ -66,6 +67,9 @@ BASE = [
     *("--make-vocab-size-divisible-by", "128"),
 ]
 """The tiny working run every case adds one flag to (the tests' small-vocabulary tiny run)."""
+REAL_DATA_GROUPS = ("datasets", "distillation", "alignment")
+"""Groups whose flags ``--mock-data`` refuses outright: their cases train on the embedded
+corpus instead (no ``--data-path``), so the value itself is what is checked."""
 
 FLAGS_FILE = REPO / "tests" / "training" / "cli_flags.json"
 UNWRITABLE = "/sys/apertus-sweep/out"
@@ -85,6 +89,7 @@ class Case:
     flag: str
     label: str
     argv: list[str]
+    mock_data: bool = True
     cls: str = ""
     code: int | None = None
     line: str = ""
@@ -133,21 +138,22 @@ def cases(parser: argparse.ArgumentParser, only: set[str], scratch: str) -> list
         if only and flag not in only or flag in ("--help", "--dry-run"):
             continue
         action = actions.get(flag)
+        mock = not entry["group"].startswith(REAL_DATA_GROUPS)
         if action is None:
             out.append(Case(flag, "not in the parser", [], cls="missing-flag"))
             continue
         if action.nargs == 0:
-            out.append(Case(flag, "alone", [flag]))
+            out.append(Case(flag, "alone", [flag], mock))
             opposite = _opposite(flag, switches)
             if opposite:
-                out.append(Case(flag, f"with {opposite}", [flag, opposite]))
+                out.append(Case(flag, f"with {opposite}", [flag, opposite], mock))
             continue
         if action.choices:
-            out.append(Case(flag, "outside the choices", [f"{flag}=bogus"]))
+            out.append(Case(flag, "outside the choices", [f"{flag}=bogus"], mock))
             continue
         kind = entry["type"] if entry["type"] in NUMBERS else "str"
         values = NUMBERS[kind] if kind in NUMBERS else _string_values(scratch)
-        out += [Case(flag, label, [f"{flag}={value}"]) for label, value in values.items()]
+        out += [Case(flag, label, [f"{flag}={v}"], mock) for label, v in values.items()]
     return out
 
 
@@ -172,7 +178,8 @@ def _child(case: Case, scratch: Path) -> None:
             out = os.open(scratch.parent / f"{scratch.name}.{name}", os.O_WRONLY | os.O_CREAT)
             os.dup2(out, fd)
             os.close(out)
-        sys.argv = ["pretrain_gpt.py", *BASE, *case.argv]
+        base = BASE if case.mock_data else [a for a in BASE if a != "--mock-data"]
+        sys.argv = ["pretrain_gpt.py", *base, *case.argv]
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         import pretrain_gpt
         from megatron.apertus.cli import run
