@@ -98,3 +98,17 @@ def test_a_value_refused_as_the_run_starts_names_its_flag(flags, line, capsys):
     refusal = _one_line(capsys)
     assert refusal.startswith(line), refusal
     assert flags[0] in refusal
+
+
+@pytest.mark.parametrize("split", [".", "0,0,0", "1,2,3,4", "data/train"])
+def test_a_split_megatron_core_cannot_read_is_refused(split, capsys):
+    with pytest.raises(SystemExit) as exited:
+        pretrain_gpt.parse_args([a for a in TINY if a != "--mock-data"] + ["--split", split])
+    assert exited.value.code == 2
+    assert _one_line(capsys).startswith(f"--split {split!r}: give up to three shares of ")
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "99/1", "1", "0.9, 0.1"])
+def test_megatron_lm_splits_still_parse(split):
+    config = pretrain_gpt.parse_args([a for a in TINY if a != "--mock-data"] + ["--split", split])
+    assert config.dataset.split == split
