@@ -49,6 +49,8 @@ def _one_line(capsys) -> str:
         (["--distributed-timeout-minutes", HUGE], "--distributed-timeout-minutes must be in [1, "),
         (["--lr-warmup-init", "nan"], "--lr-warmup-init must be a finite number >= 0, got nan"),
         (["--num-workers", HUGE], "--num-workers must be in [0, 1024], got 1099511627776"),
+        (["--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+        (["--seed", HUGE], f"--seed must be in [0, 4294967295], got {HUGE}"),
         (["--recompute-granularity", ""], "argument --recompute-granularity: invalid choice: ''"),
         (["--recompute-method", "x"], "argument --recompute-method: invalid choice: 'x'"),
         (["--xielu-impl", "x"], "argument --xielu-impl: invalid choice: 'x'"),
@@ -81,7 +83,8 @@ def test_good_values_still_parse():
     [
         (["--hidden-size", HUGE], "the model does not fit in memory: "),
         (["--num-layers", HUGE], "the model does not fit in memory: "),
-        (["--train-iters", HUGE], f"the sample index of {2**41} training samples "),
+        (["--train-iters", HUGE], f"the sample indices of {2**41} training and 0 validation "),
+        (["--eval-iters", HUGE], "the sample indices of 4 training and "),
         (["--lr-warmup-init", "1"], "--lr-warmup-init (1.0) exceeds --lr (0.001): "),
     ],
 )

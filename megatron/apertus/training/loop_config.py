@@ -240,6 +240,8 @@ class TrainingConfig:
             ("--exit-interval", self.exit_interval),
         ):
             require(value is None or value >= 0, flag, value, ">= 0")
+        # numpy's generator, seeded with it as in Megatron-LM, takes 32 bits
+        require(0 <= self.seed < 2**32, "--seed", self.seed, f"in [0, {2**32 - 1}]")
 
     def total_iterations(self, dp: int) -> int:
         """Optimizer steps of the run, following megatron-core's batch-size ramp-up."""

@@ -155,8 +155,9 @@ def pretraining_datasets(
         if not out_of_memory(err):
             raise
         raise ConfigError(
-            f"the sample index of {sizes[0]} training samples (--train-iters x "
-            f"--global-batch-size) does not fit in memory: {err.__cause__ or err}"
+            f"the sample indices of {sizes[0]} training and {sizes[1]} validation samples "
+            "(--train-iters x --global-batch-size, --eval-iters) do not fit in memory: "
+            f"{err.__cause__ or err}"
         ) from None
     return train, valid
 
