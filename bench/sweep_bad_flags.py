@@ -31,6 +31,10 @@ limit so that a value asking for terabytes fails instead of swapping the machine
     python bench/sweep_bad_flags.py                      # all flags, 2 at a time
     python bench/sweep_bad_flags.py --only lr save       # some flags
     python bench/sweep_bad_flags.py --lock /tmp/helper.lock --batch 60
+    python bench/sweep_bad_flags.py --entry generate_teacher_logits  # the teacher-logit generator
+
+``--entry generate_teacher_logits`` sweeps the flags of ``tools/generate_teacher_logits.py``
+(its parser's, there is no frozen list) on a tiny teacher the sweep trains and saves first.
 
 Writes ``bench/results/sweep_bad_flags_<entry>.json`` (every case, the counts per class, the
 commit) and prints the counts and each defect with its last line.
@@ -72,6 +76,79 @@ REAL_DATA_GROUPS = ("datasets", "distillation", "alignment")
 corpus instead (no ``--data-path``), so the value itself is what is checked."""
 
 FLAGS_FILE = REPO / "tests" / "training" / "cli_flags.json"
+GENERATOR = REPO / "tools" / "generate_teacher_logits.py"
+TEACHER = [a for a in BASE if a != "--mock-data"] + ["--train-iters", "1"]
+"""The teacher the generator's cases read: the tiny run, one step, saved once per sweep."""
+STUDENT = [
+    *("--seed", "11", "--global-batch-size", "2", "--micro-batch-size", "2"),
+    *("--train-iters", "2", "--eval-iters", "0", "--topk", "4", "--samples-per-block", "2"),
+    *("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(TOKENIZER)),
+]
+"""The generator's tiny working command, after ``--load TEACHER --logits-dir STORE``."""
+
+
+@dataclass
+class Entry:
+    """The program a sweep runs: its name on error lines, its ``main`` and its base flags."""
+
+    prog: str
+    base: list[str]
+
+    def main(self):
+        if self.prog == "pretrain_gpt.py":
+            import pretrain_gpt
+
+            return pretrain_gpt.main
+        return _module(GENERATOR).main
+
+    def parser(self) -> argparse.ArgumentParser:
+        if self.prog == "pretrain_gpt.py":
+            import pretrain_gpt
+
+            return pretrain_gpt.build_parser()
+        return _generator_parser()
+
+    def frozen(self) -> list[dict]:
+        """The flags to sweep: the frozen list for ``pretrain_gpt.py``, else the parser's."""
+        if self.prog == "pretrain_gpt.py":
+            return json.loads(FLAGS_FILE.read_text())
+        return [
+            {"flags": a.option_strings, "type": getattr(a.type, "__name__", "str"), "group": ""}
+            for a in self.parser()._actions
+            if a.option_strings
+        ]
+
+
+def _module(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _generator_parser() -> argparse.ArgumentParser:
+    """The generator builds its parser inside ``parse_args``: catch it there."""
+    module = _module(GENERATOR)
+    built = []
+    original = module.ArgumentParser.parse_args
+
+    def capture(self, argv=None, namespace=None):
+        built.append(self)
+        raise SystemExit(0)
+
+    module.ArgumentParser.parse_args = capture
+    try:
+        module.parse_args([])
+    except SystemExit:
+        pass
+    finally:
+        module.ArgumentParser.parse_args = original
+    return built[0]
+
+
+ENTRY = Entry("pretrain_gpt.py", BASE)
 UNWRITABLE = "/sys/apertus-sweep/out"
 """A path not even root can create (sysfs): permission bits do not stop root."""
 MEMORY_LIMIT = 12 << 30
@@ -133,7 +210,7 @@ def cases(parser: argparse.ArgumentParser, only: set[str], scratch: str) -> list
     actions = {opt: a for a in parser._actions for opt in a.option_strings}
     switches = {opt for opt, a in actions.items() if a.nargs == 0}
     out = [Case("(base)", "base run", [])]
-    for entry in json.loads(FLAGS_FILE.read_text()):
+    for entry in ENTRY.frozen():
         flag = entry["flags"][0]
         if only and flag not in only or flag in ("--help", "--dry-run"):
             continue
@@ -178,13 +255,13 @@ def _child(case: Case, scratch: Path) -> None:
             out = os.open(scratch.parent / f"{scratch.name}.{name}", os.O_WRONLY | os.O_CREAT)
             os.dup2(out, fd)
             os.close(out)
-        base = BASE if case.mock_data else [a for a in BASE if a != "--mock-data"]
-        sys.argv = ["pretrain_gpt.py", *base, *case.argv]
+        base = ENTRY.base if case.mock_data else [a for a in ENTRY.base if a != "--mock-data"]
+        sys.argv = [ENTRY.prog, *base, *case.argv]
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        import pretrain_gpt
         from megatron.apertus.cli import run
 
-        run(lambda: pretrain_gpt.main(sys.argv[1:]), prog="pretrain_gpt.py")
+        main = ENTRY.main()
+        run(lambda: main(sys.argv[1:]), prog=ENTRY.prog)
     except SystemExit as exited:
         if isinstance(exited.code, str):
             print(exited.code, file=sys.stderr)
@@ -200,11 +277,11 @@ def _child(case: Case, scratch: Path) -> None:
 
 def _classify(case: Case, code: int | None, stderr: str, timed_out: bool, ticking: bool) -> None:
     lines = [line for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("pretrain_gpt.py: ")]
+    errors = [line for line in lines if line.startswith(f"{ENTRY.prog}: ")]
     other = [
         line
         for line in lines
-        if not LOG_RECORD.match(line) and not line.startswith(("pretrain_gpt.py: ", "  "))
+        if not LOG_RECORD.match(line) and not line.startswith((f"{ENTRY.prog}: ", "  "))
     ]
     case.code = code
     case.line = (errors or other or lines or [""])[-1][:300]
@@ -219,7 +296,7 @@ def _classify(case: Case, code: int | None, stderr: str, timed_out: bool, tickin
         case.cls = "refused"
     elif code == 2:
         case.cls = "noise"
-    elif code == 1 and len(errors) == 1 and errors[0].startswith("pretrain_gpt.py: stopped: "):
+    elif code == 1 and len(errors) == 1 and errors[0].startswith(f"{ENTRY.prog}: stopped: "):
         case.cls = "stopped"
     else:
         case.cls = f"exit-{code}"
@@ -294,6 +371,18 @@ def run_cases(todo: list[Case], work: Path, jobs: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def _teacher(work: Path) -> list[str]:
+    """Save the tiny teacher once (in a forked process, as every case runs) and return the
+    generator's base flags that read it."""
+    global ENTRY
+    ENTRY = Entry("pretrain_gpt.py", TEACHER + ["--save", str(work / "teacher")])
+    case = Case("(teacher)", "save", [])
+    run_cases([case], work, 1, 300)
+    if case.cls != "ran":
+        sys.exit(f"the teacher did not train: {case.line}")
+    return ["--load", str(work / "teacher"), "--logits-dir", "store", *STUDENT]
+
+
 def _report(case: Case) -> None:
     left = f" LEFT {case.left}" if case.left else ""
     shown = "" if case.cls in ("ran",) else f": {case.line}"
@@ -327,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", nargs="+", default=[], help="these flags only, without their dashes (lr save)"
     )
+    parser.add_argument(
+        "--entry",
+        choices=("pretrain_gpt", "generate_teacher_logits"),
+        default="pretrain_gpt",
+        help="the program to sweep (the generator's cases read a tiny teacher saved first)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="cases at a time")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a case may take")
     parser.add_argument("--lock", help="flock this file around each batch of cases")
@@ -338,11 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.monotonic()
     import megatron.apertus.training.loop  # noqa: F401  (imported once, before the forks)
-    import pretrain_gpt
 
+    global ENTRY
     work = Path(tempfile.mkdtemp(prefix="sweep-flags-"))
+    if args.entry == "generate_teacher_logits":
+        ENTRY = Entry("generate_teacher_logits.py", _teacher(work))
     only = {f"--{name.lstrip('-')}" for name in args.only}
-    todo = cases(pretrain_gpt.build_parser(), only, str(work / "CASE"))
+    todo = cases(ENTRY.parser(), only, str(work / "CASE"))
     for case in todo:  # each case's paths point into its own scratch directory
         case.argv = [a.replace(str(work / "CASE"), str(work / case_id(case))) for a in case.argv]
     done = [c for c in todo if c.cls]
@@ -363,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in done:
         if case.cls in DEFECTS or case.cls.startswith("exit-") or case.left:
             print(f"  {case.cls:10} {case.flag} [{case.label}]: {case.line}")
-    output = args.output or REPO / "bench" / "results" / "sweep_bad_flags_pretrain_gpt.json"
+    output = args.output or REPO / "bench" / "results" / f"sweep_bad_flags_{args.entry}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     from bench._common import git_commit, machine
 
@@ -372,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "commit": git_commit(),
                 "machine": machine(),
-                "base": BASE,
+                "base": ENTRY.base,
                 "seconds": round(time.monotonic() - started, 1),
                 **result,
                 "cases": [asdict(c) for c in done],
