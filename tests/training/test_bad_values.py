@@ -1,4 +1,5 @@
-"""Pathological flag values end in one line naming the flag and exit code 2, never a traceback.
+"""Pathological flag values end in one line naming the flag and exit code 2, never a traceback
+(``pretrain_gpt.py`` and the teacher-logit generator).
 
 The cases are what ``bench/sweep_bad_flags.py`` (every flag of ``pretrain_gpt.py`` with zero,
 negative, huge, non-finite, empty and path values) found answered otherwise; each is refused
@@ -9,16 +10,20 @@ the run), not an interpreter.
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import typing
+from pathlib import Path
 
 import pytest
 
 import pretrain_gpt
+from megatron.apertus.checkpoint_files import MODEL_CONFIG
 from megatron.apertus.cli import run
+from megatron.apertus.model.config import preset
 from megatron.apertus.ops.xielu import XIELU_IMPLS
 from megatron.apertus.training.loop_config import TrainingConfig
-from tests.conftest import SMALL_VOCABULARY
+from tests.conftest import REPO, SMALL_TOKENIZER_FLAGS, SMALL_VOCABULARY
 
 TINY = (
     "--model-preset tiny --mock-data --train-iters 2 --eval-iters 0 --global-batch-size 2 "
@@ -27,6 +32,7 @@ TINY = (
 ERROR = ": error: "
 """After the program's name, which is argparse's ``prog`` (``sys.argv[0]``) or ``cli.run``'s."""
 HUGE = str(2**40)
+GENERATE = REPO / "tools" / "generate_teacher_logits.py"
 
 
 def _one_line(capsys) -> str:
@@ -115,3 +121,61 @@ def test_a_split_megatron_core_cannot_read_is_refused(split, capsys):
 def test_megatron_lm_splits_still_parse(split):
     config = pretrain_gpt.parse_args([a for a in TINY if a != "--mock-data"] + ["--split", split])
     assert config.dataset.split == split
+
+
+# -- the teacher-logit generator (tools/generate_teacher_logits.py) ---------------------------
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_teacher_logits", GENERATE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def config_only_teacher(tmp_path) -> Path:
+    """A teacher checkpoint holding its config and no weights: what the flags are checked
+    against; a refusal that came after loading weights would be another error."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / MODEL_CONFIG).write_text(preset("tiny").to_json())
+    return teacher
+
+
+STUDENT = "--global-batch-size 2 --micro-batch-size 2 --train-iters 2 --eval-iters 0".split()
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--device", ""], "argument --device: invalid choice: ''"),
+        (["--train-iters", "0"], "--train-iters/--train-samples: the student's run has no "),
+        (["--micro-batch-size", HUGE], "--global-batch-size (2) is not a multiple of "),
+    ],
+)
+def test_the_generator_refuses_a_bad_value_when_the_flags_are_read(
+    flags, line, config_only_teacher, tmp_path, capsys
+):
+    argv = ["--load", str(config_only_teacher), "--logits-dir", str(tmp_path / "store")]
+    with pytest.raises(SystemExit) as exited:
+        _generator().parse_args(argv + STUDENT + SMALL_TOKENIZER_FLAGS + flags)
+    assert exited.value.code == 2
+    assert _one_line(capsys).startswith(line)
+
+
+def test_a_generation_refused_after_the_store_check_leaves_no_store(
+    config_only_teacher, tmp_path, capsys
+):
+    store = tmp_path / "out" / "store"
+    argv = ["--load", str(config_only_teacher), "--logits-dir", str(store), *STUDENT]
+    argv += [*SMALL_TOKENIZER_FLAGS, "--data-path", str(tmp_path / "none")]
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            run(lambda: _generator().main(argv), prog="generate_teacher_logits.py")
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert exited.value.code == 2
+    assert _one_line(capsys).startswith("--data-path: neither ")
+    assert not (tmp_path / "out").exists()

@@ -76,7 +76,7 @@ class TrainingConfig:
         "evaluate only: load --load, run one validation pass at its iteration (logged as "
         "Megatron-LM's pass after training), and exit without a step or a save"
     )
-    device: str = flag_help("auto, cpu or cuda", "auto", ours=True)
+    device: Literal["auto", "cpu", "cuda"] = flag_help("auto, cpu or cuda", "auto", ours=True)
     precision: Optional[str] = flag_help(
         "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)",
         None,
