@@ -14,3 +14,19 @@ class ReplicasDiverged(ConfigError):
     data corruption on some device or link. Not the user's input, but a run that must stop the
     same way (one line, exit 2) rather than train on; the message names the iterations and
     ranks."""
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` or one of its causes is an allocation that failed: Python's and numpy's
+    ``MemoryError``, torch's CPU allocator refusing (a ``RuntimeError``) or its
+    ``OutOfMemoryError``. Sizes the user asked for caused it, and the caller names their flags;
+    megatron-core's builders wrap the allocation's error in their own."""
+    while err is not None:
+        if isinstance(err, MemoryError):
+            return True
+        if isinstance(err, RuntimeError) and (
+            "can't allocate memory" in str(err) or type(err).__name__ == "OutOfMemoryError"
+        ):
+            return True
+        err = err.__cause__ or err.__context__
+    return False

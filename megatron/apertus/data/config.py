@@ -15,6 +15,10 @@ from megatron.apertus.flags import flag_help
 from megatron.apertus.tokenizer.config import TokenizerConfig
 from megatron.apertus.tokenizer.tokenizers import checked_tokenizer
 
+MOST_WORKERS = 1024
+"""More loader processes than any node has cores: the loader would fork until the system
+refuses, which looks like a hang, so such a count is refused instead."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig(TokenizerConfig):
@@ -35,8 +39,10 @@ class DataConfig(TokenizerConfig):
     )
 
     def __post_init__(self) -> None:
-        if self.num_workers < 0:
-            raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if not 0 <= self.num_workers <= MOST_WORKERS:
+            raise ConfigError(
+                f"--num-workers must be in [0, {MOST_WORKERS}], got {self.num_workers}"
+            )
         if self.tokenizer_type == "NullTokenizer":
             return  # ids only: training checks them against --vocab-size
         if self.null_tokenizer_eod_id is not None or self.null_tokenizer_pad_id != -1:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -108,6 +109,7 @@ class DatasetConfig:
     def __post_init__(self) -> None:
         self._check_mock_data()
         self._check_validation_sets()
+        self._check_split()
         if self.num_dataset_builder_threads < 1:
             raise ValueError(
                 f"--num-dataset-builder-threads must be >= 1, got {self.num_dataset_builder_threads}"
@@ -158,6 +160,21 @@ class DatasetConfig:
             raise ConfigError(
                 f"--validation-set-names: {len(names)} names for the {sets} validation sets of "
                 f"--valid-data-path"
+            )
+
+    def _check_split(self) -> None:
+        """megatron-core reads the numbers in ``--split`` (``969,30,1``, ``99/1/0``) and
+        normalises them: text with none, more than three, a lone '.' or only zeros fails inside
+        it with a traceback (or divides by zero)."""
+        if not self.split:
+            return
+        parts = re.findall(r"[.0-9]+", self.split)
+        shares = [float(p) for p in parts if re.fullmatch(r"\d+\.?\d*|\.\d+", p)]
+        plain = re.fullmatch(r"[.0-9,/\s]+", self.split) and len(shares) == len(parts)
+        if not plain or not 1 <= len(shares) <= 3 or sum(shares) <= 0:
+            raise ValueError(
+                f"--split {self.split!r}: give up to three shares of train, validation and test "
+                "(such as 969,30,1), not all zero"
             )
 
     def _check_mock_data(self) -> None:

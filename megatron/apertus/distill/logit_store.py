@@ -29,6 +29,7 @@ The writer and the codec are numpy-only; torch is imported by the reader, which 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -418,17 +419,25 @@ def block_bytes(block: int, header: StoreHeader, keys: np.ndarray, encoded) -> b
 def check_store_dir(directory: str | os.PathLike, flag: str = "--logits-dir") -> None:
     """Create the store's directory and write a file there: the writer opens the store only
     once the teacher is loaded, minutes in, so a directory this process cannot write is refused
-    here, before that, with ``ConfigError`` naming ``flag``."""
+    here, before that, with ``ConfigError`` naming ``flag``. The directories this check made
+    are removed again: a run refused later (its data, its layout) leaves no empty store behind,
+    and the writer creates them when it starts."""
     path = Path(directory)
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ConfigError(f"{flag} {path}: {blocker} is a file, not a directory")
+    blocks = path / BLOCK_DIR
+    made = [p for p in (blocks, *blocks.parents) if not p.exists()]
     try:
-        (path / BLOCK_DIR).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path / BLOCK_DIR):
+        blocks.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=blocks):
             pass
     except OSError as err:
         raise ConfigError(f"{flag} {path}: cannot write there ({err.strerror})") from None
+    finally:
+        for created in made:  # deepest first
+            with contextlib.suppress(OSError):
+                created.rmdir()
 
 
 class LogitStoreWriter:

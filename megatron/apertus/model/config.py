@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import ADDITION_MARK, add_arguments, flag_help, from_arguments
+from megatron.apertus.flags import (
+    ADDITION_MARK,
+    add_arguments,
+    flag_help,
+    from_arguments,
+    require,
+)
 from megatron.apertus.ops.constants import XIELU_BETA, XIELU_EPS
 
 if TYPE_CHECKING:
@@ -92,6 +98,22 @@ class ApertusConfig:
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                 f"({self.max_position_embeddings})"
             )
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        """Values that would build a model whose first step is not finite (or, for xIELU, no
+        model at all): refused here, naming the flag, instead of a run that skips every step."""
+        require(self.rotary_base > 0, "--rotary-base", self.rotary_base, "positive")
+        rules = {
+            "rope_scaling_factor": ("a finite number > 0", lambda v: v > 0),
+            "norm_epsilon": ("a finite number >= 0", lambda v: v >= 0),
+            "init_method_std": ("a finite number >= 0", lambda v: v >= 0),
+            "xielu_beta": ("a finite number", lambda v: True),
+            "xielu_eps": ("a finite number", lambda v: True),
+        }
+        for name, (rule, ok) in rules.items():
+            value = getattr(self, name)
+            require(math.isfinite(value) and ok(value), f"--{name.replace('_', '-')}", value, rule)
 
     def num_parameters(self) -> int:
         """Exact parameter count of the unsharded model."""
@@ -224,6 +246,10 @@ def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
+LONGEST_TIMEOUT_SECONDS = (2**63 - 1) // 10**9
+"""The longest collective timeout torch.distributed holds: its backends count it in int64
+nanoseconds (about 292 years), and a longer one fails inside gloo or NCCL with a traceback."""
+
 CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
 """Megatron-LM's ``--cp-comm-type`` values this code runs and models."""
 
@@ -314,12 +340,16 @@ class ParallelConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         timeout = self.distributed_timeout_minutes
-        if timeout is not None and timeout < 1:
-            raise ConfigError(f"--distributed-timeout-minutes must be >= 1, got {timeout}")
-        after_init = self.distributed_timeout_seconds_after_init
-        if after_init is not None and after_init < 1:
+        if timeout is not None and not 1 <= timeout <= LONGEST_TIMEOUT_SECONDS // 60:
             raise ConfigError(
-                f"--distributed-timeout-seconds-after-init must be >= 1, got {after_init}"
+                f"--distributed-timeout-minutes must be in [1, {LONGEST_TIMEOUT_SECONDS // 60}], "
+                f"got {timeout}"
+            )
+        after_init = self.distributed_timeout_seconds_after_init
+        if after_init is not None and not 1 <= after_init <= LONGEST_TIMEOUT_SECONDS:
+            raise ConfigError(
+                f"--distributed-timeout-seconds-after-init must be in "
+                f"[1, {LONGEST_TIMEOUT_SECONDS}], got {after_init}"
             )
         if self.local_rank is not None and self.local_rank < 0:
             raise ConfigError(f"--local-rank must be >= 0, got {self.local_rank}")
@@ -555,6 +585,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
     ``divisible_by`` x the tensor-parallel size, so every TP rank holds an equal, aligned slice."""
     if divisible_by < 1:
         raise ConfigError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by}")
+    if tensor_parallel < 1:  # read here before the parallel config checks it
+        raise ConfigError(f"--tensor-model-parallel-size must be >= 1, got {tensor_parallel}")
     multiple = divisible_by * tensor_parallel
     return math.ceil(vocab_size / multiple) * multiple
 

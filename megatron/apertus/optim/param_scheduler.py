@@ -10,6 +10,7 @@ from __future__ import annotations
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.apertus.errors import ConfigError
 from megatron.apertus.optim.schedule import WSD_DECAY_STYLES, ScheduleConfig
 
 
@@ -56,6 +57,11 @@ def build_scheduler(
     if optimizer_config.min_lr is None:
         raise ValueError(
             "set OptimizerConfig.min_lr: megatron-core copies it into every param group"
+        )
+    if schedule.lr_warmup_init > optimizer_config.lr:  # megatron-core asserts it
+        raise ConfigError(
+            f"--lr-warmup-init ({schedule.lr_warmup_init}) exceeds --lr ({optimizer_config.lr}): "
+            "the warmup rises from it to the peak"
         )
     steps = schedule.in_samples(
         global_batch_size=global_batch_size, train_iters=train_iters, train_samples=train_samples

@@ -118,6 +118,8 @@ class ScheduleConfig:
                 f"--lr-wsd-decay-style must be one of {sorted(WSD_DECAY_STYLES)}, "
                 f"got {self.lr_wsd_decay_style!r}"
             )
+        init = self.lr_warmup_init
+        require(math.isfinite(init) and init >= 0, "--lr-warmup-init", init, "a finite number >= 0")
         for what in ("warmup", "decay", "wsd_decay"):
             iters, samples = getattr(self, f"lr_{what}_iters"), getattr(self, f"lr_{what}_samples")
             if iters and samples:

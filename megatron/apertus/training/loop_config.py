@@ -85,7 +85,7 @@ class TrainingConfig:
         "evaluate only: load --load, run one validation pass at its iteration (logged as "
         "Megatron-LM's pass after training), and exit without a step or a save"
     )
-    device: str = flag_help("auto, cpu or cuda", "auto", ours=True)
+    device: Literal["auto", "cpu", "cuda"] = flag_help("auto, cpu or cuda", "auto", ours=True)
     precision: Optional[str] = flag_help(
         "parameter dtype: fp32, bf16 or fp16 (default: fp32, or what --bf16/--fp16 say)",
         None,
@@ -132,14 +132,16 @@ class TrainingConfig:
         5,
         ours=True,
     )
-    recompute_granularity: Optional[str] = flag_help(
+    recompute_granularity: Optional[Literal["full", "selective"]] = flag_help(
         "activation recomputation: full or selective", None
     )
     recompute_activations: bool = switch(
         "selective recomputation: Megatron-LM's older spelling of --recompute-granularity "
         "selective"
     )
-    recompute_method: Optional[str] = flag_help("full recomputation: uniform or block", None)
+    recompute_method: Optional[Literal["uniform", "block"]] = flag_help(
+        "full recomputation: uniform or block", None
+    )
     recompute_num_layers: Optional[int] = flag_help(
         "layers per recomputed group (uniform) or count (block)", None
     )
@@ -181,7 +183,9 @@ class TrainingConfig:
         "micro-batches and data-parallel ranks) instead of averaging each micro-batch's mean "
         "over the micro-batches and data-parallel ranks; refused with --align-objective"
     )
-    xielu_impl: str = flag_help("xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True)
+    xielu_impl: Literal["auto", "cuda", "cpu", "torch"] = flag_help(
+        "xIELU kernel: auto, cuda, cpu or torch", "auto", ours=True
+    )
     fused_output_loss: bool = flag_help(
         "fuse the output layer and the loss (the [tokens, vocabulary] logits never exist); "
         "--align-objective runs it unfused",
@@ -246,6 +250,8 @@ class TrainingConfig:
             ("--exit-interval", self.exit_interval),
         ):
             require(value is None or value >= 0, flag, value, ">= 0")
+        # numpy's generator, seeded with it as in Megatron-LM, takes 32 bits
+        require(0 <= self.seed < 2**32, "--seed", self.seed, f"in [0, {2**32 - 1}]")
 
     def total_iterations(self, dp: int) -> int:
         """Optimizer steps of the run, following megatron-core's batch-size ramp-up."""

@@ -17,7 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.apertus import parallel
 from megatron.apertus.data.config import DataConfig
 from megatron.apertus.data.datasets import DatasetConfig, build_datasets
-from megatron.apertus.errors import ConfigError
+from megatron.apertus.errors import ConfigError, out_of_memory
 from megatron.apertus.model.builder import build_model
 from megatron.apertus.model.config import (
     ApertusConfig,
@@ -141,14 +141,24 @@ def pretraining_datasets(
     """The training and validation GPT datasets of a run (None where a part holds no samples),
     sized by the run's length; the same flags give the same samples at the same positions.
     Without ``--data-path``, the embedded corpus, tokenized on first use."""
-    train, valid, _ = build_datasets(
-        dataset,
-        tokenizer,
-        seq_length=model.seq_length,
-        seed=training.seed,
-        num_samples=training.dataset_sizes(),
-        default_corpus=embedded_corpus_prefix,
-    )
+    sizes = training.dataset_sizes()
+    try:
+        train, valid, _ = build_datasets(
+            dataset,
+            tokenizer,
+            seq_length=model.seq_length,
+            seed=training.seed,
+            num_samples=sizes,
+            default_corpus=embedded_corpus_prefix,
+        )
+    except Exception as err:  # megatron-core's builder wraps the allocation's MemoryError
+        if not out_of_memory(err):
+            raise
+        raise ConfigError(
+            f"the sample indices of {sizes[0]} training and {sizes[1]} validation samples "
+            "(--train-iters x --global-batch-size, --eval-iters) do not fit in memory: "
+            f"{err.__cause__ or err}"
+        ) from None
     return train, valid
 
 
@@ -172,15 +182,26 @@ def model_chunks(
     varying = packed_documents and layout.context_parallel_size > 1
     if varying and layout.pipeline_model_parallel_size > 1:
         options.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-    chunks = build_model(
-        model,
-        layout,
-        xielu_impl=training.xielu_impl,
-        params_dtype=dtype_from_name(training.precision),
-        use_cpu_initialization=runtime.device_name == "cpu" or training.use_cpu_initialization,
-        pg_collection=runtime.groups,
-        **options,
-    )
+    try:
+        chunks = build_model(
+            model,
+            layout,
+            xielu_impl=training.xielu_impl,
+            params_dtype=dtype_from_name(training.precision),
+            use_cpu_initialization=runtime.device_name == "cpu" or training.use_cpu_initialization,
+            pg_collection=runtime.groups,
+            **options,
+        )
+    except (MemoryError, RuntimeError) as err:
+        if not out_of_memory(err):
+            raise
+        raise ConfigError(
+            f"the model does not fit in memory: {model.num_parameters():,} parameters from "
+            f"--num-layers {model.num_layers}, --hidden-size {model.hidden_size}, "
+            f"--ffn-hidden-size {model.ffn_hidden_size} and a vocabulary of "
+            f"{model.vocab_size} (--vocab-size, --make-vocab-size-divisible-by); make it "
+            "smaller or split it (--tensor-model-parallel-size, --pipeline-model-parallel-size)"
+        ) from None
     if runtime.device_name == "cuda" and training.use_cpu_initialization:
         chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
     return chunks

@@ -89,3 +89,19 @@ class GenerationConfig:
                 f"{flag} {kept} is more than the teacher's vocabulary of "
                 f"{self.model.vocab_size} ids"
             )
+        self._check_student_run()
+
+    def _check_student_run(self) -> None:
+        """What ``pretrain_gpt.py`` checks of the same flags when the student starts: a run of
+        no samples has no logits to make, and micro-batches must split the global batch."""
+        training = self.training
+        if not training.total_samples():
+            raise ConfigError(
+                "--train-iters/--train-samples: the student's run has no samples, so there are "
+                "no teacher logits to make"
+            )
+        if training.global_batch_size % training.micro_batch_size:
+            raise ConfigError(
+                f"--global-batch-size ({training.global_batch_size}) is not a multiple of "
+                f"--micro-batch-size ({training.micro_batch_size})"
+            )
