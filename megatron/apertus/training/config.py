@@ -46,6 +46,7 @@ from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 from megatron.apertus.training.logging_config import LoggingConfig
 from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.profiling_config import ProfilingConfig
+from megatron.apertus.training.rerun_config import RerunConfig
 from megatron.apertus.training.timing_config import TimingConfig
 
 
@@ -76,6 +77,7 @@ class RunConfig:
     timing: TimingConfig = group("timers")
     profiling: ProfilingConfig = group("profiling")
     fp8_guard: Fp8GuardConfig = group("FP8 guard")
+    rerun: RerunConfig = group("result validation (megatron-core's rerun state machine)")
     distill: DistillConfig = group("distillation (sparse top-k teacher logits)")
     align: AlignConfig = group("alignment (DPO, QRPO)")
     quant: QuantConfig = group("quantization-aware training")

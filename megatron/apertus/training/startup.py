@@ -250,6 +250,7 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
         average_in_collective=cfg.communication.ddp_average_in_collective,
         gradient_reduce_div_fusion=cfg.communication.gradient_reduce_div_fusion,
         gradient_accumulation_fusion=cfg.engine.gradient_accumulation_fusion,
+        check_for_large_grads=cfg.rerun.check_for_large_grads,
     )
     if cfg.training.data_parallel_random_init:
         # Megatron-LM's way back to equal replicas: data-parallel rank 0's weights everywhere.
