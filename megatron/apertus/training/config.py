@@ -143,6 +143,10 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     )
     check_launch(config.parallel, device)
     impl = validate_engine(config.engine, device=device, num_layers=config.model.num_layers)
+    config.logging.check_max_attention_logit(
+        te_attention=impl == "transformer_engine" and config.engine.attention_backend != "local",
+        context_parallel=config.parallel.context_parallel_size > 1,
+    )
     check_cuda_graphs(config, device=device, impl=impl, engine=config.engine)
     config.profiling.check(device=device, tensorboard_dir=config.logging.tensorboard_dir)
     config.logging.check_memory_interval(config.training.log_interval)

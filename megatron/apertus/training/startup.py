@@ -229,6 +229,7 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
         engine=started.engine,
         graphs=cfg.cuda_graphs,
         calculate_per_token_loss=cfg.training.calculate_per_token_loss,
+        log_max_attention_logit=cfg.logging.log_max_attention_logit,
         **cfg.training.recompute_overrides(),
         **cfg.communication.transformer_overrides(
             virtual_pipeline=cfg.parallel.virtual_pipeline_model_parallel_size is not None

@@ -47,6 +47,7 @@ from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
 from megatron.apertus.data.context_parallel import shard_batch
 from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.engine import fuse_te_wgrad_accumulation
+from megatron.apertus.training.diagnostics import max_attention_logit
 from megatron.apertus.training.step_timers import timed
 
 log = logging.getLogger("apertus")
@@ -75,6 +76,8 @@ class StepResult:
     num_zeros_in_grad: int | None = None
     """Zero entries of the gradients the step applied (--log-num-zeros-in-grad; None without
     it and on a skipped step), counted over every rank's shard, the same on all ranks."""
+    max_attention_logit: float | None = None
+    """The largest pre-softmax attention logit of the step (--log-max-attention-logit)."""
     quantities: dict[str, float] = field(default_factory=dict)
     """The objective's own quantities (alignment: reward margin, ...; Goldfish: the share of
     loss positions dropped), means over the global batch; empty on ranks that do not hold the
@@ -464,7 +467,11 @@ def train_step(
     with timed(optimizer.config, "optimizer", 1):
         update = optimizer_step(optimizer, finite)
     empty_unused_memory(empty_unused_memory_level, at_least=2)
+    logit = None
+    if get_model_config(model[0]).log_max_attention_logit:
+        logit = max_attention_logit(model)
     outcome = {
+        "max_attention_logit": logit,
         "grad_norm": update.grad_norm,
         "skipped": not update.updated,
         "overflow": update.overflow,
