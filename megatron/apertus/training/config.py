@@ -143,6 +143,11 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     )
     check_launch(config.parallel, device)
     impl = validate_engine(config.engine, device=device, num_layers=config.model.num_layers)
+    if config.training.te_rng_tracker and impl != "transformer_engine":
+        raise ConfigError(
+            "--te-rng-tracker is Transformer Engine's RNG tracker: it needs --transformer-impl "
+            "transformer_engine (a GPU with Transformer Engine)"
+        )
     config.logging.check_max_attention_logit(
         te_attention=impl == "transformer_engine" and config.engine.attention_backend != "local",
         context_parallel=config.parallel.context_parallel_size > 1,

@@ -93,7 +93,7 @@ class Trainer:
             training=cfg.training,
             engine=cfg.engine,
             packed_documents=cfg.dataset.reset_attention_mask,
-            te_rng_tracker=cfg.cuda_graphs.enabled,
+            te_rng_tracker=cfg.cuda_graphs.enabled or cfg.training.te_rng_tracker,
         )
         started = self.runtime
         check_cuda_graphs(
