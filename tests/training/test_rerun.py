@@ -107,6 +107,10 @@ def test_large_gradients_are_found_in_their_bucket(caplog):
             "--rerun-mode report_stats: megatron-core's rerun state machine has no such mode",
         ),
         (["--error-injection-rate", "-1"], "--error-injection-rate must be >= 0, got -1"),
+        (
+            ["--result-rejected-tracker-filename", "/"],
+            "--result-rejected-tracker-filename / is a directory, not a file",
+        ),
     ],
 )
 def test_bad_values_are_refused_in_one_line(flags, line, capsys):

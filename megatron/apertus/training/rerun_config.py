@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron.apertus.cli import check_output
 from megatron.apertus.errors import ConfigError
 from megatron.apertus.flags import flag_help, require, switch
 
@@ -60,6 +61,9 @@ class RerunConfig:
             self.error_injection_rate,
             ">= 0",
         )
+        if self.result_rejected_tracker_filename is not None:
+            path = self.result_rejected_tracker_filename
+            check_output("--result-rejected-tracker-filename", path, directory=False)
         if self.rerun_mode == "report_stats":
             raise ConfigError(
                 "--rerun-mode report_stats: megatron-core's rerun state machine has no such "
