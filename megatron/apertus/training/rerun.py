@@ -48,7 +48,7 @@ def start(config: RerunConfig, iteration: int) -> None:
     initialize_rerun_state_machine(
         state_save_func=lambda: {"rng_tracker_states": tracker().get_states()},
         state_restore_func=lambda saved: tracker().set_states(saved["rng_tracker_states"]),
-        mode=RerunMode(config.rerun_mode) if config.checks else RerunMode.DISABLED,
+        mode=RerunMode(config.mode) if config.checks else RerunMode.DISABLED,
         error_injector=RerunErrorInjector(
             error_injection_rate=config.error_injection_rate,
             error_injection_type=RerunDiagnostic(config.error_injection_type),

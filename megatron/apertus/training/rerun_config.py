@@ -12,6 +12,7 @@ on either way. Without a check nothing is validated and the machine stays off, w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Literal
 
 from megatron.apertus.cli import check_output
@@ -24,8 +25,9 @@ class RerunConfig:
     rerun_mode: Literal["disabled", "validate_results", "report_stats"] = flag_help(
         "what megatron-core's rerun state machine does with the checks' results: "
         "validate_results (a rejected result reruns the step in place to tell a transient fault "
-        "from a reproducible result) or disabled (a rejected result is only logged); "
-        "report_stats is refused (see docs/training.md)",
+        "from a reproducible result), report_stats (every step runs twice and the checked "
+        "values' differences between the two runs are logged every 2 iterations; megatron-core "
+        ">= 0.19) or disabled (a rejected result is only logged)",
         "validate_results",
     )
     check_for_spiky_loss: bool = switch(
@@ -64,14 +66,26 @@ class RerunConfig:
         if self.result_rejected_tracker_filename is not None:
             path = self.result_rejected_tracker_filename
             check_output("--result-rejected-tracker-filename", path, directory=False)
-        if self.rerun_mode == "report_stats":
+        found = version("megatron-core")
+        if self.rerun_mode == "report_stats" and _release(found) < (0, 19):
             raise ConfigError(
-                "--rerun-mode report_stats: megatron-core's rerun state machine has no such "
-                "mode, and its determinism statistics mode fails when it reports (megatron-core "
-                "0.16-0.19); use validate_results"
+                "--rerun-mode report_stats: the determinism statistics of megatron-core's rerun "
+                f"state machine fail when they report before megatron-core 0.19 (found {found}); "
+                "use validate_results"
             )
+
+    @property
+    def mode(self) -> str:
+        """megatron-core's name of the mode (Megatron-LM passes report_stats unchanged, which
+        megatron-core does not know)."""
+        return {"report_stats": "report_determinism_stats"}.get(self.rerun_mode, self.rerun_mode)
 
     @property
     def checks(self) -> bool:
         """Whether any result is validated (else the machine stays off)."""
         return self.check_for_spiky_loss or self.check_for_large_grads
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as ``0.16.1`` or ``0.19.2+c8dfa25``."""
+    return tuple(int(part) for part in text.split(".")[:2])
