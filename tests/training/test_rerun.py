@@ -123,3 +123,14 @@ def test_report_stats_is_refused_where_megatron_core_cannot_report(capsys):
         "--rerun-mode report_stats: the determinism statistics of megatron-core's rerun state "
         "machine fail when they report before megatron-core 0.19 (found 0.16"
     )
+
+
+@pytest.mark.skipif(version("megatron-core") < "0.19", reason="megatron-core < 0.19 cannot report")
+def test_report_stats_reruns_every_step_and_reports_identical_results(caplog):
+    argv = BASE + ["--train-iters", "4", "--check-for-spiky-loss", "--rerun-mode", "report_stats"]
+    with caplog.at_level(logging.INFO, logger=RERUN_LOG):
+        history = train(pretrain_gpt.parse_args(argv))
+    lines = [r.getMessage() for r in caplog.records if r.name == RERUN_LOG]
+    assert "  From validation call 'Spiky loss':" in lines
+    assert "    16 samples, all identical" in lines, "4 micro-batches x 4 steps, each rerun"
+    assert len(series(history, "train/loss")[0]) == 4
