@@ -39,6 +39,7 @@ ALIASES = {
     "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"],
     "rope_scaling": ["--use-rope-scaling"],
     "fused_output_loss": ["--cross-entropy-loss-fusion"],
+    "no_fp8_wgrad": ["--disable-fp8-wgrad"],
     "virtual_pipeline_model_parallel_size": ["--num-virtual-stages-per-pipeline-rank"],
     "top_k": ["--top_k"],
     "top_p": ["--top_p"],

@@ -150,7 +150,7 @@ def _train(run, dp: int, steps: int) -> list[float]:
     losses = []
     for _ in range(steps):
         batches = list(_random_batches(run, microbatches, whole=True))
-        losses.append(train_step(model, optimizer, [iter(batches) for _ in model], shape).loss)
+        losses.append(train_step(model, optimizer, batches, shape).loss)
     return losses
 
 

@@ -123,6 +123,7 @@ class SDPAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.current_max_attn_logits: Optional[torch.Tensor] = None
 
     def _sdpa(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """q [b, heads, s_q, d], k/v [b, groups, s_k, d] -> [b, heads, s_q, d].
@@ -133,6 +134,8 @@ class SDPAttention(MegatronModule):
         the first key)."""
         if mask is None and q.shape[2] != k.shape[2]:
             mask = _end_aligned_causal(q.shape[2], k.shape[2], q.device)
+        if self.config.log_max_attention_logit and self.training:
+            self._record_max_logit(q, k, mask)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -143,6 +146,21 @@ class SDPAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
+
+    def _record_max_logit(self, q, k, mask: Optional[torch.Tensor]) -> None:
+        """QK-clip's statistic (--log-max-attention-logit): each head's largest pre-softmax
+        logit ``q . k * scale`` over the keys its queries attend to, the maximum over a step's
+        training passes kept in ``current_max_attn_logits`` (the name and shape, [heads], of
+        megatron-core's TE attention, which reads it from TE's kernel)."""
+        with torch.no_grad():
+            keys = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
+            scale = self.softmax_scale or q.shape[-1] ** -0.5
+            logits = q.float() @ keys.transpose(-1, -2) * scale
+            if mask is None:
+                mask = _end_aligned_causal(q.shape[2], k.shape[2], q.device)
+            heads = logits.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+        previous = self.current_max_attn_logits
+        self.current_max_attn_logits = heads if previous is None else torch.max(previous, heads)
 
     def forward(
         self,
@@ -201,7 +219,8 @@ class SDPAttention(MegatronModule):
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention packs only the thd format, got {params.qkv_format!r}")
         dropout_active = self.training and self.dropout_p > 0
-        if uses_varlen(query) and not dropout_active:  # the varlen kernel has no dropout
+        # Neither dropout nor the logits' maximum has a varlen kernel.
+        if uses_varlen(query) and not dropout_active and not self.config.log_max_attention_logit:
             return self._varlen(query, key, value, params)
         return self._per_segment(query, key, value, params)
 

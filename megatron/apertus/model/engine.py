@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from megatron.apertus.errors import ConfigError
-from megatron.apertus.flags import flag_help
+from megatron.apertus.flags import flag_help, switch
 
 IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -75,6 +75,11 @@ class EngineConfig:
     fp8_amax_history_len: int = flag_help("delayed scaling: amax history length", 1)
     fp8_amax_compute_algo: str = flag_help(
         "delayed scaling: most_recent or max of the history", "most_recent"
+    )
+    no_fp8_wgrad: bool = switch(
+        "FP8 runs compute the weight-gradient GEMMs in the higher precision (Transformer "
+        "Engine's DelayedScaling override_linear_precision); megatron-core applies it under "
+        "--fp8-recipe delayed only. Without --fp8-format nothing is FP8: no change"
     )
     fp8_param_gather: bool = flag_help(
         "keep the FP8 copy of the weights as the parameters (all-gathered in FP8)", False
@@ -131,6 +136,11 @@ class EngineConfig:
             raise ConfigError(
                 "--bf16-layers needs the weights in --precision: --fp8-param-gather keeps them "
                 "in FP8 only"
+            )
+        if self.no_fp8_wgrad and self.fp8 and self.fp8_recipe != "delayed":
+            raise ConfigError(
+                f"--no-fp8-wgrad: megatron-core keeps the weight gradients in FP8 under "
+                f"--fp8-recipe {self.fp8_recipe} (its override is DelayedScaling's): use delayed"
             )
         if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
             # megatron-core wraps the whole block in one FP8 autocast under delayed scaling
@@ -314,6 +324,7 @@ def transformer_config_fields(engine: EngineConfig, impl: str) -> dict:
             fp8_amax_history_len=engine.fp8_amax_history_len,
             fp8_amax_compute_algo=engine.fp8_amax_compute_algo,
             fp8_param=engine.fp8_param_gather,
+            fp8_wgrad=not engine.no_fp8_wgrad,
             first_last_layers_bf16=engine.first_last_layers_bf16,
             num_layers_at_start_in_bf16=engine.num_layers_at_start_in_bf16,
             num_layers_at_end_in_bf16=engine.num_layers_at_end_in_bf16,

@@ -46,6 +46,7 @@ from megatron.apertus.training.fp8_guard import Fp8GuardConfig
 from megatron.apertus.training.logging_config import LoggingConfig
 from megatron.apertus.training.loop_config import TrainingConfig
 from megatron.apertus.training.profiling_config import ProfilingConfig
+from megatron.apertus.training.rerun_config import RerunConfig
 from megatron.apertus.training.timing_config import TimingConfig
 
 
@@ -76,6 +77,7 @@ class RunConfig:
     timing: TimingConfig = group("timers")
     profiling: ProfilingConfig = group("profiling")
     fp8_guard: Fp8GuardConfig = group("FP8 guard")
+    rerun: RerunConfig = group("result validation (megatron-core's rerun state machine)")
     distill: DistillConfig = group("distillation (sparse top-k teacher logits)")
     align: AlignConfig = group("alignment (DPO, QRPO)")
     quant: QuantConfig = group("quantization-aware training")
@@ -141,6 +143,15 @@ def run_from_arguments(args: argparse.Namespace, given: Iterable[str] = ()) -> R
     )
     check_launch(config.parallel, device)
     impl = validate_engine(config.engine, device=device, num_layers=config.model.num_layers)
+    if config.training.te_rng_tracker and impl != "transformer_engine":
+        raise ConfigError(
+            "--te-rng-tracker is Transformer Engine's RNG tracker: it needs --transformer-impl "
+            "transformer_engine (a GPU with Transformer Engine)"
+        )
+    config.logging.check_max_attention_logit(
+        te_attention=impl == "transformer_engine" and config.engine.attention_backend != "local",
+        context_parallel=config.parallel.context_parallel_size > 1,
+    )
     check_cuda_graphs(config, device=device, impl=impl, engine=config.engine)
     config.profiling.check(device=device, tensorboard_dir=config.logging.tensorboard_dir)
     config.logging.check_memory_interval(config.training.log_interval)

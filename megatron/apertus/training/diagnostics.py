@@ -84,6 +84,23 @@ def params_norms(chunks, *, per_param: bool) -> tuple[float, dict[str, float]]:
     return total.sqrt().item(), {k: v for stage in stages for k, v in stage.items()}
 
 
+def max_attention_logit(chunks) -> float:
+    """Megatron-LM's --log-max-attention-logit: the largest pre-softmax attention logit of the
+    step's training passes over every layer and head of the whole model (all ranks: a
+    collective), read from each core attention's ``current_max_attn_logits``, which starts over.
+    Megatron-LM reduces over the data- and context-parallel ranks only, so its last rank logs
+    its own pipeline stage and tensor-parallel heads; here no layer or head is left out."""
+    largest = torch.tensor(float("-inf"), device=next(chunks[0].parameters()).device)
+    for chunk in chunks:
+        for layer in getattr(_unwrap(chunk).decoder, "layers", ()):
+            attention = layer.self_attention.core_attention
+            if attention.current_max_attn_logits is not None:
+                largest = torch.max(largest, attention.current_max_attn_logits.max().float())
+                attention.current_max_attn_logits = None
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+    return largest.item()
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Megatron-LM's allocator statistics on a GPU; the process's resident memory on a CPU."""
     if device.type == "cuda":

@@ -69,6 +69,12 @@ class LoggingConfig:
         "after clipping) and log them as 'num zeros' and TensorBoard's num-zeros; an extra pass "
         "over the gradients each step"
     )
+    log_max_attention_logit: bool = switch(
+        "write the step's largest pre-softmax attention logit (q.k/sqrt(d) over the attended "
+        "keys, every layer and head; QK-clip's statistic) as TensorBoard's and wandb's "
+        "max_attention_logit; our SDPA attention computes it (an extra QK^T per layer), "
+        "Transformer Engine's needs TE >= 2.9; not with context parallelism on SDPA"
+    )
     log_progress: bool = switch(
         "append Megatron-LM's progress lines (job starts, checkpoints with job and cumulative "
         "TFLOP/s per device, FLOPs and tokens so far) to SAVE/progress.txt"
@@ -154,6 +160,30 @@ class LoggingConfig:
             raise ConfigError(
                 "--log-device-memory-used reads the GPU's used memory through NVML: "
                 "pip install nvidia-ml-py"
+            )
+
+    def check_max_attention_logit(self, *, te_attention: bool, context_parallel: bool) -> None:
+        """Where the attention can give its largest logit: our SDPA attention outside context
+        parallelism, Transformer Engine's from 2.9 on (its kernels return it)."""
+        if not self.log_max_attention_logit:
+            return
+        if te_attention:
+            from importlib.metadata import PackageNotFoundError, version
+
+            try:
+                te = version("transformer_engine")
+            except PackageNotFoundError:
+                te = "0"
+            if tuple(int(p) for p in te.split(".")[:2] if p.isdigit()) < (2, 9):
+                raise ConfigError(
+                    "--log-max-attention-logit with Transformer Engine's attention needs TE >= "
+                    f"2.9 (its kernels return the logits' maximum), found {te}; or give "
+                    "--attention-backend local"
+                )
+        elif context_parallel:
+            raise ConfigError(
+                "--log-max-attention-logit: the context-parallel SDPA attention does not compute "
+                "the logits' maximum"
             )
 
     def check_memory_interval(self, log_interval: int) -> None:

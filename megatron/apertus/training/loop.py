@@ -33,7 +33,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.apertus import parallel
 from megatron.apertus.checkpoint import TrainingState, trusting_fp8_state
 from megatron.apertus.model.precision import set_bf16_layers
-from megatron.apertus.training import runtime
+from megatron.apertus.training import rerun, runtime
 from megatron.apertus.training.checkpoint_config import CheckpointConfig
 from megatron.apertus.training.checkpointer import (
     Checkpointer,
@@ -67,7 +67,7 @@ from megatron.apertus.training.startup import (
     start_microbatches,
     with_bf16_layers,
 )
-from megatron.apertus.training.step import StepResult, chunk_iterators, train_step
+from megatron.apertus.training.step import StepResult, train_step
 from megatron.apertus.training.step_timers import StepTimers
 from megatron.apertus.training.validator import Validator
 
@@ -94,7 +94,7 @@ class Trainer:
             training=cfg.training,
             engine=cfg.engine,
             packed_documents=cfg.dataset.reset_attention_mask,
-            te_rng_tracker=cfg.cuda_graphs.enabled,
+            te_rng_tracker=cfg.cuda_graphs.enabled or cfg.training.te_rng_tracker,
         )
         started = self.runtime
         check_cuda_graphs(
@@ -168,9 +168,14 @@ class Trainer:
 
     def _start_step_hooks(self) -> None:
         """Around each step: the capture of CUDA graphs, the count of skipped steps, the
-        profilers, the phase timers and the comparison of the replicas' weights (once now, then
-        at its interval)."""
+        profilers, the phase timers, the comparison of the replicas' weights (once now, then
+        at its interval) and megatron-core's rerun state machine, which validates the step's
+        results (--check-for-spiky-loss, --check-for-large-grads)."""
         cfg, t = self.cfg, self.cfg.training
+        rerun.start(cfg.rerun, self.state.iteration)
+        self.train_forward = self.objective.train_forward
+        if cfg.rerun.check_for_spiky_loss:
+            self.train_forward = rerun.checking_spiky_loss(self.train_forward)
         self.graphs = GraphCapture(
             cfg.cuda_graphs,
             self.model,
@@ -244,9 +249,9 @@ class Trainer:
             result = train_step(
                 self.model,
                 self.optimizer,
-                chunk_iterators(self.model, batches),
+                batches,
                 self.objective.shape(get_num_microbatches()),
-                self.objective.train_forward,
+                self.train_forward,
                 empty_unused_memory_level=self.cfg.training.empty_unused_memory_level,
             )
         self.gemm_inputs = measured
@@ -437,6 +442,7 @@ class Trainer:
         if self.checkpointer is not None:  # it trained (not --skip-train)
             self.profiler.close()
             self.checkpointer.finish()
+            rerun.stop()
         self.gc.close()
         self.objective.close()
         destroy_num_microbatches_calculator()

@@ -53,6 +53,16 @@ class TrainingConfig:
         "build the model without initialising its weights, for a run that loads them from a "
         "checkpoint (a faster start); refused when there is none to load"
     )
+    te_rng_tracker: bool = switch(
+        "seed the model-parallel RNG streams through Transformer Engine's tracker (the graph-safe "
+        "one CUDA graphs need, and take without this flag); needs --transformer-impl "
+        "transformer_engine"
+    )
+    disable_jit_fuser: bool = switch(
+        "megatron-core's jit_fuser (torch.compile) no longer compiles the functions it "
+        "decorates from then on (megatron-core's disable_jit_fuser, called before the model is "
+        "built, as Megatron-LM does)"
+    )
     data_parallel_random_init: bool = switch(
         "initialise each data-parallel rank from its own seed (--seed + 10 x its rank), then copy "
         "rank 0's weights to the others before the first step, as Megatron-LM does: replicas "

@@ -463,7 +463,31 @@ FLAGS: tuple[MegatronFlag, ...] = (
         "blend in --data-args-path",
         takes=str,
     ),
+    MegatronFlag(
+        "--dataloader-inter-document-masking",
+        refusal="give --reset-attention-mask --reset-position-ids: they pass each micro-batch's "
+        "document boundaries as cu_seqlens (THD) so that attention stays within each document, "
+        "and restart the positions per document, which this flag alone does not",
+    ),
+    MegatronFlag(
+        "--fp8-interval",
+        "changes nothing: deprecated in Megatron-LM, ignored by Transformer Engine from 1.8 on",
+        "deprecated in Megatron-LM and ignored by Transformer Engine from 1.8 on (the FP8 "
+        "scales follow the recipe at every step)",
+        takes=int,
+        accepts=(1,),
+    ),
+    MegatronFlag(
+        "--disable-gloo-process-groups",
+        refusal="megatron-core's gloo process groups are made with the others: a CPU run's "
+        "groups are all gloo, and leaving them out of a GPU run is " + NOT_YET,
+    ),
     # -- logging -------------------------------------------------------------------------------
+    MegatronFlag(
+        "--log-energy",
+        refusal="the GPUs' energy is read through NVML (a CPU run has none); logging it is "
+        + NOT_YET,
+    ),
     MegatronFlag(
         "--log-throughput",
         "the iteration line always has tokens/s and TFLOP/s per "

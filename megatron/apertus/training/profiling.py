@@ -22,6 +22,7 @@ import logging
 import os
 
 import torch
+from megatron.core.utils import configure_nvtx_profiling
 
 from megatron.apertus.cli import atomic_outputs
 from megatron.apertus.training.profiling_config import ProfilingConfig
@@ -66,9 +67,21 @@ def _torch_profiler(
     return torch.profiler.profile(
         schedule=lambda step: window(first_iteration + step),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(tensorboard_dir),
-        record_shapes=True,
-        with_stack=True,
+        record_shapes=config.pytorch_profiler_collect_shapes,
+        with_stack=config.pytorch_profiler_collect_callstack,
+        execution_trace_observer=_chakra_observer(config, tensorboard_dir),
     )
+
+
+def _chakra_observer(config: ProfilingConfig, tensorboard_dir: str):
+    """--pytorch-profiler-collect-chakra: torch's execution-trace observer writing where
+    Megatron-LM's does, TENSORBOARD_DIR/../chakra/rank-R.json.gz; else None."""
+    if not config.pytorch_profiler_collect_chakra:
+        return None
+    folder = os.path.join(tensorboard_dir, "..", "chakra")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank-{torch.distributed.get_rank()}.json.gz")
+    return torch.profiler.ExecutionTraceObserver().register_callback(path)
 
 
 class StepProfiler:
@@ -103,11 +116,13 @@ class StepProfiler:
 
     def before_step(self, iteration: int) -> None:
         """A step is about to follow iteration ``iteration``."""
+        if self.active and iteration == self.config.profile_step_start and self.config.nvtx_ranges:
+            configure_nvtx_profiling(True)
         if self.torch_profiler is not None:
             self.torch_profiler.step()
         elif self.active and iteration == self.config.profile_step_start:
             torch.cuda.cudart().cudaProfilerStart()
-            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=self.config.record_shapes)
             self.nvtx.__enter__()
 
     def after_step(self, iteration: int) -> None:
@@ -121,6 +136,8 @@ class StepProfiler:
     def close(self) -> None:
         """Stop profiling (a PyTorch profiler inside its window writes what it recorded)."""
         self.active = False
+        if self.config.nvtx_ranges:
+            configure_nvtx_profiling(False)
         if self.torch_profiler is not None:
             self.torch_profiler.stop()
             self.torch_profiler = None

@@ -30,10 +30,28 @@ class ProfilingConfig:
         f"--tensorboard-dir, else through the CUDA profiler API for `{NSYS}` (GPU only)"
     )
     use_pytorch_profiler: bool = switch(
-        "with --profile: torch.profiler (shapes and stacks recorded) over iterations START to "
+        "with --profile: torch.profiler over iterations START to "
         "END-1 after one warm-up iteration; its trace (*.pt.trace.json, Chrome format, with "
         "ProfilerStep#N markers counting this job's steps) goes to --tensorboard-dir, which it "
         "needs"
+    )
+    pytorch_profiler_collect_shapes: bool = switch(
+        "the PyTorch profiler records each operator's input shapes (the trace's 'Input Dims')"
+    )
+    pytorch_profiler_collect_callstack: bool = switch(
+        "the PyTorch profiler records the Python call stack of each operator"
+    )
+    pytorch_profiler_collect_chakra: bool = switch(
+        "also record an execution trace for Chakra (torch's ExecutionTraceObserver) to "
+        "TENSORBOARD_DIR/../chakra/rank-R.json.gz"
+    )
+    record_shapes: bool = switch(
+        "without --use-pytorch-profiler: the NVTX ranges of every operator (emit_nvtx) carry "
+        "their input shapes"
+    )
+    nvtx_ranges: bool = switch(
+        "from --profile-step-start on, megatron-core's own NVTX ranges (its nvtx_range_push/pop "
+        "markers) are emitted for Nsight Systems; GPU only"
     )
     profile_step_start: int = flag_help(
         "iteration at which --profile starts (the CUDA capture range opens after it)", 10
@@ -83,6 +101,11 @@ class ProfilingConfig:
         if self.record_memory_history:
             raise ConfigError(
                 "--record-memory-history records the CUDA caching allocator, which needs a GPU"
+            )
+        if self.nvtx_ranges:
+            raise ConfigError(
+                "--nvtx-ranges emits NVTX ranges for Nsight Systems, which profiles a GPU; a "
+                "CPU build of torch has no NVTX"
             )
 
     def profiles(self, rank: int) -> bool:

@@ -245,6 +245,9 @@ class Reporter:
         if result.num_zeros_in_grad is not None:
             zeros = result.num_zeros_in_grad
             record("train/num_zeros_in_grad", value=zeros, tag="num-zeros", samples=samples)
+        if result.max_attention_logit is not None:
+            logit = result.max_attention_logit
+            record("train/max_attention_logit", value=logit, tag="max_attention_logit")
         for name, value in result.quantities.items():
             record(f"train/{metric_name(name)}", value=value)
         lr = self.optimizer.param_groups[0]["lr"]

@@ -94,6 +94,10 @@ def start(
         data_parallel_random_init=training.data_parallel_random_init,
     )
     warn_if_slow_precision(training.precision, device_name)
+    if training.disable_jit_fuser:
+        from megatron.core.jit import disable_jit_fuser
+
+        disable_jit_fuser()
     return Runtime(
         device_name=device_name,
         dp=dp,

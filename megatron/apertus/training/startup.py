@@ -230,6 +230,7 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
         graphs=cfg.cuda_graphs,
         calculate_per_token_loss=cfg.training.calculate_per_token_loss,
         perform_initialization=not cfg.training.no_initialization,
+        log_max_attention_logit=cfg.logging.log_max_attention_logit,
         **cfg.training.recompute_overrides(),
         **cfg.communication.transformer_overrides(
             virtual_pipeline=cfg.parallel.virtual_pipeline_model_parallel_size is not None
@@ -251,6 +252,7 @@ def build_model(cfg: RunConfig, started: Runtime) -> list[DistributedDataParalle
         average_in_collective=cfg.communication.ddp_average_in_collective,
         gradient_reduce_div_fusion=cfg.communication.gradient_reduce_div_fusion,
         gradient_accumulation_fusion=cfg.engine.gradient_accumulation_fusion,
+        check_for_large_grads=cfg.rerun.check_for_large_grads,
     )
     if cfg.training.data_parallel_random_init:
         # Megatron-LM's way back to equal replicas: data-parallel rank 0's weights everywhere.

@@ -39,6 +39,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_model_config
 
@@ -46,6 +47,7 @@ from megatron.apertus.data.batches import QUANTITY_PREFIX, Batch
 from megatron.apertus.data.context_parallel import shard_batch
 from megatron.apertus.model.builder import chunk_groups
 from megatron.apertus.model.engine import fuse_te_wgrad_accumulation
+from megatron.apertus.training.diagnostics import max_attention_logit
 from megatron.apertus.training.step_timers import timed
 
 log = logging.getLogger("apertus")
@@ -74,6 +76,8 @@ class StepResult:
     num_zeros_in_grad: int | None = None
     """Zero entries of the gradients the step applied (--log-num-zeros-in-grad; None without
     it and on a skipped step), counted over every rank's shard, the same on all ranks."""
+    max_attention_logit: float | None = None
+    """The largest pre-softmax attention logit of the step (--log-max-attention-logit)."""
     quantities: dict[str, float] = field(default_factory=dict)
     """The objective's own quantities (alignment: reward margin, ...; Goldfish: the share of
     loss positions dropped), means over the global batch; empty on ranks that do not hold the
@@ -93,6 +97,7 @@ def wrap_ddp(
     average_in_collective: bool = False,
     gradient_reduce_div_fusion: bool = True,
     gradient_accumulation_fusion: bool = False,
+    check_for_large_grads: bool = False,
 ) -> list[DistributedDataParallel]:
     """Wrap each model chunk in megatron-core DDP (gradients go to ``param.main_grad``).
 
@@ -102,7 +107,9 @@ def wrap_ddp(
     With ``overlap_param_gather`` several chunks (virtual pipeline stages) gather their
     parameters in the order the schedule first runs them (``align_param_gather``). With
     ``gradient_accumulation_fusion`` Transformer Engine's linears accumulate their weight
-    gradients into ``main_grad`` themselves (:func:`fuse_te_wgrad_accumulation`)."""
+    gradients into ``main_grad`` themselves (:func:`fuse_te_wgrad_accumulation`).
+    ``check_for_large_grads``: Megatron-LM's, each bucket's gradient norm validated by
+    megatron-core's rerun state machine before the reduction."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -113,6 +120,7 @@ def wrap_ddp(
         gradient_reduce_div_fusion=gradient_reduce_div_fusion,
         use_distributed_optimizer=use_distributed_optimizer,
         fp8_param_gather=fp8_param_gather,
+        check_for_large_grads=check_for_large_grads,
     )
     wrapped = [
         DistributedDataParallel(
@@ -427,7 +435,7 @@ def run_microbatches(
 def train_step(
     model: list[DistributedDataParallel],
     optimizer: MegatronOptimizer,
-    data_iterators: list[Iterator[Batch]],
+    batches: list[Batch],
     shape: StepShape,
     forward: ForwardPass = token_forward,
     *,
@@ -435,15 +443,23 @@ def train_step(
 ) -> StepResult:
     """Forward and backward over ``num_microbatches``, then one optimizer step.
 
-    ``data_iterators`` holds one iterator per model chunk (interleaved pipeline schedules run
-    the chunks' micro-batches in their own orders), each over the same samples; ``forward`` is
-    the objective's forward pass over each micro-batch. ``empty_unused_memory_level``:
+    ``batches``: the step's micro-batches, each model chunk iterating them afresh
+    (:func:`chunk_iterators`); ``forward`` is the objective's forward pass over each
+    micro-batch. megatron-core's rerun state machine
+    (:mod:`~megatron.apertus.training.rerun`) runs the passes again when it rejected a result of
+    theirs; off, or with nothing rejected, they run once. ``empty_unused_memory_level``:
     Megatron-LM's, the CUDA allocator's cache emptied before the update (1) and after it (2).
     """
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = run_microbatches(model, data_iterators, shape, forward_only=False, forward=forward)
+    machine = get_rerun_state_machine()
+    while machine.should_run_forward_backward(None):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        iterators = chunk_iterators(model, batches)
+        losses = run_microbatches(model, iterators, shape, forward_only=False, forward=forward)
+    _, should_exit, exit_code = machine.should_checkpoint_and_exit()
+    if should_exit:  # a fatal check's verdict (none of ours is): megatron-core's exit code
+        raise SystemExit(exit_code)
     groups = chunk_groups(model[0])
     loss = _reduce(losses, "lm loss", groups)
     finite = _all_finite(loss, model_device(model[0]))
@@ -451,7 +467,11 @@ def train_step(
     with timed(optimizer.config, "optimizer", 1):
         update = optimizer_step(optimizer, finite)
     empty_unused_memory(empty_unused_memory_level, at_least=2)
+    logit = None
+    if get_model_config(model[0]).log_max_attention_logit:
+        logit = max_attention_logit(model)
     outcome = {
+        "max_attention_logit": logit,
         "grad_norm": update.grad_norm,
         "skipped": not update.updated,
         "overflow": update.overflow,
