@@ -364,6 +364,20 @@ def _root_logging_restored() -> Iterator[None]:
     root.setLevel(level)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_groups_left() -> Iterator[None]:
+    """A test module that ran an entry point or built a model in this process leaves no
+    megatron-core process groups behind (a refusal mid-start that skipped the teardown): else a
+    later module in the same worker fails to start its own, far from the cause. The module's
+    last test errors naming the leak, and the groups are torn down for the next module."""
+    yield
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is None or not state.model_parallel_is_initialized():
+        return
+    state.destroy_model_parallel()
+    pytest.fail("this module left megatron-core's process groups initialized")
+
+
 def pytest_configure(config) -> None:
     """In a pytest-xdist worker, this process's own tensor work uses one thread: the workers
     share the CPU's cores, as the processes the tests start do (``OMP_NUM_THREADS=1``)."""

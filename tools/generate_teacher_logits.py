@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None = None):
             "--mock-data: a teacher store is made for a student that trains on real data "
             "(pretrain_gpt.py refuses --mock-data beside --distill-logits-path)"
         )
+    if not args.load.strip():
+        parser.error("--load is empty: give the teacher's save directory or iter_* directory")
     from megatron.apertus.checkpoint import load_model_config  # torch: after argument errors
 
     try:

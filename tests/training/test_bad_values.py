@@ -164,6 +164,14 @@ def test_the_generator_refuses_a_bad_value_when_the_flags_are_read(
     assert _one_line(capsys).startswith(line)
 
 
+def test_the_generator_refuses_an_empty_load(tmp_path, capsys):
+    argv = ["--load", "", "--logits-dir", str(tmp_path / "store"), *STUDENT]
+    with pytest.raises(SystemExit) as exited:
+        _generator().parse_args(argv + SMALL_TOKENIZER_FLAGS)
+    assert exited.value.code == 2
+    assert _one_line(capsys).startswith("--load is empty: give the teacher's save directory")
+
+
 def test_a_generation_refused_after_the_store_check_leaves_no_store(
     config_only_teacher, tmp_path, capsys
 ):

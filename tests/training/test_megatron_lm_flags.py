@@ -276,7 +276,7 @@ PIPELINE = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-par
         (["--eval-global-batch-size", "0"], "--eval-global-batch-size must be >= 1, got 0"),
         (
             ["--distributed-timeout-seconds-after-init", "0"],
-            "--distributed-timeout-seconds-after-init must be >= 1, got 0",
+            "--distributed-timeout-seconds-after-init must be in [1, ",
         ),
         (
             ["--exit-signal-handler", "--exit-signal-handler-for-training"],

@@ -302,8 +302,7 @@ class TeacherRunner:
 
 def generate(cfg: GenerationConfig) -> None:
     check_store_dir(cfg.logits.logits_dir)  # before the checkpoint, the data and the model
-    runner = TeacherRunner(cfg)
-    try:
-        runner.run()
+    try:  # a refusal while building must not leave the process groups to a library caller
+        TeacherRunner(cfg).run()
     finally:
         parallel.shutdown()
