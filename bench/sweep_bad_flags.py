@@ -30,7 +30,7 @@ limit so that a value asking for terabytes fails instead of swapping the machine
 
     python bench/sweep_bad_flags.py                      # all flags, 2 at a time
     python bench/sweep_bad_flags.py --only lr save       # some flags
-    python bench/sweep_bad_flags.py --lock /tmp/helper.lock --batch 60
+    python bench/sweep_bad_flags.py --lock /tmp/bench.lock --batch 60  # beside other jobs
     python bench/sweep_bad_flags.py --entry generate_teacher_logits  # the teacher-logit generator
 
 ``--entry generate_teacher_logits`` sweeps the flags of ``tools/generate_teacher_logits.py``
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -389,19 +388,6 @@ def _report(case: Case) -> None:
     print(f"{case.cls:10} {case.flag} [{case.label}]{left}{shown}", flush=True)
 
 
-@contextlib.contextmanager
-def _locked(path: str | None):
-    if not path:
-        yield
-        return
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 DEFECTS = ("traceback", "hang", "noise")
 
 
@@ -433,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.monotonic()
     import megatron.apertus.training.loop  # noqa: F401  (imported once, before the forks)
+    from megatron.apertus import cli
 
     global ENTRY
     work = Path(tempfile.mkdtemp(prefix="sweep-flags-"))
@@ -446,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [c for c in todo if not c.cls]
     print(f"{len(todo)} cases, {args.jobs} at a time", flush=True)
     for first in range(0, len(todo), args.batch):
-        with _locked(args.lock):
+        with cli.exclusive(args.lock) if args.lock else contextlib.nullcontext():
             run_cases(todo[first : first + args.batch], work, args.jobs, args.timeout)
         done += todo[first : first + args.batch]
     if args.keep_logs:

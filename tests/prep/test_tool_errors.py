@@ -503,6 +503,14 @@ def test_merge_and_mixture_refuse_datasets_of_different_tokenizers(tmp_path):
         for suffix in (".bin", ".idx", ".meta.json"):
             shutil.copy(f"{prefix}{suffix}", parts / f"{name}{suffix}")
     (parts / "c.meta.json").unlink()
+
+    def mix_everything():
+        """build_mixture.py over the three parts, with a budget that takes all of them."""
+        tokens = [json.loads(Path(f"{p}.meta.json").read_text())["tokens"] for p in (ours, theirs)]
+        every = str(2 * tokens[0] + tokens[1])
+        folders = ("--folders", str(parts), "--weights", "1", "--max-tokens", every)
+        return warm_tool("build_mixture.py", *folders, "--output", str(tmp_path / "mix"))
+
     merged = warm_tool(
         "merge_datasets.py",
         "--input",
@@ -518,35 +526,11 @@ def test_merge_and_mixture_refuse_datasets_of_different_tokenizers(tmp_path):
         "datasets of different tokenizers do not mix",
     )
     assert not list(tmp_path.glob("m.*"))
-    tokens = [json.loads(Path(f"{p}.meta.json").read_text())["tokens"] for p in (ours, theirs)]
-    every = 2 * tokens[0] + tokens[1]  # a budget that takes all three parts
-    mixed = warm_tool(
-        "build_mixture.py",
-        "--folders",
-        str(parts),
-        "--weights",
-        "1",
-        "--max-tokens",
-        str(every),
-        "--output",
-        str(tmp_path / "mix"),
-    )
+    mixed = mix_everything()
     assert_one_line_exit_2(mixed, "the folders do not mix: ", "do not mix")
     (parts / "b.meta.json").unlink()
     shutil.copy(f"{ours}.meta.json", parts / "b.meta.json")
-    tokens = [json.loads(Path(f"{p}.meta.json").read_text())["tokens"] for p in (ours, theirs)]
-    every = 2 * tokens[0] + tokens[1]  # a budget that takes all three parts
-    mixed = warm_tool(
-        "build_mixture.py",
-        "--folders",
-        str(parts),
-        "--weights",
-        "1",
-        "--max-tokens",
-        str(every),
-        "--output",
-        str(tmp_path / "mix"),
-    )
+    mixed = mix_everything()
     assert mixed.returncode == 0, mixed.stderr[-2000:]
 
 

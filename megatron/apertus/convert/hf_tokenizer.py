@@ -166,7 +166,8 @@ def _write_atomically(path: Path, text: str) -> None:
             out.write(text)
         os.replace(temporary, path)
     except OSError:
-        os.remove(temporary)
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
 
 
 def _literal_specials(specials: Sequence[str]) -> str:
