@@ -146,7 +146,8 @@ def parse_request(body: bytes, generator: TextGenerator, source: ModelSource) ->
         try:
             check_request(source, sampling, prompt.ids, f"prompt {i}")
         except ConfigError as err:
-            raise BadRequest(str(err).replace("--num-tokens-to-generate", "max_tokens")) from None
+            message = str(err).replace("--num-tokens-to-generate", "max_tokens")
+            raise BadRequest(message.replace("--top-k", "top_k")) from None
     stop = _field(fields, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
